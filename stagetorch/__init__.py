@@ -1,0 +1,35 @@
+"""stagetorch: stage PyTorch code, know its memory before it runs, run batches that do not fit in exact chunks."""
+
+from . import ops
+from .api import Staged, eval_shape, jit, make_ir
+from .errors import (
+    BatchCouplingError,
+    ConcretizationError,
+    OutOfMemoryError,
+    ShapeError,
+    StagingError,
+    UnsupportedOpError,
+)
+from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var
+
+__all__ = [
+    "jit",
+    "make_ir",
+    "eval_shape",
+    "Staged",
+    "Aval",
+    "Var",
+    "Literal",
+    "Eqn",
+    "Graph",
+    "SourceInfo",
+    "ops",
+    "StagingError",
+    "ShapeError",
+    "ConcretizationError",
+    "UnsupportedOpError",
+    "BatchCouplingError",
+    "OutOfMemoryError",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,36 @@
+"""The named errors stagetorch raises. Each says what happened, where in the user's code, and what to do."""
+
+from __future__ import annotations
+
+__all__ = [
+    "StagingError",
+    "ShapeError",
+    "ConcretizationError",
+    "UnsupportedOpError",
+    "BatchCouplingError",
+    "OutOfMemoryError",
+]
+
+
+class StagingError(Exception):
+    """Base class of every error stagetorch raises on purpose."""
+
+
+class ShapeError(StagingError, ValueError):
+    """An op was called with shapes (or dtypes) it cannot take."""
+
+
+class ConcretizationError(StagingError):
+    """The staged function needs a tensor's *value* (``.item()``, ``if x.sum() > 0``, ``x[x > 0]``)."""
+
+
+class UnsupportedOpError(StagingError):
+    """An op that stagetorch has no rule for, and cannot derive one for."""
+
+
+class BatchCouplingError(StagingError):
+    """An op mixes the examples of a batch, so running the batch in chunks would change the result."""
+
+
+class OutOfMemoryError(StagingError, MemoryError):
+    """Not even the smallest plan fits in the memory available."""

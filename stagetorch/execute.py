@@ -1,0 +1,124 @@
+"""The eager interpreter: runs a Graph on real tensors, freeing each value after its last use.
+
+Its schedule (program order, free after last use) is the one the memory interpreter costs. It knows the IR
+only; chunking builds graphs for it to run, and the staged callable gives it the real inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .ir import Eqn, Graph, Literal, Var
+
+__all__ = ["Program", "accumulate_grad"]
+
+
+def _flatten_result(out: Any) -> list[Any]:
+    if isinstance(out, (tuple, list)):
+        return [y for x in out for y in _flatten_result(x)]
+    return [out]
+
+
+def _binder(tree: Any, slot_of: dict[Var, int]) -> Callable[[list], Any]:
+    """A function env -> the call's arguments with tensors in place of Vars. Literals are returned as-is."""
+    if isinstance(tree, Var):
+        i = slot_of[tree]
+        return lambda env: env[i]
+    if isinstance(tree, (list, tuple)) and any(_has_var(x) for x in tree):
+        parts = [_binder(x, slot_of) for x in tree]
+        kind = type(tree)
+        return lambda env: kind(p(env) for p in parts)
+    if isinstance(tree, dict) and any(_has_var(x) for x in tree.values()):
+        parts_d = {k: _binder(v, slot_of) for k, v in tree.items()}
+        return lambda env: {k: p(env) for k, p in parts_d.items()}
+    return lambda env: tree
+
+
+def _has_var(tree: Any) -> bool:
+    if isinstance(tree, Var):
+        return True
+    if isinstance(tree, (list, tuple)):
+        return any(_has_var(x) for x in tree)
+    if isinstance(tree, dict):
+        return any(_has_var(x) for x in tree.values())
+    return False
+
+
+class Program:
+    """A Graph compiled for repeated execution: variables become slots in a list, last uses precomputed."""
+
+    def __init__(self, graph: Graph, keep: Sequence[Var] = ()):
+        self.graph = graph
+        slot_of: dict[Var, int] = {}
+        for v in graph.vars():
+            slot_of.setdefault(v, len(slot_of))
+        self.nslots = len(slot_of)
+        self.in_slots = [slot_of[v] for v in graph.invars]
+        kept = {v for v in graph.outvars if isinstance(v, Var)} | set(keep) | {v for _, v in graph.grads}
+        last_use: dict[Var, int] = {}
+        for i, e in enumerate(graph.eqns):
+            for v in e.invars:
+                last_use[v] = i
+        frees: list[list[int]] = [[] for _ in graph.eqns]
+        for v, i in last_use.items():
+            if v not in kept and v not in graph.invars:
+                frees[i].append(slot_of[v])
+        # A value no equation reads and nobody keeps dies at once.
+        for i, e in enumerate(graph.eqns):
+            for v in e.outvars:
+                if v is not None and v not in last_use and v not in kept:
+                    frees[i].append(slot_of[v])
+        self.steps = [self._step(e, slot_of, f) for e, f in zip(graph.eqns, frees)]
+        self.out_slots = [slot_of[v] if isinstance(v, Var) else v for v in graph.outvars]
+        self.grad_slots = [(i, slot_of[v]) for i, v in graph.grads]
+        self.slot_of = slot_of
+
+    @staticmethod
+    def _step(e: Eqn, slot_of: dict[Var, int], frees: list[int]) -> tuple:
+        bind_args = _binder(e.args, slot_of)
+        bind_kwargs = _binder(e.kwargs, slot_of)
+        outs = [(j, slot_of[v]) for j, v in enumerate(e.outvars) if v is not None]
+        single = len(e.outvars) == 1 and e.outvars[0] is not None
+        return e.prim, bind_args, bind_kwargs, outs, single, frees
+
+    def run_env(self, inputs: Sequence[torch.Tensor]) -> list:
+        """Run on real inputs (parallel to the graph's invars); returns the environment of live slots."""
+        env: list = [None] * self.nslots
+        for s, x in zip(self.in_slots, inputs):
+            env[s] = x
+        # Below autograd, not under no_grad: some kernels (mkldnn RNN) skip saving what their backward
+        # needs when grad mode is off, and the staged backward needs it.
+        with torch._C._AutoDispatchBelowAutograd():
+            for prim, bind_args, bind_kwargs, outs, single, frees in self.steps:
+                result = prim(*bind_args(env), **bind_kwargs(env))
+                if single:
+                    env[outs[0][1]] = result
+                else:
+                    flat = _flatten_result(result)
+                    for j, s in outs:
+                        env[s] = flat[j]
+                for s in frees:
+                    env[s] = None
+        return env
+
+    def outputs(self, env: list) -> list:
+        return [x.value if isinstance(x, Literal) else env[x] for x in self.out_slots]
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> tuple[list, list[tuple[int, torch.Tensor]]]:
+        """Run; return the flat outputs and the (input position, gradient) pairs to accumulate."""
+        env = self.run_env(inputs)
+        return self.outputs(env), [(i, env[s]) for i, s in self.grad_slots]
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """What autograd's AccumulateGrad does for a dense leaf: set ``.grad`` or add into it in place."""
+    if param.grad is None:
+        if grad.stride() != param.stride() or grad.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
+            grad = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device=param.device).copy_(grad)
+        param.grad = grad
+    else:
+        with torch.no_grad():
+            param.grad.add_(grad)

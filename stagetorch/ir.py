@@ -1,0 +1,245 @@
+"""The typed IR: abstract values, variables, equations and graphs.
+
+Plain data that every interpreter reads. It knows nothing about tracing, memory or chunking; printing a
+graph is the only behaviour it has.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import string
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+__all__ = ["Aval", "Var", "Literal", "SourceInfo", "Eqn", "Graph", "op_name"]
+
+_DTYPE_NAMES = {
+    torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+    torch.bool: "bool", torch.complex64: "c64", torch.complex128: "c128",
+}
+
+
+@attrs.frozen
+class Aval:
+    """An abstract tensor: what a value is, without its data."""
+
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    dtype: torch.dtype
+    device: torch.device = attrs.field(default=torch.device("cpu"), converter=torch.device)
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> Aval:
+        return cls(tuple(t.shape), t.dtype, t.device)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def __str__(self) -> str:
+        name = _DTYPE_NAMES.get(self.dtype, str(self.dtype).removeprefix("torch."))
+        return f"{name}[{','.join(map(str, self.shape))}]"
+
+
+@attrs.define(eq=False, repr=False)
+class Var:
+    """A value in a graph. Compared by identity.
+
+    ``base`` is the variable that owns the storage this one lives in (a view or an in-place result shares
+    its base's storage); ``storage_nbytes`` is the size of the storage a base owns.
+    """
+
+    aval: Aval
+    base: Var | None = None
+    storage_nbytes: int | None = None
+
+    @property
+    def root(self) -> Var:
+        v = self
+        while v.base is not None:
+            v = v.base
+        return v
+
+    @property
+    def owned_nbytes(self) -> int:
+        return self.aval.nbytes if self.storage_nbytes is None else self.storage_nbytes
+
+    def __repr__(self) -> str:
+        return f"Var({self.aval})"
+
+
+@attrs.frozen
+class Literal:
+    """A non-tensor value in an output position (a Python number, None, a string)."""
+
+    value: Any
+
+    def __str__(self) -> str:
+        return repr(self.value)
+
+
+@attrs.frozen
+class SourceInfo:
+    """Where an equation came from in the user's code."""
+
+    file: str = "?"
+    line: int = 0
+    function: str = ""
+    module: str = ""
+    backward: str = ""
+
+    def __str__(self) -> str:
+        where = f"{_short(self.file)}:{self.line}"
+        if self.backward:
+            where += f" backward of {self.backward}"
+        if self.module:
+            where += f" ({self.module})"
+        return where
+
+
+def _short(path: str) -> str:
+    parts = path.replace("\\", "/").split("/")
+    return "/".join(parts[-2:]) if len(parts) > 1 else path
+
+
+def op_name(prim: Callable) -> str:
+    """``aten.addmm`` for a default overload, ``aten.sum.dim_IntList`` otherwise; a callable's own name."""
+    if isinstance(prim, torch._ops.OpOverload):
+        packet = f"{prim.namespace}.{prim._schema.name.split('::')[-1]}"
+        return packet if prim._overloadname == "default" else f"{packet}.{prim._overloadname}"
+    return getattr(prim, "__name__", repr(prim))
+
+
+def _iter_vars(tree: Any) -> Iterator[Var]:
+    if isinstance(tree, Var):
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for x in tree:
+            yield from _iter_vars(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _iter_vars(x)
+
+
+@attrs.define(eq=False)
+class Eqn:
+    """One call: ``outvars = prim(*args, **kwargs)``, with :class:`Var` where a tensor was passed.
+
+    ``outvars`` follows the flattened result of the call: a Var for each tensor, ``None`` for anything
+    else (an undefined gradient, an integer).
+    """
+
+    prim: Callable
+    args: tuple
+    kwargs: dict
+    outvars: tuple[Var | None, ...]
+    source: SourceInfo = attrs.field(factory=SourceInfo)
+
+    @property
+    def invars(self) -> list[Var]:
+        return list(_iter_vars((self.args, self.kwargs)))
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The non-tensor arguments, by schema name where the primitive has a schema."""
+        schema = getattr(self.prim, "_schema", None)
+        names = [a.name for a in schema.arguments] if schema is not None else [f"arg{i}" for i in range(len(self.args))]
+        out = {}
+        for name, value in itertools.chain(zip(names, self.args), self.kwargs.items()):
+            if not any(True for _ in _iter_vars(value)):
+                out[name] = value
+        return out
+
+
+@attrs.define(eq=False)
+class Graph:
+    """A staged program: inputs, equations in execution order, outputs.
+
+    ``roles`` and ``names`` run parallel to ``invars``: ``roles`` is one of ``"arg"`` (a leaf of the user's
+    arguments), ``"param"``, ``"buffer"`` or ``"const"`` (a tensor the function closed over), ``names`` is
+    what the user calls it. ``grads`` lists the gradients the program accumulates into ``.grad`` of an
+    input (by position in ``invars``). ``out_tree`` rebuilds the user's output structure from ``outvars``.
+    """
+
+    invars: list[Var]
+    eqns: list[Eqn]
+    outvars: list[Var | Literal]
+    roles: list[str] = attrs.field(factory=list)
+    names: list[str] = attrs.field(factory=list)
+    grads: list[tuple[int, Var]] = attrs.field(factory=list)
+    out_tree: Any = None
+
+    def __str__(self) -> str:
+        return format_graph(self)
+
+    def vars(self) -> Iterator[Var]:
+        yield from self.invars
+        for e in self.eqns:
+            yield from (v for v in e.outvars if v is not None)
+
+
+def _letters() -> Iterator[str]:
+    for size in itertools.count(1):
+        for chars in itertools.product(string.ascii_lowercase, repeat=size):
+            yield "".join(chars)
+
+
+def format_graph(g: Graph, *, source: bool = True) -> str:
+    """Print ``g`` like a jaxpr: one typed equation a line, the user's file:line on the right."""
+    names: dict[Var, str] = {}
+    taken = set(g.names)
+    fresh = (n for n in _letters() if n not in taken)
+    for i, v in enumerate(g.invars):
+        names[v] = g.names[i] if i < len(g.names) and g.names[i] else next(fresh)
+
+    def name(v: Var) -> str:
+        if v not in names:
+            names[v] = next(fresh)
+        return names[v]
+
+    def arg(x: Any) -> str:
+        if isinstance(x, Var):
+            return name(x)
+        if isinstance(x, (list, tuple)):
+            inner = ", ".join(arg(y) for y in x)
+            return f"[{inner}]" if isinstance(x, list) else f"({inner}{',' if len(x) == 1 else ''})"
+        if isinstance(x, torch.dtype):
+            return _DTYPE_NAMES.get(x, str(x))
+        return repr(x)
+
+    def binders(vs: Sequence[Var]) -> str:
+        return " ".join(f"{name(v)}:{v.aval}" for v in vs)
+
+    roles = g.roles or ["arg"] * len(g.invars)
+    args = [v for v, r in zip(g.invars, roles) if r == "arg"]
+    state = [v for v, r in zip(g.invars, roles) if r != "arg"]
+    lines = [f"{{ lambda {binders(args)} ; {binders(state)} . let"]
+    body = []
+    for e in g.eqns:
+        outs = [v for v in e.outvars if v is not None]
+        lhs = binders(outs) if outs else "_"
+        call = ", ".join([arg(a) for a in e.args] + [f"{k}={arg(v)}" for k, v in e.kwargs.items()])
+        body.append((f"    {lhs} = {op_name(e.prim)}({call})", str(e.source) if source else ""))
+    width = min(max((len(t) for t, _ in body), default=0), 100)
+    lines += [f"{t:<{width}}  # {s}" if s else t for t, s in body]
+    outs = ", ".join(str(v) if isinstance(v, Literal) else name(v) for v in g.outvars)
+    lines.append(f"  in ({outs}) }}")
+    for i, v in g.grads:
+        lines.append(f"  {g.names[i] if i < len(g.names) else name(g.invars[i])}.grad += {name(v)}")
+    return "\n".join(lines)

@@ -1,0 +1,116 @@
+"""The op registry: one entry per primitive, holding its shape, memory and batch rules.
+
+An entry is keyed by an ATen overload packet (``aten.mm``) or, where overloads differ, by one overload
+(``aten.sum.dim_IntList``); lookup tries the overload first. The library fills the registry from the
+tables in the family modules beside this one, through the same :func:`register` that users call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+__all__ = ["Rule", "register", "rules", "lookup"]
+
+Op = torch._ops.OpOverloadPacket | torch._ops.OpOverload
+
+
+@attrs.define
+class Rule:
+    """The rules for one op. A slot left ``None`` means "use the default"."""
+
+    op: Op
+    shape: Callable[..., Any] | None = None
+    memory: Callable[..., Any] | None = None
+    batch: Callable[..., Any] | None = None
+
+
+_RULES: dict[Op, Rule] = {}
+
+
+def _check_op(op: Any) -> Op:
+    if not isinstance(op, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
+        raise TypeError(
+            f"stagetorch.ops.register expects an ATen op such as torch.ops.aten.mm or a torch.library custom op "
+            f"(torch.ops.mylib.myop), not {op!r}"
+        )
+    return op
+
+
+def register(
+    op: Op,
+    *,
+    shape: Callable[..., Any] | None = None,
+    memory: Callable[..., Any] | None = None,
+    batch: Callable[..., Any] | None = None,
+) -> Rule:
+    """Teach stagetorch an op, or override what it knows.
+
+    Only the slots given are changed, so a memory rule can be added to an op that already has a shape rule.
+
+    **Arguments**
+
+    - ``op``: an overload packet (``torch.ops.aten.mm``) or one overload (``torch.ops.aten.sum.dim_IntList``).
+    - ``shape``: called with the op's arguments, :class:`~stagetorch.Aval` in place of tensors; returns an
+      ``Aval`` or a tuple of them, or raises :class:`~stagetorch.ShapeError`.
+    - ``memory``: called with the :class:`~stagetorch.Eqn`; returns the bytes of transient workspace the
+      op needs while it runs, beyond its outputs.
+    - ``batch``: called as ``batch(eqn, label)``; says how the op runs on a chunk of the batch (see
+      :mod:`stagetorch.batching`).
+
+    Each slot is also a decorator: ``@stagetorch.ops.register.memory(torch.ops.mylib.op)``.
+
+    **Returns** the op's :class:`Rule` after the change.
+    """
+    op = _check_op(op)
+    rule = _RULES.setdefault(op, Rule(op))
+    for slot, fn in (("shape", shape), ("memory", memory), ("batch", batch)):
+        if fn is not None:
+            setattr(rule, slot, fn)
+    return rule
+
+
+def _slot_decorator(slot: str) -> Callable[[Op], Callable[[Callable], Callable]]:
+    def decorator_for(op: Op) -> Callable[[Callable], Callable]:
+        def decorate(fn: Callable) -> Callable:
+            register(op, **{slot: fn})
+            return fn
+
+        return decorate
+
+    decorator_for.__name__ = slot
+    decorator_for.__doc__ = f"Decorator form of ``register(op, {slot}=fn)``."
+    return decorator_for
+
+
+register.shape = _slot_decorator("shape")  # type: ignore[attr-defined]
+register.memory = _slot_decorator("memory")  # type: ignore[attr-defined]
+register.batch = _slot_decorator("batch")  # type: ignore[attr-defined]
+
+
+def rules() -> dict[Op, Rule]:
+    """The explicit entries, by op: what the library and the user have registered."""
+    return dict(_RULES)
+
+
+def lookup(prim: Any) -> Rule | None:
+    """The rule for an overload: its own entry, else its packet's, else ``None``."""
+    rule = _RULES.get(prim)
+    if rule is None and isinstance(prim, torch._ops.OpOverload):
+        rule = _RULES.get(prim.overloadpacket)
+    return rule
+
+
+def slot(prim: Any, name: str) -> Callable[..., Any] | None:
+    """One slot of ``prim``'s rule, looking through overload then packet."""
+    own = _RULES.get(prim)
+    if own is not None and getattr(own, name) is not None:
+        return getattr(own, name)
+    if isinstance(prim, torch._ops.OpOverload):
+        packet = _RULES.get(prim.overloadpacket)
+        if packet is not None:
+            return getattr(packet, name)
+    return None

@@ -1,0 +1,13 @@
+"""Rules for the embedding op family."""
+
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+SHAPE: dict = {}
+
+MEMORY: dict = {}
+
+BATCH: dict = {}

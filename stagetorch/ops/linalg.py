@@ -1,0 +1,13 @@
+"""Rules for the linalg op family."""
+
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+SHAPE: dict = {}
+
+MEMORY: dict = {}
+
+BATCH: dict = {}

@@ -1,0 +1,598 @@
+"""The tracer: runs a function on fake tensors under a dispatch mode and records the ATen calls as a Graph.
+
+It stages forward *and* backward: autograd emits its backward ATen calls through the same mode. It knows
+the IR and the errors; it knows nothing about memory, batching or execution.
+
+Real state is never touched. The parameters and buffers of every module the function refers to (a global,
+a closure variable, ``self``, an argument) are swapped for fake copies for the duration of the trace, so
+autograd accumulates into fake ``.grad`` and in-place buffer updates land on fakes. Real tensors that reach
+an op anyway are lifted into the graph as constants.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import linecache
+import os
+import sys
+import types
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .errors import ConcretizationError, ShapeError, StagingError, UnsupportedOpError
+from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var, op_name
+
+__all__ = ["trace", "discover", "State", "user_frame", "source_info"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OWN_DIR = os.path.dirname(__file__) + os.sep
+_USER_FILES_IN_PACKAGE = ("demo.py",)
+
+
+def _is_internal(path: str) -> bool:
+    if path.startswith(_TORCH_DIR) or path.startswith("<frozen"):
+        return True
+    return path.startswith(_OWN_DIR) and os.path.basename(path) not in _USER_FILES_IN_PACKAGE
+
+
+def user_frame(depth: int = 1) -> types.FrameType | None:
+    """The innermost frame outside torch and stagetorch: the line of user (or model library) code."""
+    f = sys._getframe(depth)
+    while f is not None and _is_internal(f.f_code.co_filename):
+        f = f.f_back
+    return f
+
+
+def source_info(module: str = "", backward: str = "") -> SourceInfo:
+    f = user_frame(2)
+    if f is None:
+        return SourceInfo(module=module, backward=backward)
+    return SourceInfo(f.f_code.co_filename, f.f_lineno, f.f_code.co_name, module, backward)
+
+
+def _code_line(src: SourceInfo) -> str:
+    text = linecache.getline(src.file, src.line).strip()
+    return f"\n    {text}" if text else ""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Discovery: what real state a function refers to.
+
+
+@attrs.define
+class State:
+    """The real tensors a function closes over, in a fixed order.
+
+    ``modules`` are (name, module) roots; ``tensors`` are (name, tensor) for tensors referred to directly,
+    with ``setters`` that rebind each reference (a closure cell, a global, an attribute) for the swap.
+    """
+
+    modules: list[tuple[str, torch.nn.Module]] = attrs.field(factory=list)
+    tensors: list[tuple[str, torch.Tensor]] = attrs.field(factory=list)
+    setters: list[list[Callable[[Any], None]]] = attrs.field(factory=list)
+
+    def named_state(self) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """(role, name, tensor) for every parameter, buffer and tensor, each tensor once."""
+        seen: set[int] = set()
+        for prefix, m in self.modules:
+            for name, p in m.named_parameters(remove_duplicate=True):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield "param", _join(prefix, name), p
+        for prefix, m in self.modules:
+            for name, b in m.named_buffers(remove_duplicate=True):
+                if id(b) not in seen:
+                    seen.add(id(b))
+                    yield "buffer", _join(prefix, name), b
+        for name, t in self.tensors:
+            if id(t) not in seen:
+                seen.add(id(t))
+                yield ("param" if t.requires_grad else "const"), name, t
+
+    def key(self) -> tuple:
+        """What the staged program depends on: identities, avals and grad flags of the state, train/eval."""
+        tensors = tuple(
+            (id(t), t.shape, t.dtype, t.device, t.requires_grad) for _, _, t in self.named_state()
+        )
+        training = tuple(sub.training for _, m in self.modules for sub in m.modules())
+        return tensors, training
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+_MAX_DEPTH = 3
+
+
+def discover(fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> State:
+    """Find the modules and tensors ``fn`` refers to: closure, globals it names, ``self``, defaults, args."""
+    state = State()
+    seen: set[int] = set()
+
+    def add_tensor(name: str, t: torch.Tensor, setter: Callable[[Any], None] | None) -> None:
+        for i, (_, known) in enumerate(state.tensors):
+            if known is t:
+                if setter is not None:
+                    state.setters[i].append(setter)
+                return
+        state.tensors.append((name, t))
+        state.setters.append([setter] if setter is not None else [])
+
+    def visit(name: str, obj: Any, depth: int, setter: Callable[[Any], None] | None = None) -> None:
+        if isinstance(obj, torch.Tensor):
+            add_tensor(name, obj, setter)
+            return
+        if id(obj) in seen or depth > _MAX_DEPTH:
+            return
+        if isinstance(obj, torch.nn.Module):
+            seen.add(id(obj))
+            state.modules.append((name, obj))
+            return
+        if isinstance(obj, (types.FunctionType, types.MethodType, functools.partial)):
+            seen.add(id(obj))
+            visit_callable(name, obj, depth)
+            return
+        if isinstance(obj, (list, tuple)) and len(obj) <= 256:
+            seen.add(id(obj))
+            for i, x in enumerate(obj):
+                visit(f"{name}[{i}]", x, depth + 1, _item_setter(obj, i) if isinstance(obj, list) else None)
+            return
+        if isinstance(obj, dict) and len(obj) <= 256:
+            seen.add(id(obj))
+            for k, x in obj.items():
+                visit(f"{name}[{k!r}]", x, depth + 1, _item_setter(obj, k))
+            return
+        if depth <= 1 and _is_user_object(obj):
+            seen.add(id(obj))
+            for k, x in vars(obj).items():
+                visit(_join(name, k), x, depth + 1, _attr_setter(obj, k))
+
+    def visit_callable(name: str, f: Any, depth: int) -> None:
+        if isinstance(f, functools.partial):
+            visit_callable(name, f.func, depth)
+            for i, a in enumerate(f.args):
+                visit(f"{name}.args[{i}]", a, depth + 1)
+            for k, a in f.keywords.items():
+                visit(k, a, depth + 1)
+            return
+        if isinstance(f, types.MethodType):
+            visit("self" if depth == 0 else _join(name, "self"), f.__self__, depth)
+            f = f.__func__
+        if not isinstance(f, types.FunctionType) or _is_internal(f.__code__.co_filename):
+            return
+        if f.__closure__:
+            for var, cell in zip(f.__code__.co_freevars, f.__closure__):
+                try:
+                    value = cell.cell_contents
+                except ValueError:
+                    continue
+                visit(var, value, depth + 1, _cell_setter(cell))
+        g = f.__globals__
+        for gname in _global_names(f.__code__):
+            if gname in g:
+                visit(gname, g[gname], depth + 1, _item_setter(g, gname))
+        for i, d in enumerate(f.__defaults__ or ()):
+            visit(f"default{i}", d, depth + 1)
+        for k, d in (f.__kwdefaults__ or {}).items():
+            visit(k, d, depth + 1)
+
+    if isinstance(fn, torch.nn.Module):
+        seen.add(id(fn))
+        state.modules.append(("", fn))
+    else:
+        visit_callable(getattr(fn, "__name__", "fn"), fn, 0)
+    names = _arg_names(fn, len(args))
+    for i, a in enumerate(args):
+        for leaf in pytree.tree_leaves(a):
+            if isinstance(leaf, torch.nn.Module) and id(leaf) not in seen:
+                seen.add(id(leaf))
+                state.modules.append((names[i], leaf))
+    for k, a in (kwargs or {}).items():
+        for leaf in pytree.tree_leaves(a):
+            if isinstance(leaf, torch.nn.Module) and id(leaf) not in seen:
+                seen.add(id(leaf))
+                state.modules.append((k, leaf))
+    return state
+
+
+def _global_names(code: types.CodeType) -> Iterator[str]:
+    yield from code.co_names
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            yield from _global_names(c)
+
+
+def _is_user_object(obj: Any) -> bool:
+    if isinstance(obj, (type, types.ModuleType, str, bytes, int, float, complex, bool)) or obj is None:
+        return False
+    mod = type(obj).__module__ or ""
+    return hasattr(obj, "__dict__") and not mod.startswith(("torch", "builtins", "numpy"))
+
+
+def _cell_setter(cell: types.CellType) -> Callable[[Any], None]:
+    def set_cell(v: Any) -> None:
+        cell.cell_contents = v
+
+    return set_cell
+
+
+def _item_setter(container: Any, key: Any) -> Callable[[Any], None]:
+    def set_item(v: Any) -> None:
+        container[key] = v
+
+    return set_item
+
+
+def _attr_setter(obj: Any, name: str) -> Callable[[Any], None]:
+    def set_attr(v: Any) -> None:
+        object.__setattr__(obj, name, v)
+
+    return set_attr
+
+
+def _arg_names(fn: Callable, n: int) -> list[str]:
+    try:
+        params = [
+            p.name
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        params = []
+    return [params[i] if i < len(params) else f"arg{i}" for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The trace itself.
+
+
+def _flatten_result(out: Any) -> list[Any]:
+    if isinstance(out, (tuple, list)):
+        return [y for x in out for y in _flatten_result(x)]
+    return [out]
+
+
+def _substitute(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_substitute(x, fn) for x in tree)
+    if isinstance(tree, dict):
+        return {k: _substitute(v, fn) for k, v in tree.items()}
+    return tree
+
+
+class _Recorder:
+    """The mutable state of one trace. Every fake tensor it sees is kept alive, so ids stay unique."""
+
+    def __init__(self, fake_mode: FakeTensorMode):
+        self.fake_mode = fake_mode
+        self.var_of: dict[int, Var] = {}
+        self.storage_owner: dict[int, Var] = {}
+        self.keep: list[torch.Tensor] = []
+        self.eqns: list[Eqn] = []
+        self.invars: list[Var] = []
+        self.roles: list[str] = []
+        self.names: list[str] = []
+        self.fakes: list[torch.Tensor] = []
+        self.consts: list[torch.Tensor] = []
+        self.lifted: dict[int, torch.Tensor] = {}
+        self.grad_leaks: list[tuple[torch.Tensor, Any, SourceInfo]] = []
+        self.module_names: dict[int, str] = {}
+        self.module_stack: list[str] = []
+
+    def new_var(self, t: torch.Tensor) -> Var:
+        storage = t.untyped_storage()._cdata
+        owner = self.storage_owner.get(storage)
+        if owner is None:
+            v = Var(Aval.of(t), storage_nbytes=t.untyped_storage().nbytes())
+            self.storage_owner[storage] = v
+        else:
+            v = Var(Aval.of(t), base=owner)
+        self.var_of[id(t)] = v
+        self.keep.append(t)
+        return v
+
+    def add_input(self, fake: torch.Tensor, role: str, name: str) -> Var:
+        # from_tensor copies a real .grad onto the fake; the staged program starts from none and the
+        # executor accumulates into the real .grad as autograd would.
+        fake.grad = None
+        v = self.new_var(fake)
+        self.invars.append(v)
+        self.roles.append(role)
+        self.names.append(name)
+        self.fakes.append(fake)
+        return v
+
+    def lift(self, t: torch.Tensor) -> torch.Tensor:
+        """A real tensor reached an op: make it a constant input of the graph."""
+        if isinstance(t, FakeTensor):
+            return t
+        fake = self.lifted.get(id(t))
+        if fake is None:
+            with self.fake_mode:
+                fake = self.fake_mode.from_tensor(t, static_shapes=True)
+            self.lifted[id(t)] = fake
+            self.consts.append(t)
+            self.add_input(fake, "const", f"const{len(self.consts) - 1}")
+            if t.requires_grad:
+                self.grad_leaks.append((t, t.grad, source_info()))
+        return fake
+
+    def var(self, t: torch.Tensor) -> Var:
+        v = self.var_of.get(id(t))
+        if v is None:
+            raise StagingError(
+                f"stagetorch met a fake tensor {Aval.of(t)} that no recorded op produced; "
+                "this is a bug in stagetorch, please report it with the code that triggered it"
+            )
+        return v
+
+    def current_module(self) -> str:
+        return self.module_stack[-1] if self.module_stack else ""
+
+    def record(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        args, kwargs = _substitute((args, kwargs), self.lift)
+        node = torch._C._current_autograd_node()
+        src = source_info(self.current_module(), node.name() if node is not None else "")
+        try:
+            out = func(*args, **kwargs)
+        except StagingError:
+            raise
+        except (DataDependentOutputException, DynamicOutputShapeException) as e:
+            raise ConcretizationError(_concretization_message(func, src)) from e
+        except UnsupportedOperatorException as e:
+            raise UnsupportedOpError(_unsupported_message(func, src)) from e
+        except (RuntimeError, ValueError, IndexError, TypeError) as e:
+            if "fake" in str(e).lower() and ("impl" in str(e).lower() or "kernel" in str(e).lower()):
+                raise UnsupportedOpError(_unsupported_message(func, src, str(e))) from e
+            raise ShapeError(_shape_message(func, args, kwargs, src, e)) from e
+        in_args = _substitute((args, kwargs), self.var)
+        outvars = tuple(
+            self.new_var(t) if isinstance(t, torch.Tensor) else None for t in _flatten_result(out)
+        )
+        self.eqns.append(Eqn(func, in_args[0], in_args[1], outvars, src))
+        return out
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return str(Aval.of(x))
+    if isinstance(x, (list, tuple)):
+        return "[" + ", ".join(_describe(y) for y in x) + "]"
+    return repr(x)
+
+
+def _shape_message(func: Any, args: tuple, kwargs: dict, src: SourceInfo, e: Exception) -> str:
+    operands = ", ".join([_describe(a) for a in args] + [f"{k}={_describe(v)}" for k, v in kwargs.items()])
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"{op_name(func)}({operands}) failed at {src}:{_code_line(src)}\n{first}"
+
+
+def _concretization_message(func: Any, src: SourceInfo) -> str:
+    return (
+        f"{op_name(func)} at {src} needs a tensor's value, but stagetorch.jit stages with shapes only:"
+        f"{_code_line(src)}\n"
+        "This is data-dependent Python control flow or output shape (.item(), float(t), `if t:`, "
+        "boolean-mask indexing, nonzero). What to do: pass Python values that steer control flow as static "
+        "arguments (stagetorch.jit(fn, static_argnums=...)); select with torch.where(cond, a, b) instead of "
+        "`if`; or use stagetorch.lazy(...), which evaluates such reads eagerly."
+    )
+
+
+def _unsupported_message(func: Any, src: SourceInfo, detail: str = "") -> str:
+    name = op_name(func)
+    return (
+        f"{name} at {src} has no fake (meta) kernel, so stagetorch cannot infer its output shape."
+        f"{_code_line(src)}\nTeach it with one line: stagetorch.ops.register(torch.ops.{name}, "
+        "shape=lambda *args, **kwargs: stagetorch.Aval(shape, dtype, device)), or give the op a fake impl "
+        "with torch.library.register_fake." + (f"\n({detail.splitlines()[0]})" if detail else "")
+    )
+
+
+class _StagingMode(TorchDispatchMode):
+    def __init__(self, recorder: _Recorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func.namespace == "prim":
+            return func(*args, **(kwargs or {}))
+        return self.recorder.record(func, args, kwargs or {})
+
+
+@attrs.define
+class Traced:
+    """A graph and what the caller needs to run it again: the real consts it captured."""
+
+    graph: Graph
+    consts: list[torch.Tensor]
+
+
+def trace(
+    fn: Callable,
+    args: Sequence,
+    kwargs: dict,
+    *,
+    static_argnums: Sequence[int] = (),
+    state: State | None = None,
+) -> Traced:
+    """Stage ``fn(*args, **kwargs)`` into a Graph. Real tensors are left exactly as they were."""
+    state = discover(fn, args, kwargs) if state is None else state
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    rec = _Recorder(fake_mode)
+    static = set(static_argnums)
+
+    leaves, tree = pytree.tree_flatten((tuple(args), kwargs))
+    leaf_names = _leaf_names(fn, args, kwargs)
+    arg_is_static = _static_mask(args, kwargs, static)
+    fake_leaves = []
+    for leaf, name, is_static in zip(leaves, leaf_names, arg_is_static):
+        if isinstance(leaf, torch.Tensor) and not is_static:
+            with fake_mode:
+                fake = fake_mode.from_tensor(leaf, static_shapes=True)
+            rec.add_input(fake, "arg", name)
+            fake_leaves.append(fake)
+        else:
+            fake_leaves.append(leaf)
+
+    swapped: dict[int, torch.Tensor] = {}
+    for role, name, t in state.named_state():
+        with fake_mode:
+            fake = fake_mode.from_tensor(t, static_shapes=True)
+        swapped[id(t)] = fake
+        rec.add_input(fake, role, name)
+    for prefix, m in state.modules:
+        for sub_name, sub in m.named_modules(remove_duplicate=False):
+            rec.module_names.setdefault(id(sub), _join(prefix, sub_name) or type(sub).__name__)
+
+    restore = _swap(state, swapped)
+    hooks = _module_hooks(rec)
+    try:
+        fake_args, fake_kwargs = pytree.tree_unflatten(fake_leaves, tree)
+        with fake_mode, _StagingMode(rec):
+            out = fn(*fake_args, **fake_kwargs)
+        out_leaves, out_tree = pytree.tree_flatten(out)
+        with fake_mode:
+            out_leaves = [rec.lift(x) if isinstance(x, torch.Tensor) else x for x in out_leaves]
+        outvars = [rec.var(x) if isinstance(x, torch.Tensor) else Literal(x) for x in out_leaves]
+        grads = [
+            (i, rec.var(fake.grad))
+            for i, fake in enumerate(rec.fakes)
+            if fake.requires_grad and fake.grad is not None
+        ]
+    finally:
+        for h in hooks:
+            h.remove()
+        restore()
+        leaks = rec.grad_leaks
+        for t, old_grad, _ in leaks:
+            t.grad = old_grad
+    if leaks:
+        t, _, src = leaks[0]
+        raise UnsupportedOpError(
+            f"a tensor that requires grad ({Aval.of(t)}, first used at {src}) is not reachable from the "
+            f"function's globals, closure, self or arguments, so stagetorch cannot stage its gradient."
+            f"{_code_line(src)}\nRefer to its module directly in the function (a global or closure "
+            "variable, an attribute of self, or an argument)."
+        )
+    eqns, grads = _steal_accumulated_grads(rec.eqns, grads, outvars)
+    graph = Graph(rec.invars, eqns, outvars, rec.roles, rec.names, grads, out_tree)
+    return Traced(graph, rec.consts)
+
+
+_ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+
+
+def _steal_accumulated_grads(eqns: list[Eqn], grads: list[tuple[int, Var]], outvars: list) -> tuple[list, list]:
+    """Undo the copy AccumulateGrad makes under tracing.
+
+    Eager autograd hands the incoming gradient buffer to ``.grad`` when nothing else holds it; under the
+    tracer something always does, so it records ``new_empty_strided`` + ``copy_``. The executor applies the
+    layout contract itself (:func:`stagetorch.execute.accumulate_grad`), so the copy is dropped here.
+    """
+    producer = {v: e for e in eqns for v in e.outvars if v is not None}
+    readers: dict[Var, int] = {}
+    for e in eqns:
+        for v in e.invars:
+            readers[v] = readers.get(v, 0) + 1
+    returned = {v for v in outvars if isinstance(v, Var)}
+    dropped: set[int] = set()
+    new_grads = []
+    for i, g in grads:
+        copy = producer.get(g)
+        ok = (
+            copy is not None
+            and copy.source.backward == _ACCUMULATE_GRAD
+            and copy.prim is torch.ops.aten.copy_.default
+            and g not in returned
+        )
+        if ok:
+            dst, src = copy.args[0], copy.args[1]
+            alloc = producer.get(dst)
+            ok = (
+                alloc is not None
+                and alloc.prim is torch.ops.aten.new_empty_strided.default
+                and readers.get(dst) == 1
+                and readers.get(src) == 2
+                and src not in returned
+            )
+        if ok:
+            dropped.update((id(copy), id(alloc)))
+            new_grads.append((i, src))
+        else:
+            new_grads.append((i, g))
+    return [e for e in eqns if id(e) not in dropped], new_grads
+
+
+def _swap(state: State, fakes: dict[int, torch.Tensor]) -> Callable[[], None]:
+    """Point every module slot and every discovered reference at the fakes; return the undo."""
+    undo: list[Callable[[], None]] = []
+    for _, root in state.modules:
+        for m in root.modules():
+            for table in (m._parameters, m._buffers):
+                for name, t in list(table.items()):
+                    if t is not None and id(t) in fakes:
+                        table[name] = fakes[id(t)]
+                        undo.append(functools.partial(table.__setitem__, name, t))
+    for (_, t), setters in zip(state.tensors, state.setters):
+        for set_ref in setters:
+            set_ref(fakes[id(t)])
+            undo.append(functools.partial(set_ref, t))
+
+    def restore() -> None:
+        for u in reversed(undo):
+            u()
+
+    return restore
+
+
+def _module_hooks(rec: _Recorder) -> list[Any]:
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    def push(module: torch.nn.Module, args: Any) -> None:
+        rec.module_stack.append(rec.module_names.get(id(module), type(module).__name__))
+
+    def pop(module: torch.nn.Module, args: Any, out: Any) -> None:
+        if rec.module_stack:
+            rec.module_stack.pop()
+
+    return [register_module_forward_pre_hook(push), register_module_forward_hook(pop, always_call=True)]
+
+
+def _leaf_names(fn: Callable, args: Sequence, kwargs: dict) -> list[str]:
+    names = _arg_names(fn, len(args))
+    out = []
+    for i, a in enumerate(args):
+        out += _named_leaves(names[i], a)
+    for k, a in kwargs.items():
+        out += _named_leaves(k, a)
+    return out
+
+
+def _named_leaves(name: str, tree: Any) -> list[str]:
+    paths, _ = pytree.tree_flatten_with_path(tree)
+    return [name + pytree.keystr(path) for path, _ in paths]
+
+
+def _static_mask(args: Sequence, kwargs: dict, static: set[int]) -> list[bool]:
+    mask = []
+    for i, a in enumerate(args):
+        mask += [i in static] * len(pytree.tree_leaves(a))
+    for a in kwargs.values():
+        mask += [False] * len(pytree.tree_leaves(a))
+    return mask
