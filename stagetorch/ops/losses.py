@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import torch
 
+from . import _batch, _memory, _shape  # noqa: F401
+
 aten = torch.ops.aten
 
-SHAPE: dict = {}
+# Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
+SHAPE: dict = {
+}
 
-MEMORY: dict = {}
 
-BATCH: dict = {}
+
+# Memory rules: op -> rule(eqn) -> transient workspace bytes
+MEMORY: dict = {
+}
+
+
+
+# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
+BATCH: dict = {
+}
+
