@@ -7,6 +7,7 @@ the whole batch at once when it fits.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,11 +16,18 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import shapes
+from .batching import Batched, analyze
+from .chunking import Split, run_chunked
+from .devices import free_memory
+from .errors import ShapeError
 from .execute import Program, accumulate_grad
-from .ir import Aval, Graph
-from .tracing import State, Traced, discover, trace
+from .ir import Aval, Graph, Var
+from .planning import Plan, liveness_peak, plan_chunks
+from .tracing import State, Traced, arg_names, discover, trace
 
 __all__ = ["make_ir", "eval_shape", "jit", "Staged"]
+
+log = logging.getLogger("stagetorch")
 
 
 def _signature(leaves: list, static: set[int], leaf_argnum: list[int]) -> tuple:
@@ -43,6 +51,11 @@ def _leaf_argnums(args: Sequence, kwargs: dict) -> list[int]:
     for a in kwargs.values():
         out += [-1] * len(pytree.tree_leaves(a))
     return out
+
+
+def _named_args(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """(name, value) for every argument, positional first, in the order the tracer flattens them."""
+    return list(zip(arg_names(fn, len(args)), args)) + list(kwargs.items())
 
 
 def make_ir(fn: Callable, *, static_argnums: Sequence[int] = ()) -> Callable[..., Graph]:
@@ -73,8 +86,42 @@ def eval_shape(fn: Callable, *, static_argnums: Sequence[int] = ()) -> Callable[
 
 @attrs.define
 class _Entry:
+    """One staged signature: the graph, its compiled program, and its chunked form and plans, on demand."""
+
     traced: Traced
     program: Program
+    batched: dict[Var, Batched]
+    batch: int
+    _split: Split | None = None
+    plans: dict[int, Plan] = attrs.field(factory=dict)
+    mutated: list[int] = attrs.field(factory=list)
+
+    def split(self) -> Split:
+        if self._split is None:
+            graph = self.traced.graph
+            self._split = Split(analyze(graph, self.batched, self.batch))
+        return self._split
+
+    def plan(self, budget: int) -> Plan:
+        if budget not in self.plans:
+            self.plans[budget] = plan_chunks(self.traced.graph, self.split, self.batch, budget, liveness_peak)
+        return self.plans[budget]
+
+
+def _mutated_inputs(graph: Graph) -> list[int]:
+    """Positions of inputs that some equation writes in place (a buffer update, an in-place op on an arg)."""
+    roots = {v: i for i, v in enumerate(graph.invars)}
+    out = []
+    for e in graph.eqns:
+        schema = getattr(e.prim, "_schema", None)
+        if schema is None:
+            continue
+        for a, x in zip(schema.arguments, e.args):
+            if a.alias_info is not None and a.alias_info.is_write and isinstance(x, Var):
+                i = roots.get(x.root)
+                if i is not None and i not in out:
+                    out.append(i)
+    return out
 
 
 class Staged:
@@ -88,8 +135,10 @@ class Staged:
         batch_argnums: Sequence[int] | None = None,
         static_argnums: Sequence[int] = (),
         memory_budget: int | str | None = None,
+        progress: bool = False,
     ):
         self.fn = fn
+        self.progress = progress
         self.batch_dim = batch_dim
         self.batch_argnums = None if batch_argnums is None else tuple(batch_argnums)
         self.static_argnums = tuple(static_argnums)
@@ -104,8 +153,12 @@ class Staged:
         key = (tree, _signature(leaves, static, _leaf_argnums(args, kwargs)), state.key())
         entry = self._cache.get(key)
         if entry is None:
+            batched_leaves, batch = self._batch_leaves(args, kwargs)
             traced = trace(self.fn, args, kwargs, static_argnums=self.static_argnums, state=state)
-            entry = _Entry(traced, Program(traced.graph))
+            graph = traced.graph
+            arg_vars = [v for v, r in zip(graph.invars, graph.roles) if r == "arg"]
+            batched = {v: Batched(dim) for v, (is_batched, dim) in zip(arg_vars, batched_leaves) if is_batched}
+            entry = _Entry(traced, Program(graph), batched, batch, mutated=_mutated_inputs(graph))
             self._cache[key] = entry
         argnums = _leaf_argnums(args, kwargs)
         inputs = [x for x, a in zip(leaves, argnums) if isinstance(x, torch.Tensor) and a not in static]
@@ -113,16 +166,89 @@ class Staged:
         inputs += entry.traced.consts
         return entry, inputs, state
 
+    def _batch_leaves(self, args: tuple, kwargs: dict) -> tuple[list[tuple[bool, int]], int]:
+        """For each tensor leaf of the non-static arguments: is it batched, and along which dim; and the batch
+        size. Raises a clear error for a batch dim out of range, mismatched batch sizes or an empty batch."""
+        static = set(self.static_argnums)
+        chosen = None if self.batch_argnums is None else set(self.batch_argnums)
+        if chosen is not None:
+            for i in chosen:
+                if i >= len(args) or not any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(args[i])):
+                    raise TypeError(
+                        f"batch_argnums names argument {i}, which is not a tensor (or pytree of tensors) "
+                        f"in this call of {getattr(self.fn, '__name__', 'the function')}"
+                    )
+        names = _named_args(self.fn, args, kwargs)
+        out, sizes = [], []
+        for argnum, (name, tree) in enumerate(names):
+            for path, leaf in pytree.tree_flatten_with_path(tree)[0]:
+                if not isinstance(leaf, torch.Tensor) or argnum in static:
+                    continue
+                is_batched = chosen is None or argnum in chosen
+                dim = self.batch_dim
+                if is_batched:
+                    where = name + pytree.keystr(path)
+                    if not -leaf.ndim <= dim < leaf.ndim:
+                        raise ShapeError(
+                            f"batch_dim={dim} is out of range for argument {where} with shape {tuple(leaf.shape)}; "
+                            "pass batch_dim=... or leave this argument out of batch_argnums"
+                        )
+                    dim %= leaf.ndim
+                    sizes.append((where, leaf.shape[dim]))
+                out.append((is_batched, dim))
+        if len({n for _, n in sizes}) > 1:
+            listed = ", ".join(f"{w}: {n}" for w, n in sizes)
+            raise ShapeError(f"the batched arguments disagree on the batch size ({listed}); batch_dim={self.batch_dim}")
+        batch = sizes[0][1] if sizes else 1
+        if sizes and batch == 0:
+            raise ShapeError(f"the batch is empty: {sizes[0][0]} has 0 examples along batch_dim={self.batch_dim}")
+        return out, batch
+
     def graph(self, *args: Any, **kwargs: Any) -> Graph:
         """The staged program for these arguments (staging it if needed)."""
         return self._stage(args, kwargs)[0].traced.graph
 
+    def plan(self, *args: Any, **kwargs: Any) -> Plan:
+        """How a call with these arguments would run: chunk sizes, predicted peaks, and why."""
+        entry, inputs, _ = self._stage(args, kwargs)
+        return entry.plan(self._budget(entry))
+
+    def _budget(self, entry: _Entry) -> int:
+        devices = {v.aval.device for v in entry.batched} or {torch.device("cpu")}
+        return free_memory(next(iter(devices)), self.memory_budget)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         entry, inputs, _ = self._stage(args, kwargs)
-        outs, grads = entry.program.run(inputs)
+        plan = entry.plan(self._budget(entry))
+        saved = [(inputs[i], inputs[i].clone()) for i in entry.mutated]
+        try:
+            if plan.chunked:
+                log.info("stagetorch: %s: %s", getattr(self.fn, "__name__", "step"), plan)
+                outs, grads, _ = run_chunked(entry.split(), inputs, plan.chunk_sizes, on_chunk=self._progress(plan))
+            else:
+                outs, grads = entry.program.run(inputs)
+        except BaseException:
+            with torch.no_grad():
+                for t, copy in saved:
+                    t.copy_(copy)
+            raise
         for i, g in grads:
             accumulate_grad(inputs[i], g)
         return pytree.tree_unflatten(outs, entry.traced.graph.out_tree)
+
+    def _progress(self, plan: Plan) -> Any:
+        if not self.progress:
+            return None
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=plan.batch, unit="example", desc=getattr(self.fn, "__name__", "step"))
+
+        def advance(start: int, n: int) -> None:
+            bar.update(n)
+            if start + n >= plan.batch:
+                bar.close()
+
+        return advance
 
 
 def jit(
@@ -132,6 +258,7 @@ def jit(
     batch_argnums: Sequence[int] | None = None,
     static_argnums: Sequence[int] = (),
     memory_budget: int | str | None = None,
+    progress: bool = False,
 ) -> Any:
     """Stage ``fn`` once per input signature and run the staged program.
 
@@ -144,11 +271,17 @@ def jit(
     - ``static_argnums``: positional arguments that are Python values steering control flow; a new value
       stages a new program.
     - ``memory_budget``: bytes (or ``"512MiB"``) the step may use; default: the device's free memory.
+      A batch whose step does not fit runs in chunks, combined exactly (see ``Staged.plan``).
+    - ``progress``: show a progress bar over the chunks of a chunked step.
 
     **Returns** a :class:`Staged` callable.
     """
     options = dict(
-        batch_dim=batch_dim, batch_argnums=batch_argnums, static_argnums=static_argnums, memory_budget=memory_budget
+        batch_dim=batch_dim,
+        batch_argnums=batch_argnums,
+        static_argnums=static_argnums,
+        memory_budget=memory_budget,
+        progress=progress,
     )
     if fn is None:
         return lambda f: Staged(f, **options)

@@ -123,6 +123,8 @@ def op_name(prim: Callable) -> str:
     if isinstance(prim, torch._ops.OpOverload):
         packet = f"{prim.namespace}.{prim._schema.name.split('::')[-1]}"
         return packet if prim._overloadname == "default" else f"{packet}.{prim._overloadname}"
+    if isinstance(prim, torch._ops.OpOverloadPacket):
+        return f"{prim._qualified_op_name.split('::')[0]}.{prim.__name__}"
     return getattr(prim, "__name__", repr(prim))
 
 

@@ -195,7 +195,7 @@ def discover(fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> S
         state.modules.append(("", fn))
     else:
         visit_callable(getattr(fn, "__name__", "fn"), fn, 0)
-    names = _arg_names(fn, len(args))
+    names = arg_names(fn, len(args))
     for i, a in enumerate(args):
         for leaf in pytree.tree_leaves(a):
             if isinstance(leaf, torch.nn.Module) and id(leaf) not in seen:
@@ -244,7 +244,7 @@ def _attr_setter(obj: Any, name: str) -> Callable[[Any], None]:
     return set_attr
 
 
-def _arg_names(fn: Callable, n: int) -> list[str]:
+def arg_names(fn: Callable, n: int) -> list[str]:
     try:
         params = [
             p.name
@@ -575,7 +575,7 @@ def _module_hooks(rec: _Recorder) -> list[Any]:
 
 
 def _leaf_names(fn: Callable, args: Sequence, kwargs: dict) -> list[str]:
-    names = _arg_names(fn, len(args))
+    names = arg_names(fn, len(args))
     out = []
     for i, a in enumerate(args):
         out += _named_leaves(names[i], a)

@@ -16,9 +16,11 @@ from . import (
     reductions,
     views,
 )
+from ._batch import contraction, per_example, reduction_loss
+from ._batch import elementwise as pointwise
 from ._registry import Rule, lookup, register, rules
 
-__all__ = ["register", "rules", "lookup", "Rule"]
+__all__ = ["register", "rules", "lookup", "Rule", "pointwise", "per_example", "contraction", "reduction_loss"]
 
 for _family in (
     elementwise, linalg, conv, pooling, norms, attention, losses, reductions, views, embedding, dropout,

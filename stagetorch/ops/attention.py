@@ -22,5 +22,22 @@ MEMORY: dict = {
 
 # Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
 BATCH: dict = {
+    # (batch, heads, sequence, features) layouts: every example attends within itself. A shared mask of
+    # full batch extent is cut to the chunk.
+    aten._scaled_dot_product_flash_attention_for_cpu: _batch.per_example(slice_args=(5,)),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _batch.per_example(slice_args=(8,)),
+    aten._scaled_dot_product_flash_attention: _batch.per_example(),
+    aten._scaled_dot_product_flash_attention_backward: _batch.per_example(),
+    aten._scaled_dot_product_efficient_attention: _batch.per_example(slice_args=(3,)),
+    aten._scaled_dot_product_efficient_attention_backward: _batch.per_example(slice_args=(3,)),
+    aten._scaled_dot_product_cudnn_attention: _batch.per_example(slice_args=(3,)),
+    aten._scaled_dot_product_cudnn_attention_backward: _batch.per_example(),
+    aten._softmax: _batch.softmax(dim_arg=1),
+    aten._log_softmax: _batch.softmax(dim_arg=1),
+    aten._softmax_backward_data: _batch.softmax(dim_arg=2),
+    aten._log_softmax_backward_data: _batch.softmax(dim_arg=2),
+    # The CPU LSTM/GRU layer: input (time, batch, features), hidden state (batch, hidden).
+    aten.mkldnn_rnn_layer: _batch.rnn_layer,
+    aten.mkldnn_rnn_layer_backward: _batch.rnn_layer_backward,
 }
 

@@ -22,5 +22,7 @@ MEMORY: dict = {
 
 # Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
 BATCH: dict = {
+    aten.convolution: _batch.per_example(outputs=("b",)),
+    aten.convolution_backward: _batch.per_example(outputs=("b", "sum", "sum")),
 }
 

@@ -22,5 +22,9 @@ MEMORY: dict = {
 
 # Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
 BATCH: dict = {
+    # Each chunk draws its own random numbers: the same distribution as one full-batch draw, other values.
+    aten.native_dropout: _batch.per_example(outputs=("b", "b")),
+    aten.bernoulli_: _batch.elementwise,
+    aten.bernoulli: _batch.elementwise,
 }
 

@@ -22,5 +22,7 @@ MEMORY: dict = {
 
 # Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
 BATCH: dict = {
+    aten.embedding: _batch.embedding,
+    aten.embedding_dense_backward: _batch.embedding_dense_backward,
 }
 

@@ -22,5 +22,11 @@ MEMORY: dict = {
 
 # Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
 BATCH: dict = {
+    aten.mm: _batch.contraction("ij,jk->ik"),
+    aten.bmm: _batch.contraction("bij,bjk->bik"),
+    aten.addmm: _batch.contraction("ij,jk->ik", bias=True),
+    aten.baddbmm: _batch.contraction("bij,bjk->bik", bias=True),
+    aten.mv: _batch.contraction("ij,j->i"),
+    aten.dot: _batch.contraction("i,i->"),
 }
 

@@ -22,5 +22,20 @@ MEMORY: dict = {
 
 # Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
 BATCH: dict = {
+    aten.nll_loss_forward: _batch.nll_loss_forward,
+    aten.nll_loss_backward: _batch.nll_loss_backward,
+    aten.nll_loss2d_forward: _batch.nll_loss_forward,
+    aten.nll_loss2d_backward: _batch.nll_loss_backward,
+    aten.mse_loss: _batch.reduction_loss(reduction_arg=2),
+    aten.mse_loss_backward: _batch.reduction_loss(reduction_arg=3, backward=True),
+    aten.smooth_l1_loss: _batch.reduction_loss(reduction_arg=2),
+    aten.smooth_l1_loss_backward: _batch.reduction_loss(reduction_arg=3, backward=True),
+    aten.huber_loss: _batch.reduction_loss(reduction_arg=2),
+    aten.huber_loss_backward: _batch.reduction_loss(reduction_arg=3, backward=True),
+    aten.binary_cross_entropy: _batch.reduction_loss(reduction_arg=3),
+    aten.binary_cross_entropy_backward: _batch.reduction_loss(reduction_arg=4, backward=True),
+    aten.binary_cross_entropy_with_logits: _batch.reduction_loss(reduction_arg=4),
+    aten.soft_margin_loss: _batch.reduction_loss(reduction_arg=2),
+    aten.soft_margin_loss_backward: _batch.reduction_loss(reduction_arg=3, backward=True),
 }
 

@@ -22,5 +22,11 @@ MEMORY: dict = {
 
 # Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
 BATCH: dict = {
+    aten.sum.dim_IntList: _batch.reduction("sum"),
+    aten.sum.default: _batch.reduction("sum", dims_arg=None, keepdim_arg=None),
+    aten.mean.dim: _batch.mean_reduction(),
+    aten.mean.default: _batch.mean_reduction(dims_arg=None, keepdim_arg=None),
+    aten.amax: _batch.reduction("max"),
+    aten.amin: _batch.reduction("min"),
 }
 

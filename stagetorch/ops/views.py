@@ -22,5 +22,24 @@ MEMORY: dict = {
 
 # Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
 BATCH: dict = {
+    aten.view: _batch.view,
+    aten._unsafe_view: _batch.view,
+    aten.reshape: _batch.view,
+    aten.expand: _batch.expand,
+    aten.permute: _batch.permute,
+    aten.t: _batch.transpose,
+    aten.transpose: _batch.transpose,
+    aten.unsqueeze: _batch.unsqueeze,
+    aten.squeeze: _batch.squeeze,
+    aten.select.int: _batch.select,
+    aten.slice.Tensor: _batch.slice_,
+    aten.select_backward: _batch.select_backward,
+    aten.slice_backward: _batch.slice_backward,
+    aten.split: _batch.split,
+    aten.split_with_sizes: _batch.split,
+    aten.unbind: _batch.split,
+    aten.cat: _batch.cat,
+    aten.stack: _batch.stack,
+    aten.constant_pad_nd: _batch.constant_pad_nd,
 }
 

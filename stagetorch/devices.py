@@ -1,0 +1,41 @@
+"""Memory available per device, and memory budgets written as strings ("512MiB")."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+__all__ = ["parse_bytes", "free_memory"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(budget: int | str) -> int:
+    """``"512MiB"`` -> 536870912; an int is taken as bytes."""
+    if isinstance(budget, bool):
+        raise TypeError("memory_budget must be a number of bytes or a string such as '512MiB', not a bool")
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"memory_budget must be positive, got {budget}")
+        return budget
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(budget))
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"memory_budget {budget!r} is not a size: write bytes as an int, or e.g. '512MiB', '2GiB', '1.5GB'")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"memory_budget must be positive, got {budget!r}")
+    return value
+
+
+def free_memory(device: torch.device, budget: int | str | None = None) -> int:
+    """The bytes a step may use on ``device``: the budget if given, else what the device has free."""
+    if budget is not None:
+        return parse_bytes(budget)
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))

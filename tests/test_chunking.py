@@ -1,0 +1,306 @@
+"""Chunked execution against one full-batch eager step: loss, outputs and every .grad, exactly.
+
+Every case forces at least three uneven chunks with memory_budget, and proves it by the batch sizes the
+real kernels saw.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import models
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import stagetorch
+
+BATCH = 100
+
+
+class KernelBatchSizes(TorchDispatchMode):
+    """Records the leading dim of the first tensor argument of every ATen call (what the kernels saw)."""
+
+    def __init__(self, ops: tuple = ()):
+        super().__init__()
+        self.ops = ops
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in self.ops:
+            self.sizes.append(args[0].shape[0] if func.overloadpacket is not torch.ops.aten.addmm else args[1].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+def budget_for(staged: stagetorch.Staged, *args, chunks: int = 3) -> int:
+    """The largest budget (in 3% steps down from the whole batch's peak) that splits into >= ``chunks``."""
+    budget = staged.plan(*args).full_batch_peak_bytes * 2
+    while budget > 1024:
+        staged.memory_budget = budget
+        plan = staged.plan(*args)
+        if len(plan.chunk_sizes) >= chunks:
+            return budget
+        budget = int(budget * 0.97)
+    raise AssertionError("no budget gives enough chunks")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def check(model: nn.Module, step_of, batch: tuple, ops: tuple = (torch.ops.aten.addmm,), out_index=None):
+    """Full-batch eager vs staged in >= 3 uneven chunks; compares loss, outputs and grads."""
+    reference = copy.deepcopy(model)
+    with KernelBatchSizes(ops) as full:
+        expected = step_of(reference)(*batch)
+    staged = stagetorch.jit(step_of(model))
+    budget_for(staged, *batch)
+    plan = staged.plan(*batch)
+    assert len(plan.chunk_sizes) >= 3 and len(set(plan.chunk_sizes)) > 1, plan
+    with KernelBatchSizes(ops) as seen:
+        got = staged(*batch)
+    # The kernels saw chunks, never the whole batch, and chunks of more than one size.
+    assert seen.sizes and max(seen.sizes) < max(full.sizes), (seen.sizes, full.sizes, plan)
+    assert len(set(seen.sizes)) > 1
+    exp_loss, got_loss = (expected, got) if out_index is None else (expected[out_index], got[out_index])
+    assert rel(got_loss.detach(), exp_loss.detach()) < 1e-5
+    if out_index is not None:
+        for i, (e, g) in enumerate(zip(expected, got)):
+            assert g.shape == e.shape
+            assert rel(g.detach(), e.detach()) < 1e-5, i
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if q.grad is None:
+            assert p.grad is None, name
+        else:
+            assert rel(p.grad, q.grad) < 1e-5, name
+    return plan
+
+
+def _step(model, loss_fn):
+    def step(x, y):
+        out = model(x)
+        loss = loss_fn(out.reshape(-1, out.shape[-1]), y.reshape(-1), model)
+        loss.backward()
+        return loss
+
+    return step
+
+
+LOSSES = {
+    "mean_ce": lambda out, y, m: F.cross_entropy(out, y),
+    "sum_ce": lambda out, y, m: F.cross_entropy(out, y, reduction="sum"),
+    "ce_plus_l2": lambda out, y, m: F.cross_entropy(out, y) + 1e-3 * sum((p**2).sum() for p in m.parameters()),
+    "mse": lambda out, y, m: F.mse_loss(out, F.one_hot(y, out.shape[-1]).float()),
+    "two_losses": lambda out, y, m: F.cross_entropy(out, y) + 0.5 * F.mse_loss(out.softmax(-1), F.one_hot(y, out.shape[-1]).float()),
+}
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+@pytest.mark.parametrize("arch", ["mlp", "cnn", "transformer", "lstm"])
+def test_chunked_step_equals_full_batch(arch, loss):
+    model, make = models.CLASSIFIERS[arch]() if arch != "mlp" else _mlp()
+    # An op whose first argument leads with the batch: what the kernels saw.
+    ops = {
+        "mlp": (torch.ops.aten.addmm,),
+        "cnn": (torch.ops.aten.convolution,),
+        "transformer": (torch.ops.aten.native_layer_norm,),
+        "lstm": (torch.ops.aten.addmm,),
+    }[arch]
+    x, y = make(BATCH)
+    check(model, lambda m: _step(m, LOSSES[loss]), (x, y), ops)
+
+
+def _mlp():
+    """The seed MLP. Chunking holds a partial gradient besides the accumulator, so at small batches its
+    parameters outweigh what chunking saves; its batches are ten times larger than the other models'."""
+    model, make = models.seed_mlp()
+    return model, lambda b: make(10 * b)
+
+
+def test_gpt2_with_padded_labels():
+    model, make = models.gpt2()
+    ids, labels = make(BATCH)
+    assert (labels == -100).any()
+    check(model, models.gpt2_step, (ids, labels), (torch.ops.aten.native_layer_norm,))
+
+
+def test_returns_per_example_logits_besides_the_loss():
+    model, make = _mlp()
+    x, y = make(BATCH)
+
+    def step_of(m):
+        def step(x, y):
+            logits = m(x)
+            loss = F.cross_entropy(logits, y)
+            loss.backward()
+            return loss, logits
+
+        return step
+
+    check(model, step_of, (x, y), out_index=0)
+
+
+def test_mha_sequence_first_attention():
+    model, make = models.mha()
+    x, y = make(BATCH)
+    check(model, lambda m: _step(m, LOSSES["mean_ce"]), (x, y), (torch.ops.aten.addmm,))
+
+
+def test_batchnorm_training_raises_coupling_error_naming_the_line():
+    model, make = models.cnn(norm="batch")
+    x, y = make(BATCH)
+    staged = stagetorch.jit(_step(model, LOSSES["mean_ce"]))
+    staged.memory_budget = staged.plan(x, y).full_batch_peak_bytes // 3
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(stagetorch.BatchCouplingError, match=r"native_batch_norm at tests/models.py:\d+ \(model.norm\).*BatchNorm in training mode"):
+        staged(x, y)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_batchnorm_eval_mode_chunks_exactly():
+    model, make = models.cnn(norm="batch")
+    model.eval()
+    x, y = make(BATCH)
+    check(model, lambda m: _step(m, LOSSES["mean_ce"]), (x, y), (torch.ops.aten.convolution,))
+
+
+def test_a_loss_whose_gradient_needs_its_value_raises():
+    model, make = _mlp()
+    x, y = make(BATCH)
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y) ** 2
+        loss.backward()
+        return loss
+
+    staged = stagetorch.jit(step)
+    staged.memory_budget = staged.plan(x, y).full_batch_peak_bytes // 2
+    with pytest.raises(stagetorch.BatchCouplingError, match="reduced over the whole batch"):
+        staged(x, y)
+
+
+def test_fits_whole_batch_without_chunking():
+    model, make = models.seed_mlp()
+    x, y = make(64)
+    staged = stagetorch.jit(_step(model, LOSSES["mean_ce"]), memory_budget="1GiB")
+    plan = staged.plan(x, y)
+    assert plan.chunk_sizes == (64,) and "fits" in str(plan)
+
+
+def test_not_even_one_example_fits():
+    model, make = models.seed_mlp()
+    x, y = make(64)
+    staged = stagetorch.jit(_step(model, LOSSES["mean_ce"]), memory_budget=1000)
+    with pytest.raises(stagetorch.OutOfMemoryError, match="not even one example fits"):
+        staged(x, y)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_plan_prefers_multiples_of_eight_and_no_tiny_last_chunk():
+    from stagetorch.planning import _sizes
+
+    assert _sizes(100, 45) == [40, 40, 20]
+    assert _sizes(100, 30) == [25, 25, 25, 25]
+    assert _sizes(1000, 300) == [256, 256, 256, 232]
+
+
+# -- out of memory at run time, and failures ---------------------------------------------------------------
+
+_LIMIT = {"examples": 10**9, "error": None}
+
+
+@torch.library.custom_op("stagetorch_test::guard", mutates_args=())
+def guard(x: torch.Tensor) -> torch.Tensor:
+    """Identity that fails like the device would, for chunks above a limit."""
+    if x.shape[0] > _LIMIT["examples"]:
+        raise (_LIMIT["error"] or torch.OutOfMemoryError)(f"simulated: {x.shape[0]} examples")
+    return x.clone()
+
+
+@guard.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+guard.register_autograd(lambda ctx, grad: grad, setup_context=lambda ctx, inputs, output: None)
+stagetorch.ops.register(torch.ops.stagetorch_test.guard, batch=stagetorch.ops.per_example())
+
+
+def _guarded_step(model):
+    def step(x, y):
+        loss = F.cross_entropy(model[2:](torch.ops.stagetorch_test.guard(model[:2](x))), y)
+        loss.backward()
+        return loss
+
+    return step
+
+
+def test_runtime_oom_halves_the_chunk_and_stays_exact():
+    model, make = _mlp()
+    x, y = make(BATCH)
+    reference = copy.deepcopy(model)
+    expected = _guarded_step(reference)(x, y)
+    staged = stagetorch.jit(_guarded_step(model))
+    budget_for(staged, x, y)
+    planned = staged.plan(x, y).chunk_sizes
+    limit = max(planned) // 2 + 1
+    _LIMIT.update(examples=limit, error=None)
+    try:
+        with KernelBatchSizes((torch.ops.stagetorch_test.guard,)) as seen:
+            loss = staged(x, y)
+    finally:
+        _LIMIT.update(examples=10**9)
+    assert any(n > limit for n in seen.sizes), "the injected OOM never fired"
+    assert sum(n for n in seen.sizes if n <= limit) == len(x), (seen.sizes, planned)
+    assert rel(loss, expected.detach()) < 1e-5
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert rel(p.grad, q.grad) < 1e-5
+
+
+def test_a_failed_step_leaves_grads_and_buffers_untouched():
+    model, make = _mlp()
+    x, y = make(BATCH)
+    staged = stagetorch.jit(_guarded_step(model))
+    staged(x, y)  # .grad now holds one step's gradients
+    grads = [p.grad.clone() for p in model.parameters()]
+    budget_for(staged, x, y)
+    _LIMIT.update(examples=max(staged.plan(x, y).chunk_sizes) - 1, error=RuntimeError)
+    try:
+        with pytest.raises(RuntimeError, match="simulated"):
+            staged(x, y)
+    finally:
+        _LIMIT.update(examples=10**9, error=None)
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g)
+
+
+# -- bad input -----------------------------------------------------------------------------------------------
+
+
+def test_bad_batch_inputs_get_clear_errors():
+    model, make = models.seed_mlp()
+    x, y = make(8)
+    step = stagetorch.jit(_step(model, LOSSES["mean_ce"]))
+    with pytest.raises(stagetorch.ShapeError, match=r"disagree on the batch size \(x: 8, y: 7\)"):
+        step(x, y[:7])
+    with pytest.raises(stagetorch.ShapeError, match="batch is empty"):
+        step(x[:0], y[:0])
+    with pytest.raises(stagetorch.ShapeError, match=r"batch_dim=2 is out of range for argument x"):
+        stagetorch.jit(_step(model, LOSSES["mean_ce"]), batch_dim=2)(x, y)
+    with pytest.raises(TypeError, match="batch_argnums names argument 1"):
+        stagetorch.jit(lambda x, n: model(x).sum() * n, batch_argnums=(1,))(x, 3)
+    with pytest.raises(ValueError, match="not a size"):
+        stagetorch.jit(_step(model, LOSSES["mean_ce"]), memory_budget="lots")(x, y)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_memory_budget_strings():
+    from stagetorch.devices import parse_bytes
+
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("1.5GB") == 1_500_000_000
+    assert parse_bytes(4096) == 4096
