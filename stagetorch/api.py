@@ -85,27 +85,75 @@ def eval_shape(fn: Callable, *, static_argnums: Sequence[int] = ()) -> Callable[
 
 
 @attrs.define
-class _Entry:
-    """One staged signature: the graph, its compiled program, and its chunked form and plans, on demand."""
+class Executable:
+    """A staged graph ready to run on real inputs: unchunked when the batch fits, else in exact chunks.
 
-    traced: Traced
-    program: Program
+    Front ends (``jit``, ``lazy``) build one per staged program and call :meth:`run`. The compiled program,
+    the chunked split and the plan per budget are made on first use and kept.
+    """
+
+    graph: Graph
     batched: dict[Var, Batched]
     batch: int
+    consts: list[torch.Tensor] = attrs.field(factory=list)
+    _program: Program | None = None
     _split: Split | None = None
     plans: dict[int, Plan] = attrs.field(factory=dict)
-    mutated: list[int] = attrs.field(factory=list)
+    _mutated: list[int] | None = None
+
+    @property
+    def program(self) -> Program:
+        if self._program is None:
+            self._program = Program(self.graph)
+        return self._program
 
     def split(self) -> Split:
         if self._split is None:
-            graph = self.traced.graph
-            self._split = Split(analyze(graph, self.batched, self.batch))
+            self._split = Split(analyze(self.graph, self.batched, self.batch))
         return self._split
 
     def plan(self, budget: int) -> Plan:
         if budget not in self.plans:
-            self.plans[budget] = plan_chunks(self.traced.graph, self.split, self.batch, budget, liveness_peak)
+            self.plans[budget] = plan_chunks(self.graph, self.split, self.batch, budget, liveness_peak)
         return self.plans[budget]
+
+    def run(
+        self, inputs: list, budget: int, *, on_chunk: Callable[[int, int], None] | None = None, name: str = "step"
+    ) -> tuple[list, list[tuple[int, torch.Tensor]]]:
+        """Run on real ``inputs`` (parallel to ``graph.invars``) within ``budget`` bytes.
+
+        **Returns** the flat outputs and the (input position, gradient) pairs to accumulate into ``.grad``.
+        If anything fails, inputs the program updates in place (buffers) are restored first.
+        """
+        plan = self.plan(budget)
+        if self._mutated is None:
+            self._mutated = _mutated_inputs(self.graph)
+        saved = [(inputs[i], inputs[i].clone()) for i in self._mutated]
+        try:
+            if plan.chunked:
+                log.info("stagetorch: %s: %s", name, plan)
+                outs, grads, _ = run_chunked(self.split(), inputs, plan.chunk_sizes, on_chunk=on_chunk)
+                return outs, grads
+            return self.program.run(inputs)
+        except BaseException:
+            with torch.no_grad():
+                for t, copy in saved:
+                    t.copy_(copy)
+            raise
+
+
+@attrs.define
+class _Entry:
+    traced: Traced
+    executable: Executable
+
+
+def device_of(graph: Graph) -> torch.device:
+    """The device a graph's batch lives on: that of its first argument, else of its first input."""
+    for v, role in zip(graph.invars, graph.roles or ["arg"] * len(graph.invars)):
+        if role == "arg":
+            return v.aval.device
+    return graph.invars[0].aval.device if graph.invars else torch.device("cpu")
 
 
 def _mutated_inputs(graph: Graph) -> list[int]:
@@ -158,12 +206,12 @@ class Staged:
             graph = traced.graph
             arg_vars = [v for v, r in zip(graph.invars, graph.roles) if r == "arg"]
             batched = {v: Batched(dim) for v, (is_batched, dim) in zip(arg_vars, batched_leaves) if is_batched}
-            entry = _Entry(traced, Program(graph), batched, batch, mutated=_mutated_inputs(graph))
+            entry = _Entry(traced, Executable(graph, batched, batch, traced.consts))
             self._cache[key] = entry
         argnums = _leaf_argnums(args, kwargs)
         inputs = [x for x, a in zip(leaves, argnums) if isinstance(x, torch.Tensor) and a not in static]
         inputs += [t for _, _, t in state.named_state()]
-        inputs += entry.traced.consts
+        inputs += entry.executable.consts
         return entry, inputs, state
 
     def _batch_leaves(self, args: tuple, kwargs: dict) -> tuple[list[tuple[bool, int]], int]:
@@ -211,27 +259,17 @@ class Staged:
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """How a call with these arguments would run: chunk sizes, predicted peaks, and why."""
         entry, inputs, _ = self._stage(args, kwargs)
-        return entry.plan(self._budget(entry))
+        return entry.executable.plan(self._budget(entry.executable))
 
-    def _budget(self, entry: _Entry) -> int:
-        devices = {v.aval.device for v in entry.batched} or {torch.device("cpu")}
-        return free_memory(next(iter(devices)), self.memory_budget)
+    def _budget(self, executable: Executable) -> int:
+        return free_memory(device_of(executable.graph), self.memory_budget)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         entry, inputs, _ = self._stage(args, kwargs)
-        plan = entry.plan(self._budget(entry))
-        saved = [(inputs[i], inputs[i].clone()) for i in entry.mutated]
-        try:
-            if plan.chunked:
-                log.info("stagetorch: %s: %s", getattr(self.fn, "__name__", "step"), plan)
-                outs, grads, _ = run_chunked(entry.split(), inputs, plan.chunk_sizes, on_chunk=self._progress(plan))
-            else:
-                outs, grads = entry.program.run(inputs)
-        except BaseException:
-            with torch.no_grad():
-                for t, copy in saved:
-                    t.copy_(copy)
-            raise
+        executable = entry.executable
+        budget = self._budget(executable)
+        name = getattr(self.fn, "__name__", "step")
+        outs, grads = executable.run(inputs, budget, on_chunk=self._progress(executable.plan(budget)), name=name)
         for i, g in grads:
             accumulate_grad(inputs[i], g)
         return pytree.tree_unflatten(outs, entry.traced.graph.out_tree)

@@ -304,3 +304,14 @@ def test_memory_budget_strings():
     assert parse_bytes("512MiB") == 512 * 2**20
     assert parse_bytes("1.5GB") == 1_500_000_000
     assert parse_bytes(4096) == 4096
+
+
+def test_a_chunked_step_logs_its_plan_and_can_show_progress(caplog, capsys):
+    model, make = _mlp()
+    x, y = make(BATCH)
+    staged = stagetorch.jit(_step(model, LOSSES["mean_ce"]), progress=True)
+    budget_for(staged, x, y)
+    with caplog.at_level("INFO", logger="stagetorch"):
+        staged(x, y)
+    assert any("Plan: batch 1000 as" in r.getMessage() for r in caplog.records)
+    assert f"{len(x)}/{len(x)}" in capsys.readouterr().err
