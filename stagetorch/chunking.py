@@ -112,6 +112,8 @@ class Split:
         self.body_idx = body_idx
         self.shared = self._shared_graph(shared_idx, body_reads | post_reads | set(final))
         self.post = self._post_graph(post_idx, final)
+        self.shared_program = Program(self.shared)
+        self.post_program = Program(self.post)
         self._bodies: dict[int, BodyGraph] = {}
         self._prepasses: dict[int, BodyGraph] = {}
         self.batched_inputs = [v for v in graph.invars if isinstance(labels.get(v), Batched)]
@@ -353,7 +355,7 @@ def run_chunked(
     """
     g = split.graph
     env: dict[Var, Any] = dict(zip(g.invars, inputs))
-    shared = Program(split.shared)
+    shared = split.shared_program
     senv = shared.run_env(inputs)
     env.update(zip(split.shared.outvars, shared.outputs(senv)))
     del senv
@@ -365,7 +367,7 @@ def run_chunked(
     combined, ran = _loop(split, split.body, env, sizes, on_chunk)
     env.update(combined.values)
 
-    post = Program(split.post)
+    post = split.post_program
     env.update(zip(split.post.outvars, post.outputs(post.run_env([env[v] for v in split.post.invars]))))
 
     outs = [v.value if isinstance(v, Literal) else env[v] for v in g.outvars]
