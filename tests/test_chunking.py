@@ -315,3 +315,22 @@ def test_a_chunked_step_logs_its_plan_and_can_show_progress(caplog, capsys):
         staged(x, y)
     assert any("Plan: batch 1000 as" in r.getMessage() for r in caplog.records)
     assert f"{len(x)}/{len(x)}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["cnn", "transformer", "lstm"])
+def test_chunked_inference_equals_full_batch(arch):
+    model, make = models.CLASSIFIERS[arch]()
+    model.eval()
+    x, _ = make(BATCH)
+    with torch.no_grad():
+        expected = model(x)
+
+    def predict(x):
+        with torch.no_grad():
+            return model(x).softmax(-1)
+
+    staged = stagetorch.jit(predict)
+    budget_for(staged, x)
+    got = staged(x)
+    assert got.shape == expected.shape
+    assert rel(got, expected.softmax(-1)) < 1e-5

@@ -32,6 +32,9 @@ BATCH: dict = {
     aten._scaled_dot_product_efficient_attention_backward: _batch.per_example(slice_args=(3,)),
     aten._scaled_dot_product_cudnn_attention: _batch.per_example(slice_args=(3,)),
     aten._scaled_dot_product_cudnn_attention_backward: _batch.per_example(),
+    # nn.TransformerEncoderLayer / nn.MultiheadAttention fast paths (eval, no grad, batch_first).
+    aten._transformer_encoder_layer_fwd: _batch.per_example(),
+    aten._native_multi_head_attention: _batch.per_example(),
     aten._softmax: _batch.softmax(dim_arg=1),
     aten._log_softmax: _batch.softmax(dim_arg=1),
     aten._softmax_backward_data: _batch.softmax(dim_arg=2),
