@@ -83,16 +83,6 @@ class Split:
         graph = analysis.graph
         self.graph = graph
         labels = analysis.labels
-        if analysis.needs_global:
-            v = analysis.needs_global[0]
-            reader = next(e for e, p in zip(graph.eqns, analysis.phases) if p == "body" and v in e.invars)
-            raise coupling(
-                reader,
-                "reads a value reduced over the whole batch (a loss or a batch statistic) while the batch is "
-                "still being processed",
-                "make the per-example computation independent of batch-wide values (for a loss, its gradient "
-                "must not depend on its value), or run without chunking (a larger memory_budget)",
-            )
         body_idx = [i for i, p in enumerate(analysis.phases) if p == "body"]
         post_idx = [i for i, p in enumerate(analysis.phases) if p == "post"]
         shared_idx = [i for i, p in enumerate(analysis.phases) if p == "shared"]
@@ -110,12 +100,36 @@ class Split:
                 self.body_results.append(v)
         self.globals: list[Var] = [v for v in body_defined if isinstance(labels.get(v), Global)]
         self.body_idx = body_idx
+        # Batch-wide values (a loss, a sum over examples) that per-example work reads: a pre-pass computes
+        # them over every chunk first. Their own computation must not read one (that would need a pass per
+        # level: BatchNorm-like coupling).
+        self.needs_global = list(analysis.needs_global)
+        self._global_post_idx = self._ancestors(post_idx, self.needs_global, "post")
+        needed_reduced = [v for v in self.needs_global if isinstance(labels.get(v), Reduced)]
+        needed_reduced += [
+            v for i in self._global_post_idx for v in graph.eqns[i].invars
+            if isinstance(labels.get(v), Reduced) and v not in needed_reduced
+        ]
+        self.reduced_for_globals = needed_reduced
+        for i in self._ancestors(body_idx, needed_reduced, "body"):
+            e = graph.eqns[i]
+            read = next((v for v in e.invars if v in self.needs_global), None)
+            if read is not None:
+                raise coupling(
+                    e,
+                    "reads a value reduced over the whole batch that itself depends on another batch-wide value",
+                    "make the per-example computation depend on at most one level of batch-wide values, or run "
+                    "without chunking (a larger memory_budget)",
+                )
+        self.global_post = self._post_graph(
+            self._global_post_idx, [v for v in self.needs_global if labels.get(v) == "post"]
+        )
         self.shared = self._shared_graph(shared_idx, body_reads | post_reads | set(final))
         self.post = self._post_graph(post_idx, final)
         self.shared_program = Program(self.shared)
         self.post_program = Program(self.post)
         self._bodies: dict[int, BodyGraph] = {}
-        self._prepasses: dict[int, BodyGraph] = {}
+        self._prepasses: dict[tuple[str, int], BodyGraph] = {}
         self.batched_inputs = [v for v in graph.invars if isinstance(labels.get(v), Batched)]
 
     # -- shared and post graphs ------------------------------------------------------------------------
@@ -150,6 +164,17 @@ class Split:
         outs = [v for v in final if v in defined]
         return Graph(reads, eqns, outs)
 
+    def _ancestors(self, idx: list[int], targets: list[Var], phase: str) -> list[int]:
+        """The equations among ``idx`` that ``targets`` depend on, in program order."""
+        needed = set(targets)
+        out = []
+        for i in reversed(idx):
+            e = self.graph.eqns[i]
+            if any(v in needed for v in e.outvars if v is not None):
+                out.append(i)
+                needed |= set(e.invars)
+        return sorted(out)
+
     # -- per-chunk graphs ------------------------------------------------------------------------------
 
     def body(self, n: int) -> BodyGraph:
@@ -158,28 +183,33 @@ class Split:
             self._bodies[n] = self._chunk_graph(n, self.body_idx, self.body_results, [])
         return self._bodies[n]
 
-    def prepass(self, n: int) -> BodyGraph | None:
-        """The per-chunk slice that computes the partials of the global values (a loss's total weight)."""
-        if not self.globals:
-            return None
-        if n not in self._prepasses:
+    def normaliser_pass(self, n: int) -> BodyGraph:
+        """Per chunk, the partials of what rules compute from the inputs alone (a loss's total weight)."""
+        key = ("normaliser", n)
+        if key not in self._prepasses:
             extra: list[tuple[Var, Prepass]] = [(v, self.analysis.prepass[v]) for v in self.globals]
-            needed = {x for _, p in extra for x in _vars_in(p.args)}
-            idx = []
-            for i in reversed(self.body_idx):
-                e = self.graph.eqns[i]
-                if any(v in needed for v in e.outvars if v is not None):
-                    idx.append(i)
-                    needed |= set(e.invars)
-            self._prepasses[n] = self._chunk_graph(n, sorted(idx), [], extra)
-        return self._prepasses[n]
+            idx = self._ancestors(self.body_idx, [x for _, p in extra for x in _vars_in(p.args)], "body")
+            self._prepasses[key] = self._chunk_graph(n, idx, [], extra, reads_globals=False)
+        return self._prepasses[key]
 
-    def _chunk_graph(self, n: int, idx: list[int], results: list[Var], extra: list[tuple[Var, Prepass]]) -> BodyGraph:
+    def reduction_pass(self, n: int) -> BodyGraph:
+        """Per chunk, the partials of the batch-wide reductions that per-example work reads (a loss value)."""
+        key = ("reduction", n)
+        if key not in self._prepasses:
+            idx = self._ancestors(self.body_idx, self.reduced_for_globals, "body")
+            self._prepasses[key] = self._chunk_graph(n, idx, self.reduced_for_globals, [], reads_globals=False)
+        return self._prepasses[key]
+
+    def _chunk_graph(
+        self, n: int, idx: list[int], results: list[Var], extra: list[tuple[Var, Prepass]], reads_globals: bool = True
+    ) -> BodyGraph:
         an, labels = self.analysis, self.analysis.labels
+        batch_wide = set(self.needs_global) if reads_globals else set()
         mapping: dict[Var, Var] = {}
         feeds: list[tuple] = []
         invars: list[Var] = []
         sliced: dict[tuple[Var, Batched], Var] = {}
+        sliced_globals: dict[Var, Var] = {}
 
         def feed(v: Var, cut: Batched | None = None) -> Var:
             lab = labels.get(v)
@@ -191,6 +221,12 @@ class Split:
                     invars.append(s)
                     feeds.append(("slice", v, cut))
                 return sliced[key]
+            if v in batch_wide:
+                if v not in sliced_globals:
+                    sliced_globals[v] = Var(v.aval)
+                    invars.append(sliced_globals[v])
+                    feeds.append(("full", v))
+                return sliced_globals[v]
             if v not in mapping:
                 if isinstance(lab, Batched):  # a batched graph input
                     mapping[v] = Var(_chunk_aval(v, lab, n))
@@ -208,6 +244,8 @@ class Split:
             prim, args, kwargs = decision.call(n) if decision.call is not None else (e.prim, e.args, e.kwargs)
 
             def arg(v: Var, decision=decision) -> Var:
+                if v in batch_wide:  # the pre-pass's value for the whole batch, not this chunk's partial
+                    return feed(v)
                 if v in mapping:
                     return mapping[v]
                 return feed(v, decision.slice.get(v))
@@ -361,8 +399,16 @@ def run_chunked(
     del senv
 
     if split.globals:
-        partials, _ = _loop(split, split.prepass, env, sizes, None)
+        partials, _ = _loop(split, split.normaliser_pass, env, sizes, None)
         env.update(partials.values)
+    if split.reduced_for_globals:
+        partials, _ = _loop(split, split.reduction_pass, env, sizes, None)
+        env.update(partials.values)
+        if split.global_post.eqns:
+            batch_wide = split.global_post
+            program = Program(batch_wide)
+            values = program.outputs(program.run_env([env[v] for v in batch_wide.invars]))
+            env.update(zip(batch_wide.outvars, values))
 
     combined, ran = _loop(split, split.body, env, sizes, on_chunk)
     env.update(combined.values)

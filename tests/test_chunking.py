@@ -168,18 +168,39 @@ def test_batchnorm_eval_mode_chunks_exactly():
     check(model, lambda m: _step(m, LOSSES["mean_ce"]), (x, y), (torch.ops.aten.convolution,))
 
 
-def test_a_loss_whose_gradient_needs_its_value_raises():
+def test_a_gradient_that_reads_the_loss_value_uses_a_prepass():
+    # d(loss**2) = 2 * loss * d(loss): every chunk's backward needs the whole batch's loss.
+    model, make = _mlp()
+    x, y = make(BATCH)
+    check(model, lambda m: _step(m, lambda out, y, m: F.cross_entropy(out, y) ** 2), (x, y))
+
+
+def test_examples_weighted_by_a_batch_sum_use_a_prepass():
+    model, make = _mlp()
+    x, y = make(BATCH)
+
+    def loss(out, y, m):
+        w = out.detach().abs().sum(1)
+        return (F.cross_entropy(out, y, reduction="none") * (w / w.sum())).sum()
+
+    check(model, lambda m: _step(m, loss), (x, y))
+
+
+def test_normalising_by_batch_statistics_raises():
     model, make = _mlp()
     x, y = make(BATCH)
 
     def step(x, y):
-        loss = F.cross_entropy(model(x), y) ** 2
+        h = model[0](x)
+        h = h - h.mean(0)
+        h = h / (h * h).mean(0).add(1e-5).sqrt()
+        loss = F.cross_entropy(model[2](model[1](h)), y)
         loss.backward()
         return loss
 
     staged = stagetorch.jit(step)
     staged.memory_budget = staged.plan(x, y).full_batch_peak_bytes // 2
-    with pytest.raises(stagetorch.BatchCouplingError, match="reduced over the whole batch"):
+    with pytest.raises(stagetorch.BatchCouplingError, match="depends on another batch-wide value"):
         staged(x, y)
 
 
