@@ -70,6 +70,7 @@ class Prepass:
 
     fn: Callable[..., torch.Tensor]
     args: tuple
+    cuts: dict = attrs.field(factory=dict)
 
 
 Label = Batched | Reduced | None

@@ -164,6 +164,12 @@ class Split:
         outs = [v for v in final if v in defined]
         return Graph(reads, eqns, outs)
 
+    def _cuts_of(self, v: Var) -> dict:
+        for i, e in enumerate(self.graph.eqns):
+            if v in e.outvars and i in self.analysis.decisions:
+                return dict(self.analysis.decisions[i].slice)
+        return {}
+
     def _ancestors(self, idx: list[int], targets: list[Var], phase: str) -> list[int]:
         """The equations among ``idx`` that ``targets`` depend on, in program order."""
         needed = set(targets)
@@ -189,6 +195,8 @@ class Split:
         if key not in self._prepasses:
             extra: list[tuple[Var, Prepass]] = [(v, self.analysis.prepass[v]) for v in self.globals]
             idx = self._ancestors(self.body_idx, [x for _, p in extra for x in _vars_in(p.args)], "body")
+            # The formula's arguments are cut as the equation that declared it cuts them.
+            extra = [(v, attrs.evolve(p, cuts=self._cuts_of(v))) for v, p in extra]
             self._prepasses[key] = self._chunk_graph(n, idx, [], extra, reads_globals=False)
         return self._prepasses[key]
 
@@ -268,7 +276,8 @@ class Split:
         kinds = [(v, _combine_kind(labels.get(v))) for v in results]
         for v, p in extra:
             out = Var(v.aval)
-            eqns.append(Eqn(p.fn, _subst(p.args, lambda x: mapping.get(x) or feed(x)), {}, (out,), self.graph.eqns[0].source))
+            args = _subst(p.args, lambda x, p=p: mapping.get(x) or feed(x, p.cuts.get(x)))
+            eqns.append(Eqn(p.fn, args, {}, (out,), self.graph.eqns[0].source))
             outs.append(out)
             kinds.append((v, "sum"))
         g = Graph(invars, eqns, outs)

@@ -81,8 +81,7 @@ class Program:
         bind_args = _binder(e.args, slot_of)
         bind_kwargs = _binder(e.kwargs, slot_of)
         outs = [(j, slot_of[v]) for j, v in enumerate(e.outvars) if v is not None]
-        single = len(e.outvars) == 1 and e.outvars[0] is not None
-        return e.prim, bind_args, bind_kwargs, outs, single, frees
+        return e.prim, bind_args, bind_kwargs, outs, frees
 
     def run_env(self, inputs: Sequence[torch.Tensor]) -> list:
         """Run on real inputs (parallel to the graph's invars); returns the environment of live slots."""
@@ -92,9 +91,9 @@ class Program:
         # Below autograd, not under no_grad: some kernels (mkldnn RNN) skip saving what their backward
         # needs when grad mode is off, and the staged backward needs it.
         with torch._C._AutoDispatchBelowAutograd():
-            for prim, bind_args, bind_kwargs, outs, single, frees in self.steps:
+            for prim, bind_args, bind_kwargs, outs, frees in self.steps:
                 result = prim(*bind_args(env), **bind_kwargs(env))
-                if single:
+                if type(result) is torch.Tensor:  # the common case; a list (split) or tuple is flattened
                     env[outs[0][1]] = result
                 else:
                     flat = _flatten_result(result)

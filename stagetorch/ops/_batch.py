@@ -127,34 +127,30 @@ def contraction(spec: str, *, bias: bool = False) -> Callable[[Eqn, LabelFn], Ch
     """Matmul-like ops from an einsum spec (``"ij,jk->ik"``): a batch letter kept in the output stays
     per-example; one summed over becomes a per-chunk partial of a sum (a weight gradient).
 
-    With ``bias=True`` the first argument is added to the product (``addmm``) and must not see a partial sum.
+    With ``bias=True`` the first argument is added to the product (``addmm``): it broadcasts against the
+    output, so its dims take the output's trailing letters; it must not meet a partial sum.
     """
     ins, out_spec = spec.split("->")
     in_specs = ins.split(",")
 
     def rule(eqn: Eqn, label: LabelFn) -> Chunked:
         operands = list(eqn.args[1 : 1 + len(in_specs)] if bias else eqn.args[: len(in_specs)])
-        letters = []
-        for v, s in zip(operands, in_specs):
-            lab = label(v)
-            if lab is not None:
-                letters.append((s[lab.dim], lab.moved(0)))
+        specs = list(in_specs)
+        if bias and isinstance(eqn.args[0], Var):
+            operands.append(eqn.args[0])
+            specs.append(out_spec[len(out_spec) - eqn.args[0].aval.ndim :])
+        letters = [(s[lab.dim], lab.moved(0)) for v, s in zip(operands, specs) if (lab := label(v)) is not None]
         letter, lab = _agree(eqn, letters)
         extent = lab.extent(label.batch)
         cut = {}
-        for v, s in zip(operands, in_specs):
-            if label(v) is None and isinstance(v, Var) and letter in s and v.aval.shape[s.index(letter)] == extent:
-                cut[v] = lab.moved(s.index(letter))
+        for v, s in zip(operands, specs):
+            if isinstance(v, Var) and label(v) is None and letter in s:
+                pos = s.index(letter)
+                if v.aval.shape[pos] == extent and extent != 1:
+                    cut[v] = lab.moved(pos)
         if letter in out_spec:
-            pos = out_spec.index(letter)
-            if bias:
-                b = eqn.args[0]
-                if isinstance(b, Var) and label(b) is None:
-                    own = pos - (len(out_spec) - b.aval.ndim)
-                    if own >= 0 and b.aval.shape[own] == extent and extent != 1:
-                        cut[b] = lab.moved(own)
-            return Chunked((lab.moved(pos),), slice=cut)
-        if bias and (label(eqn.args[0]) is not None or _beta(eqn) != 0):
+            return Chunked((lab.moved(out_spec.index(letter)),), slice=cut)
+        if bias and _beta(eqn) != 0:
             raise coupling(
                 eqn,
                 "adds a term to a product summed over the batch",
@@ -167,6 +163,7 @@ def contraction(spec: str, *, bias: bool = False) -> Callable[[Eqn, LabelFn], Ch
 
 def _beta(eqn: Eqn) -> float:
     return eqn.kwargs.get("beta", eqn.args[3] if len(eqn.args) > 3 else 1)
+
 
 
 def _dims(dims: Any, ndim: int) -> list[int]:
@@ -498,8 +495,13 @@ def nll_loss_forward(eqn: Eqn, label: LabelFn) -> Chunked:
     lab = label(x) or label(target)
     if lab.dim != 0 or lab.outer != 1:
         raise coupling(eqn, "has its batch off dim 0", "keep the batch on dim 0 of the loss input")
+    cut = {
+        v: lab
+        for v in (x, target)
+        if label(v) is None and v.aval.ndim and v.aval.shape[0] == lab.extent(label.batch)
+    }
     if reduction == _NONE:
-        return Chunked((lab, None))
+        return Chunked((lab, None), slice=cut)
     if x.aval.ndim == 1:
         raise coupling(eqn, "reduces a single unbatched example", "give the loss a batch dim")
     total = eqn.outvars[1]
@@ -511,17 +513,23 @@ def nll_loss_forward(eqn: Eqn, label: LabelFn) -> Chunked:
     return Chunked(
         (Reduced("sum"), Global()),
         call=call,
+        slice=cut,
         prepass={1: Prepass(_nll_total_weight, (target, weight, ignore_index))},
     )
 
 
 def nll_loss_backward(eqn: Eqn, label: LabelFn) -> Chunked:
     """Exact per chunk: the global total weight arrives as an argument."""
-    x = eqn.args[1]
-    lab = label(x)
+    x, target = eqn.args[1], eqn.args[2]
+    lab = label(x) or label(target)
     if lab is None or lab.dim != 0:
         raise coupling(eqn, "has its batch off dim 0", "keep the batch on dim 0 of the loss input")
-    return Chunked((lab,))
+    cut = {
+        v: lab
+        for v in (x, target)
+        if label(v) is None and v.aval.ndim and v.aval.shape[0] == lab.extent(label.batch)
+    }
+    return Chunked((lab,), slice=cut)
 
 
 def embedding(eqn: Eqn, label: LabelFn) -> Chunked:
