@@ -599,3 +599,80 @@ rnn_layer = _rnn_layer(("seq", "hidden", "hidden", None), hidden_args=(5, 6))
 rnn_layer_backward = _rnn_layer(
     ("seq", "sum", "sum", "sum", "sum", "hidden", "hidden"), hidden_args=(5, 6, 8, 9, 11, 12)
 )
+
+
+def _dims_at(eqn: Eqn, arg: int | str | None, default: Any, ndim: int) -> list[int]:
+    """The dims an op mixes along, from a positional or keyword argument; ``None`` means all of them."""
+    if isinstance(arg, str):
+        value = eqn.kwargs.get(arg, default)
+    elif arg is None:
+        value = default
+    else:
+        value = eqn.args[arg] if len(eqn.args) > arg else eqn.kwargs.get("dim", default)
+    if value is None:
+        return list(range(ndim))
+    if isinstance(value, int):
+        value = [value]
+    return [d % ndim for d in value] if ndim else []
+
+
+def along(
+    dim: int | str | None,
+    *,
+    default: Any = None,
+    last: int = 0,
+    keepdim: int | str | None = None,
+    reduces: bool = False,
+) -> Callable[[Eqn, LabelFn], Chunked]:
+    """Ops that mix entries only along some dims (a scan, a sort, a norm, a gather, linear algebra over
+    trailing dims): exact per chunk whenever the batch is on another dim.
+
+    The mixed dims come from argument ``dim`` (position or keyword name; ``default`` when absent) or are
+    the ``last`` trailing dims. With ``reduces``, those dims are removed from the outputs unless the
+    ``keepdim`` argument says otherwise. Other tensor arguments must carry the batch the same way or be
+    shared.
+    """
+
+    def rule(eqn: Eqn, label: LabelFn) -> Chunked:
+        x = eqn.args[0]
+        lab = label(x)
+        if lab is None:
+            raise coupling(eqn, "reads per-example values through an argument other than its input", "batch the input")
+        ndim = x.aval.ndim
+        dims = list(range(ndim - last, ndim)) if last else _dims_at(eqn, dim, default, ndim)
+        if lab.dim in dims:
+            raise coupling(
+                eqn,
+                f"mixes entries along dim {lab.dim}, the batch dim",
+                "move the batch to a dim the op does not mix along (batch_dim=...), or run without chunking",
+            )
+        kept = False
+        if keepdim is not None:
+            kept = bool(eqn.kwargs.get(keepdim) if isinstance(keepdim, str) else (eqn.args[keepdim] if len(eqn.args) > keepdim else eqn.kwargs.get("keepdim", False)))
+        out_lab = lab.moved(lab.dim - sum(d < lab.dim for d in dims)) if reduces and not kept else lab
+        extent = lab.extent(label.batch)
+        cut = {}
+        for _, v in _vars(eqn.args[1:]):
+            other = label(v)
+            if other is not None and other != lab:
+                raise coupling(eqn, "combines per-example values batched in different ways", "keep the batch consistent")
+            # Operands line up dim by dim with the input (an index, the other vector of a cross product).
+            if other is None and v.aval.ndim == ndim and v.aval.shape[lab.dim] == extent and extent != 1:
+                cut[v] = lab
+            elif other is None and v.aval.ndim == ndim and v.aval.shape[lab.dim] not in (1, extent):
+                raise coupling(
+                    eqn,
+                    f"lines up an operand of {v.aval.shape[lab.dim]} entries against {extent} along the batch dim",
+                    "give the operand one entry per example, or run without chunking",
+                )
+        out = []
+        for v in eqn.outvars:
+            if v is None:
+                out.append(None)
+            elif v.aval.ndim > out_lab.dim and v.aval.shape[out_lab.dim] == extent:
+                out.append(out_lab)
+            else:
+                raise coupling(eqn, "returns a value whose batch dim stagetorch cannot place", "run without chunking")
+        return Chunked(tuple(out), slice=cut)
+
+    return rule

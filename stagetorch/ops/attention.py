@@ -42,5 +42,6 @@ BATCH: dict = {
     # The CPU LSTM/GRU layer: input (time, batch, features), hidden state (batch, hidden).
     aten.mkldnn_rnn_layer: _batch.rnn_layer,
     aten.mkldnn_rnn_layer_backward: _batch.rnn_layer_backward,
+    aten._safe_softmax: _batch.softmax(dim_arg=1),
 }
 

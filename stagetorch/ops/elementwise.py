@@ -33,5 +33,8 @@ BATCH: dict = {
     **{op: _batch.same_in_every_chunk for op in (
         aten.new_empty_strided, aten.new_empty, aten.new_zeros, aten.new_ones, aten.new_full,
     )},
+    aten.hardswish: _batch.elementwise,
+    aten.log_sigmoid_forward: _batch.elementwise,
+    aten.fill: _batch.elementwise,
 }
 

@@ -41,5 +41,22 @@ BATCH: dict = {
     aten.cat: _batch.cat,
     aten.stack: _batch.stack,
     aten.constant_pad_nd: _batch.constant_pad_nd,
+    # Copying variants of the views above.
+    aten.view_copy: _batch.view,
+    aten.expand_copy: _batch.expand,
+    aten.alias_copy: _batch.elementwise,
+    aten.squeeze_copy: _batch.squeeze,
+    aten.unsqueeze_copy: _batch.unsqueeze,
+    aten.unsafe_split: _batch.split,
+    aten.split_with_sizes_copy: _batch.split,
+    aten.flip: _batch.along(1),
+    aten.roll: _batch.along(2),
+    aten.tril: _batch.along(None, last=2),
+    aten.triu: _batch.along(None, last=2),
+    aten.gather: _batch.along(1),
+    aten.scatter: _batch.along(1),
+    aten.scatter_add: _batch.along(1),
+    aten.scatter_reduce: _batch.along(1),
+    aten.index_select: _batch.along(1),
 }
 
