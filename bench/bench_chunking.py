@@ -23,8 +23,8 @@ import torch
 
 import stagetorch
 from stagetorch.chunking import run_chunked
+from stagetorch.memory import peak_bytes as cost
 from stagetorch.planning import SAFETY_MARGIN, _chunk_peak
-from stagetorch.planning import liveness_peak as cost
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests"))
 import models  # noqa: E402

@@ -11,12 +11,17 @@ from .errors import (
     UnsupportedOpError,
 )
 from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var
+from .memory import MemoryReport, memory
+from .planning import Plan
 
 __all__ = [
     "jit",
     "make_ir",
     "eval_shape",
     "Staged",
+    "memory",
+    "MemoryReport",
+    "Plan",
     "Aval",
     "Var",
     "Literal",

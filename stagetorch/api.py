@@ -22,7 +22,8 @@ from .devices import free_memory
 from .errors import ShapeError
 from .execute import Program, accumulate_grad
 from .ir import Aval, Graph, Var
-from .planning import Plan, liveness_peak, plan_chunks
+from .memory import peak_bytes
+from .planning import Plan, plan_chunks
 from .tracing import State, Traced, arg_names, discover, trace
 
 __all__ = ["make_ir", "eval_shape", "jit", "Staged"]
@@ -114,7 +115,7 @@ class Executable:
 
     def plan(self, budget: int) -> Plan:
         if budget not in self.plans:
-            self.plans[budget] = plan_chunks(self.graph, self.split, self.batch, budget, liveness_peak)
+            self.plans[budget] = plan_chunks(self.graph, self.split, self.batch, budget, peak_bytes)
         return self.plans[budget]
 
     def run(

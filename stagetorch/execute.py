@@ -99,6 +99,9 @@ class Program:
                     flat = _flatten_result(result)
                     for j, s in outs:
                         env[s] = flat[j]
+                    flat = None
+                # Drop the loop's own references too, or an output nobody reads outlives its free.
+                result = None
                 for s in frees:
                     env[s] = None
         return env

@@ -143,34 +143,3 @@ def _too_big(graph: Graph, split: Split, budget: int, cost: Callable[[Graph], in
         f"and {_fmt(one - resident)} is one example's activations. What to do: raise memory_budget, use a "
         "smaller model or lower precision, or move the batch off the device."
     )
-
-
-def liveness_peak(graph: Graph) -> int:
-    """The most bytes live at once when the eager interpreter runs ``graph``: inputs resident, each storage
-    allocated at its first definition and freed after the last use of any value sharing it."""
-    last: dict[Var, int] = {}
-    for i, e in enumerate(graph.eqns):
-        for v in e.invars:
-            last[v.root] = i
-    keep = {v.root for v in graph.outvars if isinstance(v, Var)} | {v.root for _, v in graph.grads}
-    for v in keep:
-        last[v] = len(graph.eqns)
-    inputs = {v.root for v in graph.invars}
-    live = sum(v.owned_nbytes for v in inputs)
-    frees: dict[int, int] = {}
-    for v, i in last.items():
-        if v not in inputs:
-            frees[i] = frees.get(i, 0) + v.owned_nbytes
-    peak = live
-    seen = set(inputs)
-    for i, e in enumerate(graph.eqns):
-        for v in e.outvars:
-            if v is not None and v.root not in seen:
-                seen.add(v.root)
-                if v.root in last:
-                    live += v.root.owned_nbytes
-                else:
-                    peak = max(peak, live + v.root.owned_nbytes)
-        peak = max(peak, live)
-        live -= frees.get(i, 0)
-    return peak

@@ -16,6 +16,7 @@ SHAPE: dict = {
 
 # Memory rules: op -> rule(eqn) -> transient workspace bytes
 MEMORY: dict = {
+    aten.mkldnn_rnn_layer: _memory.mkldnn_rnn_layer,
 }
 
 

@@ -1,0 +1,341 @@
+"""The memory interpreter: how many bytes a Graph holds at each equation, and at its peak.
+
+The schedule is the eager interpreter's: inputs resident; each storage allocated at its first definition
+(views and in-place results share their base's storage) and freed after the last use of any value living
+in it; outputs and accumulated gradients kept to the end. Memory rules in the registry add what tensor sizes
+do not show (transient workspace). On CUDA, sizes are rounded as the caching allocator rounds them.
+
+It knows the IR and the registry; it runs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from .ir import Eqn, Graph, SourceInfo, Var, op_name
+from .ops._registry import slot
+
+__all__ = [
+    "CATEGORIES", "MemoryEffect", "Timeline", "timeline", "peak_bytes", "MemoryReport", "memory", "format_bytes",
+]
+
+CATEGORIES = ("parameters", "buffers", "inputs", "gradients", "activations", "temporaries", "workspace")
+
+_CUDA_BLOCK = 512  # the caching allocator rounds every block up to a multiple of 512 bytes
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _allocated(nbytes: int, device: torch.device) -> int:
+    if device.type == "cuda" and nbytes:
+        return -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK
+    return nbytes
+
+
+@attrs.frozen
+class MemoryEffect:
+    """What a memory rule may say beyond a plain number: transient ``workspace`` bytes held while the op
+    runs, and the true size of outputs whose abstract value understates them (``{outvar index: bytes}``,
+    e.g. an opaque workspace tensor that a fake kernel reports as empty)."""
+
+    workspace: int = 0
+    outputs: dict = attrs.field(factory=dict)
+
+
+def _effect(e: Eqn) -> MemoryEffect:
+    rule = slot(e.prim, "memory")
+    if rule is None:
+        return _NO_EFFECT
+    out = rule(e)
+    return out if isinstance(out, MemoryEffect) else MemoryEffect(int(out))
+
+
+_NO_EFFECT = MemoryEffect()
+
+
+@attrs.frozen
+class Timeline:
+    """Live bytes by category after each equation (index 0 is before the first), and where the peak is.
+
+    ``live[i][c]`` is the bytes of category ``CATEGORIES[c]`` live while equation ``i - 1`` runs (its
+    inputs, outputs and workspace all held). ``owners`` maps each root var to (category, bytes, equation
+    that made it); ``peak_live`` lists the roots live at the peak.
+    """
+
+    live: list[tuple[int, ...]]
+    peak_bytes: int
+    peak_index: int
+    peak_live: list[Var]
+    owners: dict[Var, tuple[str, int, int]]
+    peak_workspace: int
+
+
+def timeline(graph: Graph) -> Timeline:
+    """Walk ``graph`` in program order and record live bytes by category."""
+    roles = graph.roles or ["arg"] * len(graph.invars)
+    cat_of_role = {"param": "parameters", "buffer": "buffers", "arg": "inputs", "const": "inputs"}
+    grad_roots = {v.root for _, v in graph.grads}
+    kept = {v.root for v in graph.outvars if isinstance(v, Var)} | grad_roots
+    n = len(graph.eqns)
+    last: dict[Var, int] = {}
+    for i, e in enumerate(graph.eqns):
+        for v in e.invars:
+            last[v.root] = i
+    for r in kept:
+        last[r] = n
+    index = {c: k for k, c in enumerate(CATEGORIES)}
+    live = [0] * len(CATEGORIES)
+    owners: dict[Var, tuple[str, int, int]] = {}
+    for v, role in zip(graph.invars, roles):
+        r = v.root
+        if r not in owners:
+            size = _allocated(r.owned_nbytes, r.aval.device)
+            owners[r] = (cat_of_role.get(role, "inputs"), size, -1)
+            live[index[owners[r][0]]] += size
+    frees: list[list[Var]] = [[] for _ in range(n + 1)]
+    for r, i in last.items():
+        if owners.get(r, ("", 0, 0))[2] != -1:
+            frees[i].append(r)
+    rows = [tuple(live)]
+    peak, peak_index, peak_ws = sum(live), 0, 0
+    alive: set[Var] = set(owners)
+    peak_live: list[Var] = list(alive)
+    for i, e in enumerate(graph.eqns):
+        effect = _effect(e)
+        for j, v in enumerate(e.outvars):
+            if v is None:
+                continue
+            r = v.root
+            if r in owners:
+                continue
+            cat = "gradients" if r in grad_roots else ("temporaries" if e.source.backward else "activations")
+            size = _allocated(effect.outputs.get(j, r.owned_nbytes), r.aval.device)
+            owners[r] = (cat, size, i)
+            live[index[cat]] += size
+            alive.add(r)
+            if r not in last:  # never read, never kept: dies as soon as the op returns
+                frees[i].append(r)
+        ws = effect.workspace
+        total = sum(live) + ws
+        row = list(live)
+        row[index["workspace"]] += ws
+        rows.append(tuple(row))
+        if total > peak:
+            peak, peak_index, peak_ws, peak_live = total, i + 1, ws, list(alive)
+        for r in frees[i]:
+            cat, size, _ = owners[r]
+            live[index[cat]] -= size
+            alive.discard(r)
+    return Timeline(rows, peak, peak_index, peak_live, owners, peak_ws)
+
+
+def peak_bytes(graph: Graph) -> int:
+    """The most bytes live at once when the eager interpreter runs ``graph``."""
+    return timeline(graph).peak_bytes
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The report.
+
+
+@attrs.frozen
+class MemoryReport:
+    """What a staged step needs: its peak, how that grows with the batch, and where the bytes go.
+
+    ``peak_bytes = fixed_bytes + per_example_bytes * batch`` (exact when ``linear``). ``by_category``,
+    ``by_op`` and ``by_module`` break down the bytes live at the peak; ``peak_source`` is the user's line of
+    the equation at which the peak occurs.
+    """
+
+    peak_bytes: int
+    fixed_bytes: float
+    per_example_bytes: float
+    batch: int
+    linear: bool
+    note: str
+    by_category: dict[str, int]
+    by_op: dict[str, int]
+    by_module: dict[str, int]
+    peak_op: str
+    peak_source: SourceInfo
+    live: list[tuple[int, ...]]
+    peak_index: int
+    point_fixed: tuple[float, ...] = ()
+    point_per_example: tuple[float, ...] = ()
+
+    def predict(self, batch: int) -> int:
+        """The peak for another batch size: every program point's live bytes are affine in the batch, and
+        the peak is the largest of them (the point where it occurs can move as the batch grows)."""
+        if not self.point_fixed:
+            return int(round(self.fixed_bytes + self.per_example_bytes * batch))
+        return int(round(max(a + b * batch for a, b in zip(self.point_fixed, self.point_per_example))))
+
+    def __str__(self) -> str:
+        lines = [
+            f"Peak {format_bytes(self.peak_bytes)} at batch {self.batch}: fixed {format_bytes(self.fixed_bytes)} + "
+            f"{format_bytes(self.per_example_bytes)} per example"
+            + ("" if self.linear else " (NOT linear in the batch; see note)"),
+            f"Peak at {self.peak_op}  # {self.peak_source}",
+        ]
+        if self.note:
+            lines.append(self.note)
+        for title, table in (("category", self.by_category), ("op", self.by_op), ("module", self.by_module)):
+            rows = sorted(table.items(), key=lambda kv: -kv[1])[:10]
+            width = max((len(k) for k, _ in rows), default=8)
+            lines.append(f"\nLive at the peak, by {title}:")
+            lines += [f"  {k:<{width}}  {format_bytes(v):>10}  {100 * v / max(self.peak_bytes, 1):5.1f}%" for k, v in rows]
+        return "\n".join(lines)
+
+    def plot(self, path: str) -> str:
+        """Save a stacked plot of live bytes across the program, by category, with the peak marked."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        xs = list(range(len(self.live)))
+        series = [[row[c] / 2**20 for row in self.live] for c in range(len(CATEGORIES))]
+        fig, ax = plt.subplots(figsize=(10, 4.5))
+        ax.stackplot(xs, series, labels=CATEGORIES, step="post")
+        ax.axvline(self.peak_index, color="black", linestyle="--", linewidth=1)
+        ax.annotate(
+            f"peak {format_bytes(self.peak_bytes)}\n{self.peak_op}",
+            (self.peak_index, self.peak_bytes / 2**20),
+            xytext=(5, -30),
+            textcoords="offset points",
+            fontsize=8,
+        )
+        ax.set_xlabel("equation (program order, forward then backward)")
+        ax.set_ylabel("live MiB")
+        ax.set_title(f"stagetorch memory: batch {self.batch}")
+        ax.legend(loc="upper left", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+
+def _totals(t: Timeline) -> list[int]:
+    return [sum(row) for row in t.live]
+
+
+def _report(
+    graph: Graph,
+    batch: int,
+    linear: bool,
+    note: str,
+    points: tuple[tuple[float, ...], tuple[float, ...]] = ((), ()),
+) -> MemoryReport:
+    t = timeline(graph)
+    if points[0]:
+        fixed, per_example = points[0][t.peak_index], points[1][t.peak_index]
+    else:
+        fixed, per_example = float(t.peak_bytes), 0.0
+    by_category: dict[str, int] = {c: 0 for c in CATEGORIES}
+    by_op: dict[str, int] = {}
+    by_module: dict[str, int] = {}
+    for r in t.peak_live:
+        cat, size, i = t.owners[r]
+        by_category[cat] += size
+        if i >= 0:
+            e = graph.eqns[i]
+            by_op[op_name(e.prim)] = by_op.get(op_name(e.prim), 0) + size
+            module = e.source.module or ("(backward)" if e.source.backward else "(top level)")
+            by_module[module] = by_module.get(module, 0) + size
+        else:
+            by_module["(inputs and state)"] = by_module.get("(inputs and state)", 0) + size
+    by_category["workspace"] = t.peak_workspace
+    at = graph.eqns[t.peak_index - 1] if t.peak_index > 0 else None
+    return MemoryReport(
+        peak_bytes=t.peak_bytes,
+        fixed_bytes=fixed,
+        per_example_bytes=per_example,
+        batch=batch,
+        linear=linear,
+        note=note,
+        by_category={k: v for k, v in by_category.items() if v},
+        by_op=by_op,
+        by_module=by_module,
+        peak_op=op_name(at.prim) if at is not None else "(inputs)",
+        peak_source=at.source if at is not None else SourceInfo(),
+        live=t.live,
+        peak_index=t.peak_index,
+        point_fixed=points[0],
+        point_per_example=points[1],
+    )
+
+
+def memory(
+    fn: Callable,
+    *,
+    batch_dim: int = 0,
+    batch_argnums: Sequence[int] | None = None,
+    static_argnums: Sequence[int] = (),
+) -> Callable[..., MemoryReport]:
+    """Cost ``fn`` before running it: ``stagetorch.memory(fn)(*args, **kwargs) -> MemoryReport``.
+
+    The step is staged at the given batch and at two smaller ones (the batched arguments sliced along
+    ``batch_dim``); the fixed and per-example parts come from those peaks, and a third size checks that the
+    peak is affine in the batch. Nothing is run and no real tensor is touched.
+    """
+    from .api import Staged
+
+    def cost(*args: Any, **kwargs: Any) -> MemoryReport:
+        staged = Staged(fn, batch_dim=batch_dim, batch_argnums=batch_argnums, static_argnums=static_argnums)
+        leaves, batch = staged._batch_leaves(args, kwargs)
+        graph = staged.graph(*args, **kwargs)
+        if batch < 4 or not any(b for b, _ in leaves):
+            return _report(graph, batch, True, "Too few examples to separate the per-example part.")
+        totals = {batch: _totals(timeline(graph))}
+        for b in (batch // 2, batch // 4):
+            small_args, small_kwargs = _sliced(staged, args, kwargs, b)
+            small = staged.graph(*small_args, **small_kwargs)
+            # The slices are views of the whole batch; cost them as the batch of that size they stand for.
+            for v, role in zip(small.invars, small.roles):
+                if role == "arg" and v.base is None:
+                    v.storage_nbytes = v.aval.nbytes
+            totals[b] = _totals(timeline(small))
+        half, quarter = batch // 2, batch // 4
+        if not len(totals[batch]) == len(totals[half]) == len(totals[quarter]):
+            return _report(graph, batch, False, "The staged program changes with the batch size (control flow on "
+                           "shapes), so the per-example part cannot be separated.")
+        slope = tuple((x - y) / (batch - half) for x, y in zip(totals[batch], totals[half]))
+        fixed = tuple(x - s * batch for x, s in zip(totals[batch], slope))
+        worst = max(abs(a + s * quarter - q) for a, s, q in zip(fixed, slope, totals[quarter]))
+        linear = worst <= 1e-3 * max(totals[quarter]) + 1024
+        note = "" if linear else (
+            f"The peak is not affine in the batch: staging at batch {quarter} differs by up to {format_bytes(worst)} "
+            f"from the line through batches {half} and {batch} (an op whose size grows faster than the batch, "
+            "such as attention across examples)."
+        )
+        return _report(graph, batch, linear, note, (fixed, slope))
+
+    return cost
+
+
+def _sliced(staged: Any, args: tuple, kwargs: dict, b: int) -> tuple[tuple, dict]:
+    import torch.utils._pytree as pytree
+
+    leaves_info, _ = staged._batch_leaves(args, kwargs)
+    it = iter(leaves_info)
+    static = set(staged.static_argnums)
+
+    def cut(x: Any, argnum: int) -> Any:
+        if not isinstance(x, torch.Tensor) or argnum in static:
+            return x
+        is_batched, dim = next(it)
+        return x.narrow(dim, 0, b) if is_batched else x
+
+    new_args = tuple(pytree.tree_map(lambda x, i=i: cut(x, i), a) for i, a in enumerate(args))
+    new_kwargs = {k: pytree.tree_map(lambda x: cut(x, -1), v) for k, v in kwargs.items()}
+    return new_args, new_kwargs
