@@ -34,7 +34,11 @@ class Aval:
 
     @classmethod
     def of(cls, t: torch.Tensor) -> Aval:
-        return cls(tuple(t.shape), t.dtype, t.device)
+        key = (tuple(t.shape), t.dtype, t.device)
+        aval = _AVALS.get(key)
+        if aval is None:
+            aval = _AVALS[key] = cls(*key)
+        return aval
 
     @property
     def ndim(self) -> int:
@@ -55,6 +59,10 @@ class Aval:
     def __str__(self) -> str:
         name = _DTYPE_NAMES.get(self.dtype, str(self.dtype).removeprefix("torch."))
         return f"{name}[{','.join(map(str, self.shape))}]"
+
+
+# Avals are immutable and few distinct ones occur: share them (tracing makes one per recorded tensor).
+_AVALS: dict[tuple, Aval] = {}
 
 
 @attrs.define(eq=False, repr=False)

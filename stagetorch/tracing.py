@@ -48,12 +48,21 @@ def _is_internal(path: str) -> bool:
     return path.startswith(_OWN_DIR) and os.path.basename(path) not in _USER_FILES_IN_PACKAGE
 
 
+_INTERNAL_CODE: dict[types.CodeType, bool] = {}
+
+
 def user_frame(depth: int = 1) -> types.FrameType | None:
     """The innermost frame outside torch and stagetorch: the line of user (or model library) code."""
     f = sys._getframe(depth)
-    while f is not None and _is_internal(f.f_code.co_filename):
+    while f is not None:
+        code = f.f_code
+        internal = _INTERNAL_CODE.get(code)
+        if internal is None:
+            internal = _INTERNAL_CODE[code] = _is_internal(code.co_filename)
+        if not internal:
+            return f
         f = f.f_back
-    return f
+    return None
 
 
 def source_info(module: str = "", backward: str = "") -> SourceInfo:
@@ -296,10 +305,11 @@ class _Recorder:
         self.module_stack: list[str] = []
 
     def new_var(self, t: torch.Tensor) -> Var:
-        storage = t.untyped_storage()._cdata
+        untyped = t.untyped_storage()
+        storage = untyped._cdata
         owner = self.storage_owner.get(storage)
         if owner is None:
-            v = Var(Aval.of(t), storage_nbytes=t.untyped_storage().nbytes())
+            v = Var(Aval.of(t), storage_nbytes=untyped.nbytes())
             self.storage_owner[storage] = v
         else:
             v = Var(Aval.of(t), base=owner)
@@ -345,8 +355,26 @@ class _Recorder:
     def current_module(self) -> str:
         return self.module_stack[-1] if self.module_stack else ""
 
+    def _bind(self, tree: Any) -> tuple[Any, Any]:
+        """(the tree with real tensors lifted to fakes, the tree with Vars for tensors), in one pass."""
+        if isinstance(tree, torch.Tensor):
+            fake = self.lift(tree)
+            return fake, self.var(fake)
+        if isinstance(tree, (list, tuple)):
+            if not tree:
+                return tree, tree
+            pairs = [self._bind(x) for x in tree]
+            kind = type(tree)
+            return kind(p[0] for p in pairs), kind(p[1] for p in pairs)
+        return tree, tree
+
     def record(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
-        args, kwargs = _substitute((args, kwargs), self.lift)
+        args, in_args = self._bind(args)
+        if kwargs:
+            bound = {k: self._bind(v) for k, v in kwargs.items()}
+            kwargs, in_kwargs = {k: b[0] for k, b in bound.items()}, {k: b[1] for k, b in bound.items()}
+        else:
+            in_kwargs = {}
         node = torch._C._current_autograd_node()
         src = source_info(self.current_module(), node.name() if node is not None else "")
         try:
@@ -361,11 +389,10 @@ class _Recorder:
             if "fake" in str(e).lower() and ("impl" in str(e).lower() or "kernel" in str(e).lower()):
                 raise UnsupportedOpError(_unsupported_message(func, src, str(e))) from e
             raise ShapeError(_shape_message(func, args, kwargs, src, e)) from e
-        in_args = _substitute((args, kwargs), self.var)
         outvars = tuple(
             self.new_var(t) if isinstance(t, torch.Tensor) else None for t in _flatten_result(out)
         )
-        self.eqns.append(Eqn(func, in_args[0], in_args[1], outvars, src))
+        self.eqns.append(Eqn(func, in_args, in_kwargs, outvars, src))
         return out
 
 
@@ -410,9 +437,15 @@ class _StagingMode(TorchDispatchMode):
         self.recorder = recorder
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func is _PRIM_DEVICE:  # x.device, thousands of times a trace
+            fake_device = getattr(args[0], "fake_device", None)
+            return fake_device if fake_device is not None else func(*args)
         if func.namespace == "prim":
             return func(*args, **(kwargs or {}))
         return self.recorder.record(func, args, kwargs or {})
+
+
+_PRIM_DEVICE = torch.ops.prim.device.default
 
 
 @attrs.define
