@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import linecache
+import logging
 import os
 import sys
 import types
@@ -388,12 +389,35 @@ class _Recorder:
         except (RuntimeError, ValueError, IndexError, TypeError) as e:
             if "fake" in str(e).lower() and ("impl" in str(e).lower() or "kernel" in str(e).lower()):
                 raise UnsupportedOpError(_unsupported_message(func, src, str(e))) from e
-            raise ShapeError(_shape_message(func, args, kwargs, src, e)) from e
-        outvars = tuple(
-            self.new_var(t) if isinstance(t, torch.Tensor) else None for t in _flatten_result(out)
-        )
+            raise ShapeError(_shape_message(func, args, kwargs, src, _rule_says(func, args, kwargs) or e)) from e
+        flat = _flatten_result(out)
+        if any(isinstance(t, torch.Tensor) and t.layout != torch.strided for t in flat):
+            raise UnsupportedOpError(
+                f"{op_name(func)} at {src} returns a {next(t.layout for t in flat if isinstance(t, torch.Tensor) and t.layout != torch.strided)} "
+                f"tensor; stagetorch stages dense (strided) tensors only.{_code_line(src)}\nWhat to do: keep "
+                "sparse work outside the staged function, or convert with .to_dense() before it."
+            )
+        outvars = tuple(self.new_var(t) if isinstance(t, torch.Tensor) else None for t in flat)
         self.eqns.append(Eqn(func, in_args, in_kwargs, outvars, src))
         return out
+
+
+def _rule_says(func: Any, args: tuple, kwargs: dict) -> str | None:
+    """The explicit shape rule's account of why these operands fail, when the op has one: it names the op
+    and the shapes more plainly than most kernels do."""
+    from .ops._registry import slot
+
+    rule = slot(func, "shape")
+    if rule is None:
+        return None
+    abstract = _substitute((args, kwargs), Aval.of)
+    try:
+        rule(*abstract[0], **abstract[1])
+    except ShapeError as e:
+        return str(e)
+    except Exception:  # the rule has nothing clearer to say than the kernel
+        return None
+    return None
 
 
 def _describe(x: Any) -> str:
@@ -404,7 +428,7 @@ def _describe(x: Any) -> str:
     return repr(x)
 
 
-def _shape_message(func: Any, args: tuple, kwargs: dict, src: SourceInfo, e: Exception) -> str:
+def _shape_message(func: Any, args: tuple, kwargs: dict, src: SourceInfo, e: Exception | str) -> str:
     operands = ", ".join([_describe(a) for a in args] + [f"{k}={_describe(v)}" for k, v in kwargs.items()])
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return f"{op_name(func)}({operands}) failed at {src}:{_code_line(src)}\n{first}"
@@ -475,6 +499,11 @@ def trace(
     arg_is_static = _static_mask(args, kwargs, static)
     fake_leaves = []
     for leaf, name, is_static in zip(leaves, leaf_names, arg_is_static):
+        if isinstance(leaf, torch.Tensor) and not is_static and leaf.layout != torch.strided:
+            raise UnsupportedOpError(
+                f"argument {name} is a {leaf.layout} tensor; stagetorch stages dense (strided) tensors only. "
+                "Pass x.to_dense(), or keep sparse work outside the staged function."
+            )
         if isinstance(leaf, torch.Tensor) and not is_static:
             with fake_mode:
                 fake = fake_mode.from_tensor(leaf, static_shapes=True)
@@ -495,6 +524,10 @@ def trace(
 
     restore = _swap(state, swapped)
     hooks = _module_hooks(rec)
+    # FakeTensorMode logs every kernel failure at ERROR level; stagetorch raises its own named error instead.
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    log_level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
     try:
         fake_args, fake_kwargs = pytree.tree_unflatten(fake_leaves, tree)
         with fake_mode, _StagingMode(rec):
@@ -509,6 +542,7 @@ def trace(
             if fake.requires_grad and fake.grad is not None
         ]
     finally:
+        fake_log.setLevel(log_level)
         for h in hooks:
             h.remove()
         restore()

@@ -109,8 +109,13 @@ def slot(prim: Any, name: str) -> Callable[..., Any] | None:
     own = _RULES.get(prim)
     if own is not None and getattr(own, name) is not None:
         return getattr(own, name)
-    if isinstance(prim, torch._ops.OpOverload):
+    # A packet's rule speaks for its functional overloads; out= variants write into a given tensor.
+    if isinstance(prim, torch._ops.OpOverload) and not _is_out_variant(prim):
         packet = _RULES.get(prim.overloadpacket)
         if packet is not None:
             return getattr(packet, name)
     return None
+
+
+def _is_out_variant(prim: torch._ops.OpOverload) -> bool:
+    return any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in prim._schema.arguments)

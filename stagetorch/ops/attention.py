@@ -2,14 +2,38 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from ..errors import ShapeError
+from ..ir import Aval
 from . import _batch, _memory, _shape  # noqa: F401
 
 aten = torch.ops.aten
 
+
+def sdpa_cpu(q: Aval, k: Aval, v: Aval, *args: Any, **kwargs: Any) -> tuple[Aval, Aval]:
+    """(batch..., heads, L, E) queries against (..., S, E) keys and (..., S, Ev) values."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ShapeError(f"aten._scaled_dot_product_flash_attention_for_cpu: expects 4-d q, k, v ({q}, {k}, {v})")
+    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2] or q.shape[0] != k.shape[0]:
+        raise ShapeError(f"aten._scaled_dot_product_flash_attention_for_cpu: q, k, v do not line up ({q}, {k}, {v})")
+    out = Aval(q.shape[:-1] + v.shape[-1:], q.dtype, q.device)
+    return out, Aval(q.shape[:-1], torch.float32, q.device)
+
+
+def sdpa_cpu_backward(grad: Aval, q: Aval, k: Aval, v: Aval, *args: Any, **kwargs: Any) -> tuple[Aval, Aval, Aval]:
+    return q, k, v
+
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
+    aten._softmax: _shape.softmax("_softmax"),
+    aten._log_softmax: _shape.softmax("_log_softmax"),
+    aten._softmax_backward_data: lambda grad, out, dim, dtype: Aval(grad.shape, dtype, grad.device),
+    aten._log_softmax_backward_data: lambda grad, out, dim, dtype: Aval(grad.shape, dtype, grad.device),
+    aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_cpu_backward,
 }
 
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from ..ir import Aval
 from . import _batch, _memory, _shape  # noqa: F401
 
 aten = torch.ops.aten
 
+
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
+    aten.native_dropout: lambda x, p, train: (x, Aval(x.shape, torch.bool, x.device)),
 }
 
 

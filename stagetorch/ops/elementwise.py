@@ -4,12 +4,36 @@ from __future__ import annotations
 
 import torch
 
+from ..ir import Aval
 from . import _batch, _memory, _shape  # noqa: F401
 
 aten = torch.ops.aten
 
+
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
+    **{op: _shape.broadcast(op._qualified_op_name) for op in (
+        aten.add, aten.sub, aten.mul, aten.rsub, aten.maximum, aten.minimum,
+    )},
+    aten.div: _shape.broadcast("div", float_out=True),
+    aten.pow: _shape.broadcast("pow"),
+    aten.where.self: lambda cond, a, b: Aval(
+        _shape.broadcast_shapes("where", cond, a, b), _shape.broadcast("where")(a, b).dtype, a.device
+    ),
+    **{op: _shape.compare(op._qualified_op_name) for op in (aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge)},
+    # Backward of an activation: shaped like the incoming gradient.
+    **{op: _shape.broadcast(op._qualified_op_name) for op in (
+        aten.threshold_backward, aten.gelu_backward, aten.tanh_backward, aten.sigmoid_backward,
+        aten.silu_backward, aten.native_dropout_backward,
+    )},
+    **{op: _shape.same(op._qualified_op_name) for op in (
+        aten.relu, aten.gelu, aten.tanh, aten.sigmoid, aten.silu, aten.neg, aten.exp, aten.log, aten.sqrt,
+        aten.rsqrt, aten.abs, aten.clone, aten.detach, aten.alias, aten.masked_fill, aten.fill, aten.copy_,
+        aten.zero_, aten.fill_, aten.lift_fresh_copy,
+    )},
+    **{op: _shape.same(op._qualified_op_name, dtype_arg="dtype") for op in (
+        aten._to_copy, aten.ones_like, aten.zeros_like, aten.empty_like, aten.full_like,
+    )},
 }
 
 

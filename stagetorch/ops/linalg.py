@@ -10,6 +10,10 @@ aten = torch.ops.aten
 
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
+    aten.mm: _shape.matmul,
+    aten.addmm: _shape.addmm,
+    aten.bmm: _shape.bmm,
+    aten.t: _shape.transpose_2d,
 }
 
 

@@ -4,12 +4,28 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ShapeError
+from ..ir import Aval
 from . import _batch, _memory, _shape  # noqa: F401
 
 aten = torch.ops.aten
 
+
+def nll_loss_forward(x: Aval, target: Aval, weight: Aval | None, reduction: int, ignore_index: int) -> tuple[Aval, Aval]:
+    """(N, C) log-probabilities against (N,) class indices; or (C,) against ()."""
+    if x.ndim not in (1, 2) or target.ndim != x.ndim - 1 or (x.ndim == 2 and target.shape[0] != x.shape[0]):
+        raise ShapeError(f"aten.nll_loss_forward: input {x} and target {target} do not line up")
+    out = (x.shape[0],) if reduction == 0 and x.ndim == 2 else ()
+    return Aval(out, x.dtype, x.device), Aval((), x.dtype, x.device)
+
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
+    aten.nll_loss_forward: nll_loss_forward,
+    aten.nll_loss_backward: lambda grad, x, *args: Aval(x.shape, x.dtype, x.device),
+    aten.mse_loss: lambda x, y, reduction=1: Aval(
+        _shape.broadcast_shapes("mse_loss", x, y) if reduction == 0 else (), x.dtype, x.device
+    ),
+    aten.mse_loss_backward: lambda grad, x, y, reduction: Aval(x.shape, x.dtype, x.device),
 }
 
 

@@ -4,12 +4,49 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ShapeError
+from ..ir import Aval
 from . import _batch, _memory, _shape  # noqa: F401
 
 aten = torch.ops.aten
 
+
+def layer_norm(x: Aval, shape, weight, bias, eps):  # noqa: ANN001, ANN201
+    k = len(shape)
+    if tuple(x.shape[x.ndim - k :]) != tuple(shape):
+        raise ShapeError(f"aten.native_layer_norm: normalized_shape {list(shape)} does not end input {x}")
+    stats = Aval(x.shape[: x.ndim - k] + (1,) * k, torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype, x.device)
+    return x, stats, stats
+
+
+def batch_norm(x: Aval, weight, bias, running_mean, running_var, training, momentum, eps):  # noqa: ANN001, ANN201
+    """(out, save_mean, save_invstd). The CPU kernel saves no statistics in eval mode: empty tensors (its
+    meta kernel says (C,), but stagetorch follows what the kernel really returns)."""
+    if x.ndim < 2:
+        raise ShapeError(f"aten.native_batch_norm: expects at least 2 dims, got {x}")
+    channels = x.shape[1] if training or x.device.type != "cpu" else 0
+    stats = Aval((channels,), x.dtype, x.device)
+    return x, stats, stats
+
+
+def group_norm(x: Aval, weight, bias, n, c, hw, groups, eps):  # noqa: ANN001, ANN201
+    if c % groups:
+        raise ShapeError(f"aten.native_group_norm: {c} channels do not split into {groups} groups")
+    stats = Aval((n, groups), x.dtype, x.device)
+    return x, stats, stats
+
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
+    aten.native_batch_norm: batch_norm,
+    aten._native_batch_norm_legit: batch_norm,
+    aten.native_layer_norm: layer_norm,
+    aten.native_layer_norm_backward: lambda grad, x, shape, mean, rstd, w, b, mask: tuple(
+        a if m else None for a, m in zip((x, w, b), mask)
+    ),
+    aten.native_group_norm: group_norm,
+    aten.native_group_norm_backward: lambda grad, x, mean, rstd, w, n, c, hw, groups, mask: tuple(
+        a if m else None for a, m in zip((x, w, Aval((c,), x.dtype, x.device) if w is not None else None), mask)
+    ),
 }
 
 

@@ -10,6 +10,12 @@ aten = torch.ops.aten
 
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
+    aten.sum.dim_IntList: _shape.reduce("sum"),
+    aten.sum.default: _shape.reduce("sum", dims_arg=None, keepdim_arg=None),
+    aten.mean.dim: _shape.reduce("mean", float_out=True),
+    aten.mean.default: _shape.reduce("mean", dims_arg=None, keepdim_arg=None, float_out=True),
+    aten.amax: _shape.reduce("amax"),
+    aten.amin: _shape.reduce("amin"),
 }
 
 

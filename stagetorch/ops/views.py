@@ -4,12 +4,28 @@ from __future__ import annotations
 
 import torch
 
+from ..ir import Aval
 from . import _batch, _memory, _shape  # noqa: F401
 
 aten = torch.ops.aten
 
+
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
+    aten.view: _shape.view,
+    aten._unsafe_view: _shape.view,
+    aten.reshape: _shape.view,
+    aten.expand: _shape.expand,
+    aten.permute: _shape.permute,
+    aten.transpose.int: _shape.transpose,
+    aten.unsqueeze: _shape.unsqueeze,
+    aten.squeeze: _shape.squeeze,
+    aten.select.int: _shape.select,
+    aten.slice.Tensor: _shape.slice_,
+    aten.cat: _shape.cat,
+    aten.stack: _shape.stack,
+    aten.select_backward: lambda grad, sizes, dim, index: Aval(tuple(sizes), grad.dtype, grad.device),
+    aten.slice_backward: lambda grad, sizes, dim, start, end, step: Aval(tuple(sizes), grad.dtype, grad.device),
 }
 
 

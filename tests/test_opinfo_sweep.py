@@ -1,0 +1,53 @@
+"""A sweep of PyTorch's OpInfo samples (float32, CPU) through stagetorch.eval_shape.
+
+Each sample either agrees with real execution (shapes, dtypes, output structure), or is refused with a
+named stagetorch error. A wrong answer or a raw exception fails the sweep. Run with -s for the counts.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+import torch.utils._pytree as pytree
+from opinfo_util import samples
+
+import stagetorch
+
+
+def _classify(info, s) -> str:
+    def fn(x):
+        return info.op(x, *s.args, **s.kwargs)
+
+    try:
+        real = fn(s.input)
+    except Exception:
+        return "skipped"  # the op rejects its own sample on this build
+    try:
+        abstract = stagetorch.eval_shape(fn)(s.input)
+    except stagetorch.StagingError:
+        return "refused"
+    except Exception as e:  # never acceptable: every failure must be a named stagetorch error
+        return f"raw: {type(e).__name__}: {str(e)[:120]}"
+    real_leaves, real_tree = pytree.tree_flatten(real)
+    leaves, tree = pytree.tree_flatten(abstract)
+    if real_tree != tree:
+        return "wrong: structure"
+    for r, a in zip(real_leaves, leaves):
+        if isinstance(r, torch.Tensor):
+            if not isinstance(a, stagetorch.Aval) or (tuple(r.shape), r.dtype) != (a.shape, a.dtype):
+                return f"wrong: {a} vs {tuple(r.shape)} {r.dtype}"
+    return "agree"
+
+
+def test_opinfo_sweep_through_eval_shape():
+    counts: collections.Counter = collections.Counter()
+    bad = []
+    for info, s, name in samples():
+        outcome = _classify(info, s)
+        counts[outcome.split(":")[0]] += 1
+        if outcome.startswith(("wrong", "raw")):
+            bad.append(f"{name}: {outcome}")
+    print(f"\nOpInfo eval_shape sweep: {dict(counts)}")
+    assert counts["agree"] > 500
+    assert not bad, "\n".join(bad[:30])
