@@ -11,7 +11,7 @@ from torch.testing._internal.common_methods_invocations import op_db
 SAMPLES_PER_OP = 2
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def samples(requires_grad: bool = False) -> list:
     out = []
     for info in op_db:
