@@ -34,9 +34,9 @@ def _classify(info, s) -> str:
     if real_tree != tree:
         return "wrong: structure"
     for r, a in zip(real_leaves, leaves):
-        if isinstance(r, torch.Tensor):
-            if not isinstance(a, stagetorch.Aval) or (tuple(r.shape), r.dtype) != (a.shape, a.dtype):
-                return f"wrong: {a} vs {tuple(r.shape)} {r.dtype}"
+        mismatch = not isinstance(a, stagetorch.Aval) or (tuple(r.shape), r.dtype) != (a.shape, a.dtype)
+        if isinstance(r, torch.Tensor) and mismatch:
+            return f"wrong: {a} vs {tuple(r.shape)} {r.dtype}"
     return "agree"
 
 
