@@ -1,0 +1,204 @@
+"""stagetorch.jit against eager PyTorch: loss, every .grad, buffers, outputs, and the staged program itself."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import models
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+
+import stagetorch
+
+MODELS = {**models.CLASSIFIERS, "gpt2": models.gpt2}
+
+
+def _step(name):
+    return models.gpt2_step if name == "gpt2" else models.train_step
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_staged_train_step_equals_eager(name):
+    model, make = MODELS[name]()
+    x, y = make(8)
+    reference = copy.deepcopy(model)
+    expected = _step(name)(reference)(x, y)
+    loss = stagetorch.jit(_step(name)(model))(x, y)
+    assert rel(loss, expected.detach()) < 1e-5
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), n
+        if q.grad is not None:
+            assert rel(p.grad, q.grad) < 1e-5, n
+            assert not isinstance(p.grad, FakeTensor)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ir_prints_and_eval_shape_matches_real_outputs(name):
+    model, make = MODELS[name]()
+    x, y = make(8)
+    graph = stagetorch.make_ir(_step(name)(model))(x, y)
+    text = str(graph)
+    lines = text.splitlines()
+    assert len(lines) == len(graph.eqns) + 2 + len(graph.grads)
+    assert "models.py:" in text and "backward of" in text and ".grad += " in text
+
+    def forward(x):
+        return model(x) if name != "gpt2" else model(input_ids=x).logits
+
+    with torch.no_grad():
+        real = forward(x)
+    abstract = stagetorch.eval_shape(forward)(x)
+    assert abstract == stagetorch.Aval(real.shape, real.dtype)
+
+
+def test_tracing_leaves_real_state_untouched():
+    model, make = models.cnn(norm="batch")
+    x, y = make(8)
+    models.train_step(model)(x, y)  # real .grad and running stats exist
+    state = copy.deepcopy(model.state_dict())
+    grads = [p.grad.clone() for p in model.parameters()]
+    stagetorch.make_ir(models.train_step(model))(x, y)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g) and not isinstance(p.grad, FakeTensor)
+    assert all(not isinstance(p, FakeTensor) for p in model.parameters())
+
+
+def test_batchnorm_buffers_update_once_per_call_like_eager():
+    model, make = models.cnn(norm="batch")
+    reference = copy.deepcopy(model)
+    staged = stagetorch.jit(models.train_step(model))
+    for _ in range(2):
+        x, y = make(8)
+        staged(x, y)
+        models.train_step(reference)(x, y)
+    assert model.norm.num_batches_tracked.item() == 2
+    for k, v in model.state_dict().items():
+        assert torch.allclose(v.float(), reference.state_dict()[k].float(), rtol=1e-5, atol=1e-6), k
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert rel(p.grad, q.grad) < 1e-5  # accumulated over two calls, as eager does
+
+
+def test_staging_is_cached_by_signature(monkeypatch):
+    import stagetorch.api as api
+
+    traces = []
+    real_trace = api.trace
+    monkeypatch.setattr(api, "trace", lambda *a, **k: traces.append(1) or real_trace(*a, **k))
+    model, make = models.seed_mlp()
+    staged = stagetorch.jit(models.train_step(model))
+    staged(*make(8))
+    staged(*make(8))
+    assert len(traces) == 1
+    staged(*make(16))  # a new batch size
+    model.eval()  # train/eval changes the program
+    staged(*make(16))
+    assert len(traces) == 3
+
+
+def test_pytree_inputs_and_outputs():
+    model, make = models.seed_mlp()
+    x, y = make(8)
+
+    @dataclasses.dataclass
+    class Out:
+        loss: torch.Tensor
+        logits: torch.Tensor
+
+    def step(batch):
+        logits = model(batch["x"])
+        loss = F.cross_entropy(logits, batch["y"])
+        loss.backward()
+        return {"loss": loss, "stats": (logits.mean(), 3)}
+
+    out = stagetorch.jit(step)({"x": x, "y": y})
+    assert set(out) == {"loss", "stats"} and out["stats"][1] == 3
+    assert rel(out["stats"][0], model(x).mean().detach()) < 1e-5
+
+
+def test_transformers_model_output_is_returned():
+    model, make = models.gpt2()
+    ids, labels = make(4)
+    out = stagetorch.jit(lambda ids, labels: model(input_ids=ids, labels=labels))(ids, labels)
+    assert type(out).__name__ == "CausalLMOutputWithCrossAttentions"
+    assert out.logits.shape == (4, 16, 64) and out.loss.ndim == 0
+
+
+W = torch.randn(5, 3, requires_grad=True)
+
+
+def test_closed_over_tensors_globals_closures_and_self():
+    bias = torch.randn(3, requires_grad=True)
+
+    def step(x):
+        loss = (x @ W + bias).square().mean()
+        loss.backward()
+        return loss
+
+    x = torch.randn(4, 5)
+    stagetorch.jit(step)(x)
+    gw, gb = W.grad.clone(), bias.grad.clone()
+    W.grad, bias.grad = None, None
+    step(x)
+    assert rel(gw, W.grad) < 1e-6 and rel(gb, bias.grad) < 1e-6
+    W.grad = None
+
+    class Trainer:
+        def __init__(self):
+            self.model = nn.Linear(5, 2)
+
+        def step(self, x):
+            loss = self.model(x).sum()
+            loss.backward()
+            return loss
+
+    t = Trainer()
+    stagetorch.jit(t.step)(x)
+    assert t.model.weight.grad is not None and not isinstance(t.model.weight.grad, FakeTensor)
+
+
+def test_custom_op_with_a_fake_impl_needs_no_rule():
+    @torch.library.custom_op("stagetorch_test::scaled", mutates_args=())
+    def scaled(x: torch.Tensor, k: float) -> torch.Tensor:
+        return x * k
+
+    @scaled.register_fake
+    def _(x, k):
+        return torch.empty_like(x)
+
+    x = torch.randn(4, 3)
+    out = stagetorch.jit(lambda x: torch.ops.stagetorch_test.scaled(x, 2.5) + 1)(x)
+    assert torch.allclose(out, x * 2.5 + 1)
+    assert "stagetorch_test.scaled" in str(stagetorch.make_ir(lambda x: torch.ops.stagetorch_test.scaled(x, 2.5))(x))
+
+
+def test_autograd_grad_inside_the_step():
+    model, make = models.seed_mlp()
+    x, y = make(8)
+
+    def grads(x, y):
+        loss = F.cross_entropy(model(x), y)
+        return torch.autograd.grad(loss, list(model.parameters()))
+
+    got = stagetorch.jit(grads)(x, y)
+    expected = grads(x, y)
+    assert all(rel(g, e) < 1e-5 for g, e in zip(got, expected))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_static_argnums_steer_python_control_flow():
+    def f(x, mode):
+        return x * 2 if mode == "double" else x + 1
+
+    staged = stagetorch.jit(f, static_argnums=(1,))
+    x = torch.randn(3)
+    assert torch.equal(staged(x, "double"), x * 2) and torch.equal(staged(x, "inc"), x + 1)
