@@ -13,11 +13,10 @@ Run: python -m pytest bench/bench_chunking.py --benchmark-enable -s
 
 from __future__ import annotations
 
-import pathlib
 import statistics
-import sys
 import time
 
+import models
 import pytest
 import torch
 
@@ -25,9 +24,6 @@ import stagetorch
 from stagetorch.chunking import run_chunked
 from stagetorch.memory import peak_bytes as cost
 from stagetorch.planning import SAFETY_MARGIN, _chunk_peak
-
-sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests"))
-import models  # noqa: E402
 
 BATCH = 256
 FRACTIONS = (0.35, 0.5, 0.7)

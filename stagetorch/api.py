@@ -31,10 +31,10 @@ __all__ = ["make_ir", "eval_shape", "jit", "Staged"]
 log = logging.getLogger("stagetorch")
 
 
-def _signature(leaves: list, static: set[int], leaf_argnum: list[int]) -> tuple:
+def _signature(leaves: list, static: set[int], leaf_argnum: list[int] | None) -> tuple:
     sig = []
-    for leaf, argnum in zip(leaves, leaf_argnum):
-        if isinstance(leaf, torch.Tensor) and argnum not in static:
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and (leaf_argnum is None or leaf_argnum[i] not in static):
             sig.append((leaf.shape, leaf.dtype, leaf.device, leaf.requires_grad))
         else:
             try:
@@ -197,9 +197,11 @@ class Staged:
 
     def _stage(self, args: tuple, kwargs: dict) -> tuple[_Entry, list, State]:
         state = discover(self.fn, args, kwargs)
+        state_tensors = [t for _, _, t in state.named_state()]
         leaves, tree = pytree.tree_flatten((args, kwargs))
         static = set(self.static_argnums)
-        key = (tree, _signature(leaves, static, _leaf_argnums(args, kwargs)), state.key())
+        argnums = _leaf_argnums(args, kwargs) if static or self.batch_argnums is not None else None
+        key = (tree, _signature(leaves, static, argnums), state.key(state_tensors))
         entry = self._cache.get(key)
         if entry is None:
             batched_leaves, batch = self._batch_leaves(args, kwargs)
@@ -209,9 +211,11 @@ class Staged:
             batched = {v: Batched(dim) for v, (is_batched, dim) in zip(arg_vars, batched_leaves) if is_batched}
             entry = _Entry(traced, Executable(graph, batched, batch, traced.consts))
             self._cache[key] = entry
-        argnums = _leaf_argnums(args, kwargs)
-        inputs = [x for x, a in zip(leaves, argnums) if isinstance(x, torch.Tensor) and a not in static]
-        inputs += [t for _, _, t in state.named_state()]
+        if argnums is None:
+            inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
+        else:
+            inputs = [x for x, a in zip(leaves, argnums) if isinstance(x, torch.Tensor) and a not in static]
+        inputs += state_tensors
         inputs += entry.executable.consts
         return entry, inputs, state
 

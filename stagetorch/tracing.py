@@ -112,13 +112,12 @@ class State:
                 seen.add(id(t))
                 yield ("param" if t.requires_grad else "const"), name, t
 
-    def key(self) -> tuple:
-        """What the staged program depends on: identities, avals and grad flags of the state, train/eval."""
-        tensors = tuple(
-            (id(t), t.shape, t.dtype, t.device, t.requires_grad) for _, _, t in self.named_state()
-        )
+    def key(self, tensors: list[torch.Tensor]) -> tuple:
+        """What the staged program depends on: identities, avals and grad flags of the state's ``tensors``
+        (from :meth:`named_state`), and train/eval of every module."""
+        avals = tuple((id(t), t.shape, t.dtype, t.device, t.requires_grad) for t in tensors)
         training = tuple(sub.training for _, m in self.modules for sub in m.modules())
-        return tensors, training
+        return avals, training
 
 
 def _join(prefix: str, name: str) -> str:
@@ -205,12 +204,13 @@ def discover(fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> S
         state.modules.append(("", fn))
     else:
         visit_callable(getattr(fn, "__name__", "fn"), fn, 0)
-    names = arg_names(fn, len(args))
     for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            continue
         for leaf in pytree.tree_leaves(a):
             if isinstance(leaf, torch.nn.Module) and id(leaf) not in seen:
                 seen.add(id(leaf))
-                state.modules.append((names[i], leaf))
+                state.modules.append((arg_names(fn, len(args))[i], leaf))
     for k, a in (kwargs or {}).items():
         for leaf in pytree.tree_leaves(a):
             if isinstance(leaf, torch.nn.Module) and id(leaf) not in seen:

@@ -1,0 +1,63 @@
+"""CUDA check for memory estimates (needs a GPU): estimate against torch.cuda.max_memory_allocated().
+
+For each model the model and inputs are made resident, statistics reset, one step run; the staged estimate
+is printed beside the measured peak. Run: python bench/cuda_memory_check.py
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import stagetorch
+
+
+def resnet(width: int = 64) -> nn.Module:
+    def block(c: int) -> nn.Module:
+        return nn.Sequential(
+            nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+        )
+
+    return nn.Sequential(
+        nn.Conv2d(3, width, 7, 2, 3), nn.ReLU(), *[block(width) for _ in range(4)],
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 1000),
+    )
+
+
+def gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=768, n_head=12, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
+
+
+def main() -> None:
+    cases = {
+        "resnet-ish, batch 64x3x224x224": (resnet(), lambda: (torch.randn(64, 3, 224, 224), torch.randint(0, 1000, (64,))), False),
+        "gpt2-124M, batch 8x512": (gpt2(), lambda: (torch.randint(0, 50257, (8, 512)),) * 2, True),
+    }
+    print("| model | estimate | max_memory_allocated | error |")
+    for name, (model, make, lm) in cases.items():
+        model = model.cuda()
+        x, y = (t.cuda() for t in make())
+
+        def step(x, y):
+            loss = model(input_ids=x, labels=y).loss if lm else F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+
+        estimate = stagetorch.memory(step)(x, y).peak_bytes
+        staged = stagetorch.jit(step)
+        staged.plan(x, y)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        staged(x, y)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        print(f"| {name} | {estimate:,} | {peak:,} | {100 * (estimate - peak) / peak:+.2f}% |")
+        del model, x, y, staged
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
