@@ -31,32 +31,30 @@ def gpt2() -> nn.Module:
     return GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=768, n_head=12, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
 
 
+def check(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, lm: bool) -> None:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=x, labels=y).loss if lm else F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    estimate = stagetorch.memory(step)(x, y).peak_bytes
+    staged = stagetorch.jit(step)
+    staged.plan(x, y)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    staged(x, y)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    print(f"| {name} | {estimate:,} | {peak:,} | {100 * (estimate - peak) / peak:+.2f}% |")
+
+
 def main() -> None:
-    cases = {
-        "resnet-ish, batch 64x3x224x224": (resnet(), lambda: (torch.randn(64, 3, 224, 224), torch.randint(0, 1000, (64,))), False),
-        "gpt2-124M, batch 8x512": (gpt2(), lambda: (torch.randint(0, 50257, (8, 512)),) * 2, True),
-    }
     print("| model | estimate | max_memory_allocated | error |")
-    for name, (model, make, lm) in cases.items():
-        model = model.cuda()
-        x, y = (t.cuda() for t in make())
-
-        def step(x, y):
-            loss = model(input_ids=x, labels=y).loss if lm else F.cross_entropy(model(x), y)
-            loss.backward()
-            return loss
-
-        estimate = stagetorch.memory(step)(x, y).peak_bytes
-        staged = stagetorch.jit(step)
-        staged.plan(x, y)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        staged(x, y)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        print(f"| {name} | {estimate:,} | {peak:,} | {100 * (estimate - peak) / peak:+.2f}% |")
-        del model, x, y, staged
-        torch.cuda.empty_cache()
+    check("resnet-ish, batch 64x3x224x224", resnet().cuda(), torch.randn(64, 3, 224, 224).cuda(),
+          torch.randint(0, 1000, (64,)).cuda(), lm=False)
+    torch.cuda.empty_cache()
+    ids = torch.randint(0, 50257, (8, 512)).cuda()
+    check("gpt2-124M, batch 8x512", gpt2().cuda(), ids, ids, lm=True)
 
 
 if __name__ == "__main__":
