@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .api import jit, make_ir
+from .memory import memory
 
 
 def _model() -> nn.Module:
@@ -31,6 +32,10 @@ def run_demo(batch: int = 256) -> dict[str, float]:
     print(f"Staged train_step for x:{tuple(x.shape)} y:{tuple(y.shape)}: {len(graph.eqns)} ATen ops "
           f"(forward and backward), {sum(r == 'param' for r in graph.roles)} parameters lifted.")
     print(graph)
+
+    report = memory(train_step)(x, y)
+    print(f"\nMemory, before running anything:\n{report}")
+    print(f"Plot of live memory across the step: {report.plot('stagetorch-memory.png')}")
 
     loss = jit(train_step)(x, y)
     ref_loss = F.cross_entropy(reference(x), y)
