@@ -11,6 +11,7 @@ from .errors import (
     UnsupportedOpError,
 )
 from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var
+from .lazy import LazyTensor, lazy
 from .memory import MemoryReport, memory
 from .planning import Plan
 
@@ -20,6 +21,8 @@ __all__ = [
     "eval_shape",
     "Staged",
     "memory",
+    "lazy",
+    "LazyTensor",
     "MemoryReport",
     "Plan",
     "Aval",

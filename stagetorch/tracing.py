@@ -335,12 +335,14 @@ class _Recorder:
             return t
         fake = self.lifted.get(id(t))
         if fake is None:
+            # A non-leaf (a weight transposed eagerly, in lazy mode) is lifted as the value it is.
+            source = t if t.is_leaf else t.detach()
             with self.fake_mode:
-                fake = self.fake_mode.from_tensor(t, static_shapes=True)
+                fake = self.fake_mode.from_tensor(source, static_shapes=True)
             self.lifted[id(t)] = fake
             self.consts.append(t)
             self.add_input(fake, "const", f"const{len(self.consts) - 1}")
-            if t.requires_grad:
+            if t.requires_grad and t.is_leaf:
                 self.grad_leaks.append((t, t.grad, source_info()))
         return fake
 
