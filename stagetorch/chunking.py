@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 import torch
 
+from ._tree import map_leaves
 from .batching import BatchAnalysis, Batched, Global, Prepass, Reduced, coupling
 from .execute import Program
 from .ir import Aval, Eqn, Graph, Literal, Var
@@ -34,16 +35,6 @@ def _chunk_aval(v: Var, label: Any, n: int) -> Aval:
         shape[label.dim] = label.extent(n)
         return Aval(tuple(shape), v.aval.dtype, v.aval.device)
     return v.aval
-
-
-def _subst(tree: Any, fn: Callable[[Var], Any]) -> Any:
-    if isinstance(tree, Var):
-        return fn(tree)
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_subst(x, fn) for x in tree)
-    if isinstance(tree, dict):
-        return {k: _subst(v, fn) for k, v in tree.items()}
-    return tree
 
 
 def _swap(table: dict[Var, Var], v: Var) -> Var:
@@ -146,7 +137,7 @@ class Split:
                 for v, s in stand_in.items():
                     eqns.append(Eqn(_empty, (v.aval.shape, v.aval.dtype, v.aval.device), {}, (s,), e.source))
                 swap = functools.partial(_swap, stand_in)
-                e = Eqn(e.prim, _subst(e.args, swap), _subst(e.kwargs, swap), e.outvars, e.source)
+                e = Eqn(e.prim, map_leaves(e.args, Var, swap), map_leaves(e.kwargs, Var, swap), e.outvars, e.source)
             eqns.append(e)
         defined = {v for e in eqns for v in e.outvars if v is not None}
         outs = [v for v in g.invars if v in needed] + [v for v in defined if v in needed]
@@ -267,7 +258,7 @@ class Split:
                 base = mapping.get(v.base) if v.base is not None else None
                 nv = Var(_chunk_aval(v, lab, n), base=base)
                 outvars.append(nv)
-            new = Eqn(prim, _subst(args, arg), _subst(kwargs, arg), tuple(outvars), e.source)
+            new = Eqn(prim, map_leaves(args, Var, arg), map_leaves(kwargs, Var, arg), tuple(outvars), e.source)
             for v, nv in zip(e.outvars, outvars):
                 if v is not None:
                     mapping[v] = nv
@@ -276,7 +267,7 @@ class Split:
         kinds = [(v, _combine_kind(labels.get(v))) for v in results]
         for v, p in extra:
             out = Var(v.aval)
-            args = _subst(p.args, lambda x, p=p: mapping.get(x) or feed(x, p.cuts.get(x)))
+            args = map_leaves(p.args, Var, lambda x, p=p: mapping.get(x) or feed(x, p.cuts.get(x)))
             eqns.append(Eqn(p.fn, args, {}, (out,), self.graph.eqns[0].source))
             outs.append(out)
             kinds.append((v, "sum"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -17,7 +18,8 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
-def run_demo(batch: int = 256) -> dict[str, float]:
+def _setup(batch: int) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor, Callable]:
+    """The model, an untouched copy for eager PyTorch, a batch, and the train step to stage."""
     torch.manual_seed(0)
     model = _model()
     reference = copy.deepcopy(model)
@@ -27,6 +29,24 @@ def run_demo(batch: int = 256) -> dict[str, float]:
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         return loss
+
+    return model, reference, x, y, train_step
+
+
+def _against_eager(model: nn.Module, reference: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: torch.Tensor, what: str) -> dict[str, float]:
+    ref_loss = F.cross_entropy(reference(x), y)
+    ref_loss.backward()
+    grad_err = max(
+        ((p.grad - q.grad).norm() / q.grad.norm()).item() for p, q in zip(model.parameters(), reference.parameters())
+    )
+    loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+    print(f"{what} loss {loss.item():.6f}  eager loss {ref_loss.item():.6f}  "
+          f"relative error: loss {loss_err:.1e}, worst .grad {grad_err:.1e}")
+    return {"loss_error": loss_err, "grad_error": grad_err}
+
+
+def run_demo(batch: int = 256) -> dict[str, float]:
+    model, reference, x, y, train_step = _setup(batch)
 
     graph = make_ir(train_step)(x, y)
     print(f"Staged train_step for x:{tuple(x.shape)} y:{tuple(y.shape)}: {len(graph.eqns)} ATen ops "
@@ -38,43 +58,19 @@ def run_demo(batch: int = 256) -> dict[str, float]:
     print(f"Plot of live memory across the step: {report.plot('stagetorch-memory.png')}")
 
     loss = jit(train_step)(x, y)
-    ref_loss = F.cross_entropy(reference(x), y)
-    ref_loss.backward()
-    grad_err = max(
-        ((p.grad - q.grad).norm() / q.grad.norm()).item() for p, q in zip(model.parameters(), reference.parameters())
-    )
-    loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
-    print(f"\nstaged loss {loss.item():.6f}  eager loss {ref_loss.item():.6f}  "
-          f"relative error: loss {loss_err:.1e}, worst .grad {grad_err:.1e}")
-    return {"loss_error": loss_err, "grad_error": grad_err}
+    print()
+    return _against_eager(model, reference, x, y, loss, "staged")
 
 
 def run_chunked_demo(batch: int = 4096, budget: str = "16MiB") -> dict[str, float]:
     """A batch whose step needs several times the embedded budget runs in exact chunks."""
-    torch.manual_seed(0)
-    model = _model()
-    reference = copy.deepcopy(model)
-    x, y = torch.randn(batch, 784), torch.randint(0, 10, (batch,))
-
-    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        return loss
-
+    model, reference, x, y, train_step = _setup(batch)
     step = jit(train_step, memory_budget=budget)
     plan = step.plan(x, y)
     print(f"\nBatch {batch} under memory_budget={budget!r}:")
     print(plan)
-    loss = step(x, y)
-    ref_loss = F.cross_entropy(reference(x), y)
-    ref_loss.backward()
-    grad_err = max(
-        ((p.grad - q.grad).norm() / q.grad.norm()).item() for p, q in zip(model.parameters(), reference.parameters())
-    )
-    loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
-    print(f"chunked loss {loss.item():.6f}  unchunked eager loss {ref_loss.item():.6f}  "
-          f"relative error: loss {loss_err:.1e}, worst .grad {grad_err:.1e}")
-    return {"loss_error": loss_err, "grad_error": grad_err, "chunks": len(plan.chunk_sizes)}
+    result = _against_eager(model, reference, x, y, step(x, y), "chunked")
+    return {**result, "chunks": len(plan.chunk_sizes)}
 
 
 def main(argv: list[str]) -> int:

@@ -11,15 +11,10 @@ from typing import Any
 
 import torch
 
+from ._tree import flatten
 from .ir import Eqn, Graph, Literal, Var
 
 __all__ = ["Program", "accumulate_grad"]
-
-
-def _flatten_result(out: Any) -> list[Any]:
-    if isinstance(out, (tuple, list)):
-        return [y for x in out for y in _flatten_result(x)]
-    return [out]
 
 
 def _binder(tree: Any, slot_of: dict[Var, int]) -> Callable[[list], Any]:
@@ -96,7 +91,7 @@ class Program:
                 if type(result) is torch.Tensor:  # the common case; a list (split) or tuple is flattened
                     env[outs[0][1]] = result
                 else:
-                    flat = _flatten_result(result)
+                    flat = flatten(result)
                     for j, s in outs:
                         env[s] = flat[j]
                     flat = None

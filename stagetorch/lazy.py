@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ._tree import map_leaves
 from .api import Executable
 from .batching import Batched
 from .devices import free_memory
@@ -53,8 +54,8 @@ class _Session:
 
     def record(self, func: Any, args: tuple, kwargs: dict) -> Any:
         unwrap = self._unwrap
-        fake_args = _map(args, unwrap)
-        fake_kwargs = _map(kwargs, unwrap)
+        fake_args = map_leaves(args, torch.Tensor, unwrap)
+        fake_kwargs = map_leaves(kwargs, torch.Tensor, unwrap)
         out = self.recorder.record(func, fake_args, fake_kwargs)
         schema = func._schema
         if schema.returns and schema.returns[0].alias_info is not None and schema.returns[0].alias_info.is_write:
@@ -65,7 +66,7 @@ class _Session:
                 target._fake = out
                 self.alive[target._var] = weakref.ref(target)
                 return target
-        return _map(out, lambda t: self.wrap(t) if isinstance(t, torch.Tensor) else t)
+        return map_leaves(out, torch.Tensor, lambda t: self.wrap(t) if isinstance(t, torch.Tensor) else t)
 
     def _unwrap(self, t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, LazyTensor):
@@ -138,16 +139,6 @@ def _autograd_leaves(t: torch.Tensor) -> list[torch.Tensor]:
     return leaves
 
 
-def _map(tree: Any, fn: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_map(x, fn) for x in tree)
-    if isinstance(tree, dict):
-        return {k: _map(v, fn) for k, v in tree.items()}
-    return tree
-
-
 # Ops that need a value: evaluate the inputs, then run the op on real tensors.
 _CONCRETE = {_aten._local_scalar_dense.default, _aten.item.default}
 
@@ -199,7 +190,7 @@ class LazyTensor(torch.Tensor):
             loss._session.flush([], leaves)
             return None
         if func in _READS:
-            real = _map(args, lambda t: t.value() if isinstance(t, LazyTensor) else t)
+            real = map_leaves(args, torch.Tensor, lambda t: t.value() if isinstance(t, LazyTensor) else t)
             return func(*real, **kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -209,12 +200,12 @@ class LazyTensor(torch.Tensor):
         kwargs = kwargs or {}
         session = next(t._session for t in _leaves((args, kwargs)) if isinstance(t, LazyTensor))
         if func in _CONCRETE or func.namespace == "prim":
-            return func(*_map(args, _real), **_map(kwargs, _real))
+            return func(*map_leaves(args, torch.Tensor, _real), **map_leaves(kwargs, torch.Tensor, _real))
         try:
             return session.record(func, args, kwargs)
         except ConcretizationError:
             # A data-dependent shape (x[x > 0], nonzero): evaluate the inputs and run this op for real.
-            return func(*_map(args, _real), **_map(kwargs, _real))
+            return func(*map_leaves(args, torch.Tensor, _real), **map_leaves(kwargs, torch.Tensor, _real))
 
 
 def _real(t: Any) -> Any:

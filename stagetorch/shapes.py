@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ._tree import flatten, map_leaves
 from .errors import ShapeError, StagingError
 from .ir import Aval, Eqn, Graph, Literal, Var, op_name
 from .ops._registry import slot
@@ -42,12 +43,6 @@ def _first_device(tree: Any) -> torch.device:
     return None
 
 
-def _flat(out: Any) -> list[Any]:
-    if isinstance(out, (tuple, list)):
-        return [y for x in out for y in _flat(x)]
-    return [out]
-
-
 def meta_eval(prim: Any, args: tuple, kwargs: dict) -> list[Aval | None]:
     """Output avals of ``prim`` from its meta kernel, on the device of its first tensor argument."""
     device = _first_device((args, kwargs)) or kwargs.get("device") or torch.device("cpu")
@@ -58,7 +53,7 @@ def meta_eval(prim: Any, args: tuple, kwargs: dict) -> list[Aval | None]:
         raise StagingError(f"{op_name(prim)} has no meta kernel: {e}") from e
     except (RuntimeError, ValueError, IndexError, TypeError) as e:
         raise ShapeError(f"{op_name(prim)}: {str(e).strip().splitlines()[0]}") from e
-    return [Aval(t.shape, t.dtype, device) if isinstance(t, torch.Tensor) else None for t in _flat(out)]
+    return [Aval(t.shape, t.dtype, device) if isinstance(t, torch.Tensor) else None for t in flatten(out)]
 
 
 def abstract_eval(prim: Any, args: tuple, kwargs: dict) -> list[Aval | None]:
@@ -67,17 +62,7 @@ def abstract_eval(prim: Any, args: tuple, kwargs: dict) -> list[Aval | None]:
     if rule is None:
         return meta_eval(prim, args, kwargs)
     out = rule(*args, **kwargs)
-    return [o if isinstance(o, Aval) else None for o in _flat(out)]
-
-
-def _subst(tree: Any, env: dict[Var, Aval]) -> Any:
-    if isinstance(tree, Var):
-        return env[tree]
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_subst(x, env) for x in tree)
-    if isinstance(tree, dict):
-        return {k: _subst(v, env) for k, v in tree.items()}
-    return tree
+    return [o if isinstance(o, Aval) else None for o in flatten(out)]
 
 
 def infer(graph: Graph, in_avals: Sequence[Aval] | None = None) -> list[Aval | Literal]:
@@ -93,7 +78,7 @@ def infer(graph: Graph, in_avals: Sequence[Aval] | None = None) -> list[Aval | L
 
 
 def _infer_eqn(e: Eqn, env: dict[Var, Aval]) -> None:
-    args, kwargs = _subst(e.args, env), _subst(e.kwargs, env)
+    args, kwargs = map_leaves(e.args, Var, env.__getitem__), map_leaves(e.kwargs, Var, env.__getitem__)
     try:
         outs = abstract_eval(e.prim, args, kwargs)
     except ShapeError as err:

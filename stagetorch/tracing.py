@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._tree import flatten, map_leaves
 from .errors import ConcretizationError, ShapeError, StagingError, UnsupportedOpError
 from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var, op_name
 
@@ -270,22 +271,6 @@ def arg_names(fn: Callable, n: int) -> list[str]:
 # The trace itself.
 
 
-def _flatten_result(out: Any) -> list[Any]:
-    if isinstance(out, (tuple, list)):
-        return [y for x in out for y in _flatten_result(x)]
-    return [out]
-
-
-def _substitute(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_substitute(x, fn) for x in tree)
-    if isinstance(tree, dict):
-        return {k: _substitute(v, fn) for k, v in tree.items()}
-    return tree
-
-
 class _Recorder:
     """The mutable state of one trace. Every fake tensor it sees is kept alive, so ids stay unique."""
 
@@ -392,7 +377,7 @@ class _Recorder:
             if "fake" in str(e).lower() and ("impl" in str(e).lower() or "kernel" in str(e).lower()):
                 raise UnsupportedOpError(_unsupported_message(func, src, str(e))) from e
             raise ShapeError(_shape_message(func, args, kwargs, src, _rule_says(func, args, kwargs) or e)) from e
-        flat = _flatten_result(out)
+        flat = flatten(out)
         if any(isinstance(t, torch.Tensor) and t.layout != torch.strided for t in flat):
             raise UnsupportedOpError(
                 f"{op_name(func)} at {src} returns a {next(t.layout for t in flat if isinstance(t, torch.Tensor) and t.layout != torch.strided)} "
@@ -412,7 +397,7 @@ def _rule_says(func: Any, args: tuple, kwargs: dict) -> str | None:
     rule = slot(func, "shape")
     if rule is None:
         return None
-    abstract = _substitute((args, kwargs), Aval.of)
+    abstract = map_leaves((args, kwargs), torch.Tensor, Aval.of)
     try:
         rule(*abstract[0], **abstract[1])
     except ShapeError as e:

@@ -7,7 +7,6 @@ refuse with a named error. A wrong value or a raw exception is a failure.
 
 from __future__ import annotations
 
-import collections
 import itertools
 
 import pytest
@@ -37,7 +36,6 @@ def _cases():
 
 
 CASES = list(_cases())
-OUTCOMES: collections.Counter = collections.Counter()
 
 
 def _flat(out):
@@ -66,9 +64,8 @@ def test_chunked_op_equals_whole_batch(info, sample):
     try:
         entry, inputs, _ = stagetorch.jit(fn)._stage((x,), {})
         outs, _, _ = run_chunked(entry.executable.split(), inputs, [n - n // 2 - 1, 1, n // 2])
-    except stagetorch.StagingError as e:
-        OUTCOMES["refused"] += 1
-        pytest.skip(f"refused: {type(e).__name__}")
+    except stagetorch.StagingError:
+        return  # refused by a named error: never a wrong answer, never a raw exception
     if any(torch.Tag.nondeterministic_seeded in getattr(e.prim, "tags", ()) for e in entry.executable.graph.eqns):
         pytest.skip("draws random numbers: chunks draw other numbers than one full-batch call")
     got = _flat(outs)
@@ -76,4 +73,4 @@ def test_chunked_op_equals_whole_batch(info, sample):
     for g, e in zip(got, expected):
         assert g.shape == e.shape and g.dtype == e.dtype
         torch.testing.assert_close(g, e, equal_nan=True, atol=1e-5, rtol=1e-4)
-    OUTCOMES["agree"] += 1
+
