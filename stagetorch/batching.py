@@ -96,10 +96,9 @@ class Chunked:
 class LabelFn:
     """What a batch rule asks about its arguments: ``label(x)`` and the full batch size ``label.batch``."""
 
-    def __init__(self, labels: dict[Var, Any], batch: int, eqn: Eqn):
+    def __init__(self, labels: dict[Var, Any], batch: int):
         self._labels = labels
         self.batch = batch
-        self.eqn = eqn
 
     def __call__(self, x: Any) -> Batched | None:
         if isinstance(x, Var):
@@ -132,11 +131,6 @@ class BatchAnalysis:
     needs_global: list[Var]
     prepass: dict[Var, Prepass]
 
-    def label(self, v: Any) -> Any:
-        return self.labels.get(v) if isinstance(v, Var) else None
-
-    def is_batched(self, v: Any) -> bool:
-        return isinstance(self.label(v), Batched)
 
 
 # Ops that read only the shape, dtype and device of their tensor argument, never its data.
@@ -209,7 +203,7 @@ def analyze(graph: Graph, inputs: dict[Var, Batched], batch: int) -> BatchAnalys
                 f"stagetorch.ops.register(torch.ops.{op_name(_packet(e.prim))}, "
                 f"batch=stagetorch.ops.per_example()), or run without chunking (a larger memory_budget)."
             )
-        decision = rule(e, LabelFn(labels, batch, e))
+        decision = rule(e, LabelFn(labels, batch))
         for v in _mutated_args(e):
             if not isinstance(labels.get(v), Batched):
                 raise coupling(

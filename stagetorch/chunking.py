@@ -24,7 +24,7 @@ from .batching import BatchAnalysis, Batched, Global, Prepass, Reduced, coupling
 from .execute import Program
 from .ir import Aval, Eqn, Graph, Literal, Var
 
-__all__ = ["Split", "split_graph", "run_chunked"]
+__all__ = ["Split", "run_chunked"]
 
 log = logging.getLogger("stagetorch")
 
@@ -281,10 +281,6 @@ def _vars_in(tree: Any) -> list[Var]:
     if isinstance(tree, (list, tuple)):
         return [v for x in tree for v in _vars_in(x)]
     return []
-
-
-def split_graph(analysis: BatchAnalysis) -> Split:
-    return Split(analysis)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -14,19 +14,12 @@ import attrs
 from .chunking import Split
 from .errors import OutOfMemoryError
 from .ir import Graph, Var
+from .memory import format_bytes
 
 __all__ = ["Plan", "plan_chunks", "SAFETY_MARGIN"]
 
 # Fraction of the budget the plan leaves unused: the allocator's rounding and fragmentation live there.
 SAFETY_MARGIN = 0.10
-
-
-def _fmt(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 @attrs.frozen
@@ -50,8 +43,8 @@ class Plan:
         peak = max(self.peak_bytes)
         return (
             f"Plan: batch {self.batch} as {len(self.chunk_sizes)} chunk(s) [{sizes}], predicted peak "
-            f"{_fmt(peak)} of a {_fmt(self.budget_bytes)} budget (whole batch at once: "
-            f"{_fmt(self.full_batch_peak_bytes)}). {self.reason}"
+            f"{format_bytes(peak)} of a {format_bytes(self.budget_bytes)} budget (whole batch at once: "
+            f"{format_bytes(self.full_batch_peak_bytes)}). {self.reason}"
         )
 
 
@@ -126,7 +119,7 @@ def plan_chunks(
     sizes = _sizes(batch, largest)
     peaks = tuple(_chunk_peak(s, n, cost) for n in sizes)
     why = (
-        f"The whole batch needs {_fmt(full)}; fixed {_fmt(fixed)} + {_fmt(per_example)} per example allows "
+        f"The whole batch needs {format_bytes(full)}; fixed {format_bytes(fixed)} + {format_bytes(per_example)} per example allows "
         f"chunks of up to {largest}."
     )
     return Plan(batch, tuple(sizes), peaks, budget, full, why)
@@ -137,9 +130,9 @@ def _too_big(graph: Graph, split: Split, budget: int, cost: Callable[[Graph], in
     resident = _resident(split, 1)
     params = sum(v.aval.nbytes for v, r in zip(graph.invars, graph.roles) if r in ("param", "buffer"))
     return OutOfMemoryError(
-        f"not even one example fits: a chunk of 1 needs {_fmt(one)} against a budget of {_fmt(budget)} "
-        f"(less a {SAFETY_MARGIN:.0%} margin). Of that, {_fmt(resident)} is held for the whole step "
-        f"(parameters and buffers {_fmt(params)}, the full batch inputs, gradient accumulators and outputs) "
-        f"and {_fmt(one - resident)} is one example's activations. What to do: raise memory_budget, use a "
+        f"not even one example fits: a chunk of 1 needs {format_bytes(one)} against a budget of {format_bytes(budget)} "
+        f"(less a {SAFETY_MARGIN:.0%} margin). Of that, {format_bytes(resident)} is held for the whole step "
+        f"(parameters and buffers {format_bytes(params)}, the full batch inputs, gradient accumulators and outputs) "
+        f"and {format_bytes(one - resident)} is one example's activations. What to do: raise memory_budget, use a "
         "smaller model or lower precision, or move the batch off the device."
     )
