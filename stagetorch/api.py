@@ -23,7 +23,7 @@ from .errors import ShapeError
 from .execute import Program, accumulate_grad
 from .ir import Aval, Graph, Var
 from .memory import peak_bytes
-from .planning import Plan, plan_chunks
+from .planning import SAFETY_MARGIN, Plan, plan_chunks
 from .tracing import State, Traced, arg_names, discover, trace
 
 __all__ = ["make_ir", "eval_shape", "jit", "Staged"]
@@ -101,6 +101,7 @@ class Executable:
     _split: Split | None = None
     plans: dict[int, Plan] = attrs.field(factory=dict)
     _mutated: list[int] | None = None
+    _full_peak: int | None = None
 
     @property
     def program(self) -> Program:
@@ -114,9 +115,16 @@ class Executable:
         return self._split
 
     def plan(self, budget: int) -> Plan:
-        if budget not in self.plans:
-            self.plans[budget] = plan_chunks(self.graph, self.split, self.batch, budget, peak_bytes)
-        return self.plans[budget]
+        # The device's free memory moves a little between calls: re-plan only when the answer can change.
+        # The whole graph is costed once; a budget it fits in reuses one plan.
+        if self._full_peak is None:
+            self._full_peak = peak_bytes(self.graph)
+        fits = self._full_peak <= budget * (1 - SAFETY_MARGIN)
+        # Chunked plans are kept per budget to about 0.4% (its top 9 bits).
+        key = -1 if fits else budget >> max(budget.bit_length() - 9, 0) << max(budget.bit_length() - 9, 0)
+        if key not in self.plans:
+            self.plans[key] = plan_chunks(self.graph, self.split, self.batch, budget, peak_bytes)
+        return self.plans[key]
 
     def run(
         self, inputs: list, budget: int, *, on_chunk: Callable[[int, int], None] | None = None, name: str = "step"

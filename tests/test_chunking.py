@@ -355,3 +355,18 @@ def test_chunked_inference_equals_full_batch(arch):
     got = staged(x)
     assert got.shape == expected.shape
     assert rel(got, expected.softmax(-1)) < 1e-5
+
+
+def test_small_changes_in_free_memory_do_not_replan(monkeypatch):
+    import stagetorch.api as api
+
+    costed = []
+    real = api.peak_bytes
+    monkeypatch.setattr(api, "peak_bytes", lambda g: costed.append(1) or real(g))
+    model, make = models.seed_mlp()
+    x, y = make(64)
+    staged = stagetorch.jit(_step(model, LOSSES["mean_ce"]))
+    for budget in (2**30, 2**30 + 4096, 2**30 - 12345, 3 * 2**30):
+        staged.memory_budget = budget
+        staged(x, y)
+    assert len(costed) == 1  # the whole graph, once; every budget fits, so no chunked planning
