@@ -123,7 +123,7 @@ class Executable:
         # Chunked plans are kept per budget to about 0.4% (its top 9 bits).
         key = -1 if fits else budget >> max(budget.bit_length() - 9, 0) << max(budget.bit_length() - 9, 0)
         if key not in self.plans:
-            self.plans[key] = plan_chunks(self.graph, self.split, self.batch, budget, peak_bytes)
+            self.plans[key] = plan_chunks(self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak)
         return self.plans[key]
 
     def run(

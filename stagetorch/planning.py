@@ -93,14 +93,15 @@ def plan_chunks(
     batch: int,
     budget: int,
     cost: Callable[[Graph], int],
+    full: int | None = None,
 ) -> Plan:
     """Choose chunk sizes for ``graph`` over ``batch`` examples within ``budget`` bytes.
 
     ``split`` builds the chunked form on demand (only when the whole batch does not fit). ``cost`` is the
-    memory interpreter: a Graph's peak bytes.
+    memory interpreter: a Graph's peak bytes; ``full`` is ``cost(graph)`` when the caller already has it.
     """
     usable = int(budget * (1 - SAFETY_MARGIN))
-    full = cost(graph)
+    full = cost(graph) if full is None else full
     if full <= usable or batch == 1:
         why = "The whole batch fits." if full <= usable else "A single example cannot be split further."
         if full > usable:
