@@ -112,6 +112,10 @@ class _Session:
         for leaf, v in grads:
             leaf.grad = None  # autograd stored the lazy gradient; accumulate the real one as it would have
             accumulate_grad(leaf, self.values[v])
+        # Keep only what can still be read: the inputs, and values whose lazy tensor is alive.
+        self.alive = {v: ref for v, ref in self.alive.items() if ref() is not None}
+        live = set(self.alive) | set(self.batched)
+        self.values = {v: x for v, x in self.values.items() if v in live}
 
     def _value_of(self, v: Var) -> torch.Tensor:
         if v in self.values:

@@ -196,3 +196,14 @@ def test_bad_input_and_shape_errors_name_the_line():
     x = stagetorch.lazy(torch.randn(4, 3))
     with pytest.raises(stagetorch.ShapeError, match=r"test_lazy.py:\d+"):
         x @ torch.randn(4, 3)  # the bad line
+
+
+def test_values_nobody_can_read_are_released():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = stagetorch.lazy(torch.randn(16, 8))
+    loss = model(x).square().mean()
+    loss.backward()
+    session = x._session
+    kept = set(session.values)
+    assert kept <= set(session.batched) | {loss._var}, len(kept)
+    assert loss.item() > 0 and all(type(p.grad) is torch.Tensor for p in model.parameters())
