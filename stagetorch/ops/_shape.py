@@ -2,7 +2,8 @@
 
 A shape rule is called with the op's arguments, :class:`~stagetorch.Aval` in place of tensors, and returns
 an Aval or a tuple of them (``None`` for an undefined output). It raises :class:`~stagetorch.ShapeError`
-naming the op and the shapes. Type promotion is torch's own (``torch.result_type``), never re-derived.
+naming the op and the shapes. Type promotion is torch's own (``torch._prims_common.elementwise_dtypes``, the
+helper behind torch's reference implementations), never re-derived.
 """
 
 from __future__ import annotations
@@ -12,13 +13,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as Promotion
+from torch._prims_common import elementwise_dtypes
 
 from ..errors import ShapeError
 from ..ir import Aval
 
 __all__ = [
-    "same", "broadcast", "compare", "matmul", "addmm", "bmm", "transpose_2d", "view", "expand", "permute",
-    "transpose", "unsqueeze", "squeeze", "select", "slice_", "cat", "stack", "reduce", "softmax",
+    "Promotion", "result_dtype", "same", "broadcast", "compare", "matmul", "addmm", "bmm", "transpose_2d", "view",
+    "expand", "permute", "transpose", "unsqueeze", "squeeze", "select", "slice_", "split", "constant_pad", "cat",
+    "stack", "reduce", "softmax",
 ]
 
 
@@ -28,22 +32,17 @@ def _fail(op: str, why: str, *avals: Any) -> ShapeError:
 
 
 def _probe(x: Any) -> Any:
-    """A stand-in for ``torch.result_type``: a 0-dim meta tensor for a 0-dim aval, a 1-element one otherwise
-    (dimensioned tensors outrank 0-dim ones and numbers in type promotion)."""
+    """A meta stand-in for an aval in type promotion: 0-dim for a 0-dim aval, 1-element otherwise (dimensioned
+    tensors outrank 0-dim ones and numbers)."""
     if isinstance(x, Aval):
         return torch.empty(() if x.ndim == 0 else (1,), dtype=x.dtype, device="meta")
     return x
 
 
-def _promote(*operands: Any) -> torch.dtype:
+def result_dtype(*operands: Any, kind: Promotion = Promotion.DEFAULT) -> torch.dtype:
+    """The dtype torch gives an elementwise op over ``operands`` (avals and Python numbers; others ignored)."""
     probes = [_probe(x) for x in operands if isinstance(x, (Aval, bool, int, float, complex))]
-    dtype = probes[0].dtype if isinstance(probes[0], torch.Tensor) else torch.result_type(probes[0], probes[0])
-    if len(probes) == 1:
-        return dtype
-    out = torch.result_type(probes[0], probes[1])
-    for p in probes[2:]:
-        out = torch.promote_types(out, torch.result_type(p, torch.empty((1,), dtype=out, device="meta")))
-    return out
+    return elementwise_dtypes(*probes, type_promotion_kind=kind)[1]
 
 
 def _device(*operands: Any) -> torch.device:
@@ -80,25 +79,28 @@ def same(op: str, *, dtype_arg: str | None = None) -> Callable[..., Aval]:
     return rule
 
 
-def broadcast(op: str, *, tensors: int = 2, dtype: torch.dtype | None = None, float_out: bool = False) -> Callable:
-    """Broadcasting elementwise ops over the first ``tensors`` arguments, with torch's type promotion."""
+def broadcast(op: str, *, tensors: int = 2, kind: Promotion = Promotion.DEFAULT) -> Callable[..., Aval]:
+    """Broadcasting elementwise ops over the first ``tensors`` arguments (tensors or numbers), with torch's
+    type promotion of the given ``kind``. Unary math is ``tensors=1``."""
 
     def rule(*args: Any, **kwargs: Any) -> Aval:
         operands = [a for a in args[:tensors] if a is not None]
         avals = [a for a in operands if isinstance(a, Aval)]
         if not avals:
             raise _fail(op, "no tensor operand")
-        shape = broadcast_shapes(op, *avals)
-        out = dtype or _promote(*operands)
-        if float_out and not out.is_floating_point:
-            out = torch.get_default_dtype()
-        return Aval(shape, out, _device(*avals))
+        return Aval(broadcast_shapes(op, *avals), result_dtype(*operands, kind=kind), _device(*avals))
 
     return rule
 
 
-def compare(op: str) -> Callable:
-    return broadcast(op, dtype=torch.bool)
+def compare(op: str) -> Callable[..., Aval]:
+    return broadcast(op, kind=Promotion.ALWAYS_BOOL)
+
+
+def _same_dtype(op: str, *avals: Aval | None) -> None:
+    present = [a for a in avals if a is not None]
+    if len({a.dtype for a in present}) > 1:
+        raise _fail(op, "operands must have the same dtype", *present)
 
 
 def matmul(a: Aval, b: Aval) -> Aval:
@@ -106,13 +108,13 @@ def matmul(a: Aval, b: Aval) -> Aval:
         raise _fail("mm", "both operands must be matrices", a, b)
     if a.shape[1] != b.shape[0]:
         raise _fail("mm", f"contraction dims differ: {a} @ {b}", a, b)
-    if a.dtype != b.dtype:
-        raise _fail("mm", f"dtypes differ: {a.dtype} and {b.dtype}", a, b)
+    _same_dtype("mm", a, b)
     return Aval((a.shape[0], b.shape[1]), a.dtype, a.device)
 
 
 def addmm(bias: Aval, a: Aval, b: Aval, *, beta: Any = 1, alpha: Any = 1) -> Aval:
     out = matmul(a, b)
+    _same_dtype("addmm", bias, a, b)
     if broadcast_shapes("addmm", bias, out) != out.shape:
         raise _fail("addmm", f"bias {bias} does not broadcast to {out}", bias, a, b)
     return out
@@ -123,6 +125,7 @@ def bmm(a: Aval, b: Aval) -> Aval:
         raise _fail("bmm", "both operands must be 3-d", a, b)
     if a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
         raise _fail("bmm", f"batch or contraction dims differ: {a} @ {b}", a, b)
+    _same_dtype("bmm", a, b)
     return Aval((a.shape[0], a.shape[1], b.shape[2]), a.dtype, a.device)
 
 
@@ -217,6 +220,32 @@ def slice_(x: Aval, dim: int = 0, start: Any = None, end: Any = None, step: int 
     return Aval(x.shape[:d] + (n,) + x.shape[d + 1 :], x.dtype, x.device)
 
 
+def split(x: Aval, split_size: int, dim: int = 0) -> tuple[Aval, ...]:
+    """Pieces of ``split_size`` along ``dim``, the last one shorter; an empty dim gives one empty piece."""
+    d = _wrap("split", dim, x.ndim, x)
+    size = x.shape[d]
+    if split_size < 0 or (split_size == 0 and size > 0):
+        raise _fail("split", f"split_size {split_size} cannot split dim {d} of size {size}", x)
+    count = max(1, -(-size // split_size)) if split_size else 1
+    return tuple(
+        Aval(x.shape[:d] + (min(split_size, size - i * split_size),) + x.shape[d + 1 :], x.dtype, x.device)
+        for i in range(count)
+    )
+
+
+def constant_pad(x: Aval, pad: Sequence[int], value: Any = 0) -> Aval:
+    """``pad`` holds (before, after) pairs from the last dim backwards; negative amounts crop."""
+    if len(pad) % 2 or len(pad) // 2 > x.ndim:
+        raise _fail("constant_pad_nd", f"padding {list(pad)} does not fit {x.ndim} dims", x)
+    shape = list(x.shape)
+    for i in range(len(pad) // 2):
+        d = x.ndim - 1 - i
+        shape[d] += pad[2 * i] + pad[2 * i + 1]
+        if shape[d] < 0:
+            raise _fail("constant_pad_nd", f"padding {list(pad)} leaves dim {d} with size {shape[d]}", x)
+    return Aval(tuple(shape), x.dtype, x.device)
+
+
 def cat(tensors: Sequence[Aval], dim: int = 0) -> Aval:
     parts = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)]
     if not parts:
@@ -228,7 +257,7 @@ def cat(tensors: Sequence[Aval], dim: int = 0) -> Aval:
             raise _fail("cat", f"sizes must match except in dim {d}", *parts)
     shape = list(ref.shape)
     shape[d] = sum(t.shape[d] for t in parts)
-    return Aval(tuple(shape), _promote(*parts), ref.device)
+    return Aval(tuple(shape), result_dtype(*parts), ref.device)
 
 
 def stack(tensors: Sequence[Aval], dim: int = 0) -> Aval:
@@ -238,7 +267,7 @@ def stack(tensors: Sequence[Aval], dim: int = 0) -> Aval:
     d = _wrap("stack", dim, ref.ndim + 1, ref)
     shape = list(ref.shape)
     shape.insert(d, len(tensors))
-    return Aval(tuple(shape), _promote(*tensors), ref.device)
+    return Aval(tuple(shape), result_dtype(*tensors), ref.device)
 
 
 def reduce(op: str, *, dims_arg: int | None = 1, keepdim_arg: int | None = 2, float_out: bool = False) -> Callable:

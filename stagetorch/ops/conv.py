@@ -20,6 +20,8 @@ def convolution(x, w, bias, stride, padding, dilation, transposed, output_paddin
     spatial = x.ndim - 2
     if w.ndim != spatial + 2:
         raise ShapeError(f"aten.convolution: weight {w} does not fit input {x}")
+    if w.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ShapeError(f"aten.convolution: input {x}, weight {w} and bias {bias} must have the same dtype")
     stride, padding, dilation, output_padding = (
         list(p) * (spatial if len(p) == 1 else 1) for p in (stride, padding, dilation, output_padding)
     )

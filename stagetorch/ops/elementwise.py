@@ -10,28 +10,52 @@ from . import _batch, _memory, _shape  # noqa: F401
 aten = torch.ops.aten
 
 
+def div(x: Aval, other: Aval | complex, *, rounding_mode: str | None = None) -> Aval:
+    """True division makes integers float; floor and trunc division keep the operands' promoted dtype."""
+    kind = _shape.Promotion.DEFAULT if rounding_mode else _shape.Promotion.INT_TO_FLOAT
+    return _shape.broadcast("div", kind=kind)(x, other)
+
+
+def where(cond: Aval, x: Aval, y: Aval) -> Aval:
+    out = _shape.broadcast("where", tensors=3)(cond, x, y)
+    return Aval(out.shape, _shape.result_dtype(x, y), out.device)
+
+
+def masked_fill(x: Aval, mask: Aval, value: Aval | complex) -> Aval:
+    """The mask broadcasts ``x`` out of place; the fill value never changes the dtype."""
+    return Aval(_shape.broadcast_shapes("masked_fill", x, mask), x.dtype, x.device)
+
+
+# Promotion kinds are torch's own, as its reference implementations (torch._refs) declare them.
+_TO_FLOAT = _shape.Promotion.INT_TO_FLOAT
+
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
-    **{op: _shape.broadcast(op._qualified_op_name) for op in (
+    **{op: _shape.broadcast(op.__name__) for op in (
         aten.add, aten.sub, aten.mul, aten.rsub, aten.maximum, aten.minimum,
     )},
-    aten.div: _shape.broadcast("div", float_out=True),
-    aten.pow: _shape.broadcast("pow"),
-    aten.where.self: lambda cond, a, b: Aval(
-        _shape.broadcast_shapes("where", cond, a, b), _shape.broadcast("where")(a, b).dtype, a.device
-    ),
-    **{op: _shape.compare(op._qualified_op_name) for op in (aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge)},
+    aten.div: div,
+    aten.pow: _shape.broadcast("pow", kind=_shape.Promotion.BOOL_TO_LONG),
+    aten.where.self: where,
+    aten.masked_fill: masked_fill,
+    **{op: _shape.compare(op.__name__) for op in (aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge)},
     # Backward of an activation: shaped like the incoming gradient.
-    **{op: _shape.broadcast(op._qualified_op_name) for op in (
+    **{op: _shape.broadcast(op.__name__) for op in (
         aten.threshold_backward, aten.gelu_backward, aten.tanh_backward, aten.sigmoid_backward,
-        aten.silu_backward, aten.native_dropout_backward,
+        aten.silu_backward,
     )},
-    **{op: _shape.same(op._qualified_op_name) for op in (
-        aten.relu, aten.gelu, aten.tanh, aten.sigmoid, aten.silu, aten.neg, aten.exp, aten.log, aten.sqrt,
-        aten.rsqrt, aten.abs, aten.clone, aten.detach, aten.alias, aten.masked_fill, aten.fill, aten.copy_,
-        aten.zero_, aten.fill_, aten.lift_fresh_copy,
+    # grad * mask * scale: a float scale makes an integer gradient float.
+    aten.native_dropout_backward: _shape.broadcast("native_dropout_backward", tensors=3),
+    **{op: _shape.broadcast(op.__name__, tensors=1) for op in (aten.relu, aten.gelu, aten.silu, aten.neg)},
+    **{op: _shape.broadcast(op.__name__, tensors=1, kind=_TO_FLOAT) for op in (
+        aten.tanh, aten.sigmoid, aten.exp, aten.log, aten.sqrt, aten.rsqrt,
     )},
-    **{op: _shape.same(op._qualified_op_name, dtype_arg="dtype") for op in (
+    aten.abs: _shape.broadcast("abs", tensors=1, kind=_shape.Promotion.COMPLEX_TO_FLOAT),
+    **{op: _shape.same(op.__name__) for op in (
+        aten.clone, aten.detach, aten.alias, aten.fill, aten.copy_, aten.zero_, aten.fill_,
+        aten.lift_fresh_copy,
+    )},
+    **{op: _shape.same(op.__name__, dtype_arg="dtype") for op in (
         aten._to_copy, aten.ones_like, aten.zeros_like, aten.empty_like, aten.full_like,
     )},
 }

@@ -23,7 +23,7 @@ SHAPE: dict = {
     aten.nll_loss_forward: nll_loss_forward,
     aten.nll_loss_backward: lambda grad, x, *args: Aval(x.shape, x.dtype, x.device),
     aten.mse_loss: lambda x, y, reduction=1: Aval(
-        _shape.broadcast_shapes("mse_loss", x, y) if reduction == 0 else (), x.dtype, x.device
+        _shape.broadcast_shapes("mse_loss", x, y) if reduction == 0 else (), _shape.result_dtype(x, y), x.device
     ),
     aten.mse_loss_backward: lambda grad, x, y, reduction: Aval(x.shape, x.dtype, x.device),
 }

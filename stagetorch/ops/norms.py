@@ -15,7 +15,10 @@ def layer_norm(x: Aval, shape, weight, bias, eps):  # noqa: ANN001, ANN201
     k = len(shape)
     if tuple(x.shape[x.ndim - k :]) != tuple(shape):
         raise ShapeError(f"aten.native_layer_norm: normalized_shape {list(shape)} does not end input {x}")
-    stats = Aval(x.shape[: x.ndim - k] + (1,) * k, torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype, x.device)
+    # Statistics of half-precision inputs are kept in float32, except by the CPU kernel (its meta kernel says
+    # float32 there too; stagetorch follows what the kernel really returns).
+    low_precision = x.dtype in (torch.float16, torch.bfloat16) and x.device.type != "cpu"
+    stats = Aval(x.shape[: x.ndim - k] + (1,) * k, torch.float32 if low_precision else x.dtype, x.device)
     return x, stats, stats
 
 
