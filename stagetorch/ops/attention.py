@@ -26,6 +26,28 @@ def sdpa_cpu(q: Aval, k: Aval, v: Aval, *args: Any, **kwargs: Any) -> tuple[Aval
 def sdpa_cpu_backward(grad: Aval, q: Aval, k: Aval, v: Aval, *args: Any, **kwargs: Any) -> tuple[Aval, Aval, Aval]:
     return q, k, v
 
+
+def mkldnn_rnn_layer(x: Aval, w_ih: Aval, w_hh: Aval, b_ih: Aval, b_hh: Aval, hx: Aval, cx: Aval, reverse: bool,
+                     batch_sizes: list[int], mode: int, hidden_size: int, *args: Any) -> tuple[Aval, ...]:
+    """One direction of one CPU LSTM layer: (output, hy, cy, workspace). oneDNN sizes its workspace when the
+    kernel runs; the meta kernel reports it empty, and so does this rule (the memory rule measures it)."""
+    if x.shape[-1] != w_ih.shape[-1] or hx.shape != cx.shape or hx.shape[-1] != hidden_size:
+        raise ShapeError(
+            f"aten.mkldnn_rnn_layer: input {x}, weight_ih {w_ih} and states {hx}, {cx} do not fit hidden size {hidden_size}"
+        )
+    return (
+        Aval(x.shape[:-1] + (hidden_size,), x.dtype, x.device),
+        hx,
+        cx,
+        Aval((0,), torch.uint8, x.device),
+    )
+
+
+def mkldnn_rnn_layer_backward(x: Aval, w_ih: Aval, w_hh: Aval, b_ih: Aval, b_hh: Aval, hx: Aval, cx: Aval,
+                              *args: Any) -> tuple[Aval, ...]:
+    """Gradients for the input, the four weights and the two initial states."""
+    return x, w_ih, w_hh, b_ih, b_hh, hx, cx
+
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
     aten._softmax: _shape.softmax("_softmax"),
@@ -34,6 +56,8 @@ SHAPE: dict = {
     aten._log_softmax_backward_data: lambda grad, out, dim, dtype: Aval(grad.shape, dtype, grad.device),
     aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_cpu_backward,
+    aten.mkldnn_rnn_layer: mkldnn_rnn_layer,
+    aten.mkldnn_rnn_layer_backward: mkldnn_rnn_layer_backward,
 }
 
 

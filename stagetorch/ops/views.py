@@ -14,7 +14,6 @@ aten = torch.ops.aten
 SHAPE: dict = {
     aten.view: _shape.view,
     aten._unsafe_view: _shape.view,
-    aten.reshape: _shape.view,
     aten.expand: _shape.expand,
     aten.permute: _shape.permute,
     aten.transpose.int: _shape.transpose,
@@ -22,6 +21,8 @@ SHAPE: dict = {
     aten.squeeze: _shape.squeeze,
     aten.select.int: _shape.select,
     aten.slice.Tensor: _shape.slice_,
+    aten.split.Tensor: _shape.split,
+    aten.constant_pad_nd: _shape.constant_pad,
     aten.cat: _shape.cat,
     aten.stack: _shape.stack,
     aten.select_backward: lambda grad, sizes, dim, index: Aval(tuple(sizes), grad.dtype, grad.device),
