@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 
+import pytest
 import torch
 import torch.utils._pytree as pytree
 from opinfo_util import samples
@@ -40,6 +41,9 @@ def _classify(info, s) -> str:
     return "agree"
 
 
+# Deprecated ops (torch.lu, torch.qr...) warn on every call; under this suite's warnings-as-errors they would
+# count as skipped, and the sweep is about shapes.
+@pytest.mark.filterwarnings("ignore::UserWarning")
 def test_opinfo_sweep_through_eval_shape():
     counts: collections.Counter = collections.Counter()
     bad = []
@@ -48,6 +52,6 @@ def test_opinfo_sweep_through_eval_shape():
         counts[outcome.split(":")[0]] += 1
         if outcome.startswith(("wrong", "raw")):
             bad.append(f"{name}: {outcome}")
-    print(f"\nOpInfo eval_shape sweep: {dict(counts)}")
+    print("\nOpInfo eval_shape sweep: " + " ".join(f"{k}={counts[k]}" for k in ("agree", "refused", "wrong", "raw", "skipped")))
     assert counts["agree"] > 500
     assert not bad, "\n".join(bad[:30])
