@@ -15,16 +15,17 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import attrs
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ._tree import map_leaves
+from ._tree import flatten, map_leaves
 from .api import Executable
 from .batching import Batched
 from .devices import free_memory
 from .errors import ConcretizationError
 from .execute import accumulate_grad
-from .ir import Graph, Var
+from .ir import Eqn, Graph, Var
 from .tracing import _Recorder
 
 __all__ = ["lazy", "LazyTensor"]
@@ -32,125 +33,478 @@ __all__ = ["lazy", "LazyTensor"]
 _aten = torch.ops.aten
 
 
-class _Session:
-    """What one ``lazy(...)`` call records: the equations, which of them have run, and the values kept."""
+@attrs.define(eq=False)
+class _Out:
+    """A lazy result of a recorded call: its variable and the metadata its LazyTensor is made with."""
 
-    def __init__(self, batch: int, memory_budget: int | str | None):
-        self.recorder = _Recorder(FakeTensorMode(allow_non_fake_inputs=True))
-        self.batch = batch
+    var: Var
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    device: torch.device
+
+
+@attrs.define(eq=False)
+class _Step:
+    """One call that reached lazy tensors: the op, its flattened arguments and its result. ``recorded`` steps
+    became an equation; the others (``item``, data-dependent shapes) ran for real on evaluated inputs.
+    ``key`` is :func:`_key` of the call when it was recorded."""
+
+    func: Any
+    key: tuple
+    consts: list  # (position in the key, the graph input the real tensor there became; None if not recorded)
+    out: Any
+    recorded: bool
+    inplace: bool
+    types: tuple = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.types = tuple(map(type, self.key))
+
+
+@attrs.define(eq=False)
+class _Recording:
+    """What a session recorded, for the next session with the same inputs to replay instead of re-tracing:
+    the steps, the equations, and the executables its flushes built."""
+
+    inputs: list[Var]
+    eqns: list[Eqn]
+    steps: list[_Step] = attrs.field(factory=list)
+    flushes: dict[tuple, tuple] = attrs.field(factory=dict)
+
+
+# The latest recording per input signature: the step loop of a training script records once. The oldest
+# signatures are forgotten first.
+_RECORDINGS: dict[tuple, _Recording] = {}
+_MAX_RECORDINGS = 32
+
+
+def _input_key(tensors: tuple[torch.Tensor, ...], batch: int) -> tuple:
+    return batch, tuple((t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors)
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device, t.requires_grad
+
+
+def _flat(args: tuple, kwargs: dict) -> list:
+    """A call's arguments as one flat list: the number of positional arguments, each leaf, a marker with
+    the type and length of each nested list or tuple, and the keyword names. Two calls with equal flat
+    lists have the same structure."""
+    out = [len(args)]
+    _extend(args, out)
+    if kwargs:
+        out.append(tuple(kwargs))
+        _extend(kwargs.values(), out)
+    return out
+
+
+def _extend(items: Any, out: list) -> None:
+    for x in items:
+        kind = type(x)
+        if kind is tuple or kind is list:
+            out.append((kind, len(x)))
+            _extend(x, out)
+        else:
+            out.append(x)
+
+
+def _key(leaves: list) -> tuple:
+    """What a replay compares: the variable of each lazy tensor, the metadata of each real one, values."""
+    return tuple(
+        x._var if type(x) is LazyTensor else _meta(x) if isinstance(x, torch.Tensor) else x for x in leaves
+    )
+
+
+def _is_inplace(func: Any) -> bool:
+    returns = func._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and returns[0].alias_info.is_write
+
+
+class _Session:
+    """What one ``lazy(...)`` call records: the equations, which of them have run, and the values kept.
+
+    A session either *records* (each op runs on fake tensors through the tracer's recorder) or *replays*
+    the recording of an earlier session with the same inputs: while each call is the same op on the same
+    variables, the same constants' metadata and the same Python values as the recorded step at that
+    position, the session reuses the step (no fake kernel runs) and, at a flush, the executable built for
+    it. The first call that differs switches the session to recording: the steps replayed so far are
+    recorded again on fakes, and it goes on from there.
+    """
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], batch: int, memory_budget: int | str | None):
+        self.batch = tensors[0].shape[batch % tensors[0].ndim]
         self.memory_budget = memory_budget
+        self.key = _input_key(tensors, batch)
         self.done = 0  # equations before this index have run
         self.values: dict[Var, torch.Tensor] = {}  # real values of vars, inputs included
+        self.consts: dict[Var, torch.Tensor] = {}  # the real tensors recorded calls read
         self.alive: dict[Var, weakref.ref] = {}
         self.batched: dict[Var, Batched] = {}
+        self.lazies: list[LazyTensor] = []
+        self.hooked = False  # a hook or grad_fn was reached: backward always runs the autograd engine
+        self.recorder: _Recorder | None = None
+        self.replaying = _RECORDINGS.get(self.key)
+        if self.replaying is not None:
+            self.recording = self.replaying
+            self.eqns = self.replaying.eqns
+            self.cursor = 0  # the next step to replay
+            self.end = 0  # equations replayed so far
+            inputs = self.replaying.inputs
+        else:
+            self.recording = self._start_recording()
+            inputs = [None] * len(tensors)
+        for i, (t, var) in enumerate(zip(tensors, inputs)):
+            real = t.detach()
+            if var is None:
+                with self.recorder.fake_mode:
+                    fake = self.recorder.fake_mode.from_tensor(real, static_shapes=True)
+                var = self.recorder.add_input(fake, "arg", f"lazy{i}")
+                self.recording.inputs.append(var)
+            else:
+                fake = None
+            self.values[var] = real
+            self.batched[var] = Batched(batch % t.ndim)
+            lazy_t = LazyTensor(t.shape, t.stride(), t.dtype, t.device, var, self, fake, t.requires_grad)
+            self.alive[var] = weakref.ref(lazy_t)
+            self.lazies.append(lazy_t)
+
+    def _start_recording(self) -> _Recording:
+        self.recorder = _Recorder(FakeTensorMode(allow_non_fake_inputs=True))
+        self.eqns = self.recorder.eqns
+        recording = _Recording([], self.eqns)
+        _RECORDINGS.pop(self.key, None)
+        _RECORDINGS[self.key] = recording
+        while len(_RECORDINGS) > _MAX_RECORDINGS:
+            del _RECORDINGS[next(iter(_RECORDINGS))]
+        return recording
 
     # -- recording ---------------------------------------------------------------------------------------
 
-    def wrap(self, fake: torch.Tensor) -> LazyTensor:
+    def call(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
+        """An op on lazy tensors: replay it, record it, or (for a value read) run it for real."""
+        if func.namespace == "prim":
+            return func(*map_leaves(args, torch.Tensor, _real), **map_leaves(kwargs, torch.Tensor, _real))
+        if self.replaying is not None:
+            step = self._match(func, leaves)
+            if step is not None:
+                return self._replay(step, args, kwargs)
+            self._diverge()
+        if func in _CONCRETE:
+            return self._run_real(func, args, kwargs, leaves)
+        try:
+            return self._record(func, args, kwargs, leaves)
+        except ConcretizationError:
+            # A data-dependent shape (x[x > 0], nonzero): evaluate the inputs and run this op for real.
+            return self._run_real(func, args, kwargs, leaves)
+
+    def _record(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
+        rec = self.recorder
+        n_consts = len(rec.consts)
+        out = rec.record(func, map_leaves(args, torch.Tensor, self._unwrap), map_leaves(kwargs, torch.Tensor, self._unwrap))
+        for t in rec.consts[n_consts:]:
+            self.consts[rec.const_vars[id(t)]] = t
+        out_spec = map_leaves(out, torch.Tensor, lambda f: _Out(rec.var(f), f.shape, f.stride(), f.dtype, f.fake_device))
+        inplace = _is_inplace(func)
+        self.recording.steps.append(_Step(func, _key(leaves), self._consts_in(leaves), out_spec, True, inplace))
+        if inplace and isinstance(args[0], LazyTensor):
+            # In place: the same Python object now stands for the op's result.
+            target = args[0]
+            target._var, target._fake = rec.var(out), out
+            self.alive[target._var] = weakref.ref(target)
+            return target
+        return map_leaves(out, torch.Tensor, self._wrap_fake)
+
+    def _consts_in(self, leaves: list) -> list[tuple[int, Var | None]]:
+        rec, out = self.recorder, []
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor) and type(x) is not LazyTensor:
+                out.append((i, rec.const_vars.get(id(x))))
+        return out
+
+    def _run_real(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
+        if self.replaying is None:
+            self.recording.steps.append(_Step(func, _key(leaves), self._consts_in(leaves), None, False, False))
+        return func(*map_leaves(args, torch.Tensor, _real), **map_leaves(kwargs, torch.Tensor, _real))
+
+    def _wrap_fake(self, fake: torch.Tensor) -> LazyTensor:
         var = self.recorder.var(fake)
-        out = LazyTensor(fake, var, self)
+        out = LazyTensor(fake.shape, fake.stride(), fake.dtype, fake.fake_device, var, self, fake)
         self.alive[var] = weakref.ref(out)
         return out
 
-    def record(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        unwrap = self._unwrap
-        fake_args = map_leaves(args, torch.Tensor, unwrap)
-        fake_kwargs = map_leaves(kwargs, torch.Tensor, unwrap)
-        out = self.recorder.record(func, fake_args, fake_kwargs)
-        schema = func._schema
-        if schema.returns and schema.returns[0].alias_info is not None and schema.returns[0].alias_info.is_write:
-            # In place: the same Python object now stands for the op's result.
-            target = args[0]
-            if isinstance(target, LazyTensor):
-                target._var = self.recorder.var(out)
-                target._fake = out
-                self.alive[target._var] = weakref.ref(target)
-                return target
-        return map_leaves(out, torch.Tensor, lambda t: self.wrap(t) if isinstance(t, torch.Tensor) else t)
+    @staticmethod
+    def _unwrap(t: torch.Tensor) -> torch.Tensor:
+        return t._fake if type(t) is LazyTensor else t
 
-    def _unwrap(self, t: torch.Tensor) -> torch.Tensor:
-        if isinstance(t, LazyTensor):
-            if t._session is not self:
-                raise ValueError("lazy tensors from two stagetorch.lazy(...) calls cannot be combined; make them in one call")
-            return t._fake
-        return t
+    # -- replaying ---------------------------------------------------------------------------------------
+
+    def _match(self, func: Any, leaves: list) -> _Step | None:
+        steps = self.replaying.steps
+        if self.cursor >= len(steps):
+            return None
+        step = steps[self.cursor]
+        if step.func is not func:
+            return None
+        key = _key(leaves)
+        if key != step.key or tuple(map(type, key)) != step.types:
+            return None
+        for i, var in step.consts:
+            if var is None:  # an argument of a call that ran for real: its metadata is all that matters
+                continue
+            bound = self.consts.get(var)
+            if bound is None:
+                self.consts[var] = leaves[i]
+            elif bound is not leaves[i]:
+                return None
+        return step
+
+    def _replay(self, step: _Step, args: tuple, kwargs: dict) -> Any:
+        self.cursor += 1
+        if not step.recorded:
+            return self._run_real(step.func, args, kwargs, [])
+        self.end += 1
+        if step.inplace and isinstance(args[0], LazyTensor):
+            target = args[0]
+            target._var = step.out.var
+            self.alive[target._var] = weakref.ref(target)
+            return target
+        return map_leaves(step.out, _Out, self._wrap_out)
+
+    def _wrap_out(self, o: _Out) -> LazyTensor:
+        out = _make_subclass(LazyTensor, o.shape, strides=o.stride, dtype=o.dtype, device=o.device)
+        out._fake, out._var, out._session = None, o.var, self
+        self.alive[o.var] = weakref.ref(out)
+        return out
+
+    def _diverge(self) -> None:
+        """The call differs from the recording being replayed: record the replayed steps again on fake
+        tensors, remap every live value to the new variables, and go on recording."""
+        old = self.replaying
+        replayed = old.steps[: self.cursor]
+        self.replaying = None
+        self.recording = self._start_recording()
+        rec = self.recorder
+        new_of: dict[Var, Var] = {}
+        fake_of: dict[Var, torch.Tensor] = {}
+        for i, var in enumerate(old.inputs):
+            with rec.fake_mode:
+                fake = rec.fake_mode.from_tensor(self.values[var], static_shapes=True)
+            new_of[var], fake_of[var] = rec.add_input(fake, "arg", f"lazy{i}"), fake
+            self.recording.inputs.append(new_of[var])
+        consts = self.consts
+        self.consts = {}
+        eqns = iter(old.eqns)
+        for step in replayed:
+            if step.func is _BACKWARD:  # a skipped backward's marker; its steps follow it
+                continue
+            if step.recorded:
+                eqn = next(eqns)
+                args = map_leaves(eqn.args, Var, lambda v: fake_of[v] if v in fake_of else consts[v])
+                kwargs = map_leaves(eqn.kwargs, Var, lambda v: fake_of[v] if v in fake_of else consts[v])
+                n_consts = len(rec.consts)
+                out = rec.record(step.func, args, kwargs, src=eqn.source)
+                for t in rec.consts[n_consts:]:
+                    self.consts[rec.const_vars[id(t)]] = t
+                for v, f in zip(eqn.outvars, flatten(out)):
+                    if v is not None:
+                        new_of[v], fake_of[v] = rec.var(f), f
+            step_consts = [(i, v if v is None else rec.const_vars[id(consts[v])]) for i, v in step.consts]
+            key = tuple(new_of[x] if type(x) is Var else x for x in step.key)
+            out_spec = map_leaves(step.out, _Out, lambda o: attrs.evolve(o, var=new_of[o.var]))
+            self.recording.steps.append(_Step(step.func, key, step_consts, out_spec, step.recorded, step.inplace))
+        for var, ref in self.alive.items():
+            t = ref()
+            if t is not None:
+                t._var, t._fake = new_of[var], fake_of[var]
+        self.alive = {new_of[v]: ref for v, ref in self.alive.items() if ref() is not None}
+        self.values = {new_of[v]: x for v, x in self.values.items()}
+        self.batched = {new_of[v]: b for v, b in self.batched.items()}
+        self.eqns = rec.eqns
+
+    # -- backward --------------------------------------------------------------------------------------
+
+    def backward(self, func: Any, args: tuple, kwargs: dict, roots: list) -> None:
+        """``loss.backward()``: autograd runs the backward ops through ``__torch_dispatch__`` (recorded or
+        replayed), then a flush turns the lazy gradients into real ones. When the session replays a
+        recording whose backward ran over the same autograd graph into the same leaves, with no hooks and
+        every ``.grad`` empty, the engine is skipped: its steps are the recorded ones."""
+        loss = roots[0]
+        with torch._C.DisableTorchFunctionSubclass():
+            leaves, kinds = _autograd_graph(roots)
+        plain = (
+            len(args) == 1 and len(roots) == 1 and type(loss) is LazyTensor and not any(v is not None and v is not False for v in kwargs.values()) and not self.hooked
+            and all(
+                type(leaf) is not LazyTensor and leaf.grad is None and not leaf._backward_hooks
+                and not getattr(leaf, "_post_accumulate_grad_hooks", None)
+                for leaf in leaves
+            )
+        )
+        key = (loss._var, kinds)
+        if self.replaying is not None:
+            steps = self.replaying.steps
+            step = steps[self.cursor] if self.cursor < len(steps) else None
+            if step is not None and step.func is _BACKWARD:
+                mark: _Backward = step.out
+                if (
+                    plain and mark.key == key and len(mark.leaves) == len(leaves)
+                    and all(r() is leaf for r, leaf in zip(mark.leaves, leaves))
+                    and all(v in self.consts for v in mark.needs)
+                ):
+                    for v, base, shape, stride, offset in mark.derived:
+                        self.consts[v] = self.consts[base].detach().as_strided(shape, stride, offset)
+                    self.cursor += 1 + mark.nsteps
+                    self.end += mark.neqns
+                    self.flush([], grads=[(leaves[i], v) for i, v in mark.grads])
+                    return
+                self.cursor += 1  # the engine runs below; its calls replay one by one
+        recording = self.replaying is None and plain
+        if recording:
+            at, n_eqns, bound = len(self.recording.steps), len(self.eqns), dict(self.consts)
+        with torch._C.DisableTorchFunctionSubclass():
+            func(*args, **kwargs)
+        if recording and self.replaying is None:
+            mark = self._backward_mark(key, leaves, at, n_eqns, bound)
+            if mark is not None:
+                self.recording.steps.insert(at, _Step(_BACKWARD, (), [], mark, False, False))
+        self.flush([], leaves)
+
+    def _backward_mark(self, key: tuple, leaves: list, at: int, n_eqns: int, bound: dict) -> _Backward | None:
+        span = self.recording.steps[at:]
+        if not span or not all(s.recorded for s in span):
+            return None
+        grads = [
+            (i, leaf.grad._var) for i, leaf in enumerate(leaves)
+            if type(leaf.grad) is LazyTensor and leaf.grad._session is self
+        ]
+        needs = {v for s in span for _, v in s.consts if v is not None}
+        derived = []
+        for v in needs - bound.keys():
+            t = self.consts[v]
+            ptr = t.untyped_storage().data_ptr()
+            base = next(
+                (u for u, b in bound.items() if b.dtype == t.dtype and b.untyped_storage().data_ptr() == ptr), None
+            )
+            if base is None:
+                return None
+            derived.append((v, base, t.shape, t.stride(), t.storage_offset()))
+        weak = [weakref.ref(leaf) for leaf in leaves]
+        return _Backward(key, weak, grads, len(span), len(self.eqns) - n_eqns, needs & bound.keys(), derived)
 
     # -- running -----------------------------------------------------------------------------------------
 
-    def flush(self, targets: list[Var], leaves: list[torch.Tensor] = ()) -> None:
+    def flush(self, targets: list[Var], leaves: list[torch.Tensor] = (), grads: list | None = None) -> None:
         """Run every recorded equation not yet run; keep ``targets``, every value still referenced, and the
-        lazy gradients autograd stored in the ``.grad`` of ``leaves``, which become real gradients."""
-        rec = self.recorder
-        pending = rec.eqns[self.done :]
-        if not pending:
+        lazy gradients autograd stored in the ``.grad`` of ``leaves`` (or the (leaf, Var) pairs ``grads``),
+        which become real gradients."""
+        end = self.end if self.replaying is not None else len(self.eqns)
+        if end == self.done:
             return
-        grads = [
-            (leaf, leaf.grad._var)
-            for leaf in leaves
-            if isinstance(leaf.grad, LazyTensor) and leaf.grad._session is self
-        ]
-        wanted = {v for v in targets if v not in self.values}
-        wanted |= {v for v, ref in self.alive.items() if ref() is not None and v not in self.values}
+        if grads is None:
+            grads = [
+                (leaf, leaf.grad._var)
+                for leaf in leaves
+                if isinstance(leaf.grad, LazyTensor) and leaf.grad._session is self
+            ]
+        flushes = self.recording.flushes
+        span = flushes.get((self.done, end))
+        if span is None:
+            pending = self.eqns[self.done : end]
+            produced = [v for e in pending for v in e.outvars if v is not None]
+            made = set(produced)
+            invars: list[Var] = []  # every input of the pending equations that the user or a flush supplied
+            for e in pending:
+                for v in e.invars:
+                    if v not in made and v not in invars:
+                        invars.append(v)
+            span = flushes[(self.done, end)] = (produced, invars)
+        produced, invars = span
+        values = self.values
+        wanted = {v for v in targets if v not in values}
+        wanted |= {v for v, ref in self.alive.items() if v not in values and ref() is not None}
         wanted |= {v for _, v in grads}
-        produced = {v for e in pending for v in e.outvars if v is not None}
-        outs = [v for v in wanted if v in produced]
-        # Every input of the pending equations that an earlier flush (or the user) supplied.
-        invars: list[Var] = []
-        for e in pending:
-            for v in e.invars:
-                if v not in produced and v not in invars:
-                    invars.append(v)
-        inputs = [self._value_of(v) for v in invars]
-        roles = ["arg" if v in self.batched else "const" for v in invars]
-        graph = Graph(invars, list(pending), outs, roles, [""] * len(invars))
-        batched = {v: b for v, b in self.batched.items() if v in invars}
-        executable = Executable(graph, batched, self.batch)
-        device = next((v.aval.device for v in batched), torch.device("cpu"))
-        values, _ = executable.run(inputs, free_memory(device, self.memory_budget), name="lazy")
-        self.done = len(rec.eqns)
-        self.values.update(zip(outs, values))
+        outs = tuple(v for v in produced if v in wanted)
+        executable = flushes.get((self.done, end, outs))
+        if executable is None:
+            roles = ["arg" if v in self.batched else "const" for v in invars]
+            graph = Graph(invars, self.eqns[self.done : end], list(outs), roles, [""] * len(invars))
+            batched = {v: b for v, b in self.batched.items() if v in invars}
+            executable = flushes[(self.done, end, outs)] = Executable(graph, batched, self.batch)
+        device = next((v.aval.device for v in executable.batched), torch.device("cpu"))
+        results, _ = executable.run([self._value_of(v) for v in invars], free_memory(device, self.memory_budget), name="lazy")
+        self.done = end
+        values.update(zip(outs, results))
         for leaf, v in grads:
             leaf.grad = None  # autograd stored the lazy gradient; accumulate the real one as it would have
-            accumulate_grad(leaf, self.values[v])
+            accumulate_grad(leaf, values[v])
         # Keep only what can still be read: the inputs, and values whose lazy tensor is alive.
         self.alive = {v: ref for v, ref in self.alive.items() if ref() is not None}
-        live = set(self.alive) | set(self.batched)
-        self.values = {v: x for v, x in self.values.items() if v in live}
+        self.values = {v: x for v, x in values.items() if v in self.alive or v in self.batched}
 
     def _value_of(self, v: Var) -> torch.Tensor:
-        if v in self.values:
-            return self.values[v]
-        i = self.recorder.invars.index(v)
-        role = self.recorder.roles[i]
-        if role == "const":
-            return self.recorder.consts[int(self.recorder.names[i].removeprefix("const"))]
-        raise ConcretizationError("a lazy value was dropped before it ran; this is a bug in stagetorch.lazy")
+        x = self.values.get(v)
+        if x is None:
+            x = self.consts.get(v)
+        if x is None:
+            raise ConcretizationError("a lazy value was dropped before it ran; this is a bug in stagetorch.lazy")
+        return x
 
 
-
-def _autograd_leaves(t: torch.Tensor) -> list[torch.Tensor]:
-    """The leaf tensors a backward from ``t`` accumulates into (its graph's AccumulateGrad nodes)."""
-    leaves, seen, stack = [], set(), [t.grad_fn]
+def _autograd_graph(roots: list[torch.Tensor]) -> tuple[list[torch.Tensor], tuple]:
+    """The leaf tensors a backward from ``roots`` accumulates into (its graph's AccumulateGrad nodes), and
+    the graph's node types in a fixed walk order."""
+    leaves, kinds, seen, stack = [], [], set(), [t.grad_fn for t in reversed(roots)]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
+        kinds.append(type(node))
         variable = getattr(node, "variable", None)
         if variable is not None:
             leaves.append(variable)
         stack.extend(n for n, _ in node.next_functions)
-    return leaves
+    return leaves, tuple(kinds)
+
+
+@attrs.define(eq=False)
+class _Backward:
+    """A ``loss.backward()`` in a recording, with what a replay needs to skip the autograd engine: the
+    autograd graph it ran over (node types, leaf tensors), the recorded steps it produced, the gradients
+    it left in each leaf's ``.grad``, and the constants those steps read. Backward formulas make real views
+    of saved real tensors (``mat2.t()`` in addmm's backward); such a constant is recorded as the view it is
+    of one bound before the backward, so a replay can make it without the engine."""
+
+    key: tuple
+    leaves: list[weakref.ref]
+    grads: list[tuple[int, Var]]
+    nsteps: int
+    neqns: int
+    needs: set[Var]  # constants bound before the backward
+    derived: list[tuple]  # (var, base var, shape, stride, offset): a view the engine made of a bound constant
+
+
+_BACKWARD = torch.Tensor.backward
+_make_subclass = torch.Tensor._make_wrapper_subclass
 
 
 # Ops that need a value: evaluate the inputs, then run the op on real tensors.
 _CONCRETE = {_aten._local_scalar_dense.default, _aten.item.default}
 
-# Python-level reads: the tensor is evaluated and the read runs on its real value.
-_READS = {
-    torch.Tensor.__repr__, torch.Tensor.__str__, torch.Tensor.__format__, torch.Tensor.tolist,
-    torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.__float__, torch.Tensor.__int__,
-    torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.item, torch.Tensor.__reduce_ex__,
+# Torch functions lazy tensors handle themselves; every other one runs as on a plain tensor.
+_SPECIAL = {
+    # Python-level reads: the tensor is evaluated and the read runs on its real value.
+    **dict.fromkeys([
+        torch.Tensor.__repr__, torch.Tensor.__str__, torch.Tensor.__format__, torch.Tensor.tolist,
+        torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.__float__, torch.Tensor.__int__,
+        torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.item, torch.Tensor.__reduce_ex__,
+    ], "read"),
+    torch.Tensor.backward: "backward",
+    torch.autograd.backward: "backward",
+    **dict.fromkeys([
+        torch.Tensor.register_hook, torch.Tensor.retain_grad, torch.Tensor.grad_fn.__get__,
+        torch.Tensor.register_post_accumulate_grad_hook,
+    ], "autograd"),
 }
 
 
@@ -162,16 +516,13 @@ class LazyTensor(torch.Tensor):
     _session: _Session
 
     @staticmethod
-    def __new__(cls, fake: torch.Tensor, var: Var, session: _Session, requires_grad: bool = False) -> LazyTensor:
-        out = torch.Tensor._make_wrapper_subclass(
-            cls, fake.shape, strides=fake.stride(), dtype=fake.dtype, device=fake.fake_device,
-            requires_grad=requires_grad,
-        )
+    def __new__(
+        cls, shape: Any, stride: Any, dtype: torch.dtype, device: torch.device, var: Var, session: _Session,
+        fake: torch.Tensor | None = None, requires_grad: bool = False,
+    ) -> LazyTensor:
+        out = _make_subclass(cls, shape, strides=stride, dtype=dtype, device=device, requires_grad=requires_grad)
         out._fake, out._var, out._session = fake, var, session
         return out
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__()
 
     def value(self) -> torch.Tensor:
         """The real tensor, evaluated (chunked where it is per-example) and memoised."""
@@ -185,43 +536,45 @@ class LazyTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is torch.Tensor.backward:
-            loss = args[0]
-            leaves = _autograd_leaves(loss)
+        kind = _SPECIAL.get(func)
+        if kind is None:
             with torch._C.DisableTorchFunctionSubclass():
-                func(*args, **kwargs)  # autograd runs the backward ops through __torch_dispatch__: recorded
-            loss._session.flush([], leaves)
-            return None
-        if func in _READS:
-            real = map_leaves(args, torch.Tensor, lambda t: t.value() if isinstance(t, LazyTensor) else t)
-            return func(*real, **kwargs)
+                return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if kind == "backward":
+            roots = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            lazies = [t for t in roots if type(t) is LazyTensor]
+            if lazies:
+                lazies[0]._session.backward(func, args, kwargs, roots)
+                return None
+        elif kind == "read":
+            return func(*map_leaves(args, torch.Tensor, _real), **kwargs)
+        else:  # the user reaches into autograd (a hook, a grad_fn): backward must run through the engine
+            for t in _flat(args, kwargs):
+                if type(t) is LazyTensor:
+                    t._session.hooked = True
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        session = next(t._session for t in _leaves((args, kwargs)) if isinstance(t, LazyTensor))
-        if func in _CONCRETE or func.namespace == "prim":
-            return func(*map_leaves(args, torch.Tensor, _real), **map_leaves(kwargs, torch.Tensor, _real))
-        try:
-            return session.record(func, args, kwargs)
-        except ConcretizationError:
-            # A data-dependent shape (x[x > 0], nonzero): evaluate the inputs and run this op for real.
-            return func(*map_leaves(args, torch.Tensor, _real), **map_leaves(kwargs, torch.Tensor, _real))
+        leaves = _flat(args, kwargs)
+        session = None
+        for t in leaves:
+            if type(t) is LazyTensor:
+                if session is None:
+                    session = t._session
+                elif t._session is not session:
+                    raise ValueError(
+                        f"{func} got lazy tensors from two stagetorch.lazy(...) calls; make the tensors one step "
+                        "uses in one call: stagetorch.lazy(x, y, batch=0)"
+                    )
+        return session.call(func, args, kwargs, leaves)
 
 
 def _real(t: Any) -> Any:
     return t.value() if isinstance(t, LazyTensor) else t
-
-
-def _leaves(tree: Any) -> list:
-    if isinstance(tree, (list, tuple)):
-        return [y for x in tree for y in _leaves(x)]
-    if isinstance(tree, dict):
-        return [y for x in tree.values() for y in _leaves(x)]
-    return [tree]
 
 
 def lazy(*tensors: torch.Tensor, batch: int = 0, memory_budget: int | str | None = None) -> Any:
@@ -245,18 +598,7 @@ def lazy(*tensors: torch.Tensor, batch: int = 0, memory_budget: int | str | None
     sizes = {t.shape[batch % t.ndim] for t in tensors}
     if len(sizes) > 1:
         raise ValueError(f"stagetorch.lazy: the tensors disagree on the batch size along dim {batch}: {sorted(sizes)}")
-    n = sizes.pop()
-    if n == 0:
+    if sizes.pop() == 0:
         raise ValueError("stagetorch.lazy: the batch is empty")
-    session = _Session(n, memory_budget)
-    out = []
-    for i, t in enumerate(tensors):
-        with session.recorder.fake_mode:
-            fake = session.recorder.fake_mode.from_tensor(t.detach(), static_shapes=True)
-        var = session.recorder.add_input(fake, "arg", f"lazy{i}")
-        session.values[var] = t.detach()
-        session.batched[var] = Batched(batch % t.ndim)
-        lazy_t = LazyTensor(fake, var, session, requires_grad=t.requires_grad)
-        session.alive[var] = weakref.ref(lazy_t)
-        out.append(lazy_t)
+    out = _Session(tensors, batch, memory_budget).lazies
     return out[0] if len(out) == 1 else tuple(out)

@@ -286,6 +286,7 @@ class _Recorder:
         self.fakes: list[torch.Tensor] = []
         self.consts: list[torch.Tensor] = []
         self.lifted: dict[int, torch.Tensor] = {}
+        self.const_vars: dict[int, Var] = {}  # id of a lifted real tensor -> the input it became
         self.grad_leaks: list[tuple[torch.Tensor, Any, SourceInfo]] = []
         self.module_names: dict[int, str] = {}
         self.module_stack: list[str] = []
@@ -326,7 +327,7 @@ class _Recorder:
                 fake = self.fake_mode.from_tensor(source, static_shapes=True)
             self.lifted[id(t)] = fake
             self.consts.append(t)
-            self.add_input(fake, "const", f"const{len(self.consts) - 1}")
+            self.const_vars[id(t)] = self.add_input(fake, "const", f"const{len(self.consts) - 1}")
             if t.requires_grad and t.is_leaf:
                 self.grad_leaks.append((t, t.grad, source_info()))
         return fake
@@ -356,15 +357,16 @@ class _Recorder:
             return kind(p[0] for p in pairs), kind(p[1] for p in pairs)
         return tree, tree
 
-    def record(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    def record(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, src: SourceInfo | None = None) -> Any:
         args, in_args = self._bind(args)
         if kwargs:
             bound = {k: self._bind(v) for k, v in kwargs.items()}
             kwargs, in_kwargs = {k: b[0] for k, b in bound.items()}, {k: b[1] for k, b in bound.items()}
         else:
             in_kwargs = {}
-        node = torch._C._current_autograd_node()
-        src = source_info(self.current_module(), node.name() if node is not None else "")
+        if src is None:
+            node = torch._C._current_autograd_node()
+            src = source_info(self.current_module(), node.name() if node is not None else "")
         try:
             out = func(*args, **kwargs)
         except StagingError:

@@ -1,0 +1,247 @@
+"""Replay in one-line mode: a step that repeats the previous one reuses its recording, and every way a step
+can differ from it (an op, a constant, a model, a hook, a value read, a data-dependent shape) is caught and
+re-recorded. Each case runs several steps against the same loop in plain PyTorch."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import stagetorch
+
+lazy_module = importlib.import_module("stagetorch.lazy")
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def batches(n, batch=10, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 12, generator=g), torch.randint(0, 3, (batch,), generator=g)) for _ in range(n)]
+
+
+def run_loop(model, data, step, one_line, **lazy_options):
+    """``step(i, model, x, y) -> loss`` for each batch, with zero_grad, backward and an SGD step; returns the
+    losses and the gradients of every step."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], []
+    for i, (x, y) in enumerate(data):
+        if one_line:
+            x, y = stagetorch.lazy(x, y, batch=0, **lazy_options)
+        optimizer.zero_grad()
+        loss = step(i, model, x, y)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+        optimizer.step()
+    return losses, grads
+
+
+def assert_same_loop(step, n=4, model_fn=mlp, **lazy_options):
+    lazy_module._RECORDINGS.clear()
+    model = model_fn()
+    reference = copy.deepcopy(model)
+    data = batches(n)
+    got = run_loop(model, data, step, True, **lazy_options)
+    expected = run_loop(reference, data, step, False)
+    for a, b in zip(got[0], expected[0]):
+        assert abs(a - b) <= 1e-5 * abs(b) + 1e-7
+    for gs, es in zip(got[1], expected[1]):
+        for g, e in zip(gs, es):
+            assert (g is None) == (e is None)
+            if g is not None:
+                assert type(g) is torch.Tensor and torch.allclose(g, e, rtol=1e-5, atol=1e-7)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-7)
+
+
+def plain_step(i, model, x, y):
+    return F.cross_entropy(model(x), y)
+
+
+def test_repeated_steps_replay_without_recording_and_equal_eager(monkeypatch):
+    assert_same_loop(plain_step, n=5)
+    lazy_module._RECORDINGS.clear()
+    recorded = []  # ops run on fake tensors, per step
+    original = stagetorch.tracing._Recorder.record
+    monkeypatch.setattr(
+        stagetorch.tracing._Recorder, "record", lambda self, *a, **k: recorded.append(a[0]) or original(self, *a, **k)
+    )
+    dispatched = []  # ops that reached a lazy tensor, per step (the autograd engine is skipped on replay)
+    call = lazy_module._Session.call
+    monkeypatch.setattr(lazy_module._Session, "call", lambda self, *a: dispatched.append(a[0]) or call(self, *a))
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    counts = []
+    for x, y in batches(3):
+        x, y = stagetorch.lazy(x, y, batch=0)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        counts.append((len(recorded), len(dispatched)))
+        recorded.clear()
+        dispatched.clear()
+    assert counts[0][0] > 20 and counts[0][1] == counts[0][0], counts
+    assert [c[0] for c in counts[1:]] == [0, 0] and all(c[1] < counts[0][1] / 2 for c in counts[1:]), counts
+
+
+def test_replay_of_a_chunked_step_equals_eager():
+    assert_same_loop(plain_step, memory_budget=20_000)
+
+
+def test_a_step_that_differs_in_an_op_is_recorded_again():
+    def step(i, model, x, y):
+        h = model[0](x)
+        if i % 2:  # Python control flow outside the tensors: an extra op on odd steps
+            h = h * 0.5
+        return F.cross_entropy(model[2](model[1](h)), y)
+
+    assert_same_loop(step, n=5)
+
+
+def test_a_step_that_differs_after_a_read_is_recorded_again():
+    def step(i, model, x, y):
+        out = model(x)
+        scale = 2.0 if out.mean().item() > 0 else 3.0  # a value read mid-step steers the rest
+        return F.cross_entropy(out * scale + i, y)
+
+    assert_same_loop(step, n=4)
+
+
+def test_new_constant_values_with_the_same_shape_are_used():
+    offsets = [torch.randn(3) for _ in range(4)]
+
+    def step(i, model, x, y):
+        return F.cross_entropy(model(x) + offsets[i], y)
+
+    assert_same_loop(step)
+
+
+def test_data_dependent_shapes_that_change_between_steps():
+    def step(i, model, x, y):
+        out = model(x)
+        picked = out[out[:, 0] > 0]  # a different number of rows each step
+        return F.cross_entropy(out, y) + picked.square().sum() * 0.01
+
+    assert_same_loop(step, n=5)
+
+
+def test_two_models_with_the_same_shapes_get_their_own_gradients():
+    other = mlp(seed=5)
+    other_reference = copy.deepcopy(other)
+
+    def step(i, model, x, y):
+        m = model if i % 2 == 0 else (other if isinstance(x, stagetorch.LazyTensor) else other_reference)
+        return F.cross_entropy(m(x), y)
+
+    assert_same_loop(step, n=4)
+    for p, q in zip(other.parameters(), other_reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_hook_added_later_runs_and_changes_the_gradient():
+    def step(i, model, x, y):
+        if i == 2:
+            hook = model[0].weight.register_hook(lambda g: g * 3)
+            step.hooks.append(hook)
+        return F.cross_entropy(model(x), y)
+
+    step.hooks = []
+    assert_same_loop(step, n=4)
+    for h in step.hooks:
+        h.remove()
+
+
+def test_hooks_on_lazy_values_run_every_step():
+    seen = []
+
+    def step(i, model, x, y):
+        h = model[0](x)
+        if isinstance(x, stagetorch.LazyTensor):
+            h.register_hook(lambda g: seen.append(g.shape) or g * 2)
+        else:
+            h.register_hook(lambda g: g * 2)
+        return F.cross_entropy(model[2](model[1](h)), y)
+
+    assert_same_loop(step, n=3)
+    assert len(seen) == 3
+
+
+def test_freezing_a_layer_between_steps():
+    def step(i, model, x, y):
+        model[0].weight.requires_grad_(i < 2)
+        return F.cross_entropy(model(x), y)
+
+    assert_same_loop(step, n=4)
+
+
+def test_gradients_accumulated_across_steps_without_zero_grad():
+    lazy_module._RECORDINGS.clear()
+    model = mlp()
+    reference = copy.deepcopy(model)
+    for x, y in batches(3):
+        F.cross_entropy(model(stagetorch.lazy(x, batch=0)), y).backward()
+        F.cross_entropy(reference(x), y).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["method", "function"])
+def test_autograd_backward_function_is_intercepted(how):
+    lazy_module._RECORDINGS.clear()
+    model = mlp()
+    reference = copy.deepcopy(model)
+    for x, y in batches(3):
+        loss = F.cross_entropy(model(stagetorch.lazy(x, batch=0)), y)
+        if how == "method":
+            loss.backward()
+        else:
+            torch.autograd.backward(loss)
+        assert all(type(p.grad) is torch.Tensor for p in model.parameters())
+        F.cross_entropy(reference(x), y).backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+            p.grad = q.grad = None
+
+
+def test_batchnorm_statistics_update_once_per_replayed_step():
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+    def step(i, model, x, y):
+        return F.cross_entropy(model(x), y)
+
+    lazy_module._RECORDINGS.clear()
+    model = make()
+    reference = copy.deepcopy(model)
+    data = batches(4)
+    run_loop(model, data, step, True)
+    run_loop(reference, data, step, False)
+    assert torch.allclose(model[1].running_mean, reference[1].running_mean, atol=1e-6)
+    assert torch.allclose(model[1].running_var, reference[1].running_var, atol=1e-6)
+    assert model[1].num_batches_tracked.item() == 4
+
+
+def test_tensors_of_two_sessions_never_mix_even_when_both_replay():
+    lazy_module._RECORDINGS.clear()
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    x = stagetorch.lazy(a)
+    assert torch.equal((x + x).value(), a + a)
+    x1, x2 = stagetorch.lazy(a), stagetorch.lazy(b)  # both replay the recording of `x + x`
+    with pytest.raises(ValueError, match="two stagetorch.lazy"):
+        x1 + x2
+
+
+def test_recordings_are_bounded():
+    lazy_module._RECORDINGS.clear()
+    for n in range(1, lazy_module._MAX_RECORDINGS + 10):
+        (stagetorch.lazy(torch.randn(n, 2)) * 2).value()
+    assert len(lazy_module._RECORDINGS) == lazy_module._MAX_RECORDINGS
