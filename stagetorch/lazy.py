@@ -143,6 +143,7 @@ class _Session:
         self.batched: dict[Var, Batched] = {}
         self.lazies: list[LazyTensor] = []
         self.hooked = False  # a hook or grad_fn was reached: backward always runs the autograd engine
+        self.freed: set[Var] = set()  # losses whose backward was replayed without the engine
         self.recorder: _Recorder | None = None
         self.replaying = _RECORDINGS.get(self.key)
         if self.replaying is not None:
@@ -330,6 +331,11 @@ class _Session:
         recording whose backward ran over the same autograd graph into the same leaves, with no hooks and
         every ``.grad`` empty, the engine is skipped: its steps are the recorded ones."""
         loss = roots[0]
+        if any(type(t) is LazyTensor and t._var in self.freed for t in roots):
+            raise RuntimeError(
+                "Trying to backward through the graph a second time: the first backward() freed it. Specify "
+                "retain_graph=True in the first backward() if you need to backward through it again."
+            )
         with torch._C.DisableTorchFunctionSubclass():
             leaves, kinds = _autograd_graph(roots)
         plain = (
@@ -355,6 +361,7 @@ class _Session:
                         self.consts[v] = self.consts[base].detach().as_strided(shape, stride, offset)
                     self.cursor += 1 + mark.nsteps
                     self.end += mark.neqns
+                    self.freed.add(loss._var)  # as the engine would have freed the graph
                     self.flush([], grads=[(leaves[i], v) for i, v in mark.grads])
                     return
                 self.cursor += 1  # the engine runs below; its calls replay one by one

@@ -12,6 +12,7 @@ an op anyway are lifted into the graph as constants.
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import linecache
 import logging
@@ -367,18 +368,14 @@ class _Recorder:
         if src is None:
             node = torch._C._current_autograd_node()
             src = source_info(self.current_module(), node.name() if node is not None else "")
-        try:
-            out = func(*args, **kwargs)
-        except StagingError:
-            raise
-        except (DataDependentOutputException, DynamicOutputShapeException) as e:
-            raise ConcretizationError(_concretization_message(func, src)) from e
-        except UnsupportedOperatorException as e:
-            raise UnsupportedOpError(_unsupported_message(func, src)) from e
-        except (RuntimeError, ValueError, IndexError, TypeError) as e:
-            if "fake" in str(e).lower() and ("impl" in str(e).lower() or "kernel" in str(e).lower()):
-                raise UnsupportedOpError(_unsupported_message(func, src, str(e))) from e
-            raise ShapeError(_shape_message(func, args, kwargs, src, _rule_says(func, args, kwargs) or e)) from e
+        key = _meta_key(func, args, kwargs)
+        entry = _META_CACHE.get(key) if key is not None else None
+        if entry is not None:
+            out = _from_entry(entry, args, self.fake_mode)
+        else:
+            out = self._dispatch(func, args, kwargs, src)
+            if key is not None:
+                _remember(key, func, args, out)
         flat = flatten(out)
         if any(isinstance(t, torch.Tensor) and t.layout != torch.strided for t in flat):
             raise UnsupportedOpError(
@@ -389,6 +386,137 @@ class _Recorder:
         outvars = tuple(self.new_var(t) if isinstance(t, torch.Tensor) else None for t in flat)
         self.eqns.append(Eqn(func, in_args, in_kwargs, outvars, src))
         return out
+
+    @staticmethod
+    def _dispatch(func: Any, args: tuple, kwargs: dict, src: SourceInfo) -> Any:
+        """Run the fake kernel; its failures become stagetorch's named errors."""
+        try:
+            return func(*args, **kwargs)
+        except StagingError:
+            raise
+        except (DataDependentOutputException, DynamicOutputShapeException) as e:
+            raise ConcretizationError(_concretization_message(func, src)) from e
+        except UnsupportedOperatorException as e:
+            raise UnsupportedOpError(_unsupported_message(func, src)) from e
+        except (RuntimeError, ValueError, IndexError, TypeError) as e:
+            if "fake" in str(e).lower() and ("impl" in str(e).lower() or "kernel" in str(e).lower()):
+                raise UnsupportedOpError(_unsupported_message(func, src, str(e))) from e
+            raise ShapeError(_shape_message(func, args, kwargs, src, _rule_says(func, args, kwargs) or e)) from e
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Output metadata by input metadata. FakeTensorMode spends most of a trace hashing arguments for its own
+# cache and rebuilding outputs; a transformer repeats the same few calls layer after layer. For ops that
+# make fresh outputs or one view of their first argument, the outputs' metadata is a function of the
+# op, the inputs' metadata and the other arguments: the first call runs the fake kernel and every later
+# one builds its outputs from the cached metadata. Shared by every trace (static shapes only).
+
+_META_CACHE: dict[tuple, tuple] = {}
+_MAX_META_CACHE = 1 << 16
+_CACHE_KIND: dict[Any, str | None] = {}  # op -> "fresh", "view" or None (never cached)
+
+
+class _NoCache(Exception):
+    pass
+
+
+def _cache_kind(func: Any) -> str | None:
+    kind = _CACHE_KIND.get(func, "?")
+    if kind != "?":
+        return kind
+    kind = None
+    schema = getattr(func, "_schema", None)
+    if (
+        schema is not None
+        and func.namespace == "aten"
+        and not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        and schema.returns
+        and all(isinstance(r.type, torch.TensorType) for r in schema.returns)
+        and not {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output, torch.Tag.inplace_view} & set(func.tags)
+    ):
+        aliased = [r.alias_info is not None for r in schema.returns]
+        if not any(aliased):
+            kind = "fresh"
+        elif func.is_view and aliased == [True] and not schema.returns[0].alias_info.is_write:
+            kind = "view"
+    _CACHE_KIND[func] = kind
+    return kind
+
+
+def _meta_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
+    if _cache_kind(func) is None:
+        return None
+    key = [func, len(args)]
+    try:
+        _extend_key(args, key)
+        if kwargs:
+            key.append(tuple(kwargs))
+            _extend_key(kwargs.values(), key)
+        key = tuple(key)
+        hash(key)
+    except (_NoCache, TypeError):
+        return None
+    return key
+
+
+def _extend_key(items: Any, out: list) -> None:
+    for x in items:
+        kind = type(x)
+        if kind is FakeTensor:
+            if x.constant is not None or x.dtype.is_complex or x.layout != torch.strided:
+                raise _NoCache
+            out.append((x.shape, x.stride(), x.storage_offset(), x.dtype, x.fake_device))
+        elif kind is tuple or kind is list:
+            out.append((kind, len(x)))
+            _extend_key(x, out)
+        elif isinstance(x, torch.Tensor):
+            raise _NoCache
+        else:
+            out.append(kind)
+            out.append(x)
+
+
+def _remember(key: tuple, func: Any, args: tuple, out: Any) -> None:
+    """Cache ``out``'s metadata when the outputs are what the op's kind promises: fresh dense storages
+    exactly as large as their shapes need, or one view of the first argument."""
+    single = type(out) is FakeTensor
+    outs = [out] if single else out
+    if not isinstance(outs, (tuple, list)) or not outs or any(type(t) is not FakeTensor for t in outs):
+        return
+    if any(t.constant is not None or t.layout != torch.strided or t.dtype.is_complex for t in outs):
+        return
+    metas = tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.fake_device) for t in outs)
+    storages = [t.untyped_storage()._cdata for t in outs]
+    if _cache_kind(func) == "view":
+        base = args[0] if args else None
+        if not single or type(base) is not FakeTensor or storages[0] != base.untyped_storage()._cdata:
+            return
+    else:
+        inputs = {t.untyped_storage()._cdata for t in flatten(args) if type(t) is FakeTensor}
+        if len(set(storages)) != len(storages) or inputs & set(storages):
+            return
+        for t, (shape, stride, offset, dtype, _) in zip(outs, metas):
+            with torch._C._DisableTorchDispatch():
+                fresh = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+            if offset != 0 or fresh.untyped_storage().nbytes() != t.untyped_storage().nbytes():
+                return
+    if len(_META_CACHE) >= _MAX_META_CACHE:
+        _META_CACHE.clear()
+    _META_CACHE[key] = (_cache_kind(func) == "view", single, type(out), metas)
+
+
+def _from_entry(entry: tuple, args: tuple, mode: FakeTensorMode) -> Any:
+    view, single, container, metas = entry
+    outs = []
+    for shape, stride, offset, dtype, device in metas:
+        with torch._C._DisableTorchDispatch():
+            if view:
+                empty = torch.empty(0, dtype=dtype, device="meta")
+                empty.set_(args[0].untyped_storage(), offset, shape, stride)
+            else:
+                empty = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        outs.append(FakeTensor(mode, empty, device))
+    return outs[0] if single else container(outs)
 
 
 def _rule_says(func: Any, args: tuple, kwargs: dict) -> str | None:
@@ -478,6 +606,25 @@ def trace(
     state: State | None = None,
 ) -> Traced:
     """Stage ``fn(*args, **kwargs)`` into a Graph. Real tensors are left exactly as they were."""
+    # A trace allocates many small objects that all stay alive until it ends, so the cyclic collector's
+    # passes over them find nothing; they cost a quarter of a deep model's trace. Collect afterwards.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _trace(fn, args, kwargs, static_argnums=static_argnums, state=state)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _trace(
+    fn: Callable,
+    args: Sequence,
+    kwargs: dict,
+    *,
+    static_argnums: Sequence[int] = (),
+    state: State | None = None,
+) -> Traced:
     state = discover(fn, args, kwargs) if state is None else state
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     rec = _Recorder(fake_mode)

@@ -245,3 +245,14 @@ def test_recordings_are_bounded():
     for n in range(1, lazy_module._MAX_RECORDINGS + 10):
         (stagetorch.lazy(torch.randn(n, 2)) * 2).value()
     assert len(lazy_module._RECORDINGS) == lazy_module._MAX_RECORDINGS
+
+
+def test_a_second_backward_through_a_replayed_graph_raises_as_in_eager():
+    lazy_module._RECORDINGS.clear()
+    model = mlp()
+    for x, y in batches(2):
+        loss = F.cross_entropy(model(stagetorch.lazy(x, batch=0)), y)
+        loss.backward()
+        model.zero_grad()
+        with pytest.raises(RuntimeError, match="a second time"):
+            loss.backward()
