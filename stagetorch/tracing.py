@@ -429,16 +429,19 @@ def _cache_kind(func: Any) -> str | None:
     if (
         schema is not None
         and func.namespace == "aten"
-        and not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
         and schema.returns
         and all(isinstance(r.type, torch.TensorType) for r in schema.returns)
         and not {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output, torch.Tag.inplace_view} & set(func.tags)
     ):
+        writes = [a.alias_info is not None and a.alias_info.is_write for a in schema.arguments]
         aliased = [r.alias_info is not None for r in schema.returns]
-        if not any(aliased):
-            kind = "fresh"
-        elif func.is_view and aliased == [True] and not schema.returns[0].alias_info.is_write:
-            kind = "view"
+        if not any(writes):
+            if not any(aliased):
+                kind = "fresh"  # or, as _unsafe_view, a view its schema does not declare: told apart per call
+            elif func.is_view and aliased == [True]:
+                kind = "view"
+        elif writes[0] and not any(writes[1:]) and len(aliased) == 1 and schema.returns[0].alias_info.is_write:
+            kind = "inplace"  # returns its first argument, whose metadata does not change
     _CACHE_KIND[func] = kind
     return kind
 
@@ -477,8 +480,14 @@ def _extend_key(items: Any, out: list) -> None:
 
 
 def _remember(key: tuple, func: Any, args: tuple, out: Any) -> None:
-    """Cache ``out``'s metadata when the outputs are what the op's kind promises: fresh dense storages
-    exactly as large as their shapes need, or one view of the first argument."""
+    """Cache ``out``'s metadata when the outputs are one of three things: the first argument itself (in
+    place), one view of the first argument, or fresh dense storages exactly as large as their shapes need."""
+    kind = _cache_kind(func)
+    base = args[0] if args and type(args[0]) is FakeTensor else None
+    if kind == "inplace":
+        if out is base:
+            _store(key, ("inplace", True, None, ()))
+        return
     single = type(out) is FakeTensor
     outs = [out] if single else out
     if not isinstance(outs, (tuple, list)) or not outs or any(type(t) is not FakeTensor for t in outs):
@@ -487,30 +496,36 @@ def _remember(key: tuple, func: Any, args: tuple, out: Any) -> None:
         return
     metas = tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.fake_device) for t in outs)
     storages = [t.untyped_storage()._cdata for t in outs]
-    if _cache_kind(func) == "view":
-        base = args[0] if args else None
-        if not single or type(base) is not FakeTensor or storages[0] != base.untyped_storage()._cdata:
+    if single and base is not None and storages[0] == base.untyped_storage()._cdata:
+        _store(key, ("view", True, None, metas))
+        return
+    if kind == "view":
+        return
+    inputs = {t.untyped_storage()._cdata for t in flatten(args) if type(t) is FakeTensor}
+    if len(set(storages)) != len(storages) or inputs & set(storages):
+        return
+    for t, (shape, stride, offset, dtype, _) in zip(outs, metas):
+        with torch._C._DisableTorchDispatch():
+            fresh = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        if offset != 0 or fresh.untyped_storage().nbytes() != t.untyped_storage().nbytes():
             return
-    else:
-        inputs = {t.untyped_storage()._cdata for t in flatten(args) if type(t) is FakeTensor}
-        if len(set(storages)) != len(storages) or inputs & set(storages):
-            return
-        for t, (shape, stride, offset, dtype, _) in zip(outs, metas):
-            with torch._C._DisableTorchDispatch():
-                fresh = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-            if offset != 0 or fresh.untyped_storage().nbytes() != t.untyped_storage().nbytes():
-                return
+    _store(key, ("fresh", single, type(out), metas))
+
+
+def _store(key: tuple, entry: tuple) -> None:
     if len(_META_CACHE) >= _MAX_META_CACHE:
         _META_CACHE.clear()
-    _META_CACHE[key] = (_cache_kind(func) == "view", single, type(out), metas)
+    _META_CACHE[key] = entry
 
 
 def _from_entry(entry: tuple, args: tuple, mode: FakeTensorMode) -> Any:
-    view, single, container, metas = entry
+    kind, single, container, metas = entry
+    if kind == "inplace":
+        return args[0]
     outs = []
     for shape, stride, offset, dtype, device in metas:
         with torch._C._DisableTorchDispatch():
-            if view:
+            if kind == "view":
                 empty = torch.empty(0, dtype=dtype, device="meta")
                 empty.set_(args[0].untyped_storage(), offset, shape, stride)
             else:

@@ -100,9 +100,29 @@ def test_int_and_float_arguments_are_different_keys():
     assert as_int.dtype == torch.int64
 
 
-def test_in_place_and_data_dependent_ops_are_never_cached():
-    assert tracing._cache_kind(aten.add_.Tensor) is None
+def test_kinds_of_calls_cached():
+    assert tracing._cache_kind(aten.add_.Tensor) == "inplace"
+    assert tracing._cache_kind(aten.add.out) is None  # writes into out=
+    assert tracing._cache_kind(aten.transpose_.default) is None  # changes its argument's metadata
     assert tracing._cache_kind(aten.nonzero.default) is None
     assert tracing._cache_kind(aten._local_scalar_dense.default) is None
     assert tracing._cache_kind(aten.mm.default) == "fresh"
     assert tracing._cache_kind(aten.transpose.int) == "view"
+
+
+def test_in_place_calls_return_their_first_argument_and_undeclared_views_alias():
+    fakes, first, second = outputs(aten.add_.Tensor, (torch.randn(3, 4), torch.randn(4)))
+    assert first is fakes[0] and second is fakes[0]
+    fakes, first, second = outputs(aten._unsafe_view.default, (torch.randn(3, 4), [12]))
+    assert meta(first) == meta(second)
+    assert second.untyped_storage()._cdata == fakes[0].untyped_storage()._cdata
+
+
+def test_a_cached_call_still_refuses_what_the_kernel_refuses():
+    rec = tracing._Recorder(FakeTensorMode(allow_non_fake_inputs=True))
+    a, b = (rec.fake_mode.from_tensor(t) for t in (torch.randn(3, 4), torch.randn(5)))
+    for f in (a, b):
+        rec.add_input(f, "arg", "x")
+    for _ in range(2):
+        with pytest.raises(stagetorch.ShapeError):
+            rec.record(aten.add.Tensor, (a, b), {})
