@@ -23,6 +23,22 @@ def _binder(tree: Any, slot_of: dict[Var, int]) -> Callable[[list], Any]:
         i = slot_of[tree]
         return lambda env: env[i]
     if isinstance(tree, (list, tuple)) and any(_has_var(x) for x in tree):
+        if all(isinstance(x, Var) or not _has_var(x) for x in tree):
+            # Flat (the common case): a template with the slots filled in place.
+            template = list(tree)
+            fills = [(k, slot_of[x]) for k, x in enumerate(tree) if isinstance(x, Var)]
+            kind = type(tree)
+
+            def bind_flat(env: list) -> Any:
+                args = template.copy()
+                for k, i in fills:
+                    args[k] = env[i]
+                return args if kind is list else kind(args)
+
+            if kind is tuple and len(fills) == len(tree):
+                slots = [i for _, i in fills]
+                return lambda env: [env[i] for i in slots]
+            return bind_flat
         parts = [_binder(x, slot_of) for x in tree]
         kind = type(tree)
         return lambda env: kind(p(env) for p in parts)
@@ -76,7 +92,8 @@ class Program:
         bind_args = _binder(e.args, slot_of)
         bind_kwargs = _binder(e.kwargs, slot_of)
         outs = [(j, slot_of[v]) for j, v in enumerate(e.outvars) if v is not None]
-        return e.prim, bind_args, bind_kwargs, outs, frees
+        # The overload's C++ entry point, without OpOverload.__call__'s Python frame.
+        return getattr(e.prim, "_op", e.prim), bind_args, bind_kwargs, outs, frees
 
     def run_env(self, inputs: Sequence[torch.Tensor]) -> list:
         """Run on real inputs (parallel to the graph's invars); returns the environment of live slots."""

@@ -57,9 +57,11 @@ class _Step:
     recorded: bool
     inplace: bool
     types: tuple = attrs.field(init=False)
+    single: bool = attrs.field(init=False)  # the result is one lazy tensor
 
     def __attrs_post_init__(self) -> None:
         self.types = tuple(map(type, self.key))
+        self.single = type(self.out) is _Out
 
 
 @attrs.define(eq=False)
@@ -111,9 +113,9 @@ def _extend(items: Any, out: list) -> None:
 
 def _key(leaves: list) -> tuple:
     """What a replay compares: the variable of each lazy tensor, the metadata of each real one, values."""
-    return tuple(
+    return tuple([
         x._var if type(x) is LazyTensor else _meta(x) if isinstance(x, torch.Tensor) else x for x in leaves
-    )
+    ])
 
 
 def _is_inplace(func: Any) -> bool:
@@ -208,6 +210,10 @@ class _Session:
         out_spec = map_leaves(out, torch.Tensor, lambda f: _Out(rec.var(f), f.shape, f.stride(), f.dtype, f.fake_device))
         inplace = _is_inplace(func)
         self.recording.steps.append(_Step(func, _key(leaves), self._consts_in(leaves), out_spec, True, inplace))
+        if inplace and type(args[0]) is not LazyTensor and isinstance(args[0], torch.Tensor):
+            # In place on a real tensor (autograd accumulating into a real .grad): its new value is that
+            # tensor too, once the flush has run the op.
+            self.consts[rec.var(out)] = args[0]
         if inplace and isinstance(args[0], LazyTensor):
             # In place: the same Python object now stands for the op's result.
             target = args[0]
@@ -265,11 +271,15 @@ class _Session:
         if not step.recorded:
             return self._run_real(step.func, args, kwargs, [])
         self.end += 1
-        if step.inplace and isinstance(args[0], LazyTensor):
+        if step.inplace and type(args[0]) is not LazyTensor and isinstance(args[0], torch.Tensor):
+            self.consts[step.out.var] = args[0]
+        if step.inplace and type(args[0]) is LazyTensor:
             target = args[0]
             target._var = step.out.var
             self.alive[target._var] = weakref.ref(target)
             return target
+        if step.single:
+            return self._wrap_out(step.out)
         return map_leaves(step.out, _Out, self._wrap_out)
 
     def _wrap_out(self, o: _Out) -> LazyTensor:
@@ -310,6 +320,8 @@ class _Session:
                 for v, f in zip(eqn.outvars, flatten(out)):
                     if v is not None:
                         new_of[v], fake_of[v] = rec.var(f), f
+                if step.inplace and eqn.args and type(eqn.args[0]) is Var and eqn.args[0] in consts:
+                    self.consts[new_of[eqn.outvars[0]]] = consts[eqn.args[0]]
             step_consts = [(i, v if v is None else rec.const_vars[id(consts[v])]) for i, v in step.consts]
             key = tuple(new_of[x] if type(x) is Var else x for x in step.key)
             out_spec = map_leaves(step.out, _Out, lambda o: attrs.evolve(o, var=new_of[o.var]))
@@ -347,6 +359,7 @@ class _Session:
             )
         )
         key = (loss._var, kinds)
+        remark = None  # the replayed marker to bring up to date if the engine replays its steps as recorded
         if self.replaying is not None:
             steps = self.replaying.steps
             step = steps[self.cursor] if self.cursor < len(steps) else None
@@ -364,21 +377,31 @@ class _Session:
                     self.freed.add(loss._var)  # as the engine would have freed the graph
                     self.flush([], grads=[(leaves[i], v) for i, v in mark.grads])
                     return
+                remark = self.cursor
                 self.cursor += 1  # the engine runs below; its calls replay one by one
-        recording = self.replaying is None and plain
-        if recording:
-            at, n_eqns, bound = len(self.recording.steps), len(self.eqns), dict(self.consts)
+        was_recording = self.replaying is None
+        start = (self.cursor if not was_recording else len(self.recording.steps), self.eqn_count, dict(self.consts))
         with torch._C.DisableTorchFunctionSubclass():
             func(*args, **kwargs)
-        if recording and self.replaying is None:
-            mark = self._backward_mark(key, leaves, at, n_eqns, bound)
+        if plain and was_recording:
+            # Recorded (from the start, not after a divergence mid-backward): mark it for the next steps.
+            mark = self._backward_mark(key, leaves, self.recording.steps[start[0]:], start[1], start[2])
             if mark is not None:
-                self.recording.steps.insert(at, _Step(_BACKWARD, (), [], mark, False, False))
+                self.recording.steps.insert(start[0], _Step(_BACKWARD, (), [], mark, False, False))
+        elif plain and remark is not None and self.replaying is not None:
+            # Replayed through the engine, step by step as recorded (another model of the same shapes, a
+            # hook since removed): the marker now describes this graph, so the next step skips the engine.
+            mark = self._backward_mark(key, leaves, self.replaying.steps[remark + 1 : self.cursor], start[1], start[2])
+            if mark is not None:
+                self.replaying.steps[remark] = _Step(_BACKWARD, (), [], mark, False, False)
         self.flush([], leaves)
 
-    def _backward_mark(self, key: tuple, leaves: list, at: int, n_eqns: int, bound: dict) -> _Backward | None:
-        span = self.recording.steps[at:]
-        if not span or not all(s.recorded for s in span):
+    @property
+    def eqn_count(self) -> int:
+        return self.end if self.replaying is not None else len(self.eqns)
+
+    def _backward_mark(self, key: tuple, leaves: list, span: list, n_eqns: int, bound: dict) -> _Backward | None:
+        if not span or not all(s.recorded and s.func is not _BACKWARD for s in span):
             return None
         grads = [
             (i, leaf.grad._var) for i, leaf in enumerate(leaves)
@@ -396,7 +419,7 @@ class _Session:
                 return None
             derived.append((v, base, t.shape, t.stride(), t.storage_offset()))
         weak = [weakref.ref(leaf) for leaf in leaves]
-        return _Backward(key, weak, grads, len(span), len(self.eqns) - n_eqns, needs & bound.keys(), derived)
+        return _Backward(key, weak, grads, len(span), self.eqn_count - n_eqns, needs & bound.keys(), derived)
 
     # -- running -----------------------------------------------------------------------------------------
 

@@ -325,7 +325,12 @@ class _Recorder:
             # A non-leaf (a weight transposed eagerly, in lazy mode) is lifted as the value it is.
             source = t if t.is_leaf else t.detach()
             with self.fake_mode:
-                fake = self.fake_mode.from_tensor(source, static_shapes=True)
+                try:
+                    fake = self.fake_mode.from_tensor(source, static_shapes=True)
+                except AssertionError:
+                    # torch's meta converter rejects some views whose base has a .grad (a transposed
+                    # weight after a first backward); a fresh fake with the same layout stands in for it.
+                    fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
             self.lifted[id(t)] = fake
             self.consts.append(t)
             self.const_vars[id(t)] = self.add_input(fake, "const", f"const{len(self.consts) - 1}")

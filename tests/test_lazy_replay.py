@@ -256,3 +256,63 @@ def test_a_second_backward_through_a_replayed_graph_raises_as_in_eager():
         model.zero_grad()
         with pytest.raises(RuntimeError, match="a second time"):
             loss.backward()
+
+
+def test_a_new_model_of_the_same_shapes_skips_the_engine_from_its_second_step(monkeypatch):
+    lazy_module._RECORDINGS.clear()
+    dispatched = []
+    call = lazy_module._Session.call
+    monkeypatch.setattr(lazy_module._Session, "call", lambda self, *a: dispatched.append(a[0]) or call(self, *a))
+    counts = []
+    for model in (mlp(), mlp(seed=3)):
+        reference = copy.deepcopy(model)
+        for x, y in batches(3):
+            F.cross_entropy(model(stagetorch.lazy(x, batch=0)), y).backward()
+            F.cross_entropy(reference(x), y).backward()
+            for p, q in zip(model.parameters(), reference.parameters()):
+                assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+                p.grad = q.grad = None
+            counts.append(len(dispatched))
+            dispatched.clear()
+    full, skipped = counts[0], counts[1]
+    assert skipped < full / 2
+    # The new model's first step runs the engine (its leaves differ) and re-marks the recording.
+    assert counts[1:] == [skipped, skipped, full, skipped, skipped], counts
+
+
+def test_retain_graph_and_autograd_grad_run_through_the_engine():
+    lazy_module._RECORDINGS.clear()
+    model = mlp()
+    reference = copy.deepcopy(model)
+    for x, y in batches(3):
+        loss = F.cross_entropy(model(stagetorch.lazy(x, batch=0)), y)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        grads = torch.autograd.grad(F.cross_entropy(model(stagetorch.lazy(x, batch=0)), y), list(model.parameters()))
+        expected_loss = F.cross_entropy(reference(x), y)
+        expected_loss.backward(retain_graph=True)
+        expected_loss.backward()
+        expected = torch.autograd.grad(F.cross_entropy(reference(x), y), list(reference.parameters()))
+        for p, q, g, e in zip(model.parameters(), reference.parameters(), grads, expected):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+            assert torch.allclose(g.value(), e, rtol=1e-5, atol=1e-6)
+            p.grad = q.grad = None
+
+
+def test_backward_twice_into_real_grads_that_already_hold_values():
+    lazy_module._RECORDINGS.clear()
+    model = nn.Linear(5, 3)
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 5)
+    for m in (model, reference):  # .grad already holds a real gradient before the first lazy step
+        F.mse_loss(m(x), torch.zeros(4, 3)).backward()
+    for _ in range(3):
+        xs = torch.randn(9, 5)
+        loss = F.mse_loss(model(stagetorch.lazy(xs)), torch.zeros(9, 3))
+        loss.backward(retain_graph=True)
+        loss.backward()
+        expected = F.mse_loss(reference(xs), torch.zeros(9, 3))
+        expected.backward(retain_graph=True)
+        expected.backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert type(p.grad) is torch.Tensor and torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
