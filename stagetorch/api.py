@@ -205,11 +205,11 @@ class Staged:
 
     def _stage(self, args: tuple, kwargs: dict) -> tuple[_Entry, list, State]:
         state = discover(self.fn, args, kwargs)
-        state_tensors = [t for _, _, t in state.named_state()]
+        state_tensors, state_key = state.tensors_and_key()
         leaves, tree = pytree.tree_flatten((args, kwargs))
         static = set(self.static_argnums)
         argnums = _leaf_argnums(args, kwargs) if static or self.batch_argnums is not None else None
-        key = (tree, _signature(leaves, static, argnums), state.key(state_tensors))
+        key = (tree, _signature(leaves, static, argnums), state_key)
         entry = self._cache.get(key)
         if entry is None:
             batched_leaves, batch = self._batch_leaves(args, kwargs)

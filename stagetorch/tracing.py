@@ -114,12 +114,24 @@ class State:
                 seen.add(id(t))
                 yield ("param" if t.requires_grad else "const"), name, t
 
-    def key(self, tensors: list[torch.Tensor]) -> tuple:
-        """What the staged program depends on: identities, avals and grad flags of the state's ``tensors``
-        (from :meth:`named_state`), and train/eval of every module."""
+    def tensors_and_key(self) -> tuple[list[torch.Tensor], tuple]:
+        """The tensors of :meth:`named_state` (same order) and :meth:`key`, in one cheap walk: what every
+        call of a staged function needs."""
+        subs = [sub for _, m in self.modules for sub in m.modules()]
+        seen: set[int] = set()
+        tensors = []
+        for store in ("_parameters", "_buffers"):
+            for sub in subs:
+                for t in getattr(sub, store).values():
+                    if t is not None and id(t) not in seen:
+                        seen.add(id(t))
+                        tensors.append(t)
+        for _, t in self.tensors:
+            if id(t) not in seen:
+                seen.add(id(t))
+                tensors.append(t)
         avals = tuple((id(t), t.shape, t.dtype, t.device, t.requires_grad) for t in tensors)
-        training = tuple(sub.training for _, m in self.modules for sub in m.modules())
-        return avals, training
+        return tensors, (avals, tuple(sub.training for sub in subs))
 
 
 def _join(prefix: str, name: str) -> str:

@@ -202,3 +202,22 @@ def test_static_argnums_steer_python_control_flow():
     staged = stagetorch.jit(f, static_argnums=(1,))
     x = torch.randn(3)
     assert torch.equal(staged(x, "double"), x * 2) and torch.equal(staged(x, "inc"), x + 1)
+
+
+def test_the_per_call_state_walk_matches_the_trace_order():
+    """Shared, tied and None parameters, buffers, and a closed-over tensor: the cheap walk every call makes
+    lists the same tensors in the same order as the walk that named the staged program's inputs."""
+    from stagetorch.tracing import discover
+
+    shared, tied = nn.Linear(4, 4), nn.Linear(4, 4)
+    tied.weight = shared.weight
+    model = nn.Sequential(nn.Linear(3, 4, bias=False), shared, nn.BatchNorm1d(4), shared, tied, nn.Linear(4, 2))
+    extra = torch.randn(2)
+
+    def step(x):
+        return (model(x) + extra).sum()
+
+    state = discover(step, (torch.randn(5, 3),), {})
+    tensors, _ = state.tensors_and_key()
+    assert [id(t) for t in tensors] == [id(t) for _, _, t in state.named_state()]
+    assert len(tensors) == len({id(t) for t in tensors})
