@@ -16,6 +16,8 @@ from .ir import Eqn, Graph, Literal, Var
 
 __all__ = ["Program", "accumulate_grad"]
 
+_DETACH = torch.ops.aten.detach.default
+
 
 def _binder(tree: Any, slot_of: dict[Var, int]) -> Callable[[list], Any]:
     """A function env -> the call's arguments with tensors in place of Vars. Literals are returned as-is."""
@@ -63,26 +65,43 @@ class Program:
 
     def __init__(self, graph: Graph, keep: Sequence[Var] = ()):
         self.graph = graph
-        slot_of: dict[Var, int] = {}
-        for v in graph.vars():
-            slot_of.setdefault(v, len(slot_of))
-        self.nslots = len(slot_of)
-        self.in_slots = [slot_of[v] for v in graph.invars]
         kept = {v for v in graph.outvars if isinstance(v, Var)} | set(keep) | {v for _, v in graph.grads}
+        inputs = set(graph.invars)
+        # Autograd detaches every tensor it saves; below autograd a detach of a computed value is only an
+        # alias. Such a detach (not of an input, not kept) costs no call: its output shares its input's slot.
+        alias: dict[Var, Var] = {}
+        eqns = []
+        for e in graph.eqns:
+            src = e.args[0] if e.prim is _DETACH and e.args else None
+            if type(src) is Var and src not in inputs and e.outvars[0] not in kept and not e.kwargs:
+                alias[e.outvars[0]] = alias.get(src, src)
+            else:
+                eqns.append(e)
+        slot_of: dict[Var, int] = {}
+        nslots = 0
+        for v in graph.vars():
+            root = alias.get(v, v)
+            if root not in slot_of:
+                slot_of[root] = nslots
+                nslots += 1
+            slot_of[v] = slot_of[root]
+        self.nslots = nslots
+        self.in_slots = [slot_of[v] for v in graph.invars]
+        kept_roots = {alias.get(v, v) for v in kept}
         last_use: dict[Var, int] = {}
-        for i, e in enumerate(graph.eqns):
+        for i, e in enumerate(eqns):
             for v in e.invars:
-                last_use[v] = i
-        frees: list[list[int]] = [[] for _ in graph.eqns]
+                last_use[alias.get(v, v)] = i
+        frees: list[list[int]] = [[] for _ in eqns]
         for v, i in last_use.items():
-            if v not in kept and v not in graph.invars:
+            if v not in kept_roots and v not in inputs:
                 frees[i].append(slot_of[v])
         # A value no equation reads and nobody keeps dies at once.
-        for i, e in enumerate(graph.eqns):
+        for i, e in enumerate(eqns):
             for v in e.outvars:
-                if v is not None and v not in last_use and v not in kept:
+                if v is not None and v not in last_use and v not in kept_roots:
                     frees[i].append(slot_of[v])
-        self.steps = [self._step(e, slot_of, f) for e, f in zip(graph.eqns, frees)]
+        self.steps = [self._step(e, slot_of, f) for e, f in zip(eqns, frees)]
         self.out_slots = [slot_of[v] if isinstance(v, Var) else v for v in graph.outvars]
         self.grad_slots = [(i, slot_of[v]) for i, v in graph.grads]
         self.slot_of = slot_of
@@ -90,7 +109,7 @@ class Program:
     @staticmethod
     def _step(e: Eqn, slot_of: dict[Var, int], frees: list[int]) -> tuple:
         bind_args = _binder(e.args, slot_of)
-        bind_kwargs = _binder(e.kwargs, slot_of)
+        bind_kwargs = _binder(e.kwargs, slot_of) if e.kwargs else None
         outs = [(j, slot_of[v]) for j, v in enumerate(e.outvars) if v is not None]
         # The overload's C++ entry point, without OpOverload.__call__'s Python frame.
         return getattr(e.prim, "_op", e.prim), bind_args, bind_kwargs, outs, frees
@@ -104,7 +123,7 @@ class Program:
         # needs when grad mode is off, and the staged backward needs it.
         with torch._C._AutoDispatchBelowAutograd():
             for prim, bind_args, bind_kwargs, outs, frees in self.steps:
-                result = prim(*bind_args(env), **bind_kwargs(env))
+                result = prim(*bind_args(env)) if bind_kwargs is None else prim(*bind_args(env), **bind_kwargs(env))
                 if type(result) is torch.Tensor:  # the common case; a list (split) or tuple is flattened
                     env[outs[0][1]] = result
                 else:
