@@ -391,6 +391,7 @@ class _Recorder:
             out = _from_entry(entry, args, self.fake_mode)
         else:
             out = self._dispatch(func, args, kwargs, src)
+            _check_rule(func, args, kwargs, src)
             if key is not None:
                 _remember(key, func, args, out)
         flat = flatten(out)
@@ -549,6 +550,16 @@ def _from_entry(entry: tuple, args: tuple, mode: FakeTensorMode) -> Any:
                 empty = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
         outs.append(FakeTensor(mode, empty, device))
     return outs[0] if single else container(outs)
+
+
+def _check_rule(func: Any, args: tuple, kwargs: dict, src: SourceInfo) -> None:
+    """Some meta kernels accept what the real kernel refuses (relu of a bool tensor). An explicit shape
+    rule that refuses the call is believed, so the error comes at trace time with the user's line rather
+    than from the kernel mid-run. Checked when the fake kernel runs: once per signature, as the metadata
+    cache answers repeats."""
+    reason = _rule_says(func, args, kwargs)
+    if reason is not None:
+        raise ShapeError(_shape_message(func, args, kwargs, src, reason))
 
 
 def _rule_says(func: Any, args: tuple, kwargs: dict) -> str | None:

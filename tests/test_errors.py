@@ -100,3 +100,13 @@ def test_sparse_input_is_refused_by_name():
 def test_register_rejects_what_is_not_an_op():
     with pytest.raises(TypeError, match="expects an ATen op"):
         stagetorch.ops.register(torch.mm, shape=lambda *a: None)
+
+
+@pytest.mark.parametrize("fn", [torch.relu, torch.neg, torch.abs, torch.nn.functional.gelu, torch.nn.functional.silu])
+def test_ops_whose_meta_kernel_accepts_bool_but_whose_kernel_does_not(fn):
+    x = torch.tensor([True, False])
+    with pytest.raises(RuntimeError):
+        fn(x)  # the real kernel refuses bool; the meta kernel does not, the explicit rule does
+    with pytest.raises(stagetorch.ShapeError, match=r"test_errors.py:\d+[\s\S]*bool tensors are not supported"):
+        stagetorch.eval_shape(lambda t: fn(t))(x)
+    assert stagetorch.eval_shape(lambda t: fn(t))(torch.tensor([1.0, -1.0])).dtype == torch.float32

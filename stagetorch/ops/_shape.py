@@ -79,15 +79,20 @@ def same(op: str, *, dtype_arg: str | None = None) -> Callable[..., Aval]:
     return rule
 
 
-def broadcast(op: str, *, tensors: int = 2, kind: Promotion = Promotion.DEFAULT) -> Callable[..., Aval]:
+def broadcast(
+    op: str, *, tensors: int = 2, kind: Promotion = Promotion.DEFAULT, bool_ok: bool = True
+) -> Callable[..., Aval]:
     """Broadcasting elementwise ops over the first ``tensors`` arguments (tensors or numbers), with torch's
-    type promotion of the given ``kind``. Unary math is ``tensors=1``."""
+    type promotion of the given ``kind``. Unary math is ``tensors=1``. ``bool_ok=False``: the kernels have
+    no bool implementation (their meta kernels accept bool anyway)."""
 
     def rule(*args: Any, **kwargs: Any) -> Aval:
         operands = [a for a in args[:tensors] if a is not None]
         avals = [a for a in operands if isinstance(a, Aval)]
         if not avals:
             raise _fail(op, "no tensor operand")
+        if not bool_ok and any(a.dtype == torch.bool for a in avals):
+            raise _fail(op, "bool tensors are not supported; convert with .float() or .int() first", *avals)
         return Aval(broadcast_shapes(op, *avals), result_dtype(*operands, kind=kind), _device(*avals))
 
     return rule

@@ -46,11 +46,11 @@ SHAPE: dict = {
     )},
     # grad * mask * scale: a float scale makes an integer gradient float.
     aten.native_dropout_backward: _shape.broadcast("native_dropout_backward", tensors=3),
-    **{op: _shape.broadcast(op.__name__, tensors=1) for op in (aten.relu, aten.gelu, aten.silu, aten.neg)},
+    **{op: _shape.broadcast(op.__name__, tensors=1, bool_ok=False) for op in (aten.relu, aten.gelu, aten.silu, aten.neg)},
     **{op: _shape.broadcast(op.__name__, tensors=1, kind=_TO_FLOAT) for op in (
         aten.tanh, aten.sigmoid, aten.exp, aten.log, aten.sqrt, aten.rsqrt,
     )},
-    aten.abs: _shape.broadcast("abs", tensors=1, kind=_shape.Promotion.COMPLEX_TO_FLOAT),
+    aten.abs: _shape.broadcast("abs", tensors=1, kind=_shape.Promotion.COMPLEX_TO_FLOAT, bool_ok=False),
     **{op: _shape.same(op.__name__) for op in (
         aten.clone, aten.detach, aten.alias, aten.fill, aten.copy_, aten.zero_, aten.fill_,
         aten.lift_fresh_copy,
