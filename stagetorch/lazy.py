@@ -82,7 +82,10 @@ _MAX_RECORDINGS = 32
 
 
 def _input_key(tensors: tuple[torch.Tensor, ...], batch: int) -> tuple:
-    return batch, tuple((t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors)
+    # Grad mode tells a training step from an evaluation step on batches of the same shape (a loop that
+    # alternates them would otherwise re-record each time).
+    meta = tuple((t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors)
+    return batch, torch.is_grad_enabled(), meta
 
 
 def _meta(t: torch.Tensor) -> tuple:

@@ -316,3 +316,27 @@ def test_backward_twice_into_real_grads_that_already_hold_values():
         expected.backward()
         for p, q in zip(model.parameters(), reference.parameters()):
             assert type(p.grad) is torch.Tensor and torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_training_and_evaluation_steps_on_the_same_shapes_each_replay(monkeypatch):
+    lazy_module._RECORDINGS.clear()
+    recorded = []
+    original = stagetorch.tracing._Recorder.record
+    monkeypatch.setattr(
+        stagetorch.tracing._Recorder, "record", lambda self, *a, **k: recorded.append(a[0]) or original(self, *a, **k)
+    )
+    model = mlp()
+    reference = copy.deepcopy(model)
+    counts = []
+    for x, y in batches(4):
+        F.cross_entropy(model(stagetorch.lazy(x, batch=0)), y).backward()
+        F.cross_entropy(reference(x), y).backward()
+        with torch.no_grad():
+            got = model(stagetorch.lazy(x, batch=0)).value()
+            assert torch.allclose(got, reference(x), atol=1e-6)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+            p.grad = q.grad = None
+        counts.append(len(recorded))
+        recorded.clear()
+    assert counts[0] > 0 and counts[1:] == [0, 0, 0], counts
