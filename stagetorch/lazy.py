@@ -633,5 +633,6 @@ def lazy(*tensors: torch.Tensor, batch: int = 0, memory_budget: int | str | None
         raise ValueError(f"stagetorch.lazy: the tensors disagree on the batch size along dim {batch}: {sorted(sizes)}")
     if sizes.pop() == 0:
         raise ValueError("stagetorch.lazy: the batch is empty")
-    out = _Session(tensors, batch, memory_budget).lazies
+    session = _Session(tensors, batch, memory_budget)
+    out, session.lazies = session.lazies, []  # the session keeps no strong reference to a lazy tensor
     return out[0] if len(out) == 1 else tuple(out)

@@ -340,3 +340,30 @@ def test_training_and_evaluation_steps_on_the_same_shapes_each_replay(monkeypatc
         counts.append(len(recorded))
         recorded.clear()
     assert counts[0] > 0 and counts[1:] == [0, 0, 0], counts
+
+
+def test_a_finished_step_frees_its_values_without_waiting_for_the_garbage_collector():
+    """A replayed session is reachable only from its lazy tensors: when the step's tensors go, its real
+    values go at once (on a GPU, a previous step's activations must not outlive it until a collection).
+    (A recording session waits for one: FakeTensorMode's constructor leaves a reference cycle through an
+    import's traceback.)"""
+    import gc
+    import weakref
+
+    lazy_module._RECORDINGS.clear()
+    model = mlp()
+    gc.disable()
+    try:
+        for i, (x, y) in enumerate(batches(4)):
+            x, y = stagetorch.lazy(x, y, batch=0)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            session = weakref.ref(x._session)
+            replayed = x._session.replaying is not None
+            model.zero_grad()
+            del x, y, loss
+            assert replayed == (i > 0)
+            if replayed:
+                assert session() is None
+    finally:
+        gc.enable()
