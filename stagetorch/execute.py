@@ -6,62 +6,25 @@ only; chunking builds graphs for it to run, and the staged callable gives it the
 
 from __future__ import annotations
 
+import itertools
+import keyword
+import linecache
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ._tree import flatten
-from .ir import Eqn, Graph, Literal, Var
+from .ir import Eqn, Graph, Literal, Var, op_name
 
 __all__ = ["Program", "accumulate_grad"]
 
 _DETACH = torch.ops.aten.detach.default
 
 
-def _binder(tree: Any, slot_of: dict[Var, int]) -> Callable[[list], Any]:
-    """A function env -> the call's arguments with tensors in place of Vars. Literals are returned as-is."""
-    if isinstance(tree, Var):
-        i = slot_of[tree]
-        return lambda env: env[i]
-    if isinstance(tree, (list, tuple)) and any(_has_var(x) for x in tree):
-        if all(isinstance(x, Var) or not _has_var(x) for x in tree):
-            # Flat (the common case): a template with the slots filled in place.
-            template = list(tree)
-            fills = [(k, slot_of[x]) for k, x in enumerate(tree) if isinstance(x, Var)]
-            kind = type(tree)
-
-            def bind_flat(env: list) -> Any:
-                args = template.copy()
-                for k, i in fills:
-                    args[k] = env[i]
-                return args if kind is list else kind(args)
-
-            if kind is tuple and len(fills) == len(tree):
-                slots = [i for _, i in fills]
-                return lambda env: [env[i] for i in slots]
-            return bind_flat
-        parts = [_binder(x, slot_of) for x in tree]
-        kind = type(tree)
-        return lambda env: kind(p(env) for p in parts)
-    if isinstance(tree, dict) and any(_has_var(x) for x in tree.values()):
-        parts_d = {k: _binder(v, slot_of) for k, v in tree.items()}
-        return lambda env: {k: p(env) for k, p in parts_d.items()}
-    return lambda env: tree
-
-
-def _has_var(tree: Any) -> bool:
-    if isinstance(tree, Var):
-        return True
-    if isinstance(tree, (list, tuple)):
-        return any(_has_var(x) for x in tree)
-    if isinstance(tree, dict):
-        return any(_has_var(x) for x in tree.values())
-    return False
-
-
 class Program:
-    """A Graph compiled for repeated execution: variables become slots in a list, last uses precomputed."""
+    """A Graph compiled for repeated execution: straight-line Python, one call per equation, each value
+    dropped after its last use."""
 
     def __init__(self, graph: Graph, keep: Sequence[Var] = ()):
         self.graph = graph
@@ -101,41 +64,18 @@ class Program:
             for v in e.outvars:
                 if v is not None and v not in last_use and v not in kept_roots:
                     frees[i].append(slot_of[v])
-        self.steps = [self._step(e, slot_of, f) for e, f in zip(eqns, frees)]
         self.out_slots = [slot_of[v] if isinstance(v, Var) else v for v in graph.outvars]
         self.grad_slots = [(i, slot_of[v]) for i, v in graph.grads]
         self.slot_of = slot_of
-
-    @staticmethod
-    def _step(e: Eqn, slot_of: dict[Var, int], frees: list[int]) -> tuple:
-        bind_args = _binder(e.args, slot_of)
-        bind_kwargs = _binder(e.kwargs, slot_of) if e.kwargs else None
-        outs = [(j, slot_of[v]) for j, v in enumerate(e.outvars) if v is not None]
-        # The overload's C++ entry point, without OpOverload.__call__'s Python frame.
-        return getattr(e.prim, "_op", e.prim), bind_args, bind_kwargs, outs, frees
+        self._run = _compile(eqns, frees, slot_of, self.in_slots, self.nslots, self.out_slots, self.grad_slots)
 
     def run_env(self, inputs: Sequence[torch.Tensor]) -> list:
-        """Run on real inputs (parallel to the graph's invars); returns the environment of live slots."""
-        env: list = [None] * self.nslots
-        for s, x in zip(self.in_slots, inputs):
-            env[s] = x
+        """Run on real inputs (parallel to the graph's invars); returns the environment of the slots the
+        outputs and gradients live in."""
         # Below autograd, not under no_grad: some kernels (mkldnn RNN) skip saving what their backward
         # needs when grad mode is off, and the staged backward needs it.
         with torch._C._AutoDispatchBelowAutograd():
-            for prim, bind_args, bind_kwargs, outs, frees in self.steps:
-                result = prim(*bind_args(env)) if bind_kwargs is None else prim(*bind_args(env), **bind_kwargs(env))
-                if type(result) is torch.Tensor:  # the common case; a list (split) or tuple is flattened
-                    env[outs[0][1]] = result
-                else:
-                    flat = flatten(result)
-                    for j, s in outs:
-                        env[s] = flat[j]
-                    flat = None
-                # Drop the loop's own references too, or an output nobody reads outlives its free.
-                result = None
-                for s in frees:
-                    env[s] = None
-        return env
+            return self._run(inputs)
 
     def outputs(self, env: list) -> list:
         return [x.value if isinstance(x, Literal) else env[x] for x in self.out_slots]
@@ -155,3 +95,79 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     else:
         with torch.no_grad():
             param.grad.add_(grad)
+
+
+_PROGRAMS = itertools.count()
+
+
+def _has_var(tree: Any) -> bool:
+    if isinstance(tree, Var):
+        return True
+    if isinstance(tree, (list, tuple)):
+        return any(_has_var(x) for x in tree)
+    return False
+
+
+def _compile(
+    eqns: list[Eqn], frees: list[list[int]], slot_of: dict[Var, int], in_slots: list[int], nslots: int,
+    out_slots: list, grad_slots: list[tuple[int, int]],
+) -> Callable[[Sequence[torch.Tensor]], list]:
+    """Generate the program as one Python function, as torch.fx does: a local per slot, each equation a
+    call on locals, ``sN = None`` where a value dies. Against a loop over equations with argument binders,
+    this removes most of the interpreter's per-equation cost. Constants and ops are the function's globals;
+    each line is commented with the equation's source, which a traceback through the program shows."""
+    names: dict[str, Any] = {"_flatten": flatten}
+    consts: dict[int, str] = {}
+
+    def const(x: Any) -> str:
+        name = consts.get(id(x))
+        if name is None:
+            name = consts[id(x)] = f"_c{len(consts)}"
+            names[name] = x
+        return name
+
+    def expr(x: Any) -> str:
+        if isinstance(x, Var):
+            return f"s{slot_of[x]}"
+        if isinstance(x, (list, tuple)) and _has_var(x):
+            items = ", ".join(expr(y) for y in x)
+            return f"[{items}]" if isinstance(x, list) else f"({items},)"
+        return const(x)
+
+    lines = ["def program(inputs):"]
+    for k, slot in enumerate(in_slots):
+        lines.append(f"    s{slot} = inputs[{k}]")
+    for n, (e, free) in enumerate(zip(eqns, frees)):
+        op = f"_p{n}"
+        names[op] = getattr(e.prim, "_op", e.prim)  # the overload's C++ entry point
+        args = [expr(a) for a in e.args]
+        if e.kwargs:
+            if all(k.isidentifier() and not keyword.iskeyword(k) for k in e.kwargs):
+                args += [f"{k}={expr(v)}" for k, v in e.kwargs.items()]
+            else:
+                args.append("**{" + ", ".join(f"{k!r}: {expr(v)}" for k, v in e.kwargs.items()) + "}")
+        call = f"{op}({', '.join(args)})"
+        outs = [(j, slot_of[v]) for j, v in enumerate(e.outvars) if v is not None]
+        schema = getattr(e.prim, "_schema", None)
+        single = (
+            schema is not None and len(schema.returns) == 1 and isinstance(schema.returns[0].type, torch.TensorType)
+        )
+        comment = f"  # {op_name(e.prim)} at {e.source}".replace("\n", " ")
+        if single and len(e.outvars) == 1:
+            target = f"s{outs[0][1]}" if outs else "_"
+            lines.append(f"    {target} = {call}{comment}")
+        else:
+            lines.append(f"    _f = _flatten({call}){comment}")
+            lines.extend(f"    s{slot} = _f[{j}]" for j, slot in outs)
+            lines.append("    _f = None")
+        if free:
+            lines.append("    " + " = ".join(f"s{slot}" for slot in free) + " = None")
+    kept = sorted({s for s in out_slots if isinstance(s, int)} | {s for _, s in grad_slots})
+    lines.append(f"    env = [None] * {nslots}")
+    lines.extend(f"    env[{slot}] = s{slot}" for slot in kept)
+    lines.append("    return env")
+    source = "\n".join(lines) + "\n"
+    filename = f"<stagetorch program {next(_PROGRAMS)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), names)  # noqa: S102 - code generated from the staged graph
+    return names["program"]

@@ -221,3 +221,20 @@ def test_the_per_call_state_walk_matches_the_trace_order():
     tensors, _ = state.tensors_and_key()
     assert [id(t) for t in tensors] == [id(t) for _, _, t in state.named_state()]
     assert len(tensors) == len({id(t) for t in tensors})
+
+
+def test_a_kernel_failing_mid_program_shows_the_equation_and_its_source_in_the_traceback():
+    import traceback
+
+    from stagetorch.execute import Program
+
+    def step(x):
+        return (x @ x.t()).relu().sum()
+
+    graph = stagetorch.make_ir(step)(torch.randn(3, 4))
+    program = Program(graph)
+    assert torch.equal(program.run([torch.ones(3, 4)])[0][0], step(torch.ones(3, 4)))
+    with pytest.raises(RuntimeError) as info:
+        program.run([torch.ones(5, 2, 7)])  # t() of a 3-d tensor: the kernel refuses it mid-program
+    text = "".join(traceback.format_exception(info.value))
+    assert "<stagetorch program" in text and "aten.t at" in text and "test_jit.py:" in text
