@@ -6,6 +6,7 @@ only; chunking builds graphs for it to run, and the staged callable gives it the
 
 from __future__ import annotations
 
+import gc
 import itertools
 import keyword
 import linecache
@@ -27,6 +28,17 @@ class Program:
     dropped after its last use."""
 
     def __init__(self, graph: Graph, keep: Sequence[Var] = ()):
+        # Building a big program allocates many objects that all stay alive (as tracing does): the cyclic
+        # collector's passes over them would find nothing.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._build(graph, keep)
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _build(self, graph: Graph, keep: Sequence[Var]) -> None:
         self.graph = graph
         kept = {v for v in graph.outvars if isinstance(v, Var)} | set(keep) | {v for _, v in graph.grads}
         inputs = set(graph.invars)
