@@ -6,7 +6,6 @@ only; chunking builds graphs for it to run, and the staged callable gives it the
 
 from __future__ import annotations
 
-import gc
 import itertools
 import keyword
 import linecache
@@ -15,6 +14,7 @@ from typing import Any
 
 import torch
 
+from . import _gc
 from ._tree import flatten
 from .ir import Eqn, Graph, Literal, Var, op_name
 
@@ -27,18 +27,8 @@ class Program:
     """A Graph compiled for repeated execution: straight-line Python, one call per equation, each value
     dropped after its last use."""
 
+    @_gc.paused()  # building a big program allocates many objects that all stay alive, as tracing does
     def __init__(self, graph: Graph, keep: Sequence[Var] = ()):
-        # Building a big program allocates many objects that all stay alive (as tracing does): the cyclic
-        # collector's passes over them would find nothing.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            self._build(graph, keep)
-        finally:
-            if collecting:
-                gc.enable()
-
-    def _build(self, graph: Graph, keep: Sequence[Var]) -> None:
         self.graph = graph
         kept = {v for v in graph.outvars if isinstance(v, Var)} | set(keep) | {v for _, v in graph.grads}
         inputs = set(graph.invars)

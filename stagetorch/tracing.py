@@ -12,7 +12,6 @@ an op anyway are lifted into the graph as constants.
 from __future__ import annotations
 
 import functools
-import gc
 import inspect
 import linecache
 import logging
@@ -34,6 +33,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import _gc
 from ._tree import flatten, map_leaves
 from .errors import ConcretizationError, ShapeError, StagingError, UnsupportedOpError
 from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var, op_name
@@ -640,6 +640,9 @@ class Traced:
     consts: list[torch.Tensor]
 
 
+# A trace allocates many small objects that all stay alive until it ends: the cyclic collector's passes
+# over them found nothing and cost a quarter of a deep model's trace.
+@_gc.paused()
 def trace(
     fn: Callable,
     args: Sequence,
@@ -649,25 +652,6 @@ def trace(
     state: State | None = None,
 ) -> Traced:
     """Stage ``fn(*args, **kwargs)`` into a Graph. Real tensors are left exactly as they were."""
-    # A trace allocates many small objects that all stay alive until it ends, so the cyclic collector's
-    # passes over them find nothing; they cost a quarter of a deep model's trace. Collect afterwards.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        return _trace(fn, args, kwargs, static_argnums=static_argnums, state=state)
-    finally:
-        if collecting:
-            gc.enable()
-
-
-def _trace(
-    fn: Callable,
-    args: Sequence,
-    kwargs: dict,
-    *,
-    static_argnums: Sequence[int] = (),
-    state: State | None = None,
-) -> Traced:
     state = discover(fn, args, kwargs) if state is None else state
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     rec = _Recorder(fake_mode)

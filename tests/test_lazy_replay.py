@@ -17,6 +17,26 @@ import stagetorch
 lazy_module = importlib.import_module("stagetorch.lazy")
 
 
+@pytest.fixture
+def recorded(monkeypatch):
+    """The ops run on fake tensors (recorded, not replayed), in order."""
+    ops = []
+    original = stagetorch.tracing._Recorder.record
+    monkeypatch.setattr(
+        stagetorch.tracing._Recorder, "record", lambda self, *a, **k: ops.append(a[0]) or original(self, *a, **k)
+    )
+    return ops
+
+
+@pytest.fixture
+def dispatched(monkeypatch):
+    """The ops that reached a lazy tensor (a skipped backward's ops never do), in order."""
+    ops = []
+    call = lazy_module._Session.call
+    monkeypatch.setattr(lazy_module._Session, "call", lambda self, *a: ops.append(a[0]) or call(self, *a))
+    return ops
+
+
 def mlp(seed=0):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
@@ -66,17 +86,11 @@ def plain_step(i, model, x, y):
     return F.cross_entropy(model(x), y)
 
 
-def test_repeated_steps_replay_without_recording_and_equal_eager(monkeypatch):
+def test_repeated_steps_replay_without_recording_and_equal_eager(recorded, dispatched):
     assert_same_loop(plain_step, n=5)
     lazy_module._RECORDINGS.clear()
-    recorded = []  # ops run on fake tensors, per step
-    original = stagetorch.tracing._Recorder.record
-    monkeypatch.setattr(
-        stagetorch.tracing._Recorder, "record", lambda self, *a, **k: recorded.append(a[0]) or original(self, *a, **k)
-    )
-    dispatched = []  # ops that reached a lazy tensor, per step (the autograd engine is skipped on replay)
-    call = lazy_module._Session.call
-    monkeypatch.setattr(lazy_module._Session, "call", lambda self, *a: dispatched.append(a[0]) or call(self, *a))
+    recorded.clear()
+    dispatched.clear()
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     counts = []
@@ -258,11 +272,8 @@ def test_a_second_backward_through_a_replayed_graph_raises_as_in_eager():
             loss.backward()
 
 
-def test_a_new_model_of_the_same_shapes_skips_the_engine_from_its_second_step(monkeypatch):
+def test_a_new_model_of_the_same_shapes_skips_the_engine_from_its_second_step(dispatched):
     lazy_module._RECORDINGS.clear()
-    dispatched = []
-    call = lazy_module._Session.call
-    monkeypatch.setattr(lazy_module._Session, "call", lambda self, *a: dispatched.append(a[0]) or call(self, *a))
     counts = []
     for model in (mlp(), mlp(seed=3)):
         reference = copy.deepcopy(model)
@@ -318,13 +329,8 @@ def test_backward_twice_into_real_grads_that_already_hold_values():
             assert type(p.grad) is torch.Tensor and torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_training_and_evaluation_steps_on_the_same_shapes_each_replay(monkeypatch):
+def test_training_and_evaluation_steps_on_the_same_shapes_each_replay(recorded):
     lazy_module._RECORDINGS.clear()
-    recorded = []
-    original = stagetorch.tracing._Recorder.record
-    monkeypatch.setattr(
-        stagetorch.tracing._Recorder, "record", lambda self, *a, **k: recorded.append(a[0]) or original(self, *a, **k)
-    )
     model = mlp()
     reference = copy.deepcopy(model)
     counts = []
