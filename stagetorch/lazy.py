@@ -8,6 +8,10 @@ the recorded equations that have not run yet through the same :class:`~stagetorc
 
 Every value that is still referenced when a flush runs (by you, or by autograd for the backward) is kept,
 so nothing runs twice: BatchNorm statistics are updated once and dropout masks are drawn once.
+
+A training loop makes the same calls every step. A session whose inputs match an earlier one's replays that
+recording call by call, checking each, and reuses its executables; the backward can skip the autograd
+engine. The first call that differs makes the session record (see :class:`_Session`).
 """
 
 from __future__ import annotations
@@ -72,7 +76,9 @@ class _Recording:
     inputs: list[Var]
     eqns: list[Eqn]
     steps: list[_Step] = attrs.field(factory=list)
-    flushes: dict[tuple, tuple] = attrs.field(factory=dict)
+    # (first, end) -> (the values those equations produce, their inputs from outside);
+    # (first, end, outputs) -> the Executable of that flush.
+    flushes: dict[tuple, Any] = attrs.field(factory=dict)
 
 
 # The latest recording per input signature: the step loop of a training script records once. The oldest
