@@ -155,6 +155,7 @@ class _Session:
         self.lazies: list[LazyTensor] = []
         self.hooked = False  # a hook or grad_fn was reached: backward always runs the autograd engine
         self.freed: set[Var] = set()  # losses whose backward was replayed without the engine
+        self.reading_saved = False  # reading what autograd saved: calls are not steps
         self.recorder: _Recorder | None = None
         self.replaying = _RECORDINGS.get(self.key)
         if self.replaying is not None:
@@ -195,6 +196,14 @@ class _Session:
 
     def call(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
         """An op on lazy tensors: replay it, record it, or (for a value read) run it for real."""
+        if self.reading_saved:
+            # Autograd unpacking a saved lazy output detaches it: an alias of the same value, not a step.
+            if func is not _aten.detach.default:
+                raise _Unreadable
+            t = args[0]
+            out = _make_subclass(LazyTensor, t.shape, strides=t.stride(), dtype=t.dtype, device=t.device)
+            out._fake, out._var, out._session = t._fake, t._var, self
+            return out
         if func.namespace == "prim":
             return func(*map_leaves(args, torch.Tensor, _real), **map_leaves(kwargs, torch.Tensor, _real))
         if self.replaying is not None:
@@ -358,14 +367,18 @@ class _Session:
                 "retain_graph=True in the first backward() if you need to backward through it again."
             )
         with torch._C.DisableTorchFunctionSubclass():
-            leaves, kinds = _autograd_graph(roots)
+            leaves, kinds, nodes = _autograd_graph(roots)
+        # The engine may be skipped only for a plain backward over built-in formulas: no arguments, no
+        # hooks, empty .grad, and no Python autograd.Function (its backward is Python code reading any state).
         plain = (
-            len(args) == 1 and len(roots) == 1 and type(loss) is LazyTensor and not any(v is not None and v is not False for v in kwargs.values()) and not self.hooked
+            len(args) == 1 and len(roots) == 1 and type(loss) is LazyTensor and not self.hooked
+            and not any(v is not None and v is not False for v in kwargs.values())
             and all(
                 type(leaf) is not LazyTensor and leaf.grad is None and not leaf._backward_hooks
                 and not getattr(leaf, "_post_accumulate_grad_hooks", None)
                 for leaf in leaves
             )
+            and not any(issubclass(kind, _PYTHON_FUNCTION_NODE) for kind in kinds)
         )
         key = (loss._var, kinds)
         remark = None  # the replayed marker to bring up to date if the engine replays its steps as recorded
@@ -378,9 +391,9 @@ class _Session:
                     plain and mark.key == key and len(mark.leaves) == len(leaves)
                     and all(r() is leaf for r, leaf in zip(mark.leaves, leaves))
                     and all(v in self.consts for v in mark.needs)
+                    and (state := self._saved_state(nodes))[0] == mark.saved
                 ):
-                    for v, base, shape, stride, offset in mark.derived:
-                        self.consts[v] = self.consts[base].detach().as_strided(shape, stride, offset)
+                    self.consts.update(self._derive(mark.derived, state[1]))
                     self.cursor += 1 + mark.nsteps
                     self.end += mark.neqns
                     self.freed.add(loss._var)  # as the engine would have freed the graph
@@ -390,17 +403,21 @@ class _Session:
                 self.cursor += 1  # the engine runs below; its calls replay one by one
         was_recording = self.replaying is None
         start = (self.cursor if not was_recording else len(self.recording.steps), self.eqn_count, dict(self.consts))
+        marking = plain and (was_recording or remark is not None)
         with torch._C.DisableTorchFunctionSubclass():
+            saved = self._saved_state(nodes) if marking else None
             func(*args, **kwargs)
         if plain and was_recording:
             # Recorded (from the start, not after a divergence mid-backward): mark it for the next steps.
-            mark = self._backward_mark(key, leaves, self.recording.steps[start[0]:], start[1], start[2])
+            span = self.recording.steps[start[0] :]
+            mark = self._backward_mark(key, leaves, span, start[1], start[2], saved)
             if mark is not None:
                 self.recording.steps.insert(start[0], _Step(_BACKWARD, (), [], mark, False, False))
         elif plain and remark is not None and self.replaying is not None:
             # Replayed through the engine, step by step as recorded (another model of the same shapes, a
             # hook since removed): the marker now describes this graph, so the next step skips the engine.
-            mark = self._backward_mark(key, leaves, self.replaying.steps[remark + 1 : self.cursor], start[1], start[2])
+            span = self.replaying.steps[remark + 1 : self.cursor]
+            mark = self._backward_mark(key, leaves, span, start[1], start[2], saved)
             if mark is not None:
                 self.replaying.steps[remark] = _Step(_BACKWARD, (), [], mark, False, False)
         self.flush([], leaves)
@@ -409,26 +426,56 @@ class _Session:
     def eqn_count(self) -> int:
         return self.end if self.replaying is not None else len(self.eqns)
 
-    def _backward_mark(self, key: tuple, leaves: list, span: list, n_eqns: int, bound: dict) -> _Backward | None:
+    def _saved_state(self, nodes: list) -> tuple[tuple, dict]:
+        self.reading_saved = True
+        try:
+            return _saved_state(nodes)
+        finally:
+            self.reading_saved = False
+
+    def _backward_mark(
+        self, key: tuple, leaves: list, span: list, n_eqns: int, bound: dict, saved: tuple
+    ) -> _Backward | None:
         if not span or not all(s.recorded and s.func is not _BACKWARD for s in span):
             return None
         grads = [
             (i, leaf.grad._var) for i, leaf in enumerate(leaves)
             if type(leaf.grad) is LazyTensor and leaf.grad._session is self
         ]
+        summary, real = saved
+        by_storage: dict[int, list[tuple[tuple[int, str], torch.Tensor]]] = {}
+        for where, x in real.items():
+            by_storage.setdefault(x.untyped_storage()._cdata, []).append((where, x))
         needs = {v for s in span for _, v in s.consts if v is not None}
         derived = []
         for v in needs - bound.keys():
             t = self.consts[v]
-            ptr = t.untyped_storage().data_ptr()
-            base = next(
-                (u for u, b in bound.items() if b.dtype == t.dtype and b.untyped_storage().data_ptr() == ptr), None
-            )
-            if base is None:
+            # The same StorageImpl (not the same address: empty storages share addresses) and dtype.
+            storage = t.untyped_storage()._cdata
+            source = next((where for where, x in by_storage.get(storage, ()) if x.dtype == t.dtype), None)
+            if source is None:
+                source = next(
+                    (u for u, b in bound.items() if b.dtype == t.dtype and b.untyped_storage()._cdata == storage), None
+                )
+            if source is None:
                 return None
-            derived.append((v, base, t.shape, t.stride(), t.storage_offset()))
+            derived.append((v, source, t.shape, t.stride(), t.storage_offset()))
         weak = [weakref.ref(leaf) for leaf in leaves]
-        return _Backward(key, weak, grads, len(span), self.eqn_count - n_eqns, needs & bound.keys(), derived)
+        return _Backward(
+            key, weak, grads, len(span), self.eqn_count - n_eqns, needs & bound.keys(), derived, summary
+        )
+
+    def _derive(self, derived: list[tuple], real: dict[tuple[int, str], torch.Tensor]) -> dict[Var, torch.Tensor]:
+        """The constants a skipped backward reads that the forward did not bind, made as the engine would:
+        the same view of the same saved tensor."""
+        out = {}
+        for v, source, shape, stride, offset in derived:
+            base = real[source] if type(source) is tuple else self.consts[source]
+            if base.shape == shape and base.stride() == stride and base.storage_offset() == offset:
+                out[v] = base
+            else:
+                out[v] = base.detach().as_strided(shape, stride, offset)
+        return out
 
     # -- running -----------------------------------------------------------------------------------------
 
@@ -489,30 +536,80 @@ class _Session:
         return x
 
 
-def _autograd_graph(roots: list[torch.Tensor]) -> tuple[list[torch.Tensor], tuple]:
-    """The leaf tensors a backward from ``roots`` accumulates into (its graph's AccumulateGrad nodes), and
-    the graph's node types in a fixed walk order."""
-    leaves, kinds, seen, stack = [], [], set(), [t.grad_fn for t in reversed(roots)]
+def _autograd_graph(roots: list[torch.Tensor]) -> tuple[list[torch.Tensor], tuple, list]:
+    """The leaf tensors a backward from ``roots`` accumulates into (its graph's AccumulateGrad nodes), the
+    graph's node types in a fixed walk order, and the nodes in that order."""
+    leaves, kinds, nodes, seen, stack = [], [], [], set(), [t.grad_fn for t in reversed(roots)]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
+        nodes.append(node)
         kinds.append(type(node))
         variable = getattr(node, "variable", None)
         if variable is not None:
             leaves.append(variable)
         stack.extend(n for n, _ in node.next_functions)
-    return leaves, tuple(kinds)
+    return leaves, tuple(kinds), nodes
+
+
+_SAVED_ATTRS: dict[type, list[str]] = {}
+
+
+class _Unreadable(Exception):
+    """A saved value autograd cannot hand out without running an op on a lazy tensor."""
+
+
+def _saved_state(nodes: list) -> tuple[tuple, dict[tuple[int, str], torch.Tensor]]:
+    """What the graph's nodes saved for their backward formulas: a summary to compare (each value, the
+    variable of each lazy tensor, the metadata of each real tensor), and the real tensors by (node index,
+    attribute). Read before the engine runs: it frees them."""
+    summary, real = [], {}
+    for i, node in enumerate(nodes):
+        kind = type(node)
+        names = _SAVED_ATTRS.get(kind)
+        if names is None:
+            names = _SAVED_ATTRS[kind] = [a for a in dir(node) if a.startswith("_saved_")]
+        for name in names:
+            try:
+                x = getattr(node, name)
+            except Exception:  # not readable (released, or a saved value that needs an op): compare its absence
+                summary.append((i, name, _Unreadable))
+                continue
+            if isinstance(x, torch.Tensor):
+                if type(x) is not LazyTensor:
+                    real[(i, name)] = x
+                summary.append((i, name, _summary(x)))
+            elif isinstance(x, (list, tuple)):
+                summary.append((i, name, tuple(_summary(y) if isinstance(y, torch.Tensor) else y for y in x)))
+            else:
+                summary.append((i, name, x))
+    return tuple(summary), real
+
+
+def _summary(t: torch.Tensor) -> tuple:
+    if type(t) is LazyTensor:
+        return ("lazy", t._var)
+    meta = (t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.layout)
+    if t.ndim == 0 and t.device.type == "cpu":
+        # A Python number autograd saved as a tensor (`weight * scale`): the backward call gets it back as
+        # a number, recorded in the step, so its value is part of what must match.
+        return (*meta, t.item())
+    return meta
 
 
 @attrs.define(eq=False)
 class _Backward:
     """A ``loss.backward()`` in a recording, with what a replay needs to skip the autograd engine: the
     autograd graph it ran over (node types, leaf tensors), the recorded steps it produced, the gradients
-    it left in each leaf's ``.grad``, and the constants those steps read. Backward formulas make real views
-    of saved real tensors (``mat2.t()`` in addmm's backward); such a constant is recorded as the view it is
-    of one bound before the backward, so a replay can make it without the engine."""
+    it left in each leaf's ``.grad``, and the constants those steps read. What the graph's nodes saved is
+    compared too: a real tensor of another shape, or another Python number, in an op on real tensors (whose
+    backward formula reads it) is otherwise invisible to the replay. A constant the forward did not
+    bind is a real tensor the engine makes from the graph's saved tensors: a saved tensor itself (the
+    indices of a real embedding lookup) or a view of one (``mat2.t()`` in addmm's backward). It is recorded
+    as the view it is of a node's saved tensor (or, failing that, of a constant bound before the backward),
+    so a replay makes it the same way without the engine."""
 
     key: tuple
     leaves: list[weakref.ref]
@@ -520,10 +617,12 @@ class _Backward:
     nsteps: int
     neqns: int
     needs: set[Var]  # constants bound before the backward
-    derived: list[tuple]  # (var, base var, shape, stride, offset): a view the engine made of a bound constant
+    derived: list[tuple]  # (var, source, shape, stride, offset); source (node index, saved attribute) or a var
+    saved: tuple  # _saved_state's summary: every value the graph saved, as the recorded backward saw it
 
 
 _BACKWARD = torch.Tensor.backward
+_PYTHON_FUNCTION_NODE = torch.autograd.function.BackwardCFunction
 _make_subclass = torch.Tensor._make_wrapper_subclass
 
 

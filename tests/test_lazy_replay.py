@@ -102,7 +102,9 @@ def test_repeated_steps_replay_without_recording_and_equal_eager(recorded, dispa
         counts.append((len(recorded), len(dispatched)))
         recorded.clear()
         dispatched.clear()
-    assert counts[0][0] > 20 and counts[0][1] == counts[0][0], counts
+    # The first step records every op that reached a lazy tensor (reading what autograd saved adds two
+    # detaches that are not steps).
+    assert counts[0][0] > 20 and counts[0][0] <= counts[0][1] <= counts[0][0] + 4, counts
     assert [c[0] for c in counts[1:]] == [0, 0] and all(c[1] < counts[0][1] / 2 for c in counts[1:]), counts
 
 
@@ -373,3 +375,47 @@ def test_a_finished_step_frees_its_values_without_waiting_for_the_garbage_collec
                 assert session() is None
     finally:
         gc.enable()
+
+
+def test_a_python_number_in_an_op_on_real_tensors_changes_between_steps():
+    """``weight * scale`` runs on real tensors (no lazy input): no step records it, but its backward
+    formula reads ``scale``. What autograd saved is part of the replay's guard."""
+    scales = [1.0, 2.0, 3.0, 0.5]
+
+    def step(i, model, x, y):
+        w = model[0].weight * scales[i]
+        h = F.linear(x, w, model[0].bias)
+        return F.cross_entropy(model[2](model[1](h)), y)
+
+    assert_same_loop(step, n=4)
+
+
+def test_a_real_tensor_of_another_shape_in_the_backward():
+    def step(i, model, x, y):
+        out = model(x)
+        picked = out[out[:, 0] > 0]  # runs for real: a real tensor whose row count changes, saved by square
+        return F.cross_entropy(out, y) + picked.square().sum() * 0.01
+
+    assert_same_loop(step, n=6)
+
+
+class _Scale(torch.autograd.Function):
+    """A Python autograd.Function whose backward reads state the graph does not save as tensors."""
+
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.s = s  # only the backward uses it
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.s, None
+
+
+def test_a_python_autograd_function_always_runs_its_backward():
+    scales = [1.0, 2.0, 3.0, 0.5]
+
+    def step(i, model, x, y):
+        return F.cross_entropy(_Scale.apply(model(x), scales[i]), y)
+
+    assert_same_loop(step, n=4)
