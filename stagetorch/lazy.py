@@ -391,7 +391,7 @@ class _Session:
                     plain and mark.key == key and len(mark.leaves) == len(leaves)
                     and all(r() is leaf for r, leaf in zip(mark.leaves, leaves))
                     and all(v in self.consts for v in mark.needs)
-                    and (state := self._saved_state(nodes))[0] == mark.saved
+                    and (state := self._saved_state(nodes, mark.checks))[0] == mark.saved
                 ):
                     self.consts.update(self._derive(mark.derived, state[1]))
                     self.cursor += 1 + mark.nsteps
@@ -426,10 +426,10 @@ class _Session:
     def eqn_count(self) -> int:
         return self.end if self.replaying is not None else len(self.eqns)
 
-    def _saved_state(self, nodes: list) -> tuple[tuple, dict]:
+    def _saved_state(self, nodes: list, only: list | None = None) -> tuple[tuple, dict]:
         self.reading_saved = True
         try:
-            return _saved_state(nodes)
+            return _saved_state(nodes, only)
         finally:
             self.reading_saved = False
 
@@ -460,9 +460,13 @@ class _Session:
             if source is None:
                 return None
             derived.append((v, source, t.shape, t.stride(), t.storage_offset()))
+        # A saved lazy tensor is an input or output of a recorded step, fixed by the forward's match; the rest
+        # (numbers, real tensors) is what a replay reads again and compares.
+        checked = tuple(entry for entry in summary if not _is_lazy_summary(entry[2]))
         weak = [weakref.ref(leaf) for leaf in leaves]
         return _Backward(
-            key, weak, grads, len(span), self.eqn_count - n_eqns, needs & bound.keys(), derived, summary
+            key, weak, grads, len(span), self.eqn_count - n_eqns, needs & bound.keys(), derived, checked,
+            [(i, name) for i, name, _ in checked],
         )
 
     def _derive(self, derived: list[tuple], real: dict[tuple[int, str], torch.Tensor]) -> dict[Var, torch.Tensor]:
@@ -561,31 +565,40 @@ class _Unreadable(Exception):
     """A saved value autograd cannot hand out without running an op on a lazy tensor."""
 
 
-def _saved_state(nodes: list) -> tuple[tuple, dict[tuple[int, str], torch.Tensor]]:
-    """What the graph's nodes saved for their backward formulas: a summary to compare (each value, the
-    variable of each lazy tensor, the metadata of each real tensor), and the real tensors by (node index,
-    attribute). Read before the engine runs: it frees them."""
+def _saved_state(nodes: list, only: list[tuple[int, str]] | None = None) -> tuple[tuple, dict]:
+    """What the graph's nodes saved for their backward formulas: a summary to compare, ((node index in walk
+    order, attribute, value) with each Python value, the variable of each lazy tensor and the metadata of
+    each real tensor), and the real tensors by (node index, attribute). Read before the engine runs: it
+    frees them. ``only``: just these attributes."""
     summary, real = [], {}
-    for i, node in enumerate(nodes):
-        kind = type(node)
-        names = _SAVED_ATTRS.get(kind)
-        if names is None:
-            names = _SAVED_ATTRS[kind] = [a for a in dir(node) if a.startswith("_saved_")]
-        for name in names:
-            try:
-                x = getattr(node, name)
-            except Exception:  # not readable (released, or a saved value that needs an op): compare its absence
-                summary.append((i, name, _Unreadable))
-                continue
-            if isinstance(x, torch.Tensor):
-                if type(x) is not LazyTensor:
-                    real[(i, name)] = x
-                summary.append((i, name, _summary(x)))
-            elif isinstance(x, (list, tuple)):
-                summary.append((i, name, tuple(_summary(y) if isinstance(y, torch.Tensor) else y for y in x)))
-            else:
-                summary.append((i, name, x))
+    if only is None:
+        only = []
+        for i, node in enumerate(nodes):
+            kind = type(node)
+            names = _SAVED_ATTRS.get(kind)
+            if names is None:
+                names = _SAVED_ATTRS[kind] = [a for a in dir(node) if a.startswith("_saved_")]
+            only.extend((i, name) for name in names)
+    for i, name in only:
+        try:
+            x = getattr(nodes[i], name)
+        except Exception:  # not readable (released, or a saved value that needs an op): compare its absence
+            summary.append((i, name, _Unreadable))
+            continue
+        if isinstance(x, torch.Tensor):
+            if type(x) is not LazyTensor:
+                real[(i, name)] = x
+            summary.append((i, name, _summary(x)))
+        elif isinstance(x, (list, tuple)):
+            summary.append((i, name, tuple(_summary(y) if isinstance(y, torch.Tensor) else y for y in x)))
+        else:
+            summary.append((i, name, x))
     return tuple(summary), real
+
+
+def _is_lazy_summary(value: Any) -> bool:
+    """A saved attribute that is one lazy tensor (a list of tensors is always compared whole)."""
+    return type(value) is tuple and len(value) == 2 and isinstance(value[0], str) and value[0] == "lazy"
 
 
 def _summary(t: torch.Tensor) -> tuple:
@@ -618,7 +631,8 @@ class _Backward:
     neqns: int
     needs: set[Var]  # constants bound before the backward
     derived: list[tuple]  # (var, source, shape, stride, offset); source (node index, saved attribute) or a var
-    saved: tuple  # _saved_state's summary: every value the graph saved, as the recorded backward saw it
+    saved: tuple  # _saved_state's summary of what the graph saved (all but lazy tensors), as recorded
+    checks: list[tuple[int, str]]  # the (node index, attribute) pairs of ``saved``
 
 
 _BACKWARD = torch.Tensor.backward
