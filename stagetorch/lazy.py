@@ -30,7 +30,7 @@ from .devices import free_memory
 from .errors import ConcretizationError
 from .execute import accumulate_grad
 from .ir import Eqn, Graph, Var
-from .tracing import _Recorder
+from .tracing import _Recorder, user_frame
 
 __all__ = ["lazy", "LazyTensor"]
 
@@ -404,20 +404,22 @@ class _Session:
         was_recording = self.replaying is None
         start = (self.cursor if not was_recording else len(self.recording.steps), self.eqn_count, dict(self.consts))
         marking = plain and (was_recording or remark is not None)
+        caller = user_frame(2) if marking else None
+        call_site = (caller.f_code.co_filename, caller.f_lineno) if caller is not None else None
         with torch._C.DisableTorchFunctionSubclass():
             saved = self._saved_state(nodes) if marking else None
             func(*args, **kwargs)
         if plain and was_recording:
             # Recorded (from the start, not after a divergence mid-backward): mark it for the next steps.
             span = self.recording.steps[start[0] :]
-            mark = self._backward_mark(key, leaves, span, start[1], start[2], saved)
+            mark = self._backward_mark(key, leaves, span, start[1], start[2], saved, call_site)
             if mark is not None:
                 self.recording.steps.insert(start[0], _Step(_BACKWARD, (), [], mark, False, False))
         elif plain and remark is not None and self.replaying is not None:
             # Replayed through the engine, step by step as recorded (another model of the same shapes, a
             # hook since removed): the marker now describes this graph, so the next step skips the engine.
             span = self.replaying.steps[remark + 1 : self.cursor]
-            mark = self._backward_mark(key, leaves, span, start[1], start[2], saved)
+            mark = self._backward_mark(key, leaves, span, start[1], start[2], saved, call_site)
             if mark is not None:
                 self.replaying.steps[remark] = _Step(_BACKWARD, (), [], mark, False, False)
         self.flush([], leaves)
@@ -434,9 +436,16 @@ class _Session:
             self.reading_saved = False
 
     def _backward_mark(
-        self, key: tuple, leaves: list, span: list, n_eqns: int, bound: dict, saved: tuple
+        self, key: tuple, leaves: list, span: list, n_eqns: int, bound: dict, saved: tuple, call_site: tuple | None
     ) -> _Backward | None:
         if not span or not all(s.recorded and s.func is not _BACKWARD for s in span):
+            return None
+        # Backward formulas run in C++: the user's frame of each of their calls is the backward() call. A
+        # call from anywhere else is Python code the engine ran (a hook on a real tensor or node, which
+        # PyTorch does not let us see): that code must run every step, so the engine is never skipped.
+        if call_site is None or any(
+            (e.source.file, e.source.line) != call_site for e in self.eqns[n_eqns : self.eqn_count]
+        ):
             return None
         grads = [
             (i, leaf.grad._var) for i, leaf in enumerate(leaves)
