@@ -1,4 +1,4 @@
-"""The two tree walks every pass needs over ATen arguments and results (lists, tuples, dicts)."""
+"""The tree walks the passes need over ATen arguments and results (lists, tuples, dicts)."""
 
 from __future__ import annotations
 
@@ -22,3 +22,25 @@ def flatten(out: Any) -> list[Any]:
     if isinstance(out, (tuple, list)):
         return [y for x in out for y in flatten(x)]
     return [out]
+
+
+def flat_call(args: tuple, kwargs: dict) -> list[Any]:
+    """A call's arguments as one flat list: the number of positional arguments, each leaf, a marker with
+    the type and length of each nested list or tuple, and the keyword names. Two calls with equal flat
+    lists have the same structure (what the tracer's metadata cache and lazy replay compare)."""
+    out: list[Any] = [len(args)]
+    _extend(args, out)
+    if kwargs:
+        out.append(tuple(kwargs))
+        _extend(kwargs.values(), out)
+    return out
+
+
+def _extend(items: Any, out: list) -> None:
+    for x in items:
+        kind = type(x)
+        if kind is tuple or kind is list:
+            out.append((kind, len(x)))
+            _extend(x, out)
+        else:
+            out.append(x)

@@ -50,8 +50,6 @@ class Program:
                 slot_of[root] = nslots
                 nslots += 1
             slot_of[v] = slot_of[root]
-        self.nslots = nslots
-        self.in_slots = [slot_of[v] for v in graph.invars]
         kept_roots = {alias.get(v, v) for v in kept}
         last_use: dict[Var, int] = {}
         for i, e in enumerate(eqns):
@@ -68,8 +66,8 @@ class Program:
                     frees[i].append(slot_of[v])
         self.out_slots = [slot_of[v] if isinstance(v, Var) else v for v in graph.outvars]
         self.grad_slots = [(i, slot_of[v]) for i, v in graph.grads]
-        self.slot_of = slot_of
-        self._run = _compile(eqns, frees, slot_of, self.in_slots, self.nslots, self.out_slots, self.grad_slots)
+        in_slots = [slot_of[v] for v in graph.invars]
+        self._run = _compile(eqns, frees, slot_of, in_slots, nslots, self.out_slots, self.grad_slots)
 
     def run_env(self, inputs: Sequence[torch.Tensor]) -> list:
         """Run on real inputs (parallel to the graph's invars); returns the environment of the slots the

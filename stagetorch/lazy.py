@@ -23,7 +23,7 @@ import attrs
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ._tree import flatten, map_leaves
+from ._tree import flat_call, flatten, map_leaves
 from .api import Executable
 from .batching import Batched
 from .devices import free_memory
@@ -98,28 +98,6 @@ def _meta(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device, t.requires_grad
 
 
-def _flat(args: tuple, kwargs: dict) -> list:
-    """A call's arguments as one flat list: the number of positional arguments, each leaf, a marker with
-    the type and length of each nested list or tuple, and the keyword names. Two calls with equal flat
-    lists have the same structure."""
-    out = [len(args)]
-    _extend(args, out)
-    if kwargs:
-        out.append(tuple(kwargs))
-        _extend(kwargs.values(), out)
-    return out
-
-
-def _extend(items: Any, out: list) -> None:
-    for x in items:
-        kind = type(x)
-        if kind is tuple or kind is list:
-            out.append((kind, len(x)))
-            _extend(x, out)
-        else:
-            out.append(x)
-
-
 def _key(leaves: list) -> tuple:
     """What a replay compares: the variable of each lazy tensor, the metadata of each real one, values."""
     return tuple([
@@ -169,18 +147,22 @@ class _Session:
             inputs = [None] * len(tensors)
         for i, (t, var) in enumerate(zip(tensors, inputs)):
             real = t.detach()
+            fake = None
             if var is None:
-                with self.recorder.fake_mode:
-                    fake = self.recorder.fake_mode.from_tensor(real, static_shapes=True)
-                var = self.recorder.add_input(fake, "arg", f"lazy{i}")
-                self.recording.inputs.append(var)
-            else:
-                fake = None
+                var, fake = self._add_input(i, real)
             self.values[var] = real
             self.batched[var] = Batched(batch % t.ndim)
-            lazy_t = LazyTensor(t.shape, t.stride(), t.dtype, t.device, var, self, fake, t.requires_grad)
+            lazy_t = _lazy_tensor(t.shape, t.stride(), t.dtype, t.device, var, self, fake, t.requires_grad)
             self.alive[var] = weakref.ref(lazy_t)
             self.lazies.append(lazy_t)
+
+    def _add_input(self, i: int, real: torch.Tensor) -> tuple[Var, torch.Tensor]:
+        rec = self.recorder
+        with rec.fake_mode:
+            fake = rec.fake_mode.from_tensor(real, static_shapes=True)
+        var = rec.add_input(fake, "arg", f"lazy{i}")
+        self.recording.inputs.append(var)
+        return var, fake
 
     def _start_recording(self) -> _Recording:
         self.recorder = _Recorder(FakeTensorMode(allow_non_fake_inputs=True))
@@ -201,9 +183,7 @@ class _Session:
             if func is not _aten.detach.default:
                 raise _Unreadable
             t = args[0]
-            out = _make_subclass(LazyTensor, t.shape, strides=t.stride(), dtype=t.dtype, device=t.device)
-            out._fake, out._var, out._session = t._fake, t._var, self
-            return out
+            return _lazy_tensor(t.shape, t.stride(), t.dtype, t.device, t._var, self, t._fake)
         if func.namespace == "prim":
             return func(*map_leaves(args, torch.Tensor, _real), **map_leaves(kwargs, torch.Tensor, _real))
         if self.replaying is not None:
@@ -219,12 +199,18 @@ class _Session:
             # A data-dependent shape (x[x > 0], nonzero): evaluate the inputs and run this op for real.
             return self._run_real(func, args, kwargs, leaves)
 
-    def _record(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
+    def _record_call(self, func: Any, args: tuple, kwargs: dict, src: Any = None) -> Any:
+        """Record one call on fakes; the real tensors it lifted become this session's constants."""
         rec = self.recorder
         n_consts = len(rec.consts)
-        out = rec.record(func, map_leaves(args, torch.Tensor, self._unwrap), map_leaves(kwargs, torch.Tensor, self._unwrap))
+        out = rec.record(func, args, kwargs, src=src)
         for t in rec.consts[n_consts:]:
             self.consts[rec.const_vars[id(t)]] = t
+        return out
+
+    def _record(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
+        rec = self.recorder
+        out = self._record_call(func, map_leaves(args, torch.Tensor, self._unwrap), map_leaves(kwargs, torch.Tensor, self._unwrap))
         out_spec = map_leaves(out, torch.Tensor, lambda f: _Out(rec.var(f), f.shape, f.stride(), f.dtype, f.fake_device))
         inplace = _is_inplace(func)
         self.recording.steps.append(_Step(func, _key(leaves), self._consts_in(leaves), out_spec, True, inplace))
@@ -254,7 +240,7 @@ class _Session:
 
     def _wrap_fake(self, fake: torch.Tensor) -> LazyTensor:
         var = self.recorder.var(fake)
-        out = LazyTensor(fake.shape, fake.stride(), fake.dtype, fake.fake_device, var, self, fake)
+        out = _lazy_tensor(fake.shape, fake.stride(), fake.dtype, fake.fake_device, var, self, fake)
         self.alive[var] = weakref.ref(out)
         return out
 
@@ -301,8 +287,7 @@ class _Session:
         return map_leaves(step.out, _Out, self._wrap_out)
 
     def _wrap_out(self, o: _Out) -> LazyTensor:
-        out = _make_subclass(LazyTensor, o.shape, strides=o.stride, dtype=o.dtype, device=o.device)
-        out._fake, out._var, out._session = None, o.var, self
+        out = _lazy_tensor(o.shape, o.stride, o.dtype, o.device, o.var, self)
         self.alive[o.var] = weakref.ref(out)
         return out
 
@@ -317,10 +302,7 @@ class _Session:
         new_of: dict[Var, Var] = {}
         fake_of: dict[Var, torch.Tensor] = {}
         for i, var in enumerate(old.inputs):
-            with rec.fake_mode:
-                fake = rec.fake_mode.from_tensor(self.values[var], static_shapes=True)
-            new_of[var], fake_of[var] = rec.add_input(fake, "arg", f"lazy{i}"), fake
-            self.recording.inputs.append(new_of[var])
+            new_of[var], fake_of[var] = self._add_input(i, self.values[var])
         consts = self.consts
         self.consts = {}
         eqns = iter(old.eqns)
@@ -331,10 +313,7 @@ class _Session:
                 eqn = next(eqns)
                 args = map_leaves(eqn.args, Var, lambda v: fake_of[v] if v in fake_of else consts[v])
                 kwargs = map_leaves(eqn.kwargs, Var, lambda v: fake_of[v] if v in fake_of else consts[v])
-                n_consts = len(rec.consts)
-                out = rec.record(step.func, args, kwargs, src=eqn.source)
-                for t in rec.consts[n_consts:]:
-                    self.consts[rec.const_vars[id(t)]] = t
+                out = self._record_call(step.func, args, kwargs, src=eqn.source)
                 for v, f in zip(eqn.outvars, flatten(out)):
                     if v is not None:
                         new_of[v], fake_of[v] = rec.var(f), f
@@ -473,10 +452,7 @@ class _Session:
         # (numbers, real tensors) is what a replay reads again and compares.
         checked = tuple(entry for entry in summary if not _is_lazy_summary(entry[2]))
         weak = [weakref.ref(leaf) for leaf in leaves]
-        return _Backward(
-            key, weak, grads, len(span), self.eqn_count - n_eqns, needs & bound.keys(), derived, checked,
-            [(i, name) for i, name, _ in checked],
-        )
+        return _Backward(key, weak, grads, len(span), self.eqn_count - n_eqns, needs & bound.keys(), derived, checked)
 
     def _derive(self, derived: list[tuple], real: dict[tuple[int, str], torch.Tensor]) -> dict[Var, torch.Tensor]:
         """The constants a skipped backward reads that the forward did not bind, made as the engine would:
@@ -496,7 +472,7 @@ class _Session:
         """Run every recorded equation not yet run; keep ``targets``, every value still referenced, and the
         lazy gradients autograd stored in the ``.grad`` of ``leaves`` (or the (leaf, Var) pairs ``grads``),
         which become real gradients."""
-        end = self.end if self.replaying is not None else len(self.eqns)
+        end = self.eqn_count
         if end == self.done:
             return
         if grads is None:
@@ -641,7 +617,11 @@ class _Backward:
     needs: set[Var]  # constants bound before the backward
     derived: list[tuple]  # (var, source, shape, stride, offset); source (node index, saved attribute) or a var
     saved: tuple  # _saved_state's summary of what the graph saved (all but lazy tensors), as recorded
-    checks: list[tuple[int, str]]  # the (node index, attribute) pairs of ``saved``
+
+    @property
+    def checks(self) -> list[tuple[int, str]]:
+        """The (node index, attribute) pairs ``saved`` covers: what a replay reads again."""
+        return [(i, name) for i, name, _ in self.saved]
 
 
 _BACKWARD = torch.Tensor.backward
@@ -676,15 +656,6 @@ class LazyTensor(torch.Tensor):
     _var: Var
     _session: _Session
 
-    @staticmethod
-    def __new__(
-        cls, shape: Any, stride: Any, dtype: torch.dtype, device: torch.device, var: Var, session: _Session,
-        fake: torch.Tensor | None = None, requires_grad: bool = False,
-    ) -> LazyTensor:
-        out = _make_subclass(cls, shape, strides=stride, dtype=dtype, device=device, requires_grad=requires_grad)
-        out._fake, out._var, out._session = fake, var, session
-        return out
-
     def value(self) -> torch.Tensor:
         """The real tensor, evaluated (chunked where it is per-example) and memoised."""
         s = self._session
@@ -711,7 +682,7 @@ class LazyTensor(torch.Tensor):
         elif kind == "read":
             return func(*map_leaves(args, torch.Tensor, _real), **kwargs)
         else:  # the user reaches into autograd (a hook, a grad_fn): backward must run through the engine
-            for t in _flat(args, kwargs):
+            for t in flat_call(args, kwargs):
                 if type(t) is LazyTensor:
                     t._session.hooked = True
         with torch._C.DisableTorchFunctionSubclass():
@@ -720,7 +691,7 @@ class LazyTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        leaves = _flat(args, kwargs)
+        leaves = flat_call(args, kwargs)
         session = None
         for t in leaves:
             if type(t) is LazyTensor:
@@ -732,6 +703,16 @@ class LazyTensor(torch.Tensor):
                         "uses in one call: stagetorch.lazy(x, y, batch=0)"
                     )
         return session.call(func, args, kwargs, leaves)
+
+
+def _lazy_tensor(
+    shape: Any, stride: Any, dtype: torch.dtype, device: torch.device, var: Var, session: _Session,
+    fake: torch.Tensor | None = None, requires_grad: bool = False,
+) -> LazyTensor:
+    """A LazyTensor standing for ``var`` of ``session`` (``fake``: its fake tensor while recording)."""
+    out = _make_subclass(LazyTensor, shape, strides=stride, dtype=dtype, device=device, requires_grad=requires_grad)
+    out._fake, out._var, out._session = fake, var, session
+    return out
 
 
 def _real(t: Any) -> Any:

@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _gc
-from ._tree import flatten, map_leaves
+from ._tree import flat_call, flatten, map_leaves
 from .errors import ConcretizationError, ShapeError, StagingError, UnsupportedOpError
 from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var, op_name
 
@@ -434,10 +434,6 @@ _MAX_META_CACHE = 1 << 16
 _CACHE_KIND: dict[Any, str | None] = {}  # op -> "fresh", "view" or None (never cached)
 
 
-class _NoCache(Exception):
-    pass
-
-
 def _cache_kind(func: Any) -> str | None:
     kind = _CACHE_KIND.get(func, "?")
     if kind != "?":
@@ -465,36 +461,28 @@ def _cache_kind(func: Any) -> str | None:
 
 
 def _meta_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
+    """The op, each fake input's metadata, and every other argument with its type (1 and 1.0 apart); None
+    when the call cannot be cached (a real tensor, a fake with a constant, complex or not strided)."""
     if _cache_kind(func) is None:
         return None
-    key = [func, len(args)]
-    try:
-        _extend_key(args, key)
-        if kwargs:
-            key.append(tuple(kwargs))
-            _extend_key(kwargs.values(), key)
-        key = tuple(key)
-        hash(key)
-    except (_NoCache, TypeError):
-        return None
-    return key
-
-
-def _extend_key(items: Any, out: list) -> None:
-    for x in items:
+    key: list[Any] = [func]
+    for x in flat_call(args, kwargs):
         kind = type(x)
         if kind is FakeTensor:
             if x.constant is not None or x.dtype.is_complex or x.layout != torch.strided:
-                raise _NoCache
-            out.append((x.shape, x.stride(), x.storage_offset(), x.dtype, x.fake_device))
-        elif kind is tuple or kind is list:
-            out.append((kind, len(x)))
-            _extend_key(x, out)
+                return None
+            key.append((x.shape, x.stride(), x.storage_offset(), x.dtype, x.fake_device))
         elif isinstance(x, torch.Tensor):
-            raise _NoCache
+            return None
         else:
-            out.append(kind)
-            out.append(x)
+            key.append(kind)
+            key.append(x)
+    key = tuple(key)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _remember(key: tuple, func: Any, args: tuple, out: Any) -> None:

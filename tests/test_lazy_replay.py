@@ -90,6 +90,13 @@ def assert_same_loop(step, n=4, model_fn=mlp, **lazy_options):
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-7)
 
 
+def assert_same_grads(model, reference, clear=False):
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+        if clear:
+            p.grad = q.grad = None
+
+
 def plain_step(i, model, x, y):
     return F.cross_entropy(model(x), y)
 
@@ -213,8 +220,7 @@ def test_gradients_accumulated_across_steps_without_zero_grad():
     for x, y in batches(3):
         F.cross_entropy(model(stagetorch.lazy(x, batch=0)), y).backward()
         F.cross_entropy(reference(x), y).backward()
-    for p, q in zip(model.parameters(), reference.parameters()):
-        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    assert_same_grads(model, reference)
 
 
 @pytest.mark.parametrize("how", ["method", "function"])
@@ -230,9 +236,7 @@ def test_autograd_backward_function_is_intercepted(how):
             torch.autograd.backward(loss)
         assert all(type(p.grad) is torch.Tensor for p in model.parameters())
         F.cross_entropy(reference(x), y).backward()
-        for p, q in zip(model.parameters(), reference.parameters()):
-            assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
-            p.grad = q.grad = None
+        assert_same_grads(model, reference, clear=True)
 
 
 def test_batchnorm_statistics_update_once_per_replayed_step():
@@ -290,9 +294,7 @@ def test_a_new_model_of_the_same_shapes_skips_the_engine_from_its_second_step(di
         for x, y in batches(3):
             F.cross_entropy(model(stagetorch.lazy(x, batch=0)), y).backward()
             F.cross_entropy(reference(x), y).backward()
-            for p, q in zip(model.parameters(), reference.parameters()):
-                assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
-                p.grad = q.grad = None
+            assert_same_grads(model, reference, clear=True)
             counts.append(len(dispatched))
             dispatched.clear()
     full, skipped = counts[0], counts[1]
@@ -350,9 +352,7 @@ def test_training_and_evaluation_steps_on_the_same_shapes_each_replay(recorded):
         with torch.no_grad():
             got = model(stagetorch.lazy(x, batch=0)).value()
             assert torch.allclose(got, reference(x), atol=1e-6)
-        for p, q in zip(model.parameters(), reference.parameters()):
-            assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
-            p.grad = q.grad = None
+        assert_same_grads(model, reference, clear=True)
         counts.append(len(recorded))
         recorded.clear()
     assert counts[0] > 0 and counts[1:] == [0, 0, 0], counts
