@@ -44,3 +44,22 @@ def _extend(items: Any, out: list) -> None:
             _extend(x, out)
         else:
             out.append(x)
+
+
+def unflat_call(flat: list) -> tuple[tuple, dict]:
+    """The ``(args, kwargs)`` of a :func:`flat_call` list (with its leaves possibly replaced)."""
+    it = iter(flat)
+    args = tuple(_take(it, next(it)))
+    names = next(it, None)
+    return args, dict(zip(names, _take(it, len(names)))) if names is not None else {}
+
+
+def _take(it: Any, n: int) -> list:
+    out = []
+    for _ in range(n):
+        x = next(it)
+        if type(x) is tuple and len(x) == 2 and (x[0] is tuple or x[0] is list):
+            out.append(x[0](_take(it, x[1])))
+        else:
+            out.append(x)
+    return out

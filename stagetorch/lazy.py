@@ -16,6 +16,7 @@ engine. The first call that differs makes the session record (see :class:`_Sessi
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -23,7 +24,7 @@ import attrs
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ._tree import flat_call, flatten, map_leaves
+from ._tree import flat_call, flatten, map_leaves, unflat_call
 from .api import Executable
 from .batching import Batched
 from .devices import free_memory
@@ -79,6 +80,68 @@ class _Recording:
     # (first, end) -> (the values those equations produce, their inputs from outside);
     # (first, end, outputs) -> the Executable of that flush.
     flushes: dict[tuple, Any] = attrs.field(factory=dict)
+    # The torch-level calls that made ``steps``, for the express replay (see _Call); None until a session
+    # taped them.
+    tape: list[_Call] | None = None
+    # False once a call ran inside a Python autograd.Function's forward: apply() builds its graph from the
+    # lazy tensors it takes, below any torch function, so they must have theirs (no express replay).
+    express: bool = True
+
+
+@attrs.define(eq=False, frozen=True)
+class _Real:
+    """A real tensor argument in a taped call: the ``slot``-th real tensor the session's calls took. A new
+    one is compared by metadata (and bound to the slot), a ``same`` one by identity with the slot."""
+
+    meta: tuple | None
+    slot: int
+    same: bool
+
+
+@attrs.define(eq=False, frozen=True)
+class _New:
+    """A lazy tensor a taped call returned: the variable it stands for and the metadata it is made with."""
+
+    var: Var
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+
+@attrs.define(eq=False, frozen=True)
+class _Arg:
+    """A taped call returned one of its own arguments (an in-place op returns ``self``): leaf ``index``."""
+
+    index: int
+
+
+@attrs.define(eq=False)
+class _Call:
+    """One call of a torch function (``F.linear``, ``Tensor.__add__``, ``loss.backward``) on lazy tensors,
+    as seen above autograd: what the express replay compares and what it reproduces without running the
+    call. ``key`` is :func:`flat_call` of the arguments with each lazy tensor replaced by its variable and
+    each real tensor by a :class:`_Real`; ``grad`` the grad mode. The call made the recording's steps
+    ``[first, first + nsteps)`` and ``neqns`` equations, bound ``consts`` (variable, leaf index, and the
+    view of that leaf's storage or None for the leaf itself), moved the lazy arguments at ``mutated``
+    (leaf index, new variable) to new values in place, and returned ``out`` (a tree of _New, _Arg and
+    None). A call ``express`` cannot reproduce (it ran a kernel for real, read a value, ran Python
+    autograd code...) stops the express replay there. A backward is ``func`` Tensor.backward with ``key``
+    (the loss variable,), ``mark`` the index of its _Backward step and ``leaves`` the slots of its leaves."""
+
+    func: Any
+    key: tuple
+    grad: bool
+    first: int
+    nsteps: int
+    neqns: int
+    consts: list = attrs.field(factory=list)
+    mutated: list = attrs.field(factory=list)
+    out: Any = None
+    express: bool = True
+    mark: int = -1
+    leaves: list = attrs.field(factory=list)
 
 
 # The latest recording per input signature: the step loop of a training script records once. The oldest
@@ -135,16 +198,32 @@ class _Session:
         self.freed: set[Var] = set()  # losses whose backward was replayed without the engine
         self.reading_saved = False  # reading what autograd saved: calls are not steps
         self.recorder: _Recorder | None = None
+        # Express replay (see _Call): the torch-level calls this session tapes, or replays without running.
+        self.tape: list[_Call] | None = None  # the tape this session appends to
+        self.express = False  # replaying the recording's tape call by call
+        self.tape_pos = 0  # the next call of the tape to replay
+        self.slots: list[torch.Tensor] = []  # the real tensors the session's calls took, in order
+        self.slot_ids: dict[int, int] = {}
+        self.express_outs: list[weakref.ref] = []  # lazy tensors the express replay made (no autograd graph)
+        self.shadowed = False  # they have shadows: calls take those instead
         self.replaying = _RECORDINGS.get(self.key)
+        grad_inputs = any(t.requires_grad for t in tensors)
         if self.replaying is not None:
             self.recording = self.replaying
             self.eqns = self.replaying.eqns
             self.cursor = 0  # the next step to replay
             self.end = 0  # equations replayed so far
             inputs = self.replaying.inputs
+            tape = self.replaying.tape
+            if tape is None and not grad_inputs:
+                self.tape = self.replaying.tape = []
+            self.express = bool(tape) and tape[0].express and self.replaying.express and not grad_inputs
         else:
             self.recording = self._start_recording()
             inputs = [None] * len(tensors)
+            if not grad_inputs:
+                self.tape = self.recording.tape = []
+        self.input_refs: list[weakref.ref] = []
         for i, (t, var) in enumerate(zip(tensors, inputs)):
             real = t.detach()
             fake = None
@@ -153,7 +232,8 @@ class _Session:
             self.values[var] = real
             self.batched[var] = Batched(batch % t.ndim)
             lazy_t = _lazy_tensor(t.shape, t.stride(), t.dtype, t.device, var, self, fake, t.requires_grad)
-            self.alive[var] = weakref.ref(lazy_t)
+            self.alive[var] = ref = weakref.ref(lazy_t)
+            self.input_refs.append(ref)
             self.lazies.append(lazy_t)
 
     def _add_input(self, i: int, real: torch.Tensor) -> tuple[Var, torch.Tensor]:
@@ -298,6 +378,7 @@ class _Session:
         replayed = old.steps[: self.cursor]
         self.replaying = None
         self.recording = self._start_recording()
+        self.tape = None  # the new recording's steps are not this session's calls one for one; the next session tapes
         rec = self.recorder
         new_of: dict[Var, Var] = {}
         fake_of: dict[Var, torch.Tensor] = {}
@@ -332,6 +413,217 @@ class _Session:
         self.batched = {new_of[v]: b for v, b in self.batched.items()}
         self.eqns = rec.eqns
 
+    # -- express replay ----------------------------------------------------------------------------------
+
+    @property
+    def step_count(self) -> int:
+        return self.cursor if self.replaying is not None else len(self.recording.steps)
+
+    def torch_call(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A torch function on lazy tensors, above autograd: replay it from the tape, or run it (through
+        autograd and ``__torch_dispatch__``), taping it if this session tapes."""
+        if self.express:
+            out = self._express_call(func, args, kwargs)
+            if out is not _MISS:
+                return out
+            self.leave_express()
+        if self.shadowed:
+            args, kwargs = _unshadow(args), _unshadow(kwargs)
+            if func is torch.autograd.grad:
+                _refuse_stranded(args, kwargs)
+        tape = self.tape
+        if tape is None:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        leaves = flat_call(args, kwargs)
+        first, n_eqns, n_consts = self.step_count, self.eqn_count, len(self.consts)
+        call = self._tape_key(func, leaves, first, tape)
+        try:
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+        except BaseException:
+            self.tape = None
+            raise
+        if self.tape is tape:  # not diverged meanwhile
+            self._tape_result(call, leaves, n_eqns, n_consts, out)
+            tape.append(call)
+            if not call.express:
+                self.tape = None  # the express replay stops at this call: the rest need not be taped
+        return out
+
+    def _tape_key(self, func: Any, leaves: list, first: int, tape: list) -> _Call:
+        # Steps made outside a taped call (the autograd engine run by torch.autograd.grad, which has no
+        # torch function) are not on the tape: the express replay cannot go past them.
+        if _in_custom_function():
+            self.recording.express = False
+        express = (
+            not torch._C._is_any_autocast_enabled() and not torch.is_inference_mode_enabled()
+            and first == (tape[-1].first + tape[-1].nsteps if tape else 0) and self.recording.express
+        )
+        key = []
+        for x in leaves:
+            if type(x) is LazyTensor:
+                key.append(x._var)
+            elif isinstance(x, torch.Tensor):
+                if x.requires_grad and x.grad_fn is not None:
+                    express = False  # its autograd graph is part of the backward, and not on the tape
+                slot = self.slot_ids.get(id(x))
+                if slot is None:
+                    slot = self.slot_ids[id(x)] = len(self.slots)
+                    self.slots.append(x)
+                    key.append(_Real(_meta(x), slot, False))
+                else:
+                    key.append(_Real(None, slot, True))
+            else:
+                key.append(x)
+        return _Call(func, tuple(key), torch.is_grad_enabled(), first, 0, 0, express=express)
+
+    def _tape_result(self, call: _Call, leaves: list, n_eqns: int, n_consts: int, out: Any) -> None:
+        call.nsteps = self.step_count - call.first
+        call.neqns = self.eqn_count - n_eqns
+        steps = self.recording.steps[call.first : call.first + call.nsteps]
+        if not steps or not all(st.recorded and st.func is not _BACKWARD for st in steps):
+            call.express = False  # no op on lazy tensors, or one that ran for real (read a value)
+        for i, (x, k) in enumerate(zip(leaves, call.key)):
+            if type(x) is LazyTensor and x._var is not k:
+                call.mutated.append((i, x._var))
+        for var, t in list(self.consts.items())[n_consts:]:
+            source = _source(t, leaves)
+            if source is None:
+                call.express = False  # a real tensor the call made itself: its value is not the arguments'
+                break
+            call.consts.append((var, *source))
+        try:
+            call.out = _out_spec(out, leaves, self)
+        except _Unreadable:
+            call.express = False
+
+    def _express_call(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        tape = self.recording.tape
+        if self.tape_pos >= len(tape):
+            return _MISS
+        call = tape[self.tape_pos]
+        if (call.func is not func and call.func != func) or not call.express or call.grad is not torch.is_grad_enabled():
+            return _MISS
+        if torch._C._is_any_autocast_enabled():
+            return _MISS
+        leaves = flat_call(args, kwargs)
+        key = call.key
+        if len(leaves) != len(key):
+            return _MISS
+        slots, new = self.slots, []
+        for x, k in zip(leaves, key):
+            kind = type(k)
+            if kind is Var:
+                if type(x) is not LazyTensor or x._var is not k or x._session is not self or x._shadow is not None:
+                    return _MISS
+            elif kind is _Real:
+                if not isinstance(x, torch.Tensor) or type(x) is LazyTensor:
+                    return _MISS
+                if k.same:
+                    if (slots[k.slot] if k.slot < len(slots) else new[k.slot - len(slots)]) is not x:
+                        return _MISS
+                elif _meta(x) != k.meta or (x.requires_grad and x.grad_fn is not None):
+                    return _MISS
+                else:
+                    new.append(x)
+            elif type(x) is not kind or x != k:
+                return _MISS
+        slots.extend(new)
+        consts = self.consts
+        for var, i, view in call.consts:
+            consts[var] = leaves[i] if view is None else _view(leaves[i], view)
+        alive = self.alive
+        for i, var in call.mutated:
+            t = leaves[i]
+            t._var = var
+            alive[var] = weakref.ref(t)
+        self.cursor += call.nsteps
+        self.end += call.neqns
+        self.tape_pos += 1
+        out = call.out
+        if type(out) is _New:
+            return self._express_out(out)
+        return _map_out(out, leaves, self._express_out)
+
+    def _express_out(self, o: _New) -> LazyTensor:
+        t = _make_subclass(LazyTensor, o.shape, strides=o.stride, dtype=o.dtype, device=o.device, requires_grad=o.requires_grad)
+        t._fake, t._var, t._session, t._express = None, o.var, self, True
+        self.alive[o.var] = ref = weakref.ref(t)
+        self.express_outs.append(ref)
+        return t
+
+    def leave_express(self) -> None:
+        """Go back to the slow replay: run the calls replayed so far again through autograd, from the start
+        of the recording (nothing runs for real: the steps replay as recorded), and give each live lazy
+        tensor the express replay made a shadow, the same value with its autograd graph. Calls on it use
+        its shadow from now on."""
+        self.express = False
+        recording = self.recording
+        calls = recording.tape[: self.tape_pos]
+        self.cursor = self.end = 0
+        self.consts = {}
+        # Their shadows take their place (the same variables) as the calls run again.
+        self.alive = {v: r for v, r in self.alive.items() if (t := r()) is not None and not t._express}
+        shadow_of: dict[Var, LazyTensor] = {}
+        for var, ref in zip(self.recording.inputs, self.input_refs):
+            t = ref()
+            if t is None:
+                x = self.values[var]
+                t = _lazy_tensor(x.shape, x.stride(), x.dtype, x.device, var, self)
+            t._var = var  # an in-place call replayed on it moved it on: it is replayed again
+            shadow_of[var] = t
+            self.alive[var] = weakref.ref(t)
+        for call in calls:
+            if self.replaying is not recording:
+                raise RuntimeError("stagetorch.lazy: the express replay's calls differ from its recording; this is a bug")
+            if call.mark >= 0:  # a backward, already run without the engine
+                mark = recording.steps[call.mark].out
+                self.cursor, self.end = call.mark + 1 + mark.nsteps, self.end + mark.neqns
+                continue
+            flat = [shadow_of[k] if type(k) is Var else self.slots[k.slot] if type(k) is _Real else k for k in call.key]
+            args, kwargs = unflat_call(flat)
+            with torch.set_grad_enabled(call.grad), torch._C.DisableTorchFunctionSubclass():
+                out = call.func(*args, **kwargs)
+            for x in flatten(out):
+                if type(x) is LazyTensor:
+                    shadow_of[x._var] = x
+            for i, var in call.mutated:
+                shadow_of[var] = flat[i]
+        for ref in self.express_outs:
+            t = ref()
+            if t is not None:
+                t._shadow = shadow_of[t._var]
+        self.express_outs = []
+        self.shadowed = True
+
+    def _express_backward(self, args: tuple, kwargs: dict, roots: list) -> bool:
+        """``loss.backward()`` in an express replay, as the tape's backward: no autograd graph exists, so
+        it runs the recorded backward steps (the _Backward marker's) and accumulates into the leaves."""
+        tape = self.recording.tape
+        call = tape[self.tape_pos] if self.tape_pos < len(tape) else None
+        loss = roots[0]
+        if (
+            call is None or call.mark < 0 or len(args) != 1 or len(roots) != 1 or type(loss) is not LazyTensor
+            or loss._session is not self or loss._var is not call.key[0] or loss._shadow is not None
+            or any(v is not None and v is not False for v in kwargs.values())
+        ):
+            return False
+        mark: _Backward = self.recording.steps[call.mark].out
+        leaves = [self.slots[i] for i in call.leaves]
+        for leaf in leaves:
+            if leaf.grad is not None or leaf._backward_hooks or getattr(leaf, "_post_accumulate_grad_hooks", None):
+                return False
+        consts = self.consts
+        for v, source, shape, stride, offset in mark.derived:
+            consts[v] = _view(consts[source], (shape, stride, offset))
+        self.cursor = call.mark + 1 + mark.nsteps
+        self.end += mark.neqns
+        self.tape_pos += 1
+        self.freed.add(loss._var)
+        self.flush([], grads=[(leaves[i], v) for i, v in mark.grads])
+        return True
+
     # -- backward --------------------------------------------------------------------------------------
 
     def backward(self, func: Any, args: tuple, kwargs: dict, roots: list) -> None:
@@ -339,6 +631,15 @@ class _Session:
         replayed), then a flush turns the lazy gradients into real ones. When the session replays a
         recording whose backward ran over the same autograd graph into the same leaves, with no hooks and
         every ``.grad`` empty, the engine is skipped: its steps are the recorded ones."""
+        if self.express:
+            if self._express_backward(args, kwargs, roots):
+                return
+            self.leave_express()
+        if self.shadowed:
+            args, kwargs = _unshadow(args), _unshadow(kwargs)
+            roots = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+        tape, tape_from = self.tape, self.step_count
+        self.tape = None  # taped below, once the backward's steps are known
         loss = roots[0]
         if any(type(t) is LazyTensor and t._var in self.freed for t in roots):
             raise RuntimeError(
@@ -376,6 +677,7 @@ class _Session:
                     self.cursor += 1 + mark.nsteps
                     self.end += mark.neqns
                     self.freed.add(loss._var)  # as the engine would have freed the graph
+                    self._tape_backward(tape, tape_from, self.cursor - 1 - mark.nsteps, loss, leaves)
                     self.flush([], grads=[(leaves[i], v) for i, v in mark.grads])
                     return
                 remark = self.cursor
@@ -387,13 +689,19 @@ class _Session:
         call_site = (caller.f_code.co_filename, caller.f_lineno) if caller is not None else None
         with torch._C.DisableTorchFunctionSubclass():
             saved = self._saved_state(nodes) if marking else None
-            func(*args, **kwargs)
+            stranded = [t for t in leaves if type(t) is LazyTensor and t._express]
+            if stranded:
+                leaves = self._run_stranded(func, args, kwargs, leaves, stranded)
+            else:
+                func(*args, **kwargs)
+        marked = -1
         if plain and was_recording:
             # Recorded (from the start, not after a divergence mid-backward): mark it for the next steps.
             span = self.recording.steps[start[0] :]
             mark = self._backward_mark(key, leaves, span, start[1], start[2], saved, call_site)
             if mark is not None:
                 self.recording.steps.insert(start[0], _Step(_BACKWARD, (), [], mark, False, False))
+                marked = start[0]
         elif plain and remark is not None and self.replaying is not None:
             # Replayed through the engine, step by step as recorded (another model of the same shapes, a
             # hook since removed): the marker now describes this graph, so the next step skips the engine.
@@ -401,7 +709,49 @@ class _Session:
             mark = self._backward_mark(key, leaves, span, start[1], start[2], saved, call_site)
             if mark is not None:
                 self.replaying.steps[remark] = _Step(_BACKWARD, (), [], mark, False, False)
+                marked = remark
+        if marked >= 0:
+            self._tape_backward(tape, tape_from, marked, loss, leaves)
+        elif tape is not None:
+            tape.append(_Call(_BACKWARD, (), False, tape_from, 0, 0, express=False))
         self.flush([], leaves)
+
+    def _run_stranded(self, func: Any, args: tuple, kwargs: dict, leaves: list, stranded: list) -> list:
+        """Run a backward whose graph ends at lazy tensors the express replay made: a Python
+        ``autograd.Function`` took them, below any torch function, before the session left the express
+        replay. Their gradients go on from their shadows in a second pass. Returns the leaves of both."""
+        grads: dict[int, torch.Tensor] = {}
+        handles = [t.register_hook(lambda g, i=i: grads.__setitem__(i, g)) for i, t in enumerate(stranded)]
+        try:
+            func(*args, **{**kwargs, "retain_graph": True})  # the second pass goes through the shadows' graph
+        finally:
+            for h in handles:
+                h.remove()
+        for t in stranded:
+            t.grad = None
+        roots = [stranded[i]._shadow for i in grads]
+        more = [t for t in _autograd_graph(roots)[0] if not any(t is u for u in leaves)]
+        if roots:
+            retain = bool(kwargs.get("retain_graph") or kwargs.get("create_graph"))
+            torch.autograd.backward(roots, list(grads.values()), retain_graph=retain)
+        return [t for t in leaves if not any(t is u for u in stranded)] + more
+
+    def _tape_backward(self, tape: list | None, first: int, marked: int, loss: LazyTensor, leaves: list) -> None:
+        """Tape a backward that has a _Backward marker at step ``marked``; the express replay can run it
+        when the marker's constants all derive from the forward's and its leaves are real arguments the
+        calls took."""
+        if tape is None:
+            return
+        mark: _Backward = self.recording.steps[marked].out
+        slots = [self.slot_ids.get(id(leaf)) for leaf in leaves]
+        express = (
+            first == marked == (tape[-1].first + tape[-1].nsteps if tape else 0)
+            and all(type(d[1]) is Var for d in mark.derived)
+            and all(i is not None and self.slots[i] is leaf for i, leaf in zip(slots, leaves))
+        )
+        tape.append(_Call(_BACKWARD, (loss._var,), False, first, 1 + mark.nsteps, mark.neqns, mark=marked, leaves=slots, express=express))
+        if express:
+            self.tape = tape
 
     @property
     def eqn_count(self) -> int:
@@ -439,12 +789,13 @@ class _Session:
         for v in needs - bound.keys():
             t = self.consts[v]
             # The same StorageImpl (not the same address: empty storages share addresses) and dtype.
+            # A constant bound before the backward first: the express replay, which has no graph, can make it.
             storage = t.untyped_storage()._cdata
-            source = next((where for where, x in by_storage.get(storage, ()) if x.dtype == t.dtype), None)
+            source = next(
+                (u for u, b in bound.items() if b.dtype == t.dtype and b.untyped_storage()._cdata == storage), None
+            )
             if source is None:
-                source = next(
-                    (u for u, b in bound.items() if b.dtype == t.dtype and b.untyped_storage()._cdata == storage), None
-                )
+                source = next((where for where, x in by_storage.get(storage, ()) if x.dtype == t.dtype), None)
             if source is None:
                 return None
             derived.append((v, source, t.shape, t.stride(), t.storage_offset()))
@@ -452,7 +803,8 @@ class _Session:
         # (numbers, real tensors) is what a replay reads again and compares.
         checked = tuple(entry for entry in summary if not _is_lazy_summary(entry[2]))
         weak = [weakref.ref(leaf) for leaf in leaves]
-        return _Backward(key, weak, grads, len(span), self.eqn_count - n_eqns, needs & bound.keys(), derived, checked)
+        needs = (needs & bound.keys()) | {d[1] for d in derived if type(d[1]) is Var}
+        return _Backward(key, weak, grads, len(span), self.eqn_count - n_eqns, needs, derived, checked)
 
     def _derive(self, derived: list[tuple], real: dict[tuple[int, str], torch.Tensor]) -> dict[Var, torch.Tensor]:
         """The constants a skipped backward reads that the forward did not bind, made as the engine would:
@@ -498,6 +850,13 @@ class _Session:
         wanted = {v for v in targets if v not in values}
         wanted |= {v for v, ref in self.alive.items() if v not in values and ref() is not None}
         wanted |= {v for _, v in grads}
+        later = None
+        if self.express:
+            # No autograd graph holds what the recording's later steps (the backward) read: keep it here.
+            later = flushes.get(("later", end))
+            if later is None:
+                later = flushes[("later", end)] = frozenset(v for e in self.eqns[end:] for v in e.invars)
+            wanted |= {v for v in produced if v in later}
         outs = tuple(v for v in produced if v in wanted)
         executable = flushes.get((self.done, end, outs))
         if executable is None:
@@ -514,7 +873,9 @@ class _Session:
             accumulate_grad(leaf, values[v])
         # Keep only what can still be read: the inputs, and values whose lazy tensor is alive.
         self.alive = {v: ref for v, ref in self.alive.items() if ref() is not None}
-        self.values = {v: x for v, x in values.items() if v in self.alive or v in self.batched}
+        self.values = {
+            v: x for v, x in values.items() if v in self.alive or v in self.batched or (later is not None and v in later)
+        }
 
     def _value_of(self, v: Var) -> torch.Tensor:
         x = self.values.get(v)
@@ -627,13 +988,123 @@ class _Backward:
 _BACKWARD = torch.Tensor.backward
 _PYTHON_FUNCTION_NODE = torch.autograd.function.BackwardCFunction
 _make_subclass = torch.Tensor._make_wrapper_subclass
+_MISS = object()  # the call is not the tape's next one
+_APPLY = torch.autograd.Function.apply.__func__.__code__
+
+
+def _in_custom_function() -> bool:
+    """Whether the call runs inside a Python ``autograd.Function``'s forward: its backward is the
+    Function's, which only the autograd engine runs, so the calls inside it cannot be replayed alone."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _APPLY:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _source(t: torch.Tensor, leaves: list) -> tuple[int, tuple | None] | None:
+    """How a constant a call bound derives from its real arguments: (leaf index, None) for an argument
+    itself, (leaf index, (shape, stride, offset)) for a view of one's storage; None otherwise."""
+    for i, x in enumerate(leaves):
+        if x is t:
+            return i, None
+    try:
+        storage = t.untyped_storage()._cdata
+        for i, x in enumerate(leaves):
+            if (
+                isinstance(x, torch.Tensor) and type(x) is not LazyTensor and x.dtype == t.dtype
+                and x.untyped_storage()._cdata == storage
+            ):
+                return i, (tuple(t.shape), t.stride(), t.storage_offset())
+    except (RuntimeError, NotImplementedError):  # no storage (sparse, nested)
+        pass
+    return None
+
+
+def _view(x: torch.Tensor, view: tuple) -> torch.Tensor:
+    shape, stride, offset = view
+    return x.detach().as_strided(shape, stride, offset)
+
+
+@attrs.define(eq=False, frozen=True)
+class _Seq:
+    """A tuple, list or named tuple (``torch.return_types.max``) a taped call returned."""
+
+    kind: type
+    items: tuple
+
+
+def _out_spec(out: Any, leaves: list, session: _Session) -> Any:
+    if type(out) is LazyTensor:
+        for i, x in enumerate(leaves):
+            if x is out:
+                return _Arg(i)
+        if out._session is not session:
+            raise _Unreadable
+        with torch._C.DisableTorchFunctionSubclass():
+            return _New(out._var, out.shape, out.stride(), out.dtype, out.device, out.requires_grad)
+    if out is None:
+        return None
+    if isinstance(out, (tuple, list)):
+        return _Seq(type(out), tuple(_out_spec(x, leaves, session) for x in out))
+    raise _Unreadable  # a real tensor or a Python value
+
+
+def _map_out(spec: Any, leaves: list, make: Any) -> Any:
+    kind = type(spec)
+    if kind is _New:
+        return make(spec)
+    if kind is _Arg:
+        return leaves[spec.index]
+    if kind is _Seq:
+        return spec.kind([_map_out(x, leaves, make) for x in spec.items])
+    return spec
+
+
+def _unshadow(tree: Any) -> Any:
+    """``tree`` with each lazy tensor the express replay made replaced by its shadow."""
+    return map_leaves(tree, LazyTensor, lambda t: t if t._shadow is None else t._shadow)
+
+
+def _refuse_stranded(args: tuple, kwargs: dict) -> None:
+    outputs = kwargs.get("outputs", args[0] if args else ())
+    roots = [t for t in flatten(outputs) if isinstance(t, torch.Tensor)]
+    with torch._C.DisableTorchFunctionSubclass():
+        if any(type(t) is LazyTensor and t._express for t in _autograd_graph(roots)[0]):
+            raise NotImplementedError(
+                "stagetorch.lazy: torch.autograd.grad over a torch.autograd.Function that this step called "
+                "and the step stagetorch recorded did not: call loss.backward() instead, or apply the Function "
+                "in every step"
+            )
+
+
+def _session_of(args: tuple, kwargs: dict) -> _Session | None:
+    for x in args:
+        if type(x) is LazyTensor:
+            return x._session
+    for x in flat_call(args, kwargs):
+        if type(x) is LazyTensor:
+            return x._session
+    return None
 
 
 # Ops that need a value: evaluate the inputs, then run the op on real tensors.
 _CONCRETE = {_aten._local_scalar_dense.default, _aten.item.default}
 
-# Torch functions lazy tensors handle themselves; every other one runs as on a plain tensor.
+# Torch functions lazy tensors handle themselves; every other one is a call on lazy tensors (taped, or
+# replayed from a tape).
 _SPECIAL = {
+    # Metadata: the lazy tensor has it; nothing is recorded.
+    **dict.fromkeys([
+        torch.Tensor.shape.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.ndim.__get__,
+        torch.Tensor.dtype.__get__, torch.Tensor.device.__get__, torch.Tensor.layout.__get__, torch.Tensor.__len__,
+        torch.Tensor.requires_grad.__get__, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.stride,
+        torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.is_contiguous,
+        torch.Tensor.element_size, torch.Tensor.is_cuda.__get__, torch.Tensor.is_cpu.__get__,
+        torch.Tensor.is_sparse.__get__, torch.Tensor.is_quantized.__get__, torch.Tensor.is_meta.__get__,
+        torch.Tensor.get_device, torch.Tensor.__hash__, torch.Tensor.ndimension, torch.Tensor.dim_order,
+    ], "meta"),
     # Python-level reads: the tensor is evaluated and the read runs on its real value.
     **dict.fromkeys([
         torch.Tensor.__repr__, torch.Tensor.__str__, torch.Tensor.__format__, torch.Tensor.tolist,
@@ -655,13 +1126,16 @@ class LazyTensor(torch.Tensor):
     _fake: torch.Tensor
     _var: Var
     _session: _Session
+    _express = False  # made by the express replay: no autograd graph behind it
+    _shadow: LazyTensor | None = None  # once the session left the express replay: the same value with one
 
     def value(self) -> torch.Tensor:
         """The real tensor, evaluated (chunked where it is per-example) and memoised."""
-        s = self._session
-        if self._var not in s.values:
-            s.flush([self._var])
-        return s.values[self._var]
+        t = self if self._shadow is None else self._shadow
+        s = t._session
+        if t._var not in s.values:
+            s.flush([t._var])
+        return s.values[t._var]
 
     def __repr__(self, **kwargs: Any) -> str:
         return repr(self.value())
@@ -669,11 +1143,14 @@ class LazyTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kind = _SPECIAL.get(func)
-        if kind is None:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
-        if kind == "backward":
+        if kind is None:
+            session = _session_of(args, kwargs)
+            if session is not None:
+                return session.torch_call(func, args, kwargs)
+        elif kind == "meta":
+            pass
+        elif kind == "backward":
             roots = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
             lazies = [t for t in roots if type(t) is LazyTensor]
             if lazies:
@@ -684,7 +1161,10 @@ class LazyTensor(torch.Tensor):
         else:  # the user reaches into autograd (a hook, a grad_fn): backward must run through the engine
             for t in flat_call(args, kwargs):
                 if type(t) is LazyTensor:
+                    if t._session.express:
+                        t._session.leave_express()  # the autograd graph is needed
                     t._session.hooked = True
+            args, kwargs = _unshadow(args), _unshadow(kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -695,6 +1175,11 @@ class LazyTensor(torch.Tensor):
         session = None
         for t in leaves:
             if type(t) is LazyTensor:
+                if t._express:
+                    raise RuntimeError(
+                        f"stagetorch.lazy: {func} reached a lazy tensor without its torch function (under "
+                        "torch._C.DisableTorchFunctionSubclass?); call it on the tensor directly"
+                    )
                 if session is None:
                     session = t._session
                 elif t._session is not session:

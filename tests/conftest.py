@@ -1,8 +1,11 @@
+import importlib
 import pathlib
 import sys
 
 import pytest
 import torch
+
+import stagetorch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
@@ -10,3 +13,32 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def _instrument(monkeypatch, owner, name, wrapper):
+    """Wrap a stagetorch method for counting. The wrapper is marked as stagetorch's own code, so the
+    tracer does not take it for the user's line (which the replay's hook detection relies on)."""
+    stagetorch.tracing._INTERNAL_CODE[wrapper.__code__] = True
+    monkeypatch.setattr(owner, name, wrapper)
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """The ops run on fake tensors (recorded, not replayed), in order."""
+    ops = []
+    original = stagetorch.tracing._Recorder.record
+    _instrument(
+        monkeypatch, stagetorch.tracing._Recorder, "record",
+        lambda self, *a, **k: ops.append(a[0]) or original(self, *a, **k),
+    )
+    return ops
+
+
+@pytest.fixture
+def dispatched(monkeypatch):
+    """The ops that reached a lazy tensor (a skipped backward's ops never do), in order."""
+    ops = []
+    session = importlib.import_module("stagetorch.lazy")._Session
+    call = session.call
+    _instrument(monkeypatch, session, "call", lambda self, *a: ops.append(a[0]) or call(self, *a))
+    return ops

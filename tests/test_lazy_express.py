@@ -1,0 +1,269 @@
+"""The express replay: a step whose torch-level calls repeat the taped ones runs none of them (no autograd
+graph, no op reaches ``__torch_dispatch__``), and every way a step can leave the tape (another call, a value
+read, a hook, an autograd.Function, autocast, a parameter swapped) still gives plain PyTorch's losses and
+gradients. Each loop runs against the same loop in plain PyTorch."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from test_lazy_replay import assert_same_loop, batches, mlp
+
+import stagetorch
+
+lazy_module = importlib.import_module("stagetorch.lazy")
+
+
+def plain_step(i, model, x, y):
+    return F.cross_entropy(model(x), y)
+
+
+def test_a_repeated_step_runs_no_op_and_builds_no_graph(dispatched):
+    lazy_module._RECORDINGS.clear()
+    model = mlp()
+    reference = copy.deepcopy(model)
+    counts = []
+    for x, y in batches(4):
+        h = model[1](model[0](stagetorch.lazy(x, batch=0)))
+        loss = F.cross_entropy(model[2](h), y)
+        loss.backward()
+        F.cross_entropy(reference(x), y).backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+            p.grad = q.grad = None
+        counts.append(len(dispatched))
+        dispatched.clear()
+        # What user code sees of a lazy tensor is the same in both modes.
+        assert h.shape == (10, 16) and h.dtype == torch.float32 and h.requires_grad and isinstance(h, torch.Tensor)
+    assert counts[0] > 0 and counts[1:] == [0, 0, 0], counts
+    session = h._session
+    assert session.express and session.tape_pos == len(session.recording.tape)
+
+
+def test_a_call_the_tape_lacks_leaves_the_express_replay_mid_forward():
+    """Every other step adds a call in the middle of the forward: the replayed calls before it get their
+    autograd graph back (shadows), and a lazy tensor made before the divergence is used after it."""
+
+    def step(i, model, x, y):
+        h = model[0](x)
+        r = model[1](h)
+        if i % 2:
+            r = r * 0.5 + h.tanh()  # h: made by the express replay, used after it left
+        return F.cross_entropy(model[2](r), y)
+
+    assert_same_loop(step, n=6)
+
+
+def test_in_place_calls_replay_and_survive_a_divergence():
+    def step(i, model, x, y):
+        x = x.clone()
+        x.mul_(2.0)
+        h = model[0](x)
+        h.relu_()
+        if i == 3:
+            h = h + h.sum(1, keepdim=True) * 0.01  # leaves the tape after the in-place calls
+        return F.cross_entropy(model[2](h), y)
+
+    assert_same_loop(step, n=5)
+
+
+def test_a_value_read_mid_forward_does_not_leave_the_express_replay(dispatched):
+    reads, counts = [], []
+
+    def step(i, model, x, y):
+        h = model[1](model[0](x))
+        reads.append(h.sum().item())  # evaluated once, kept for the backward
+        counts.append(len(dispatched))
+        return F.cross_entropy(model[2](h), y)
+
+    assert_same_loop(step, n=4)
+    lazy_part, eager_part = reads[:4], reads[4:]
+    assert lazy_part == pytest.approx(eager_part, rel=1e-5)
+    assert counts[0] > 0 and len(set(counts[1:4])) == 1, counts  # steps 2-4 dispatch nothing
+
+
+def test_batchnorm_and_dropout_replay_once_per_step():
+    """Running statistics are updated once per step and dropout masks are drawn by the staged program, in
+    the same order as eager (the same seed gives the same losses and gradients)."""
+
+    def model_fn():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+    assert_same_loop(plain_step, n=4, model_fn=model_fn)
+    lazy_module._RECORDINGS.clear()
+    model = model_fn()
+    reference = copy.deepcopy(model)
+    for x, _ in batches(4):
+        model(stagetorch.lazy(x, batch=0)).sum().backward()
+        reference(x).sum().backward()
+    assert torch.allclose(model[1].running_mean, reference[1].running_mean, atol=1e-6)
+    assert model[1].num_batches_tracked == reference[1].num_batches_tracked == 4
+
+
+@pytest.mark.parametrize("reach", ["grad_fn", "is_leaf", "register_hook", "retain_grad"])
+def test_reaching_into_autograd_leaves_the_express_replay(reach):
+    seen = []
+
+    def step(i, model, x, y):
+        h = model[0](x)
+        if reach == "grad_fn":
+            assert h.grad_fn is not None
+        elif reach == "is_leaf":
+            assert not h.is_leaf
+        elif reach == "register_hook":
+            h.register_hook(lambda g: seen.append(g.shape) or g * 2)
+        else:
+            h.retain_grad()
+        return F.cross_entropy(model[2](model[1](h)), y)
+
+    assert_same_loop(step, n=3)
+    if reach == "register_hook":
+        assert seen == [(10, 16)] * 6
+
+
+class _Reverse(torch.autograd.Function):
+    """Gradient reversal: forward is the identity, backward negates."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+def test_an_autograd_function_the_recorded_step_did_not_call():
+    """apply() builds its graph below any torch function, from the lazy tensors it takes: here ones the
+    express replay made, with no graph. The backward carries their gradients on from their shadows."""
+
+    def step(i, model, x, y):
+        h = model[1](model[0](x))
+        if i >= 2:
+            h = h + _Reverse.apply(h) * 0.5
+        return F.cross_entropy(model[2](h), y)
+
+    assert_same_loop(step, n=4)
+
+
+def test_an_autograd_function_in_every_step_turns_the_express_replay_off():
+    def step(i, model, x, y):
+        return F.cross_entropy(model[2](_Reverse.apply(model[1](model[0](x)))), y)
+
+    assert_same_loop(step, n=3)
+    (recording,) = lazy_module._RECORDINGS.values()
+    assert not recording.express
+
+
+def test_autograd_grad_over_an_unrecorded_function_is_refused():
+    lazy_module._RECORDINGS.clear()
+    model = mlp()
+    for i, (x, y) in enumerate(batches(2)):
+        h = model[1](model[0](stagetorch.lazy(x, batch=0)))
+        if i == 1:
+            h = _Reverse.apply(h)
+        loss = F.cross_entropy(model[2](h), y)
+        if i == 0:
+            loss.backward()
+        else:
+            with pytest.raises(NotImplementedError, match="autograd.Function"):
+                torch.autograd.grad(loss, list(model.parameters()))
+
+
+def test_real_tensors_made_each_step_are_read_each_step():
+    """A mask drawn in user code each step is a new real tensor in the same position: bound, not compared
+    by identity, and its new values are the ones the staged program reads."""
+    masks = [torch.rand(10, 16) > 0.5 for _ in range(4)]
+
+    def step(i, model, x, y):
+        return F.cross_entropy(model[2](model[1](model[0](x)) * masks[i]), y)
+
+    assert_same_loop(step, n=4)
+
+
+def test_a_parameter_given_new_storage_is_read_from_its_new_storage():
+    def step(i, model, x, y):
+        if i == 2:
+            with torch.no_grad():
+                model[0].weight.data = torch.randn(16, 12, generator=torch.Generator().manual_seed(i))  # new storage
+        if i == 3:
+            with torch.no_grad():
+                model[2].weight.data = torch.randn(16, 3, generator=torch.Generator().manual_seed(i)).t()  # another stride
+        return F.cross_entropy(model(x), y)
+
+    lazy_module._RECORDINGS.clear()
+    torch.manual_seed(5)
+    assert_same_loop(step, n=5)
+
+
+def test_a_non_leaf_real_argument_is_not_replayed_from_the_tape():
+    scales = [1.0, 2.0, 0.5, 3.0]
+
+    def step(i, model, x, y):
+        w = model[0].weight * scales[i]  # real, with an autograd graph into the parameter
+        return F.cross_entropy(model[2](model[1](F.linear(x, w, model[0].bias))), y)
+
+    assert_same_loop(step, n=4)
+
+
+def test_results_keep_their_kind_and_aliases():
+    lazy_module._RECORDINGS.clear()
+    for x, _ in batches(3):
+        a = stagetorch.lazy(x, batch=0)
+        assert a.contiguous() is a
+        best = torch.max(a, 1)
+        assert type(best) is torch.return_types.max
+        halves = a.chunk(2, dim=1)
+        assert type(halves) is tuple and len(halves) == 2
+        assert torch.equal(best.values.value(), torch.max(x, 1).values)
+        assert torch.equal(halves[1].value(), x.chunk(2, dim=1)[1])
+
+
+def test_an_op_below_the_torch_function_is_refused():
+    lazy_module._RECORDINGS.clear()
+    model = mlp()
+    for i, (x, _) in enumerate(batches(2)):
+        h = model[0](stagetorch.lazy(x, batch=0))
+        if i == 1:
+            assert h._express
+            with torch._C.DisableTorchFunctionSubclass(), pytest.raises(RuntimeError, match="without its torch function"):
+                h + 1
+
+
+def test_autocast_and_grad_mode_are_part_of_what_repeats():
+    """A step under autocast does not replay a tape recorded without it, nor a no_grad call one recorded
+    with grad."""
+
+    def step(i, model, x, y):
+        if i == 2:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                h = model[0](x)
+            assert h.dtype == torch.bfloat16
+            h = h.float()
+        else:
+            h = model[0](x)
+        if i == 3:
+            with torch.no_grad():
+                h = h * 1.0
+            assert not h.requires_grad
+            return F.cross_entropy(model[2](model[1](h)), y)
+        return F.cross_entropy(model[2](model[1](h)), y)
+
+    assert_same_loop(step, n=5)
+
+
+def test_a_second_backward_after_an_express_backward_raises():
+    lazy_module._RECORDINGS.clear()
+    model = mlp()
+    for x, y in batches(2):
+        loss = F.cross_entropy(model(stagetorch.lazy(x, batch=0)), y)
+        loss.backward()
+    assert loss._express
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
