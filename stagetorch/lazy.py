@@ -142,6 +142,7 @@ class _Call:
     express: bool = True
     mark: int = -1
     leaves: list = attrs.field(factory=list)
+    views: _Views = attrs.field(factory=lambda: _Views())
 
 
 # The latest recording per input signature: the step loop of a training script records once. The oldest
@@ -184,28 +185,28 @@ class _Session:
     recorded again on fakes, and it goes on from there.
     """
 
+    done = 0  # equations before this index have run
+    hooked = False  # a hook or grad_fn was reached: backward always runs the autograd engine
+    freed: frozenset[Var] = frozenset()  # losses whose backward ran (the engine would have freed their graph)
+    reading_saved = False  # reading what autograd saved: calls are not steps
+    recorder: _Recorder | None = None
+    # Express replay (see _Call): the torch-level calls this session tapes, or replays without running them.
+    tape: list[_Call] | None = None  # the tape this session appends to
+    express = False  # replaying the recording's tape call by call
+    tape_pos = 0  # the next call of the tape to replay
+    shadowed = False  # the lazy tensors the express replay made have shadows: calls take those instead
+
     def __init__(self, tensors: tuple[torch.Tensor, ...], batch: int, memory_budget: int | str | None):
         self.batch = tensors[0].shape[batch % tensors[0].ndim]
         self.memory_budget = memory_budget
         self.key = _input_key(tensors, batch)
-        self.done = 0  # equations before this index have run
         self.values: dict[Var, torch.Tensor] = {}  # real values of vars, inputs included
         self.consts: dict[Var, torch.Tensor] = {}  # the real tensors recorded calls read
         self.alive: dict[Var, weakref.ref] = {}
         self.batched: dict[Var, Batched] = {}
         self.lazies: list[LazyTensor] = []
-        self.hooked = False  # a hook or grad_fn was reached: backward always runs the autograd engine
-        self.freed: set[Var] = set()  # losses whose backward was replayed without the engine
-        self.reading_saved = False  # reading what autograd saved: calls are not steps
-        self.recorder: _Recorder | None = None
-        # Express replay (see _Call): the torch-level calls this session tapes, or replays without running.
-        self.tape: list[_Call] | None = None  # the tape this session appends to
-        self.express = False  # replaying the recording's tape call by call
-        self.tape_pos = 0  # the next call of the tape to replay
         self.slots: list[torch.Tensor] = []  # the real tensors the session's calls took, in order
         self.slot_ids: dict[int, int] = {}
-        self.express_outs: list[weakref.ref] = []  # lazy tensors the express replay made (no autograd graph)
-        self.shadowed = False  # they have shadows: calls take those instead
         self.replaying = _RECORDINGS.get(self.key)
         grad_inputs = any(t.requires_grad for t in tensors)
         if self.replaying is not None:
@@ -428,9 +429,15 @@ class _Session:
                 return out
             self.leave_express()
         if self.shadowed:
+            owners = {id(t._shadow): t for t in flat_call(args, kwargs) if type(t) is LazyTensor and t._shadow is not None}
             args, kwargs = _unshadow(args), _unshadow(kwargs)
             if func is torch.autograd.grad:
                 _refuse_stranded(args, kwargs)
+            if owners:
+                # A call that hands back its argument (in place, ``contiguous``) hands back the user's tensor.
+                with torch._C.DisableTorchFunctionSubclass():
+                    out = func(*args, **kwargs)
+                return map_leaves(out, LazyTensor, lambda t: owners.get(id(t), t))
         tape = self.tape
         if tape is None:
             with torch._C.DisableTorchFunctionSubclass():
@@ -482,8 +489,8 @@ class _Session:
         call.nsteps = self.step_count - call.first
         call.neqns = self.eqn_count - n_eqns
         steps = self.recording.steps[call.first : call.first + call.nsteps]
-        if not steps or not all(st.recorded and st.func is not _BACKWARD for st in steps):
-            call.express = False  # no op on lazy tensors, or one that ran for real (read a value)
+        if not all(st.recorded and st.func is not _BACKWARD for st in steps):
+            call.express = False  # an op that ran for real (read a value)
         for i, (x, k) in enumerate(zip(leaves, call.key)):
             if type(x) is LazyTensor and x._var is not k:
                 call.mutated.append((i, x._var))
@@ -496,6 +503,10 @@ class _Session:
         try:
             call.out = _out_spec(out, leaves, self)
         except _Unreadable:
+            call.express = False
+        if not steps and (call.func is torch.Tensor.requires_grad_ or not _only_args(call.out)):
+            # No op: only a call that hands back its own arguments (``x.cpu()`` on the CPU, ``x.to(x.dtype)``)
+            # is reproduced; anything else changed what the tape cannot see (autograd state, a new alias).
             call.express = False
 
     def _express_call(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -531,8 +542,8 @@ class _Session:
                 return _MISS
         slots.extend(new)
         consts = self.consts
-        for var, i, view in call.consts:
-            consts[var] = leaves[i] if view is None else _view(leaves[i], view)
+        for j, (var, i, view) in enumerate(call.consts):
+            consts[var] = leaves[i] if view is None else call.views.get(j, leaves[i], view)
         alive = self.alive
         for i, var in call.mutated:
             t = leaves[i]
@@ -549,8 +560,7 @@ class _Session:
     def _express_out(self, o: _New) -> LazyTensor:
         t = _make_subclass(LazyTensor, o.shape, strides=o.stride, dtype=o.dtype, device=o.device, requires_grad=o.requires_grad)
         t._fake, t._var, t._session, t._express = None, o.var, self, True
-        self.alive[o.var] = ref = weakref.ref(t)
-        self.express_outs.append(ref)
+        self.alive[o.var] = weakref.ref(t)
         return t
 
     def leave_express(self) -> None:
@@ -564,6 +574,7 @@ class _Session:
         self.cursor = self.end = 0
         self.consts = {}
         # Their shadows take their place (the same variables) as the calls run again.
+        made = [t for r in self.alive.values() if (t := r()) is not None and t._express]
         self.alive = {v: r for v, r in self.alive.items() if (t := r()) is not None and not t._express}
         shadow_of: dict[Var, LazyTensor] = {}
         for var, ref in zip(self.recording.inputs, self.input_refs):
@@ -590,11 +601,8 @@ class _Session:
                     shadow_of[x._var] = x
             for i, var in call.mutated:
                 shadow_of[var] = flat[i]
-        for ref in self.express_outs:
-            t = ref()
-            if t is not None:
-                t._shadow = shadow_of[t._var]
-        self.express_outs = []
+        for t in made:
+            t._shadow = shadow_of[t._var]
         self.shadowed = True
 
     def _express_backward(self, args: tuple, kwargs: dict, roots: list) -> bool:
@@ -612,15 +620,20 @@ class _Session:
         mark: _Backward = self.recording.steps[call.mark].out
         leaves = [self.slots[i] for i in call.leaves]
         for leaf in leaves:
-            if leaf.grad is not None or leaf._backward_hooks or getattr(leaf, "_post_accumulate_grad_hooks", None):
+            # A real .grad (gradient accumulation) is added into, as AccumulateGrad would.
+            grad = leaf.grad
+            if (
+                (grad is not None and (type(grad) is not torch.Tensor or grad.layout != torch.strided))
+                or leaf._backward_hooks or getattr(leaf, "_post_accumulate_grad_hooks", None)
+            ):
                 return False
         consts = self.consts
-        for v, source, shape, stride, offset in mark.derived:
-            consts[v] = _view(consts[source], (shape, stride, offset))
+        for j, (v, source, shape, stride, offset) in enumerate(mark.derived):
+            consts[v] = call.views.get(j, consts[source], (shape, stride, offset))
         self.cursor = call.mark + 1 + mark.nsteps
         self.end += mark.neqns
         self.tape_pos += 1
-        self.freed.add(loss._var)
+        self.freed = self.freed | {loss._var}
         self.flush([], grads=[(leaves[i], v) for i, v in mark.grads])
         return True
 
@@ -676,7 +689,7 @@ class _Session:
                     self.consts.update(self._derive(mark.derived, state[1]))
                     self.cursor += 1 + mark.nsteps
                     self.end += mark.neqns
-                    self.freed.add(loss._var)  # as the engine would have freed the graph
+                    self.freed = self.freed | {loss._var}  # as the engine would have freed the graph
                     self._tape_backward(tape, tape_from, self.cursor - 1 - mark.nsteps, loss, leaves)
                     self.flush([], grads=[(leaves[i], v) for i, v in mark.grads])
                     return
@@ -848,15 +861,18 @@ class _Session:
         produced, invars = span
         values = self.values
         wanted = {v for v in targets if v not in values}
-        wanted |= {v for v, ref in self.alive.items() if v not in values and ref() is not None}
-        wanted |= {v for _, v in grads}
+        wanted.update(v for v, ref in self.alive.items() if v not in values and ref() is not None)
+        wanted.update(v for _, v in grads)
         later = None
         if self.express:
             # No autograd graph holds what the recording's later steps (the backward) read: keep it here.
-            later = flushes.get(("later", end))
-            if later is None:
-                later = flushes[("later", end)] = frozenset(v for e in self.eqns[end:] for v in e.invars)
-            wanted |= {v for v in produced if v in later}
+            # (The recording is complete: an express replay only replays a recorded session's calls.)
+            later_key = ("later", self.done, end)
+            if later_key not in flushes:
+                later = frozenset(v for e in self.eqns[end:] for v in e.invars)
+                flushes[later_key] = (later, [v for v in produced if v in later])
+            later, read_later = flushes[later_key]
+            wanted.update(read_later)
         outs = tuple(v for v in produced if v in wanted)
         executable = flushes.get((self.done, end, outs))
         if executable is None:
@@ -869,7 +885,8 @@ class _Session:
         self.done = end
         values.update(zip(outs, results))
         for leaf, v in grads:
-            leaf.grad = None  # autograd stored the lazy gradient; accumulate the real one as it would have
+            if type(leaf.grad) is LazyTensor:
+                leaf.grad = None  # autograd stored the lazy gradient; accumulate the real one as it would have
             accumulate_grad(leaf, values[v])
         # Keep only what can still be read: the inputs, and values whose lazy tensor is alive.
         self.alive = {v: ref for v, ref in self.alive.items() if ref() is not None}
@@ -1027,6 +1044,23 @@ def _view(x: torch.Tensor, view: tuple) -> torch.Tensor:
     return x.detach().as_strided(shape, stride, offset)
 
 
+class _Views:
+    """The views of parameters a taped call's constants are (``weight.t()`` in ``linear``), kept from one
+    step to the next while the parameter and its data pointer are the same. Each is dropped with its
+    parameter, so a deleted model's memory is not held."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, tuple] = {}
+
+    def get(self, j: int, base: torch.Tensor, view: tuple) -> torch.Tensor:
+        hit = self.entries.get(j)
+        if hit is not None and hit[0]() is base and hit[1] == base.data_ptr():
+            return hit[2]
+        t = _view(base, view)
+        self.entries[j] = (weakref.ref(base, lambda _, j=j: self.entries.pop(j, None)), base.data_ptr(), t)
+        return t
+
+
 @attrs.define(eq=False, frozen=True)
 class _Seq:
     """A tuple, list or named tuple (``torch.return_types.max``) a taped call returned."""
@@ -1049,6 +1083,12 @@ def _out_spec(out: Any, leaves: list, session: _Session) -> Any:
     if isinstance(out, (tuple, list)):
         return _Seq(type(out), tuple(_out_spec(x, leaves, session) for x in out))
     raise _Unreadable  # a real tensor or a Python value
+
+
+def _only_args(spec: Any) -> bool:
+    if type(spec) is _Seq:
+        return bool(spec.items) and all(_only_args(x) for x in spec.items)
+    return type(spec) is _Arg
 
 
 def _map_out(spec: Any, leaves: list, make: Any) -> Any:
@@ -1149,7 +1189,8 @@ class LazyTensor(torch.Tensor):
             if session is not None:
                 return session.torch_call(func, args, kwargs)
         elif kind == "meta":
-            pass
+            if args and type(args[0]) is LazyTensor and args[0]._shadow is not None:
+                args = _unshadow(args)  # autograd state (requires_grad) is the shadow's
         elif kind == "backward":
             roots = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
             lazies = [t for t in roots if type(t) is LazyTensor]

@@ -258,6 +258,24 @@ def test_autocast_and_grad_mode_are_part_of_what_repeats():
     assert_same_loop(step, n=5)
 
 
+def test_gradient_accumulation_replays_and_adds_into_grad(dispatched):
+    """Several micro-batches, one optimizer step: the express backward adds into the real .grad."""
+    lazy_module._RECORDINGS.clear()
+    model = mlp()
+    reference = copy.deepcopy(model)
+    counts = []
+    for step in range(3):
+        for x, y in batches(3, seed=step):
+            (F.cross_entropy(model(stagetorch.lazy(x, batch=0)), y) / 3).backward()
+            (F.cross_entropy(reference(x), y) / 3).backward()
+            counts.append(len(dispatched))
+            dispatched.clear()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+            p.grad = q.grad = None
+    assert counts[0] > 0 and counts[1:] == [0] * 8, counts
+
+
 def test_a_second_backward_after_an_express_backward_raises():
     lazy_module._RECORDINGS.clear()
     model = mlp()
@@ -267,3 +285,28 @@ def test_a_second_backward_after_an_express_backward_raises():
     assert loss._express
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         loss.backward()
+
+
+def test_a_call_that_returns_its_argument_stays_on_the_tape(dispatched):
+    """``x.to(x.dtype)`` runs no op and hands back its argument: replayed (as is ``loss.detach()``, an op).
+    A call that changes autograd state without an op (``requires_grad_``) is not."""
+    lazy_module._RECORDINGS.clear()
+    model = mlp()
+    counts = []
+    for x, y in batches(3):
+        a = stagetorch.lazy(x, batch=0)
+        assert a.to(torch.float32) is a
+        loss = F.cross_entropy(model(a), y)
+        loss.backward()
+        logged = loss.detach()
+        assert not logged.requires_grad
+        model.zero_grad()
+        counts.append(len(dispatched))
+        dispatched.clear()
+    assert counts[0] > 0 and counts[1:] == [0, 0], counts
+    assert loss._session.express
+    lazy_module._RECORDINGS.clear()
+    for x, _ in batches(2):
+        a = stagetorch.lazy(x, batch=0).clone()
+        assert a.requires_grad_() is a and a.requires_grad
+        assert not a._session.express or a._session.tape_pos < len(a._session.recording.tape)
