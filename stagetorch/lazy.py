@@ -514,9 +514,10 @@ class _Session:
         if self.tape_pos >= len(tape):
             return _MISS
         call = tape[self.tape_pos]
-        if (call.func is not func and call.func != func) or not call.express or call.grad is not torch.is_grad_enabled():
-            return _MISS
-        if torch._C._is_any_autocast_enabled():
+        if (
+            (call.func is not func and call.func != func) or not call.express or call.grad is not _grad_enabled()
+            or _any_autocast()
+        ):
             return _MISS
         leaves = flat_call(args, kwargs)
         key = call.key
@@ -534,9 +535,13 @@ class _Session:
                 if k.same:
                     if (slots[k.slot] if k.slot < len(slots) else new[k.slot - len(slots)]) is not x:
                         return _MISS
-                elif _meta(x) != k.meta or (x.requires_grad and x.grad_fn is not None):
-                    return _MISS
                 else:
+                    shape, stride, dtype, device, requires_grad = k.meta
+                    if (
+                        x.shape != shape or x.dtype is not dtype or x.stride() != stride or x.device != device
+                        or x.requires_grad is not requires_grad or (requires_grad and x.grad_fn is not None)
+                    ):
+                        return _MISS
                     new.append(x)
             elif type(x) is not kind or x != k:
                 return _MISS
@@ -559,7 +564,7 @@ class _Session:
 
     def _express_out(self, o: _New) -> LazyTensor:
         t = _make_subclass(LazyTensor, o.shape, strides=o.stride, dtype=o.dtype, device=o.device, requires_grad=o.requires_grad)
-        t._fake, t._var, t._session, t._express = None, o.var, self, True
+        t._var, t._session, t._express = o.var, self, True
         self.alive[o.var] = weakref.ref(t)
         return t
 
@@ -874,13 +879,15 @@ class _Session:
             later, read_later = flushes[later_key]
             wanted.update(read_later)
         outs = tuple(v for v in produced if v in wanted)
-        executable = flushes.get((self.done, end, outs))
-        if executable is None:
+        built = flushes.get((self.done, end, outs))
+        if built is None:
             roles = ["arg" if v in self.batched else "const" for v in invars]
             graph = Graph(invars, self.eqns[self.done : end], list(outs), roles, [""] * len(invars))
             batched = {v: b for v, b in self.batched.items() if v in invars}
-            executable = flushes[(self.done, end, outs)] = Executable(graph, batched, self.batch)
-        device = next((v.aval.device for v in executable.batched), torch.device("cpu"))
+            executable = Executable(graph, batched, self.batch)
+            device = next((v.aval.device for v in executable.batched), torch.device("cpu"))
+            built = flushes[(self.done, end, outs)] = (executable, device)
+        executable, device = built
         results, _ = executable.run([self._value_of(v) for v in invars], free_memory(device, self.memory_budget), name="lazy")
         self.done = end
         values.update(zip(outs, results))
@@ -1006,6 +1013,8 @@ _BACKWARD = torch.Tensor.backward
 _PYTHON_FUNCTION_NODE = torch.autograd.function.BackwardCFunction
 _make_subclass = torch.Tensor._make_wrapper_subclass
 _MISS = object()  # the call is not the tape's next one
+_grad_enabled = torch.is_grad_enabled
+_any_autocast = torch._C._is_any_autocast_enabled
 _APPLY = torch.autograd.Function.apply.__func__.__code__
 
 
@@ -1163,7 +1172,7 @@ _SPECIAL = {
 class LazyTensor(torch.Tensor):
     """A ``torch.Tensor`` whose operations are recorded, not run, until a value is needed."""
 
-    _fake: torch.Tensor
+    _fake: torch.Tensor | None = None
     _var: Var
     _session: _Session
     _express = False  # made by the express replay: no autograd graph behind it
