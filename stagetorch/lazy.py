@@ -16,8 +16,11 @@ engine. The first call that differs makes the session record (see :class:`_Sessi
 
 from __future__ import annotations
 
+import itertools
+import linecache
 import sys
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -143,6 +146,8 @@ class _Call:
     mark: int = -1
     leaves: list = attrs.field(factory=list)
     views: _Views = attrs.field(factory=lambda: _Views())
+    slots_before: int = 0  # how many real tensors the session's earlier calls took
+    guard: Any = None  # the generated match (_compile_guard), made at its first replay
 
 
 # The latest recording per input signature: the step loop of a training script records once. The oldest
@@ -468,6 +473,7 @@ class _Session:
             and first == (tape[-1].first + tape[-1].nsteps if tape else 0) and self.recording.express
         )
         key = []
+        slots_before = len(self.slots)
         for x in leaves:
             if type(x) is LazyTensor:
                 key.append(x._var)
@@ -483,7 +489,7 @@ class _Session:
                     key.append(_Real(None, slot, True))
             else:
                 key.append(x)
-        return _Call(func, tuple(key), torch.is_grad_enabled(), first, 0, 0, express=express)
+        return _Call(func, tuple(key), torch.is_grad_enabled(), first, 0, 0, express=express, slots_before=slots_before)
 
     def _tape_result(self, call: _Call, leaves: list, n_eqns: int, n_consts: int, out: Any) -> None:
         call.nsteps = self.step_count - call.first
@@ -519,48 +525,10 @@ class _Session:
             or _any_autocast()
         ):
             return _MISS
-        leaves = flat_call(args, kwargs)
-        key = call.key
-        if len(leaves) != len(key):
-            return _MISS
-        slots, new = self.slots, []
-        for x, k in zip(leaves, key):
-            kind = type(k)
-            if kind is Var:
-                if type(x) is not LazyTensor or x._var is not k or x._session is not self or x._shadow is not None:
-                    return _MISS
-            elif kind is _Real:
-                if not isinstance(x, torch.Tensor) or type(x) is LazyTensor:
-                    return _MISS
-                if k.same:
-                    if (slots[k.slot] if k.slot < len(slots) else new[k.slot - len(slots)]) is not x:
-                        return _MISS
-                else:
-                    shape, stride, dtype, device, requires_grad = k.meta
-                    if (
-                        x.shape != shape or x.dtype is not dtype or x.stride() != stride or x.device != device
-                        or x.requires_grad is not requires_grad or (requires_grad and x.grad_fn is not None)
-                    ):
-                        return _MISS
-                    new.append(x)
-            elif type(x) is not kind or x != k:
-                return _MISS
-        slots.extend(new)
-        consts = self.consts
-        for j, (var, i, view) in enumerate(call.consts):
-            consts[var] = leaves[i] if view is None else call.views.get(j, leaves[i], view)
-        alive = self.alive
-        for i, var in call.mutated:
-            t = leaves[i]
-            t._var = var
-            alive[var] = weakref.ref(t)
-        self.cursor += call.nsteps
-        self.end += call.neqns
-        self.tape_pos += 1
-        out = call.out
-        if type(out) is _New:
-            return self._express_out(out)
-        return _map_out(out, leaves, self._express_out)
+        guard = call.guard
+        if guard is None:
+            guard = call.guard = _compile_guard(call)
+        return guard(self, args, kwargs)
 
     def _express_out(self, o: _New) -> LazyTensor:
         t = _make_subclass(LazyTensor, o.shape, strides=o.stride, dtype=o.dtype, device=o.device, requires_grad=o.requires_grad)
@@ -1092,6 +1060,100 @@ def _out_spec(out: Any, leaves: list, session: _Session) -> Any:
     if isinstance(out, (tuple, list)):
         return _Seq(type(out), tuple(_out_spec(x, leaves, session) for x in out))
     raise _Unreadable  # a real tensor or a Python value
+
+
+_GUARDS = itertools.count()
+
+
+def _compile_guard(call: _Call) -> Callable:
+    """The taped call's match as straight-line Python, as dynamo compiles its guards: each argument
+    unpacked (nested lists and tuples too) and compared with the taped one in place; then the constants
+    bound, the lazy results made, and the session moved on. Returns the result, or _MISS."""
+    key = call.key
+    env: dict[str, Any] = {
+        "_MISS": _MISS, "LazyTensor": LazyTensor, "Tensor": torch.Tensor, "_weakref": weakref.ref,
+        "_make": _make_subclass, "_map_out": _map_out, "call": call, "views": call.views,
+    }
+
+    def const(x: Any) -> str:
+        name = f"_k{len(env)}"
+        env[name] = x
+        return name
+
+    lines = ["def guard(session, args, kwargs):", f"    slots = session.slots\n    if len(slots) != {call.slots_before}: return _MISS"]
+    new_slots: dict[int, str] = {}
+    pos = 1  # the next element of the key
+
+    def take(source: str) -> None:
+        # The key element at ``pos`` against the argument ``source`` evaluates to; as local x<pos>.
+        nonlocal pos
+        k, x = key[pos], f"x{pos}"
+        pos += 1
+        lines.append(f"    {x} = {source}")
+        kind = type(k)
+        if kind is tuple:  # a nested list or tuple: (type, length), then its items
+            lines.append(f"    if type({x}) is not {const(k[0])} or len({x}) != {k[1]}: return _MISS")
+            for j in range(k[1]):
+                take(f"{x}[{j}]")
+        elif kind is Var:
+            lines.append(
+                f"    if type({x}) is not LazyTensor or {x}._var is not {const(k)} or {x}._session is not session"
+                f" or {x}._shadow is not None: return _MISS"
+            )
+        elif kind is _Real:
+            lines.append(f"    if type({x}) is LazyTensor or not isinstance({x}, Tensor): return _MISS")
+            if k.same:
+                lines.append(f"    if {x} is not {new_slots.get(k.slot, f'slots[{k.slot}]')}: return _MISS")
+            else:
+                shape, stride, dtype, device, requires_grad = k.meta
+                lines.append(
+                    f"    if {x}.shape != {const(shape)} or {x}.dtype is not {const(dtype)} or {x}.stride() != {stride!r}"
+                    f" or {x}.device != {const(device)} or {x}.requires_grad is not {requires_grad!r}: return _MISS"
+                )
+                if requires_grad:  # a leaf: its graph is not part of the taped backward
+                    lines.append(f"    if {x}.grad_fn is not None: return _MISS")
+                new_slots[k.slot] = x
+        elif k is None or kind is bool:
+            lines.append(f"    if {x} is not {k!r}: return _MISS")
+        else:
+            lines.append(f"    if type({x}) is not {const(kind)} or {x} != {const(k)}: return _MISS")
+
+    nargs = key[0]
+    lines.append(f"    if len(args) != {nargs}: return _MISS")
+    for i in range(nargs):
+        take(f"args[{i}]")
+    names = key[pos] if pos < len(key) else ()
+    pos += 1
+    lines.append(f"    if len(kwargs) != {len(names)}: return _MISS")
+    for name in names:
+        take(f"kwargs.get({name!r}, _MISS)")
+    if new_slots:
+        lines.append(f"    slots.extend(({', '.join(new_slots[i] for i in sorted(new_slots))},))")
+    if call.consts:
+        lines.append("    consts = session.consts")
+    for j, (var, i, view) in enumerate(call.consts):
+        lines.append(f"    consts[{const(var)}] = {f'x{i}' if view is None else f'views.get({j}, x{i}, {const(view)})'}")
+    for i, var in call.mutated:
+        lines.append(f"    x{i}._var = {const(var)}\n    session.alive[{const(var)}] = _weakref(x{i})")
+    lines.append(f"    session.cursor += {call.nsteps}\n    session.end += {call.neqns}\n    session.tape_pos += 1")
+    out = call.out
+    if type(out) is _New:
+        lines.append(
+            f"    t = _make(LazyTensor, {const(out.shape)}, strides={out.stride!r}, dtype={const(out.dtype)},"
+            f" device={const(out.device)}, requires_grad={out.requires_grad!r})\n"
+            f"    t._var = {const(out.var)}\n    t._session = session\n    t._express = True\n"
+            f"    session.alive[{const(out.var)}] = _weakref(t)\n    return t"
+        )
+    elif type(out) is _Arg:
+        lines.append(f"    return x{out.index}")
+    else:
+        leaves = ", ".join(f"x{i}" if type(k) is not tuple and i else "None" for i, k in enumerate(key))
+        lines.append(f"    return _map_out(call.out, [{leaves}], session._express_out)")
+    source = "\n".join(lines) + "\n"
+    filename = f"<stagetorch guard {next(_GUARDS)}: {getattr(call.func, '__name__', call.func)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), env)  # noqa: S102 - code generated from the tape
+    return env["guard"]
 
 
 def _only_args(spec: Any) -> bool:

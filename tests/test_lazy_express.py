@@ -341,3 +341,29 @@ def test_an_express_step_still_chunks_to_its_budget(dispatched):
         for g, p in zip(grads, reference.parameters()):
             assert rel(g, p.grad) < 1e-5
         reference_optimizer.step()
+
+
+def test_nested_and_keyword_arguments_replay(dispatched):
+    """Lists of tensors (``torch.cat``), keyword arguments and Python values are part of the taped call;
+    another value (here a dim, a scale) is another call."""
+    lazy_module._RECORDINGS.clear()
+    model = mlp()
+    reference = copy.deepcopy(model)
+    counts = []
+    for i, (x, y) in enumerate(batches(5)):
+        for net, inputs in ((model, stagetorch.lazy(x, batch=0)), (reference, x)):
+            h = net[0](inputs)
+            both = torch.cat([h, net[1](h)], dim=1)
+            scale = 0.5 if i != 3 else 2.0
+            logits = net[2](both[:, 16:] * scale + both[:, :16].mul(other=0.1))
+            F.cross_entropy(logits, y, reduction="sum" if i == 4 else "mean").backward()
+        assert_same_grads_and_clear(model, reference)
+        counts.append(len(dispatched))
+        dispatched.clear()
+    assert counts[0] > 0 and counts[1:3] == [0, 0] and counts[3] > 0 and counts[4] > 0, counts
+
+
+def assert_same_grads_and_clear(model, reference):
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+        p.grad = q.grad = None
