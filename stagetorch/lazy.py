@@ -9,9 +9,13 @@ the recorded equations that have not run yet through the same :class:`~stagetorc
 Every value that is still referenced when a flush runs (by you, or by autograd for the backward) is kept,
 so nothing runs twice: BatchNorm statistics are updated once and dropout masks are drawn once.
 
-A training loop makes the same calls every step. A session whose inputs match an earlier one's replays that
-recording call by call, checking each, and reuses its executables; the backward can skip the autograd
-engine. The first call that differs makes the session record (see :class:`_Session`).
+A training loop makes the same calls every step, and replays at two levels. Above autograd, each session
+tapes its torch-level calls (:class:`_Call`); a session whose inputs match an earlier one's replays that tape
+*express*: each call is matched by generated code and not run at all (no autograd graph, no dispatch), and
+``loss.backward()`` runs the recorded backward. The first call off the tape gives the tensors made so far
+their autograd graph (shadows) and continues with the *slow* replay below autograd: each ATen call checked
+against the recorded step, reusing its executables, the backward skipping the autograd engine where it can.
+The first ATen call that differs makes the session record (see :class:`_Session`).
 """
 
 from __future__ import annotations
@@ -128,8 +132,8 @@ class _Call:
     each real tensor by a :class:`_Real`; ``grad`` the grad mode. The call made the recording's steps
     ``[first, first + nsteps)`` and ``neqns`` equations, bound ``consts`` (variable, leaf index, and the
     view of that leaf's storage or None for the leaf itself), moved the lazy arguments at ``mutated``
-    (leaf index, new variable) to new values in place, and returned ``out`` (a tree of _New, _Arg and
-    None). A call ``express`` cannot reproduce (it ran a kernel for real, read a value, ran Python
+    (leaf index, new variable) to new values in place, and returned ``out`` (a _New, an _Arg, None, or a
+    _Seq of them). A call ``express`` cannot reproduce (it ran a kernel for real, read a value, ran Python
     autograd code...) stops the express replay there. A backward is ``func`` Tensor.backward with ``key``
     (the loss variable,), ``mark`` the index of its _Backward step and ``leaves`` the slots of its leaves."""
 
@@ -188,6 +192,9 @@ class _Session:
     position, the session reuses the step (no fake kernel runs) and, at a flush, the executable built for
     it. The first call that differs switches the session to recording: the steps replayed so far are
     recorded again on fakes, and it goes on from there.
+
+    Above that, a session replaying a taped recording starts *express* (:meth:`torch_call`): calls are
+    matched against the tape and not run until one is not the tape's next (:meth:`leave_express`).
     """
 
     done = 0  # equations before this index have run
@@ -384,7 +391,7 @@ class _Session:
         replayed = old.steps[: self.cursor]
         self.replaying = None
         self.recording = self._start_recording()
-        self.tape = None  # the new recording's steps are not this session's calls one for one; the next session tapes
+        self.tape = None  # its steps are not this session's calls one for one: the next session tapes it
         rec = self.recorder
         new_of: dict[Var, Var] = {}
         fake_of: dict[Var, torch.Tensor] = {}
@@ -464,10 +471,10 @@ class _Session:
         return out
 
     def _tape_key(self, func: Any, leaves: list, first: int, tape: list) -> _Call:
-        # Steps made outside a taped call (the autograd engine run by torch.autograd.grad, which has no
-        # torch function) are not on the tape: the express replay cannot go past them.
         if _in_custom_function():
             self.recording.express = False
+        # A call is not replayed express under autocast or inference mode, nor after steps made outside any
+        # taped call (``first`` not where the tape ends: an engine run by a hook, say).
         express = (
             not torch._C._is_any_autocast_enabled() and not torch.is_inference_mode_enabled()
             and first == (tape[-1].first + tape[-1].nsteps if tape else 0) and self.recording.express
@@ -511,8 +518,8 @@ class _Session:
         except _Unreadable:
             call.express = False
         if not steps and (call.func is torch.Tensor.requires_grad_ or not _only_args(call.out)):
-            # No op: only a call that hands back its own arguments (``x.cpu()`` on the CPU, ``x.to(x.dtype)``)
-            # is reproduced; anything else changed what the tape cannot see (autograd state, a new alias).
+            # No op: only a call that hands back its own arguments (``x.to(x.dtype)``, ``x.contiguous()``) is
+            # reproduced; anything else changed what the tape cannot see (autograd state, a new alias).
             call.express = False
 
     def _express_call(self, func: Any, args: tuple, kwargs: dict) -> Any:

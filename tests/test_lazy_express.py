@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_lazy_replay import assert_same_loop, batches, mlp
+from test_lazy_replay import assert_same_grads, assert_same_loop, batches, mlp
 
 import stagetorch
 
@@ -33,9 +33,7 @@ def test_a_repeated_step_runs_no_op_and_builds_no_graph(dispatched):
         loss = F.cross_entropy(model[2](h), y)
         loss.backward()
         F.cross_entropy(reference(x), y).backward()
-        for p, q in zip(model.parameters(), reference.parameters()):
-            assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
-            p.grad = q.grad = None
+        assert_same_grads(model, reference, clear=True)
         counts.append(len(dispatched))
         dispatched.clear()
         # What user code sees of a lazy tensor is the same in both modes.
@@ -270,9 +268,7 @@ def test_gradient_accumulation_replays_and_adds_into_grad(dispatched):
             (F.cross_entropy(reference(x), y) / 3).backward()
             counts.append(len(dispatched))
             dispatched.clear()
-        for p, q in zip(model.parameters(), reference.parameters()):
-            assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
-            p.grad = q.grad = None
+        assert_same_grads(model, reference, clear=True)
     assert counts[0] > 0 and counts[1:] == [0] * 8, counts
 
 
@@ -357,13 +353,8 @@ def test_nested_and_keyword_arguments_replay(dispatched):
             scale = 0.5 if i != 3 else 2.0
             logits = net[2](both[:, 16:] * scale + both[:, :16].mul(other=0.1))
             F.cross_entropy(logits, y, reduction="sum" if i == 4 else "mean").backward()
-        assert_same_grads_and_clear(model, reference)
+        assert_same_grads(model, reference, clear=True)
         counts.append(len(dispatched))
         dispatched.clear()
     assert counts[0] > 0 and counts[1:3] == [0, 0] and counts[3] > 0 and counts[4] > 0, counts
 
-
-def assert_same_grads_and_clear(model, reference):
-    for p, q in zip(model.parameters(), reference.parameters()):
-        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
-        p.grad = q.grad = None
