@@ -54,7 +54,7 @@ def test_plan_throughput_against_best_hand_picked(benchmark, fraction):
     step.memory_budget = int(full * fraction)
     plan = step.plan(*args)
     entry, inputs, _ = step._stage(args, {})
-    split = entry.split()
+    split = entry.executable.split()
     usable = step.memory_budget * (1 - SAFETY_MARGIN)
     candidates = [n for n in (8, 16, 24, 32, 48, 64, 96, 128, 192) if n < BATCH and _chunk_peak(split, n, cost) <= usable]
     timings = {}

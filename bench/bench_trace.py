@@ -22,6 +22,8 @@ def test_trace_time(benchmark, layers):
     step = models.train_step(model)
     stagetorch.make_ir(step)(x, y)  # warm FakeTensorMode's caches
     graph = benchmark.pedantic(lambda: stagetorch.make_ir(step)(x, y), rounds=3, iterations=1)
+    if benchmark.disabled:  # run as a test (--benchmark-disable): it ran once, there are no timings
+        return
     stats = benchmark.stats.stats
     benchmark.extra_info.update(eqns=len(graph.eqns), ms_per_layer=stats.median * 1e3 / layers)
     print(f"\n{layers} layers: {len(graph.eqns)} eqns, min {stats.min * 1e3:.0f} ms, median {stats.median * 1e3:.0f} ms, "
@@ -38,6 +40,8 @@ def test_trace_time_cold(benchmark):
     graph = benchmark.pedantic(
         lambda: stagetorch.make_ir(step)(x, y), setup=tracing._META_CACHE.clear, rounds=3, iterations=1
     )
+    if benchmark.disabled:
+        return
     stats = benchmark.stats.stats
     print(f"\n96 layers, cold cache: {len(graph.eqns)} eqns, min {stats.min * 1e3:.0f} ms, median {stats.median * 1e3:.0f} ms")
 
