@@ -193,7 +193,7 @@ class _Session:
     it. The first call that differs switches the session to recording: the steps replayed so far are
     recorded again on fakes, and it goes on from there.
 
-    Above that, a session replaying a taped recording starts *express* (:meth:`torch_call`): calls are
+    Above that, a session replaying a taped recording starts *express* (:meth:`_express_call`): calls are
     matched against the tape and not run until one is not the tape's next (:meth:`leave_express`).
     """
 
@@ -433,13 +433,8 @@ class _Session:
         return self.cursor if self.replaying is not None else len(self.recording.steps)
 
     def torch_call(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """A torch function on lazy tensors, above autograd: replay it from the tape, or run it (through
-        autograd and ``__torch_dispatch__``), taping it if this session tapes."""
-        if self.express:
-            out = self._express_call(func, args, kwargs)
-            if out is not _MISS:
-                return out
-            self.leave_express()
+        """A torch function on lazy tensors, above autograd, that the express replay did not match: run it
+        (through autograd and ``__torch_dispatch__``), taping it if this session tapes."""
         if self.shadowed:
             owners = {id(t._shadow): t for t in flat_call(args, kwargs) if type(t) is LazyTensor and t._shadow is not None}
             args, kwargs = _unshadow(args), _unshadow(kwargs)
@@ -988,6 +983,7 @@ _BACKWARD = torch.Tensor.backward
 _PYTHON_FUNCTION_NODE = torch.autograd.function.BackwardCFunction
 _make_subclass = torch.Tensor._make_wrapper_subclass
 _MISS = object()  # the call is not the tape's next one
+_NO_KWARGS: dict = {}  # never written
 _grad_enabled = torch.is_grad_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
 _APPLY = torch.autograd.Function.apply.__func__.__code__
@@ -1261,10 +1257,16 @@ class LazyTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kind = _SPECIAL.get(func)
-        kwargs = kwargs or {}
+        kwargs = kwargs or _NO_KWARGS
         if kind is None:
-            session = _session_of(args, kwargs)
+            first = args[0] if args else None
+            session = first._session if type(first) is LazyTensor else _session_of(args, kwargs)
             if session is not None:
+                if session.express:  # the hot path of a replayed step
+                    out = session._express_call(func, args, kwargs)
+                    if out is not _MISS:
+                        return out
+                    session.leave_express()
                 return session.torch_call(func, args, kwargs)
         elif kind == "meta":
             if args and type(args[0]) is LazyTensor and args[0]._shadow is not None:
