@@ -1218,6 +1218,13 @@ _SPECIAL = {
         torch.Tensor.element_size, torch.Tensor.is_cuda.__get__, torch.Tensor.is_cpu.__get__,
         torch.Tensor.is_sparse.__get__, torch.Tensor.is_quantized.__get__, torch.Tensor.is_meta.__get__,
         torch.Tensor.get_device, torch.Tensor.__hash__, torch.Tensor.ndimension, torch.Tensor.dim_order,
+        torch.Tensor.is_signed, torch.Tensor.is_inference,
+    ], "meta"),
+    **dict.fromkeys([
+        getattr(torch.Tensor, name).__get__ for name in (
+            "is_nested", "is_mkldnn", "is_sparse_csr", "is_xpu", "is_mps", "is_ipu", "is_xla", "is_vulkan",
+            "is_maia", "is_mtia", "itemsize", "nbytes", "_has_symbolic_sizes_strides",
+        ) if hasattr(torch.Tensor, name)  # the list differs between torch versions
     ], "meta"),
     # Python-level reads: the tensor is evaluated and the read runs on its real value.
     **dict.fromkeys([
