@@ -103,6 +103,19 @@ class _Real:
     meta: tuple | None
     slot: int
     same: bool
+    graph: _Graph | None = None  # a non-leaf that requires grad (``pos[:, :n]``): its autograd graph
+
+
+@attrs.define(eq=False, frozen=True)
+class _Graph:
+    """The autograd graph behind a real tensor argument computed from parameters outside the lazy tensors
+    (a slice or lookup of a positional embedding): the node types in walk order, what they saved (as
+    :func:`_saved_state` summarises it), and for each leaf its slot and whether an earlier argument took it.
+    The backward runs through it; a replay walks it again and compares."""
+
+    kinds: tuple
+    saved: tuple
+    leaves: tuple  # (slot, same, metadata of a new one) per leaf, in walk order
 
 
 @attrs.define(eq=False, frozen=True)
@@ -219,6 +232,7 @@ class _Session:
         self.lazies: list[LazyTensor] = []
         self.slots: list[torch.Tensor] = []  # the real tensors the session's calls took, in order
         self.slot_ids: dict[int, int] = {}
+        self.graph_nodes: dict[int, list] = {}  # slot of a real argument with a graph -> its nodes, walked
         self.replaying = _RECORDINGS.get(self.key)
         grad_inputs = any(t.requires_grad for t in tensors)
         if self.replaying is not None:
@@ -480,18 +494,37 @@ class _Session:
             if type(x) is LazyTensor:
                 key.append(x._var)
             elif isinstance(x, torch.Tensor):
-                if x.requires_grad and x.grad_fn is not None:
-                    express = False  # its autograd graph is part of the backward, and not on the tape
                 slot = self.slot_ids.get(id(x))
-                if slot is None:
-                    slot = self.slot_ids[id(x)] = len(self.slots)
-                    self.slots.append(x)
-                    key.append(_Real(_meta(x), slot, False))
-                else:
+                if slot is not None:
                     key.append(_Real(None, slot, True))
+                    continue
+                slot = self._slot(x)
+                graph = None
+                if x.requires_grad and x.grad_fn is not None:
+                    graph = self._tape_graph(x)
+                    express = express and graph is not None
+                key.append(_Real(_meta(x), slot, False, graph))
             else:
                 key.append(x)
         return _Call(func, tuple(key), torch.is_grad_enabled(), first, 0, 0, express=express, slots_before=slots_before)
+
+    def _slot(self, x: torch.Tensor) -> int:
+        slot = self.slot_ids[id(x)] = len(self.slots)
+        self.slots.append(x)
+        return slot
+
+    def _tape_graph(self, x: torch.Tensor) -> _Graph | None:
+        """The graph behind a real argument with one, its leaves given slots; None where it runs Python
+        (an autograd.Function), which only the engine can run."""
+        leaves, kinds, nodes = _autograd_graph([x])
+        if any(issubclass(kind, _PYTHON_FUNCTION_NODE) for kind in kinds):
+            return None
+        self.graph_nodes[self.slot_ids[id(x)]] = nodes
+        spec = []
+        for leaf in leaves:
+            slot = self.slot_ids.get(id(leaf))
+            spec.append((self._slot(leaf), False, _meta(leaf)) if slot is None else (slot, True, None))
+        return _Graph(kinds, self._saved_state(nodes)[0], tuple(spec))
 
     def _tape_result(self, call: _Call, leaves: list, n_eqns: int, n_consts: int, out: Any) -> None:
         call.nsteps = self.step_count - call.first
@@ -603,8 +636,15 @@ class _Session:
             ):
                 return False
         consts = self.consts
-        for j, (v, source, shape, stride, offset) in enumerate(mark.derived):
-            consts[v] = call.views.get(j, consts[source], (shape, stride, offset))
+        for j, ((v, _, shape, stride, offset), source) in enumerate(zip(mark.derived, call.consts)):
+            if type(source) is Var:
+                consts[v] = call.views.get(j, consts[source], (shape, stride, offset))
+            else:  # what a node of a real argument's graph saved (the indices of an embedding lookup)
+                slot, i, name = source
+                with torch._C.DisableTorchFunctionSubclass():
+                    base = getattr(self.graph_nodes[slot][i], name)
+                same = base.shape == shape and base.stride() == stride and base.storage_offset() == offset
+                consts[v] = base if same else _view(base, (shape, stride, offset))
         self.cursor = call.mark + 1 + mark.nsteps
         self.end += mark.neqns
         self.tape_pos += 1
@@ -665,7 +705,7 @@ class _Session:
                     self.cursor += 1 + mark.nsteps
                     self.end += mark.neqns
                     self.freed = self.freed | {loss._var}  # as the engine would have freed the graph
-                    self._tape_backward(tape, tape_from, self.cursor - 1 - mark.nsteps, loss, leaves)
+                    self._tape_backward(tape, tape_from, self.cursor - 1 - mark.nsteps, loss, leaves, nodes)
                     self.flush([], grads=[(leaves[i], v) for i, v in mark.grads])
                     return
                 remark = self.cursor
@@ -699,7 +739,7 @@ class _Session:
                 self.replaying.steps[remark] = _Step(_BACKWARD, (), [], mark, False, False)
                 marked = remark
         if marked >= 0:
-            self._tape_backward(tape, tape_from, marked, loss, leaves)
+            self._tape_backward(tape, tape_from, marked, loss, leaves, nodes)
         elif tape is not None:
             tape.append(_Call(_BACKWARD, (), False, tape_from, 0, 0, express=False))
         self.flush([], leaves)
@@ -724,7 +764,9 @@ class _Session:
             torch.autograd.backward(roots, list(grads.values()), retain_graph=retain)
         return [t for t in leaves if not any(t is u for u in stranded)] + more
 
-    def _tape_backward(self, tape: list | None, first: int, marked: int, loss: LazyTensor, leaves: list) -> None:
+    def _tape_backward(
+        self, tape: list | None, first: int, marked: int, loss: LazyTensor, leaves: list, nodes: list
+    ) -> None:
         """Tape a backward that has a _Backward marker at step ``marked``; the express replay can run it
         when the marker's constants all derive from the forward's and its leaves are real arguments the
         calls took."""
@@ -732,12 +774,19 @@ class _Session:
             return
         mark: _Backward = self.recording.steps[marked].out
         slots = [self.slot_ids.get(id(leaf)) for leaf in leaves]
+        # A constant the backward derives from what a node saved must come from the graph of a real
+        # argument, which the express replay walks: (slot of the argument, node index in its walk, attribute).
+        where = {id(n): (slot, i) for slot, walked in self.graph_nodes.items() for i, n in enumerate(walked)}
+        sources = [d[1] if type(d[1]) is Var else (*where.get(id(nodes[d[1][0]]), (None, None)), d[1][1]) for d in mark.derived]
         express = (
             first == marked == (tape[-1].first + tape[-1].nsteps if tape else 0)
-            and all(type(d[1]) is Var for d in mark.derived)
+            and all(type(src) is Var or src[0] is not None for src in sources)
             and all(i is not None and self.slots[i] is leaf for i, leaf in zip(slots, leaves))
         )
-        tape.append(_Call(_BACKWARD, (loss._var,), False, first, 1 + mark.nsteps, mark.neqns, mark=marked, leaves=slots, express=express))
+        tape.append(_Call(
+            _BACKWARD, (loss._var,), False, first, 1 + mark.nsteps, mark.neqns, mark=marked, leaves=slots,
+            express=express, consts=sources,
+        ))
         if express:
             self.tape = tape
 
@@ -1075,7 +1124,7 @@ def _compile_guard(call: _Call) -> Callable:
     key = call.key
     env: dict[str, Any] = {
         "_MISS": _MISS, "LazyTensor": LazyTensor, "Tensor": torch.Tensor, "_weakref": weakref.ref,
-        "_make": _make_subclass, "_map_out": _map_out, "call": call, "views": call.views,
+        "_make": _make_subclass, "_map_out": _map_out, "call": call, "views": call.views, "_graph_ok": _graph_ok,
     }
 
     def const(x: Any) -> str:
@@ -1083,8 +1132,8 @@ def _compile_guard(call: _Call) -> Callable:
         env[name] = x
         return name
 
-    lines = ["def guard(session, args, kwargs):", f"    slots = session.slots\n    if len(slots) != {call.slots_before}: return _MISS"]
-    new_slots: dict[int, str] = {}
+    base = call.slots_before
+    lines = ["def guard(session, args, kwargs):", f"    slots = session.slots\n    if len(slots) != {base}: return _MISS\n    new = []"]
     pos = 1  # the next element of the key
 
     def take(source: str) -> None:
@@ -1106,16 +1155,19 @@ def _compile_guard(call: _Call) -> Callable:
         elif kind is _Real:
             lines.append(f"    if type({x}) is LazyTensor or not isinstance({x}, Tensor): return _MISS")
             if k.same:
-                lines.append(f"    if {x} is not {new_slots.get(k.slot, f'slots[{k.slot}]')}: return _MISS")
+                other = f"slots[{k.slot}]" if k.slot < base else f"new[{k.slot - base}]"
+                lines.append(f"    if {x} is not {other}: return _MISS")
             else:
                 shape, stride, dtype, device, requires_grad = k.meta
                 lines.append(
                     f"    if {x}.shape != {const(shape)} or {x}.dtype is not {const(dtype)} or {x}.stride() != {stride!r}"
                     f" or {x}.device != {const(device)} or {x}.requires_grad is not {requires_grad!r}: return _MISS"
                 )
-                if requires_grad:  # a leaf: its graph is not part of the taped backward
+                lines.append(f"    new.append({x})")
+                if k.graph is not None:
+                    lines.append(f"    if not _graph_ok(session, {x}, {const(k.graph)}, new, {base}, {k.slot}): return _MISS")
+                elif requires_grad:  # a leaf (a parameter)
                     lines.append(f"    if {x}.grad_fn is not None: return _MISS")
-                new_slots[k.slot] = x
         elif k is None or kind is bool:
             lines.append(f"    if {x} is not {k!r}: return _MISS")
         else:
@@ -1130,8 +1182,7 @@ def _compile_guard(call: _Call) -> Callable:
     lines.append(f"    if len(kwargs) != {len(names)}: return _MISS")
     for name in names:
         take(f"kwargs.get({name!r}, _MISS)")
-    if new_slots:
-        lines.append(f"    slots.extend(({', '.join(new_slots[i] for i in sorted(new_slots))},))")
+    lines.append("    if new: slots.extend(new)")
     if call.consts:
         lines.append("    consts = session.consts")
     for j, (var, i, view) in enumerate(call.consts):
@@ -1157,6 +1208,26 @@ def _compile_guard(call: _Call) -> Callable:
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     exec(compile(source, filename, "exec"), env)  # noqa: S102 - code generated from the tape
     return env["guard"]
+
+
+def _graph_ok(session: _Session, x: torch.Tensor, graph: _Graph, new: list, base: int, slot: int) -> bool:
+    """Whether the autograd graph behind real argument ``x`` is the taped one (node types, saved values,
+    leaves: the same tensor where the tape had one, the same metadata where it took a new one). Its new
+    leaves are appended to ``new``, the slots the guard is about to take."""
+    leaves, kinds, nodes = _autograd_graph([x])
+    if kinds != graph.kinds or len(leaves) != len(graph.leaves) or session._saved_state(nodes)[0] != graph.saved:
+        return False
+    slots = session.slots
+    for leaf, (s, same, meta) in zip(leaves, graph.leaves):
+        if same:
+            if (slots[s] if s < base else new[s - base]) is not leaf:
+                return False
+        elif s != base + len(new) or _meta(leaf) != meta or leaf.grad_fn is not None:
+            return False
+        else:
+            new.append(leaf)
+    session.graph_nodes[slot] = nodes
+    return True
 
 
 def _only_args(spec: Any) -> bool:
