@@ -93,6 +93,12 @@ class _Recording:
     # False once a call ran inside a Python autograd.Function's forward: apply() builds its graph from the
     # lazy tensors it takes, below any torch function, so they must have theirs (no express replay).
     express: bool = True
+    # Sessions in a row that left the express replay (their calls were replayed twice, express then slow);
+    # at _MAX_LEAVES the express replay is turned off for this recording. A backward replayed express resets it.
+    left: int = 0
+
+
+_MAX_LEAVES = 2
 
 
 @attrs.define(eq=False, frozen=True)
@@ -578,6 +584,9 @@ class _Session:
         its shadow from now on."""
         self.express = False
         recording = self.recording
+        recording.left += 1
+        if recording.left >= _MAX_LEAVES:  # every step leaves it (at a call the tape cannot replay, say)
+            recording.express = False
         calls = recording.tape[: self.tape_pos]
         self.cursor = self.end = 0
         self.consts = {}
@@ -602,7 +611,8 @@ class _Session:
                 continue
             flat = [shadow_of[k] if type(k) is Var else self.slots[k.slot] if type(k) is _Real else k for k in call.key]
             args, kwargs = unflat_call(flat)
-            with torch.set_grad_enabled(call.grad), torch._C.DisableTorchFunctionSubclass():
+            # Express calls were taped with autocast off; the leave may come inside a user's autocast region.
+            with torch.set_grad_enabled(call.grad), torch._C.DisableTorchFunctionSubclass(), torch._C._DisableAutocast():
                 out = call.func(*args, **kwargs)
             for x in flatten(out):
                 if type(x) is LazyTensor:
@@ -649,6 +659,7 @@ class _Session:
         self.end += mark.neqns
         self.tape_pos += 1
         self.freed = self.freed | {loss._var}
+        self.recording.left = 0
         self.flush([], grads=[(leaves[i], v) for i, v in mark.grads])
         return True
 

@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import types
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -336,7 +337,10 @@ class _Recorder:
         if fake is None:
             # A non-leaf (a weight transposed eagerly, in lazy mode) is lifted as the value it is.
             source = t if t.is_leaf else t.detach()
-            with self.fake_mode:
+            with self.fake_mode, warnings.catch_warnings():
+                # Describing a detached view, torch's meta converter reads its base's .grad; a non-leaf base
+                # (a weight autocast cast to bf16) warns about that read, which is torch's, not the user's.
+                warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf", UserWarning)
                 try:
                     fake = self.fake_mode.from_tensor(source, static_shapes=True)
                 except AssertionError:

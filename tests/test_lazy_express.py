@@ -430,3 +430,21 @@ def test_a_positional_lookup_replays_with_its_saved_indices(dispatched):
         counts.append(len(dispatched))
         dispatched.clear()
     assert counts[0] > 0 and counts[1:] == [0, 0, 0], counts
+
+
+def test_a_step_that_always_leaves_the_replay_stops_replaying_express(monkeypatch):
+    """A call the tape does not replay (here one under autocast) in every step: the first two replays leave
+    the express replay there; after that the recording is replayed slowly from the start, not express then
+    slow."""
+    left = []
+    leave = lazy_module._Session.leave_express
+    monkeypatch.setattr(lazy_module._Session, "leave_express", lambda self: left.append(self.tape_pos) or leave(self))
+
+    def step(i, model, x, y):
+        h = model[1](model[0](x))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = model[2](h)
+        return F.cross_entropy(h.float(), y)
+
+    assert_same_loop(step, n=6)
+    assert left == [2, 2], left
