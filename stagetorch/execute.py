@@ -32,16 +32,8 @@ class Program:
         self.graph = graph
         kept = {v for v in graph.outvars if isinstance(v, Var)} | set(keep) | {v for _, v in graph.grads}
         inputs = set(graph.invars)
-        # Autograd detaches every tensor it saves; below autograd a detach of a computed value is only an
-        # alias. Such a detach (not of an input, not kept) costs no call: its output shares its input's slot.
-        alias: dict[Var, Var] = {}
-        eqns = []
-        for e in graph.eqns:
-            src = e.args[0] if e.prim is _DETACH and e.args else None
-            if type(src) is Var and src not in inputs and e.outvars[0] not in kept and not e.kwargs:
-                alias[e.outvars[0]] = alias.get(src, src)
-            else:
-                eqns.append(e)
+        alias = _aliases(graph, kept, inputs)
+        eqns = [e for e in graph.eqns if not (e.outvars and e.outvars[0] in alias)]
         slot_of: dict[Var, int] = {}
         nslots = 0
         for v in graph.vars():
@@ -84,6 +76,57 @@ class Program:
         """Run; return the flat outputs and the (input position, gradient) pairs to accumulate."""
         env = self.run_env(inputs)
         return self.outputs(env), [(i, env[s]) for i, s in self.grad_slots]
+
+
+_T = torch.ops.aten.t.default
+_VIEW = torch.ops.aten.view.default
+
+
+def _aliases(graph: Graph, kept: set[Var], inputs: set[Var]) -> dict[Var, Var]:
+    """Equations whose output is, below autograd, another value with the same sizes and strides: each
+    such output maps to that value, whose slot it shares, and its equation (and any it alone fed) costs no
+    call. A staged backward is full of them: autograd detaches what it saves and what it accumulates, and
+    a linear layer's weight gradient is ``t(t(mm))``, a bias gradient ``view(sum)`` of the same shape.
+
+    - ``detach(x)``;
+    - ``view(x, shape)`` with ``shape`` that of ``x`` and no dim of size 0 or 1 (a size-1 dim may get
+      another stride);
+    - ``t(t(x))``, where the inner ``t`` has no other reader.
+
+    The value stood for is never an input (the caller's tensor is not handed back as another value). Unless
+    the equation is a detach whose output is not kept, that value must have no reader but this chain and
+    not be kept itself: no tensor object is handed out twice or shared by two names an in-place op tells
+    apart."""
+    uses: dict[Var, int] = {}
+    for e in graph.eqns:
+        for v in e.invars:
+            uses[v] = uses.get(v, 0) + 1
+    alias: dict[Var, Var] = {}
+    transposed: dict[Var, Var] = {}  # output of a t -> its argument
+    for e in graph.eqns:
+        if len(e.outvars) != 1 or e.kwargs or not e.args or type(e.args[0]) is not Var:
+            continue
+        out, src = e.outvars[0], e.args[0]
+        same_view = e.prim is _VIEW and len(e.args) == 2 and tuple(e.args[1]) == src.aval.shape
+        if (e.prim is _DETACH and len(e.args) == 1) or (same_view and all(type(n) is int and n > 1 for n in src.aval.shape)):
+            chain = [src]
+        elif e.prim is _T and len(e.args) == 1:
+            inner = transposed.get(src)
+            transposed[out] = src
+            if inner is None or uses.get(src) != 1 or src in kept:
+                continue
+            chain = [src, inner]
+        else:
+            continue
+        root = alias.get(chain[-1], chain[-1])
+        if root in inputs:
+            continue
+        if (out in kept or e.prim is not _DETACH) and (root in kept or any(uses.get(v) != 1 for v in chain)):
+            continue
+        alias[out] = root
+        if len(chain) == 2:
+            alias[chain[0]] = root  # the inner t: only this chain read it, so it need not run either
+    return alias
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 
@@ -238,3 +239,69 @@ def test_a_kernel_failing_mid_program_shows_the_equation_and_its_source_in_the_t
         program.run([torch.ones(5, 2, 7)])  # t() of a 3-d tensor: the kernel refuses it mid-program
     text = "".join(traceback.format_exception(info.value))
     assert "<stagetorch program" in text and "aten.t at" in text and "test_jit.py:" in text
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops a real run reaches, with the ids of the tensors each took and made (kept alive, so no id
+    is reused)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat_in = [id(a) for a in args if isinstance(a, torch.Tensor)]
+        self.ops.append((func, flat_in, id(out)))
+        self.made.append(out)
+        return out
+
+
+def test_aliases_of_a_value_run_no_call_and_hand_out_no_tensor_twice():
+    from stagetorch.execute import Program
+
+    x, w = torch.randn(3, 4), torch.randn(4, 5)
+    # A detach and a t(t(.)) of a value nothing else reads: only the mm runs, and the outputs are its value.
+    program = Program(stagetorch.make_ir(lambda x, w: ((x @ w).t().t(), (x @ w).detach()))(x, w))
+    with _Ops() as seen:
+        outs, _ = program.run([x, w])
+    assert [op for op, _, _ in seen.ops] == [torch.ops.aten.mm.default] * 2
+    assert all(torch.equal(o, x @ w) for o in outs) and outs[0] is not outs[1]
+    # A value read twice (or an input) is not stood in for: each output is its own tensor.
+    program = Program(stagetorch.make_ir(lambda x, w: (lambda y: (y.t().t(), y.detach(), y, x.detach()))(x @ w))(x, w))
+    with _Ops() as seen:
+        outs, _ = program.run([x, w])
+    assert [op.__name__ for op, _, _ in seen.ops].count("t.default") == 2
+    assert len({id(o) for o in outs}) == 4 and all(torch.equal(o, x @ w) for o in outs[:3]) and outs[3] is not x
+
+
+def test_a_staged_linear_backward_runs_no_transpose_pair_and_no_detach():
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+
+    @stagetorch.jit
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    step(x, y)
+    model.zero_grad()
+    with _Ops() as seen:
+        loss = step(x, y)
+    # The weight gradients' t(t(mm)) run only the mm: a t of a t runs only where the inner t has another reader.
+    t = torch.ops.aten.t.default
+    made_by_t = {out for op, _, out in seen.ops if op is t}
+    reads = collections.Counter(a for _, args, _ in seen.ops for a in args)
+    pairs = [args[0] for op, args, _ in seen.ops if op is t and args[0] in made_by_t]
+    assert all(reads[inner] > 1 for inner in pairs)
+    assert sum(op is t for op, _, _ in seen.ops) <= 5  # the weights (2), t(t(weight)), the mm operands (2)
+    assert torch.ops.aten.detach.default not in [op for op, _, _ in seen.ops]
+    expected = F.cross_entropy(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+        assert p.grad.stride() == q.grad.stride()
