@@ -135,9 +135,12 @@ class Executable:
         If anything fails, inputs the program updates in place (buffers) are restored first.
         """
         plan = self.plan(budget)
-        if self._mutated is None:
-            self._mutated = _mutated_inputs(self.graph)
-        saved = [(inputs[i], inputs[i].clone()) for i in self._mutated]
+        mutated = self._mutated
+        if mutated is None:
+            mutated = self._mutated = _mutated_inputs(self.graph)
+        if not mutated and len(plan.chunk_sizes) == 1:  # one call, nothing to restore if it fails
+            return (self._program or self.program).run(inputs)
+        saved = [(inputs[i], inputs[i].clone()) for i in mutated]
         try:
             if plan.chunked:
                 log.info("stagetorch: %s: %s", name, plan)

@@ -74,7 +74,8 @@ class Program:
 
     def run(self, inputs: Sequence[torch.Tensor]) -> tuple[list, list[tuple[int, torch.Tensor]]]:
         """Run; return the flat outputs and the (input position, gradient) pairs to accumulate."""
-        env = self.run_env(inputs)
+        with torch._C._AutoDispatchBelowAutograd():  # as run_env (a step's hot path: one call less)
+            env = self._run(inputs)
         return self.outputs(env), [(i, env[s]) for i, s in self.grad_slots]
 
 
@@ -129,10 +130,13 @@ def _aliases(graph: Graph, kept: set[Var], inputs: set[Var]) -> dict[Var, Var]:
     return alias
 
 
-def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """What autograd's AccumulateGrad does for a dense leaf: set ``.grad`` or add into it in place."""
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, fresh: bool = False) -> None:
+    """What autograd's AccumulateGrad does for a dense leaf: set ``.grad`` or add into it in place.
+    ``fresh``: ``grad`` is known to live in storage of its own (not a view of an input)."""
     if param.grad is None:
-        if grad.stride() != param.stride() or grad.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
+        if grad.stride() != param.stride() or (
+            not fresh and grad.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
+        ):
             grad = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device=param.device).copy_(grad)
         param.grad = grad
     else:

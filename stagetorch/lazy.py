@@ -179,11 +179,7 @@ _RECORDINGS: dict[tuple, _Recording] = {}
 _MAX_RECORDINGS = 32
 
 
-def _input_key(tensors: tuple[torch.Tensor, ...], batch: int) -> tuple:
-    # Grad mode tells a training step from an evaluation step on batches of the same shape (a loop that
-    # alternates them would otherwise re-record each time).
-    meta = tuple((t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors)
-    return batch, torch.is_grad_enabled(), meta
+_BATCHED_AT: dict[int, Batched] = {}  # Batched(dim) of an input, made once per dim
 
 
 def _meta(t: torch.Tensor) -> tuple:
@@ -227,10 +223,13 @@ class _Session:
     tape_pos = 0  # the next call of the tape to replay
     shadowed = False  # the lazy tensors the express replay made have shadows: calls take those instead
 
-    def __init__(self, tensors: tuple[torch.Tensor, ...], batch: int, memory_budget: int | str | None):
-        self.batch = tensors[0].shape[batch % tensors[0].ndim]
+    def __init__(self, tensors: tuple[torch.Tensor, ...], batch: int, memory_budget: int | str | None, size: int):
+        self.batch = size
         self.memory_budget = memory_budget
-        self.key = _input_key(tensors, batch)
+        # The key: grad mode tells a training step from an evaluation step on batches of the same shape (a
+        # loop that alternates them would otherwise re-record each time).
+        metas = [(t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors]
+        self.key = (batch, torch.is_grad_enabled(), tuple(metas))
         self.values: dict[Var, torch.Tensor] = {}  # real values of vars, inputs included
         self.consts: dict[Var, torch.Tensor] = {}  # the real tensors recorded calls read
         self.alive: dict[Var, weakref.ref] = {}
@@ -240,7 +239,7 @@ class _Session:
         self.slot_ids: dict[int, int] = {}
         self.graph_nodes: dict[int, list] = {}  # slot of a real argument with a graph -> its nodes, walked
         self.replaying = _RECORDINGS.get(self.key)
-        grad_inputs = any(t.requires_grad for t in tensors)
+        grad_inputs = any(m[4] for m in metas)
         if self.replaying is not None:
             self.recording = self.replaying
             self.eqns = self.replaying.eqns
@@ -257,14 +256,16 @@ class _Session:
             if not grad_inputs:
                 self.tape = self.recording.tape = []
         self.input_refs: list[weakref.ref] = []
-        for i, (t, var) in enumerate(zip(tensors, inputs)):
-            real = t.detach()
+        for i, (t, var, (shape, stride, dtype, device, requires_grad)) in enumerate(zip(tensors, inputs, metas)):
+            real = t.detach() if requires_grad else t  # the value, without its autograd graph
             fake = None
             if var is None:
                 var, fake = self._add_input(i, real)
             self.values[var] = real
-            self.batched[var] = Batched(batch % t.ndim)
-            lazy_t = _lazy_tensor(t.shape, t.stride(), t.dtype, t.device, var, self, fake, t.requires_grad)
+            dim = batch % len(shape)
+            self.batched[var] = _BATCHED_AT.get(dim) or _BATCHED_AT.setdefault(dim, Batched(dim))
+            lazy_t = _make_subclass(LazyTensor, shape, strides=stride, dtype=dtype, device=device, requires_grad=requires_grad)
+            lazy_t._fake, lazy_t._var, lazy_t._session = fake, var, self
             self.alive[var] = ref = weakref.ref(lazy_t)
             self.input_refs.append(ref)
             self.lazies.append(lazy_t)
@@ -895,8 +896,10 @@ class _Session:
             span = flushes[(self.done, end)] = (produced, invars)
         produced, invars = span
         values = self.values
+        # Only what can still be read is kept: the inputs, and values whose lazy tensor is alive.
+        alive = self.alive = {v: ref for v, ref in self.alive.items() if ref() is not None}
         wanted = {v for v in targets if v not in values}
-        wanted.update(v for v, ref in self.alive.items() if v not in values and ref() is not None)
+        wanted.update(v for v in alive if v not in values)
         wanted.update(v for _, v in grads)
         later = None
         if self.express:
@@ -916,28 +919,33 @@ class _Session:
             batched = {v: b for v, b in self.batched.items() if v in invars}
             executable = Executable(graph, batched, self.batch)
             device = next((v.aval.device for v in executable.batched), torch.device("cpu"))
-            built = flushes[(self.done, end, outs)] = (executable, device)
-        executable, device = built
-        results, _ = executable.run([self._value_of(v) for v in invars], free_memory(device, self.memory_budget), name="lazy")
+            # Outputs in storage the flush made (no view of an input): a gradient there is no parameter's.
+            made = set(produced)
+            fresh = frozenset(v for v in outs if v.root in made)
+            built = flushes[(self.done, end, outs)] = (executable, device, fresh)
+        executable, device, fresh = built
+        consts = self.consts
+        try:
+            inputs = [values[v] if v in values else consts[v] for v in invars]
+        except KeyError:
+            raise ConcretizationError("a lazy value was dropped before it ran; this is a bug in stagetorch.lazy") from None
+        batched = self.batched
+        kept = {v: x for v, x in values.items() if v in alive or v in batched or (later is not None and v in later)}
+        results, _ = executable.run(inputs, free_memory(device, self.memory_budget), name="lazy")
         self.done = end
-        values.update(zip(outs, results))
+        new = dict(zip(outs, results))
+        dropped = False
         for leaf, v in grads:
             if type(leaf.grad) is LazyTensor:
                 leaf.grad = None  # autograd stored the lazy gradient; accumulate the real one as it would have
-            accumulate_grad(leaf, values[v])
-        # Keep only what can still be read: the inputs, and values whose lazy tensor is alive.
-        self.alive = {v: ref for v, ref in self.alive.items() if ref() is not None}
-        self.values = {
-            v: x for v, x in values.items() if v in self.alive or v in self.batched or (later is not None and v in later)
-        }
+                dropped = True
+            accumulate_grad(leaf, new[v] if v in new else values[v], fresh=v in fresh)
+        if dropped:
+            alive = self.alive = {v: ref for v, ref in alive.items() if ref() is not None}
+            kept = {v: x for v, x in kept.items() if v in alive or v in batched or (later is not None and v in later)}
+        kept.update((v, x) for v, x in new.items() if v in alive or (later is not None and v in later))
+        self.values = kept
 
-    def _value_of(self, v: Var) -> torch.Tensor:
-        x = self.values.get(v)
-        if x is None:
-            x = self.consts.get(v)
-        if x is None:
-            raise ConcretizationError("a lazy value was dropped before it ran; this is a bug in stagetorch.lazy")
-        return x
 
 
 def _autograd_graph(roots: list[torch.Tensor]) -> tuple[list[torch.Tensor], tuple, list]:
@@ -1427,16 +1435,21 @@ def lazy(*tensors: torch.Tensor, batch: int = 0, memory_budget: int | str | None
     """
     if not tensors:
         raise ValueError("stagetorch.lazy needs at least one tensor")
+    size = None
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"stagetorch.lazy: argument {i} is a {type(t).__name__}, not a tensor")
-        if not -t.ndim <= batch < t.ndim:
+        ndim = t.ndim
+        if not -ndim <= batch < ndim:
             raise ValueError(f"stagetorch.lazy: batch={batch} is out of range for argument {i} with shape {tuple(t.shape)}")
-    sizes = {t.shape[batch % t.ndim] for t in tensors}
-    if len(sizes) > 1:
-        raise ValueError(f"stagetorch.lazy: the tensors disagree on the batch size along dim {batch}: {sorted(sizes)}")
-    if sizes.pop() == 0:
+        n = t.shape[batch % ndim]
+        if size is None:
+            size = n
+        elif n != size:
+            sizes = sorted({t.shape[batch % t.ndim] for t in tensors})
+            raise ValueError(f"stagetorch.lazy: the tensors disagree on the batch size along dim {batch}: {sizes}")
+    if size == 0:
         raise ValueError("stagetorch.lazy: the batch is empty")
-    session = _Session(tensors, batch, memory_budget)
+    session = _Session(tensors, batch, memory_budget, size)
     out, session.lazies = session.lazies, []  # the session keeps no strong reference to a lazy tensor
     return out[0] if len(out) == 1 else tuple(out)
