@@ -35,7 +35,8 @@ def free_memory(device: torch.device, budget: int | str | None = None) -> int:
     """The bytes a step may use on ``device``: the budget if given, else what the device has free."""
     if budget is not None:
         return parse_bytes(budget)
-    device = torch.device(device)
+    if type(device) is not torch.device:
+        device = torch.device(device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)

@@ -172,6 +172,10 @@ class _Call:
     slots_before: int = 0  # how many real tensors the session's earlier calls took
     guard: Any = None  # the generated match (_compile_guard), made at its first replay
 
+    def compile_guard(self) -> Callable:
+        self.guard = _compile_guard(self)
+        return self.guard
+
 
 # The latest recording per input signature: the step loop of a training script records once. The oldest
 # signatures are forgotten first.
@@ -208,7 +212,7 @@ class _Session:
     it. The first call that differs switches the session to recording: the steps replayed so far are
     recorded again on fakes, and it goes on from there.
 
-    Above that, a session replaying a taped recording starts *express* (:meth:`_express_call`): calls are
+    Above that, a session replaying a taped recording starts *express* (``LazyTensor.__torch_function__``): calls are
     matched against the tape and not run until one is not the tape's next (:meth:`leave_express`).
     """
 
@@ -556,21 +560,6 @@ class _Session:
             # No op: only a call that hands back its own arguments (``x.to(x.dtype)``, ``x.contiguous()``) is
             # reproduced; anything else changed what the tape cannot see (autograd state, a new alias).
             call.express = False
-
-    def _express_call(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        tape = self.recording.tape
-        if self.tape_pos >= len(tape):
-            return _MISS
-        call = tape[self.tape_pos]
-        if (
-            (call.func is not func and call.func != func) or not call.express or call.grad is not _grad_enabled()
-            or _any_autocast()
-        ):
-            return _MISS
-        guard = call.guard
-        if guard is None:
-            guard = call.guard = _compile_guard(call)
-        return guard(self, args, kwargs)
 
     def _express_out(self, o: _New) -> LazyTensor:
         t = _make_subclass(LazyTensor, o.shape, strides=o.stride, dtype=o.dtype, device=o.device, requires_grad=o.requires_grad)
@@ -922,8 +911,8 @@ class _Session:
             # Outputs in storage the flush made (no view of an input): a gradient there is no parameter's.
             made = set(produced)
             fresh = frozenset(v for v in outs if v.root in made)
-            built = flushes[(self.done, end, outs)] = (executable, device, fresh)
-        executable, device, fresh = built
+            built = flushes[(self.done, end, outs)] = (executable, device, fresh, {v: i for i, v in enumerate(outs)})
+        executable, device, fresh, position = built
         consts = self.consts
         try:
             inputs = [values[v] if v in values else consts[v] for v in invars]
@@ -933,17 +922,19 @@ class _Session:
         kept = {v: x for v, x in values.items() if v in alive or v in batched or (later is not None and v in later)}
         results, _ = executable.run(inputs, free_memory(device, self.memory_budget), name="lazy")
         self.done = end
-        new = dict(zip(outs, results))
         dropped = False
         for leaf, v in grads:
             if type(leaf.grad) is LazyTensor:
                 leaf.grad = None  # autograd stored the lazy gradient; accumulate the real one as it would have
                 dropped = True
-            accumulate_grad(leaf, new[v] if v in new else values[v], fresh=v in fresh)
+            i = position.get(v)
+            accumulate_grad(leaf, values[v] if i is None else results[i], fresh=v in fresh)
         if dropped:
             alive = self.alive = {v: ref for v, ref in alive.items() if ref() is not None}
             kept = {v: x for v, x in kept.items() if v in alive or v in batched or (later is not None and v in later)}
-        kept.update((v, x) for v, x in new.items() if v in alive or (later is not None and v in later))
+        for v, x in zip(outs, results):
+            if v in alive or (later is not None and v in later):
+                kept[v] = x
         self.values = kept
 
 
@@ -1359,10 +1350,19 @@ class LazyTensor(torch.Tensor):
             first = args[0] if args else None
             session = first._session if type(first) is LazyTensor else _session_of(args, kwargs)
             if session is not None:
-                if session.express:  # the hot path of a replayed step
-                    out = session._express_call(func, args, kwargs)
-                    if out is not _MISS:
-                        return out
+                if session.express:
+                    # The hot path of a replayed step: the tape's next call, if it is this one, matched by its
+                    # guard (which makes the lazy results). Anything else leaves the express replay.
+                    tape, pos = session.recording.tape, session.tape_pos
+                    if pos < len(tape):
+                        call = tape[pos]
+                        if (
+                            (call.func is func or call.func == func) and call.express
+                            and call.grad is _grad_enabled() and not _any_autocast()
+                        ):
+                            out = (call.guard or call.compile_guard())(session, args, kwargs)
+                            if out is not _MISS:
+                                return out
                     session.leave_express()
                 return session.torch_call(func, args, kwargs)
         elif kind == "meta":
