@@ -924,11 +924,16 @@ class _Session:
         self.done = end
         dropped = False
         for leaf, v in grads:
-            if type(leaf.grad) is LazyTensor:
-                leaf.grad = None  # autograd stored the lazy gradient; accumulate the real one as it would have
+            grad = leaf.grad
+            if type(grad) is LazyTensor:
+                leaf.grad = grad = None  # autograd stored the lazy gradient; accumulate the real one as it would have
                 dropped = True
             i = position.get(v)
-            accumulate_grad(leaf, values[v] if i is None else results[i], fresh=v in fresh)
+            x = values[v] if i is None else results[i]
+            if grad is None and v in fresh and x.stride() == leaf.stride():
+                leaf.grad = x  # accumulate_grad's first case, inline (a step's hot path)
+            else:
+                accumulate_grad(leaf, x, fresh=v in fresh)
         if dropped:
             alive = self.alive = {v: ref for v, ref in alive.items() if ref() is not None}
             kept = {v: x for v, x in kept.items() if v in alive or v in batched or (later is not None and v in later)}
