@@ -32,8 +32,8 @@ class Program:
         self.graph = graph
         kept = {v for v in graph.outvars if isinstance(v, Var)} | set(keep) | {v for _, v in graph.grads}
         inputs = set(graph.invars)
-        alias = _aliases(graph, kept, inputs)
-        eqns = [e for e in graph.eqns if not (e.outvars and e.outvars[0] in alias)]
+        alias, skipped = _aliases(graph, kept, inputs)
+        eqns = [e for e in graph.eqns if not (e.outvars and (e.outvars[0] in alias or e.outvars[0] in skipped))]
         slot_of: dict[Var, int] = {}
         nslots = 0
         for v in graph.vars():
@@ -83,11 +83,12 @@ _T = torch.ops.aten.t.default
 _VIEW = torch.ops.aten.view.default
 
 
-def _aliases(graph: Graph, kept: set[Var], inputs: set[Var]) -> dict[Var, Var]:
+def _aliases(graph: Graph, kept: set[Var], inputs: set[Var]) -> tuple[dict[Var, Var], set[Var]]:
     """Equations whose output is, below autograd, another value with the same sizes and strides: each
-    such output maps to that value, whose slot it shares, and its equation (and any it alone fed) costs no
-    call. A staged backward is full of them: autograd detaches what it saves and what it accumulates, and
-    a linear layer's weight gradient is ``t(t(mm))``, a bias gradient ``view(sum)`` of the same shape.
+    such output maps to that value, whose slot it shares, and its equation costs no call; so does the
+    equation of each output returned in the set (the inner ``t`` of a pair, which only the pair read). A
+    staged backward is full of them: autograd detaches what it saves and what it accumulates, and a linear
+    layer's weight gradient is ``t(t(mm))``.
 
     - ``detach(x)``;
     - ``view(x, shape)`` with ``shape`` that of ``x`` and no dim of size 0 or 1 (a size-1 dim may get
@@ -103,6 +104,7 @@ def _aliases(graph: Graph, kept: set[Var], inputs: set[Var]) -> dict[Var, Var]:
         for v in e.invars:
             uses[v] = uses.get(v, 0) + 1
     alias: dict[Var, Var] = {}
+    skipped: set[Var] = set()  # outputs of equations that need not run, being read by none that runs
     transposed: dict[Var, Var] = {}  # output of a t -> its argument
     for e in graph.eqns:
         if len(e.outvars) != 1 or e.kwargs or not e.args or type(e.args[0]) is not Var:
@@ -114,7 +116,8 @@ def _aliases(graph: Graph, kept: set[Var], inputs: set[Var]) -> dict[Var, Var]:
         elif e.prim is _T and len(e.args) == 1:
             inner = transposed.get(src)
             transposed[out] = src
-            if inner is None or uses.get(src) != 1 or src in kept:
+            # (An inner t that is itself the middle of an earlier pair never runs: t(t(t(x))) is t(x).)
+            if inner is None or uses.get(src) != 1 or src in kept or inner in skipped:
                 continue
             chain = [src, inner]
         else:
@@ -126,8 +129,8 @@ def _aliases(graph: Graph, kept: set[Var], inputs: set[Var]) -> dict[Var, Var]:
             continue
         alias[out] = root
         if len(chain) == 2:
-            alias[chain[0]] = root  # the inner t: only this chain read it, so it need not run either
-    return alias
+            skipped.add(chain[0])  # the inner t: only this chain read it, so it need not run either
+    return alias, skipped
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, fresh: bool = False) -> None:

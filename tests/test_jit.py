@@ -274,6 +274,15 @@ def test_aliases_of_a_value_run_no_call_and_hand_out_no_tensor_twice():
         outs, _ = program.run([x, w])
     assert [op.__name__ for op, _, _ in seen.ops].count("t.default") == 2
     assert len({id(o) for o in outs}) == 4 and all(torch.equal(o, x @ w) for o in outs[:3]) and outs[3] is not x
+    # Chains: t(t(t(.))) is one t; t(t(detach(.))) none; a same-shape view none, a size-1 dim's view runs.
+    f = lambda x, w: ((x @ w).t().t().t() * 1, (x @ w).detach().t().t() * 1, (x @ w).view(3, 5) * 1, (x[:1] @ w).view(1, 5) * 1)
+    program = Program(stagetorch.make_ir(f)(x, w))
+    with _Ops() as seen:
+        outs, _ = program.run([x, w])
+    names = [op.__name__ for op, _, _ in seen.ops]
+    assert names.count("t.default") == 1 and names.count("view.default") == 1 and "detach.default" not in names
+    for got, want in zip(outs, f(x, w)):
+        assert got.shape == want.shape and got.stride() == want.stride() and torch.equal(got, want)
 
 
 def test_a_staged_linear_backward_runs_no_transpose_pair_and_no_detach():
