@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import random
 
 import models
 import pytest
@@ -314,3 +315,37 @@ def test_a_staged_linear_backward_runs_no_transpose_pair_and_no_detach():
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
         assert p.grad.stride() == q.grad.stride()
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_chains_of_aliases_run_as_eager(seed):
+    """Random chains of t, detach and views over computed values, some read twice, some returned: the
+    program's outputs have eager's values, shapes and strides, and are the same tensor where eager's are."""
+    from stagetorch.execute import Program
+
+    rng = random.Random(seed)
+    x, w = torch.randn(3, 4), torch.randn(4, 5)
+    ops = [
+        lambda h: h.t(), lambda h: h.t(), lambda h: h.t(), lambda h: h.detach(), lambda h: h.view(h.shape), lambda h: h * 2,
+        lambda h: h.reshape(-1).view(h.shape), lambda h: h.transpose(0, 1), lambda h: h.t().contiguous(),
+    ]
+    plan = [(rng.randrange(len(ops)), rng.random() < 0.3, rng.random() < 0.3) for _ in range(rng.randint(1, 8))]
+
+    def f(x, w):
+        h, outs, values = x @ w, [], []
+        for k, read_twice, returned in plan:
+            values.append(h)
+            h = ops[k](h)
+            if read_twice:
+                outs.append(values[-1] + 1)
+            if returned:
+                outs.append(h)
+        return (*outs, h)
+
+    program = Program(stagetorch.make_ir(f)(x, w))
+    got, _ = program.run([x, w])
+    want = f(x, w)
+    assert len(got) == len(want)
+    assert [[a is b for b in got] for a in got] == [[a is b for b in want] for a in want]  # the same tensors
+    for g, e in zip(got, want):
+        assert g.shape == e.shape and g.stride() == e.stride() and torch.equal(g, e)
