@@ -212,8 +212,8 @@ class _Session:
     it. The first call that differs switches the session to recording: the steps replayed so far are
     recorded again on fakes, and it goes on from there.
 
-    Above that, a session replaying a taped recording starts *express* (``LazyTensor.__torch_function__``): calls are
-    matched against the tape and not run until one is not the tape's next (:meth:`leave_express`).
+    Above that, a session replaying a taped recording starts *express* (in ``LazyTensor.__torch_function__``):
+    calls are matched against the tape and not run until one is not the tape's next (:meth:`leave_express`).
     """
 
     done = 0  # equations before this index have run
@@ -941,7 +941,6 @@ class _Session:
             if v in alive or (later is not None and v in later):
                 kept[v] = x
         self.values = kept
-
 
 
 def _autograd_graph(roots: list[torch.Tensor]) -> tuple[list[torch.Tensor], tuple, list]:
