@@ -105,3 +105,26 @@ def test_model_zoo_ratio(benchmark, name, batch):
     e, z = benchmark.pedantic(interleaved, (eager, lazy, 200), rounds=1, iterations=1)
     benchmark.extra_info.update(eager_median_us=e * 1e6, lazy_median_us=z * 1e6, ratio=z / e)
     print(f"\n{name}, batch {batch}: eager median {e * 1e6:.0f} us, lazy median {z * 1e6:.0f} us, lazy / eager {z / e:.2f}")
+
+
+@pytest.mark.parametrize("batch", [8, 256])
+def test_inference_ratio(benchmark, batch):
+    """An evaluation step under ``torch.no_grad()``: forward, accuracy, ``.item()`` (interleaved, 400 of each).
+    No autograd bookkeeping to save here: the guards and the flush are the whole difference."""
+    torch.set_num_threads(2)
+    model, make = models.seed_mlp()
+    x, y = make(batch)
+
+    def step(mode):
+        def run():
+            with torch.no_grad():
+                inputs, labels = stagetorch.lazy(x, y, batch=0) if mode == "lazy" else (x, y)
+                return (model(inputs).argmax(1) == labels).float().mean().item()
+
+        return run
+
+    eager, lazy = step("eager"), step("lazy")
+    assert eager() == lazy()
+    e, z = benchmark.pedantic(interleaved, (eager, lazy), rounds=1, iterations=1)
+    benchmark.extra_info.update(eager_median_us=e * 1e6, lazy_median_us=z * 1e6, ratio=z / e)
+    print(f"\nno_grad, batch {batch}: eager median {e * 1e6:.0f} us, lazy median {z * 1e6:.0f} us, lazy / eager {z / e:.2f}")
