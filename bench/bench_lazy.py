@@ -18,7 +18,6 @@ import models
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import stagetorch
 
@@ -77,16 +76,12 @@ def test_interleaved_ratio(benchmark, batch):
 def zoo_step(name, model, x, y, mode):
     """A train step of a model of tests/models.py: forward, loss, backward, SGD step."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    forward_backward = models.gpt2_step(model) if name == "gpt2" else models.train_step(model)
 
     def step():
         inputs, labels = stagetorch.lazy(x, y, batch=0) if mode == "lazy" else (x, y)
         optimizer.zero_grad()
-        if name == "gpt2":
-            loss = model(input_ids=inputs, labels=labels).loss
-        else:
-            out = model(inputs)
-            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), labels.reshape(-1))
-        loss.backward()
+        forward_backward(inputs, labels)
         optimizer.step()
 
     return step

@@ -139,7 +139,7 @@ class Executable:
         if mutated is None:
             mutated = self._mutated = _mutated_inputs(self.graph)
         if not mutated and len(plan.chunk_sizes) == 1:  # one call, nothing to restore if it fails
-            return (self._program or self.program).run(inputs)
+            return self.program.run(inputs)
         saved = [(inputs[i], inputs[i].clone()) for i in mutated]
         try:
             if plan.chunked:

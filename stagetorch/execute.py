@@ -21,6 +21,8 @@ from .ir import Eqn, Graph, Literal, Var, op_name
 __all__ = ["Program", "accumulate_grad"]
 
 _DETACH = torch.ops.aten.detach.default
+_T = torch.ops.aten.t.default
+_VIEW = torch.ops.aten.view.default
 
 
 class Program:
@@ -77,10 +79,6 @@ class Program:
         with torch._C._AutoDispatchBelowAutograd():  # as run_env (a step's hot path: one call less)
             env = self._run(inputs)
         return self.outputs(env), [(i, env[s]) for i, s in self.grad_slots]
-
-
-_T = torch.ops.aten.t.default
-_VIEW = torch.ops.aten.view.default
 
 
 def _aliases(graph: Graph, kept: set[Var], inputs: set[Var]) -> tuple[dict[Var, Var], set[Var]]:

@@ -232,7 +232,7 @@ class _Session:
         self.memory_budget = memory_budget
         # The key: grad mode tells a training step from an evaluation step on batches of the same shape (a
         # loop that alternates them would otherwise re-record each time).
-        metas = [(t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors]
+        metas = [_meta(t) for t in tensors]
         self.key = (batch, torch.is_grad_enabled(), tuple(metas))
         self.values: dict[Var, torch.Tensor] = {}  # real values of vars, inputs included
         self.consts: dict[Var, torch.Tensor] = {}  # the real tensors recorded calls read
@@ -266,6 +266,8 @@ class _Session:
             if var is None:
                 var, fake = self._add_input(i, real)
             self.values[var] = real
+            # _lazy_tensor and Batched(dim), inline and cached: a replayed step's hot path, where each call
+            # saved is measurable (with these and flush's inline .grad, batch 256 ran 1.044x eager, not 1.051x).
             dim = batch % len(shape)
             self.batched[var] = _BATCHED_AT.get(dim) or _BATCHED_AT.setdefault(dim, Batched(dim))
             lazy_t = _make_subclass(LazyTensor, shape, strides=stride, dtype=dtype, device=device, requires_grad=requires_grad)
@@ -931,7 +933,7 @@ class _Session:
             i = position.get(v)
             x = values[v] if i is None else results[i]
             if grad is None and v in fresh and x.stride() == leaf.stride():
-                leaf.grad = x  # accumulate_grad's first case, inline (a step's hot path)
+                leaf.grad = x  # accumulate_grad's first case, inline: the hot path (see __init__)
             else:
                 accumulate_grad(leaf, x, fresh=v in fresh)
         if dropped:
