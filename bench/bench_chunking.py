@@ -22,7 +22,7 @@ import torch
 
 import stagetorch
 from stagetorch.chunking import run_chunked
-from stagetorch.memory import peak_bytes as cost
+from stagetorch.costing import peak_bytes as cost
 from stagetorch.planning import SAFETY_MARGIN, _chunk_peak
 
 BATCH = 256

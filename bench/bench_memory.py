@@ -9,7 +9,7 @@ import models
 import pytest
 
 import stagetorch
-from stagetorch.memory import peak_bytes
+from stagetorch.costing import peak_bytes
 
 
 @pytest.fixture(scope="module")

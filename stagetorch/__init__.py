@@ -1,7 +1,8 @@
 """stagetorch: stage PyTorch code, know its memory before it runs, run batches that do not fit in exact chunks."""
 
 from . import ops
-from .api import Staged, eval_shape, jit, make_ir
+from .api import Staged, eval_shape, jit, make_ir, memory
+from .costing import MemoryReport
 from .errors import (
     BatchCouplingError,
     ConcretizationError,
@@ -12,7 +13,6 @@ from .errors import (
 )
 from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var
 from .lazy import LazyTensor, lazy
-from .memory import MemoryReport, memory
 from .planning import Plan
 
 __all__ = [

@@ -18,15 +18,15 @@ import torch.utils._pytree as pytree
 from . import shapes
 from .batching import Batched, analyze
 from .chunking import Split, run_chunked
-from .devices import free_memory
+from .costing import MemoryReport, peak_bytes, report, timeline
+from .devices import format_bytes, free_memory
 from .errors import ShapeError
 from .execute import Program, accumulate_grad
 from .ir import Aval, Graph, Var
-from .memory import peak_bytes
 from .planning import SAFETY_MARGIN, Plan, plan_chunks
 from .tracing import State, Traced, arg_names, discover, trace
 
-__all__ = ["make_ir", "eval_shape", "jit", "Staged"]
+__all__ = ["make_ir", "eval_shape", "jit", "Staged", "memory", "Executable"]
 
 log = logging.getLogger("stagetorch")
 
@@ -340,3 +340,74 @@ def jit(
     if fn is None:
         return lambda f: Staged(f, **options)
     return Staged(fn, **options)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Memory reports: a front end over the memory interpreter.
+
+
+def _live_totals(graph: Graph) -> list[int]:
+    return [sum(row) for row in timeline(graph).live]
+
+
+def memory(
+    fn: Callable,
+    *,
+    batch_dim: int = 0,
+    batch_argnums: Sequence[int] | None = None,
+    static_argnums: Sequence[int] = (),
+) -> Callable[..., MemoryReport]:
+    """Cost ``fn`` before running it: ``stagetorch.memory(fn)(*args, **kwargs) -> MemoryReport``.
+
+    The step is staged at the given batch and at two smaller ones (the batched arguments sliced along
+    ``batch_dim``); the fixed and per-example parts come from those peaks, and a third size checks that the
+    peak is affine in the batch. Nothing is run and no real tensor is touched.
+    """
+
+    def cost(*args: Any, **kwargs: Any) -> MemoryReport:
+        staged = Staged(fn, batch_dim=batch_dim, batch_argnums=batch_argnums, static_argnums=static_argnums)
+        leaves, batch = staged._batch_leaves(args, kwargs)
+        graph = staged.graph(*args, **kwargs)
+        if batch < 4 or not any(b for b, _ in leaves):
+            return report(graph, batch, True, "Too few examples to separate the per-example part.")
+        totals = {batch: _live_totals(graph)}
+        for b in (batch // 2, batch // 4):
+            small_args, small_kwargs = _sliced(staged, args, kwargs, b)
+            small = staged.graph(*small_args, **small_kwargs)
+            # The slices are views of the whole batch; cost them as the batch of that size they stand for.
+            for v, role in zip(small.invars, small.roles):
+                if role == "arg" and v.base is None:
+                    v.storage_nbytes = v.aval.nbytes
+            totals[b] = _live_totals(small)
+        half, quarter = batch // 2, batch // 4
+        if not len(totals[batch]) == len(totals[half]) == len(totals[quarter]):
+            return report(graph, batch, False, "The staged program changes with the batch size (control flow on "
+                           "shapes), so the per-example part cannot be separated.")
+        slope = tuple((x - y) / (batch - half) for x, y in zip(totals[batch], totals[half]))
+        fixed = tuple(x - s * batch for x, s in zip(totals[batch], slope))
+        worst = max(abs(a + s * quarter - q) for a, s, q in zip(fixed, slope, totals[quarter]))
+        linear = worst <= 1e-3 * max(totals[quarter]) + 1024
+        note = "" if linear else (
+            f"The peak is not affine in the batch: staging at batch {quarter} differs by up to {format_bytes(worst)} "
+            f"from the line through batches {half} and {batch} (an op whose size grows faster than the batch, "
+            "such as attention across examples)."
+        )
+        return report(graph, batch, linear, note, (fixed, slope))
+
+    return cost
+
+
+def _sliced(staged: Any, args: tuple, kwargs: dict, b: int) -> tuple[tuple, dict]:
+    leaves_info, _ = staged._batch_leaves(args, kwargs)
+    it = iter(leaves_info)
+    static = set(staged.static_argnums)
+
+    def cut(x: Any, argnum: int) -> Any:
+        if not isinstance(x, torch.Tensor) or argnum in static:
+            return x
+        is_batched, dim = next(it)
+        return x.narrow(dim, 0, b) if is_batched else x
+
+    new_args = tuple(pytree.tree_map(lambda x, i=i: cut(x, i), a) for i, a in enumerate(args))
+    new_kwargs = {k: pytree.tree_map(lambda x: cut(x, -1), v) for k, v in kwargs.items()}
+    return new_args, new_kwargs

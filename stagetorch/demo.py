@@ -10,8 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .api import jit, make_ir
-from .memory import memory
+from .api import jit, make_ir, memory
 
 
 def _model() -> nn.Module:

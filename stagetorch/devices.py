@@ -8,7 +8,7 @@ import time
 
 import torch
 
-__all__ = ["parse_bytes", "free_memory"]
+__all__ = ["parse_bytes", "format_bytes", "free_memory"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -29,6 +29,14 @@ def parse_bytes(budget: int | str) -> int:
     if value <= 0:
         raise ValueError(f"memory_budget must be positive, got {budget!r}")
     return value
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def free_memory(device: torch.device, budget: int | str | None = None) -> int:

@@ -12,9 +12,9 @@ from collections.abc import Callable
 import attrs
 
 from .chunking import Split
+from .devices import format_bytes
 from .errors import OutOfMemoryError
 from .ir import Graph, Var
-from .memory import format_bytes
 
 __all__ = ["Plan", "plan_chunks", "SAFETY_MARGIN"]
 

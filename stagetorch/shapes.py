@@ -13,7 +13,7 @@ import torch
 from ._tree import flatten, map_leaves
 from .errors import ShapeError, StagingError
 from .ir import Aval, Eqn, Graph, Literal, Var, op_name
-from .ops._registry import slot
+from .registry import slot
 
 __all__ = ["infer", "abstract_eval"]
 

@@ -38,6 +38,7 @@ from . import _gc
 from ._tree import flat_call, flatten, map_leaves
 from .errors import ConcretizationError, ShapeError, StagingError, UnsupportedOpError
 from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var, op_name
+from .registry import slot
 
 __all__ = ["trace", "discover", "State", "user_frame", "source_info"]
 
@@ -557,8 +558,6 @@ def _check_rule(func: Any, args: tuple, kwargs: dict, src: SourceInfo) -> None:
 def _rule_says(func: Any, args: tuple, kwargs: dict) -> str | None:
     """The explicit shape rule's account of why these operands fail, when the op has one: it names the op
     and the shapes more plainly than most kernels do."""
-    from .ops._registry import slot
-
     rule = slot(func, "shape")
     if rule is None:
         return None

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from memtrack import LivePeak, measured_peak
 
 import stagetorch
+from stagetorch.costing import MemoryEffect, peak_bytes
 from stagetorch.devices import parse_bytes
-from stagetorch.memory import MemoryEffect, peak_bytes
 
 MODELS = {**models.CLASSIFIERS, "gpt2": models.gpt2}
 

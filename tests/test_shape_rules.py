@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import stagetorch
 from stagetorch.ir import Aval
-from stagetorch.ops._registry import slot
+from stagetorch.registry import slot
 from stagetorch.shapes import meta_eval
 
 aten = torch.ops.aten

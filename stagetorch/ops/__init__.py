@@ -1,8 +1,12 @@
-"""The op registry: shape, memory and batch rules per ATen primitive, one module per op family.
+"""The library's op rules: one module per op family, each with ``SHAPE``, ``MEMORY`` and ``BATCH`` tables.
 
-``register`` and ``rules`` are public; the family modules hold the library's own tables.
+Importing this package fills the registry (:mod:`stagetorch.registry`) through the same :func:`register`
+that users call. The generic batch rules users need to describe their own ops are re-exported here.
 """
 
+from ..batching import contraction, per_example
+from ..batching import elementwise as pointwise
+from ..registry import Rule, lookup, register, rules
 from . import (
     attention,
     conv,
@@ -13,17 +17,16 @@ from . import (
     losses,
     norms,
     pooling,
+    recurrent,
     reductions,
     views,
 )
-from ._batch import contraction, per_example, reduction_loss
-from ._batch import elementwise as pointwise
-from ._registry import Rule, lookup, register, rules
+from .losses import reduction_loss
 
 __all__ = ["register", "rules", "lookup", "Rule", "pointwise", "per_example", "contraction", "reduction_loss"]
 
 for _family in (
-    elementwise, linalg, conv, pooling, norms, attention, losses, reductions, views, embedding, dropout,
+    elementwise, linalg, conv, pooling, norms, attention, recurrent, losses, reductions, views, embedding, dropout,
 ):
     for _slot in ("SHAPE", "MEMORY", "BATCH"):
         for _op, _fn in getattr(_family, _slot, {}).items():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import batching
 from ..errors import ShapeError
 from ..ir import Aval
-from . import _batch, _memory, _shape  # noqa: F401
 
 aten = torch.ops.aten
 
@@ -55,16 +55,9 @@ SHAPE: dict = {
 }
 
 
-
-# Memory rules: op -> rule(eqn) -> transient workspace bytes
-MEMORY: dict = {
-}
-
-
-
 # Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
 BATCH: dict = {
-    aten.convolution: _batch.per_example(outputs=("b",)),
-    aten.convolution_backward: _batch.per_example(outputs=("b", "sum", "sum")),
+    aten.convolution: batching.per_example(outputs=("b",)),
+    aten.convolution_backward: batching.per_example(outputs=("b", "sum", "sum")),
 }
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import batching
 from ..ir import Aval
-from . import _batch, _memory, _shape  # noqa: F401
 
 aten = torch.ops.aten
 
@@ -16,18 +16,11 @@ SHAPE: dict = {
 }
 
 
-
-# Memory rules: op -> rule(eqn) -> transient workspace bytes
-MEMORY: dict = {
-}
-
-
-
 # Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
 BATCH: dict = {
     # Each chunk draws its own random numbers: the same distribution as one full-batch draw, other values.
-    aten.native_dropout: _batch.per_example(outputs=("b", "b")),
-    aten.bernoulli_: _batch.elementwise,
-    aten.bernoulli: _batch.elementwise,
+    aten.native_dropout: batching.per_example(outputs=("b", "b")),
+    aten.bernoulli_: batching.elementwise,
+    aten.bernoulli: batching.elementwise,
 }
 

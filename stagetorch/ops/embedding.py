@@ -4,10 +4,26 @@ from __future__ import annotations
 
 import torch
 
-from ..ir import Aval
-from . import _batch, _memory, _shape  # noqa: F401
+from ..batching import Chunked, LabelFn, Reduced, coupling
+from ..ir import Aval, Eqn
 
 aten = torch.ops.aten
+
+
+# Batch rules for this family's ops (see stagetorch/batching.py).
+
+def embedding(eqn: Eqn, label: LabelFn) -> Chunked:
+    weight, indices = eqn.args[0], eqn.args[1]
+    if label(weight) is not None:
+        raise coupling(eqn, "looks up a per-example table", "keep embedding tables shared")
+    return Chunked((label(indices),))
+
+
+def embedding_dense_backward(eqn: Eqn, label: LabelFn) -> Chunked:
+    scale_by_freq = eqn.args[4] if len(eqn.args) > 4 else eqn.kwargs.get("scale_grad_by_freq", False)
+    if scale_by_freq:
+        raise coupling(eqn, "scales gradients by token counts over the batch", "use scale_grad_by_freq=False")
+    return Chunked((Reduced("sum"),))
 
 
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
@@ -19,16 +35,9 @@ SHAPE: dict = {
 }
 
 
-
-# Memory rules: op -> rule(eqn) -> transient workspace bytes
-MEMORY: dict = {
-}
-
-
-
 # Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
 BATCH: dict = {
-    aten.embedding: _batch.embedding,
-    aten.embedding_dense_backward: _batch.embedding_dense_backward,
+    aten.embedding: embedding,
+    aten.embedding_dense_backward: embedding_dense_backward,
 }
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
+from .. import batching
+from ..batching import Chunked, LabelFn, coupling, per_example
 from ..errors import ShapeError
-from ..ir import Aval
-from . import _batch, _memory, _shape  # noqa: F401
+from ..ir import Aval, Eqn
 
 aten = torch.ops.aten
 
@@ -38,6 +41,25 @@ def group_norm(x: Aval, weight, bias, n, c, hw, groups, eps):  # noqa: ANN001, A
     stats = Aval((n, groups), x.dtype, x.device)
     return x, stats, stats
 
+# Batch rules for this family's ops (see stagetorch/batching.py).
+
+def batch_norm_batch_rule(*, training_arg: int | None, outputs: Sequence[str | None]) -> Callable[[Eqn, LabelFn], Chunked]:
+    """Batch norm: exact per chunk in eval mode (running statistics); training couples the examples."""
+    inner = per_example(outputs=outputs)
+
+    def rule(eqn: Eqn, label: LabelFn) -> Chunked:
+        if training_arg is not None and eqn.args[training_arg]:
+            raise coupling(
+                eqn,
+                "normalises with statistics of the whole batch (BatchNorm in training mode)",
+                "use GroupNorm or LayerNorm, put the BatchNorm layers in eval mode (model.eval()), or run "
+                "without chunking (a larger memory_budget)",
+            )
+        return inner(eqn, label)
+
+    return rule
+
+
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
     aten.native_batch_norm: batch_norm,
@@ -53,25 +75,18 @@ SHAPE: dict = {
 }
 
 
-
-# Memory rules: op -> rule(eqn) -> transient workspace bytes
-MEMORY: dict = {
-}
-
-
-
 # Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
 BATCH: dict = {
-    aten.native_layer_norm: _batch.per_example(outputs=("b", "b", "b")),
-    aten.native_layer_norm_backward: _batch.per_example(outputs=("b", "sum", "sum")),
+    aten.native_layer_norm: batching.per_example(outputs=("b", "b", "b")),
+    aten.native_layer_norm_backward: batching.per_example(outputs=("b", "sum", "sum")),
     # N, the batch size, is an argument of group norm and its backward.
-    aten.native_group_norm: _batch.per_example(outputs=("b", "b", "b"), batch_size_args=(3,)),
-    aten.native_group_norm_backward: _batch.per_example(outputs=("b", "sum", "sum"), batch_size_args=(5,)),
-    aten.native_batch_norm: _batch.batch_norm(training_arg=5, outputs=("b", None, None)),
-    aten._native_batch_norm_legit_no_training: _batch.batch_norm(training_arg=None, outputs=("b", None, None)),
-    aten._native_batch_norm_legit: _batch.batch_norm(training_arg=5, outputs=("b", None, None)),
-    aten.native_batch_norm_backward: _batch.batch_norm(training_arg=7, outputs=("b", "sum", "sum")),
-    aten.cudnn_batch_norm: _batch.batch_norm(training_arg=5, outputs=("b", None, None, None)),
-    aten.miopen_batch_norm: _batch.batch_norm(training_arg=5, outputs=("b", None, None)),
+    aten.native_group_norm: batching.per_example(outputs=("b", "b", "b"), batch_size_args=(3,)),
+    aten.native_group_norm_backward: batching.per_example(outputs=("b", "sum", "sum"), batch_size_args=(5,)),
+    aten.native_batch_norm: batch_norm_batch_rule(training_arg=5, outputs=("b", None, None)),
+    aten._native_batch_norm_legit_no_training: batch_norm_batch_rule(training_arg=None, outputs=("b", None, None)),
+    aten._native_batch_norm_legit: batch_norm_batch_rule(training_arg=5, outputs=("b", None, None)),
+    aten.native_batch_norm_backward: batch_norm_batch_rule(training_arg=7, outputs=("b", "sum", "sum")),
+    aten.cudnn_batch_norm: batch_norm_batch_rule(training_arg=5, outputs=("b", None, None, None)),
+    aten.miopen_batch_norm: batch_norm_batch_rule(training_arg=5, outputs=("b", None, None)),
 }
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import batching
 from ..errors import ShapeError
 from ..ir import Aval
-from . import _batch, _memory, _shape  # noqa: F401
 
 aten = torch.ops.aten
 
@@ -50,16 +50,9 @@ SHAPE: dict = {
 }
 
 
-
-# Memory rules: op -> rule(eqn) -> transient workspace bytes
-MEMORY: dict = {
-}
-
-
-
 # Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
 BATCH: dict = {
-    **{op: _batch.per_example() for op in (
+    **{op: batching.per_example() for op in (
         aten.max_pool2d_with_indices, aten.max_pool2d_with_indices_backward, aten.max_pool3d_with_indices,
         aten.max_pool3d_with_indices_backward, aten.avg_pool2d, aten.avg_pool2d_backward, aten.avg_pool3d,
         aten.avg_pool3d_backward, aten._adaptive_avg_pool2d, aten._adaptive_avg_pool2d_backward,

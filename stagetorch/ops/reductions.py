@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _batch, _memory, _shape  # noqa: F401
+from .. import batching
+from . import _shape
 
 aten = torch.ops.aten
 
@@ -19,46 +20,39 @@ SHAPE: dict = {
 }
 
 
-
-# Memory rules: op -> rule(eqn) -> transient workspace bytes
-MEMORY: dict = {
-}
-
-
-
 # Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
 BATCH: dict = {
-    aten.sum.dim_IntList: _batch.reduction("sum"),
-    aten.sum.default: _batch.reduction("sum", dims_arg=None, keepdim_arg=None),
-    aten.mean.dim: _batch.mean_reduction(),
-    aten.mean.default: _batch.mean_reduction(dims_arg=None, keepdim_arg=None),
-    aten.amax: _batch.reduction("max"),
-    aten.amin: _batch.reduction("min"),
-    aten.max.default: _batch.reduction("max", dims_arg=None, keepdim_arg=None),
-    aten.min.default: _batch.reduction("min", dims_arg=None, keepdim_arg=None),
+    aten.sum.dim_IntList: batching.reduction("sum"),
+    aten.sum.default: batching.reduction("sum", dims_arg=None, keepdim_arg=None),
+    aten.mean.dim: batching.mean_reduction(),
+    aten.mean.default: batching.mean_reduction(dims_arg=None, keepdim_arg=None),
+    aten.amax: batching.reduction("max"),
+    aten.amin: batching.reduction("min"),
+    aten.max.default: batching.reduction("max", dims_arg=None, keepdim_arg=None),
+    aten.min.default: batching.reduction("min", dims_arg=None, keepdim_arg=None),
     # Reductions and scans along a dim other than the batch's.
-    aten.max.dim: _batch.along(1, keepdim=2, reduces=True),
-    aten.min.dim: _batch.along(1, keepdim=2, reduces=True),
-    aten.median.dim: _batch.along(1, keepdim=2, reduces=True),
-    aten.nanmedian.dim: _batch.along(1, keepdim=2, reduces=True),
-    aten.mode: _batch.along(1, default=-1, keepdim=2, reduces=True),
-    aten.kthvalue: _batch.along(2, default=-1, keepdim=3, reduces=True),
-    aten.prod.dim_int: _batch.along(1, keepdim=2, reduces=True),
-    aten.logsumexp: _batch.along(1, keepdim=2, reduces=True),
-    aten.var.correction: _batch.along(1, keepdim="keepdim", reduces=True),
-    aten.std.correction: _batch.along(1, keepdim="keepdim", reduces=True),
-    aten.var_mean.correction: _batch.along(1, keepdim="keepdim", reduces=True),
-    aten.std_mean.correction: _batch.along(1, keepdim="keepdim", reduces=True),
-    aten.norm.ScalarOpt_dim: _batch.along(2, keepdim=3, reduces=True),
-    aten.linalg_vector_norm: _batch.along(2, keepdim=3, reduces=True),
-    aten.aminmax: _batch.along("dim", keepdim="keepdim", reduces=True),
-    aten.cumsum: _batch.along(1),
-    aten.cumprod: _batch.along(1),
-    aten.cummax: _batch.along(1),
-    aten.cummin: _batch.along(1),
-    aten.logcumsumexp: _batch.along(1),
-    aten.sort.default: _batch.along(1, default=-1),
-    aten.sort.stable: _batch.along("dim", default=-1),
-    aten.topk: _batch.along(2, default=-1),
+    aten.max.dim: batching.along(1, keepdim=2, reduces=True),
+    aten.min.dim: batching.along(1, keepdim=2, reduces=True),
+    aten.median.dim: batching.along(1, keepdim=2, reduces=True),
+    aten.nanmedian.dim: batching.along(1, keepdim=2, reduces=True),
+    aten.mode: batching.along(1, default=-1, keepdim=2, reduces=True),
+    aten.kthvalue: batching.along(2, default=-1, keepdim=3, reduces=True),
+    aten.prod.dim_int: batching.along(1, keepdim=2, reduces=True),
+    aten.logsumexp: batching.along(1, keepdim=2, reduces=True),
+    aten.var.correction: batching.along(1, keepdim="keepdim", reduces=True),
+    aten.std.correction: batching.along(1, keepdim="keepdim", reduces=True),
+    aten.var_mean.correction: batching.along(1, keepdim="keepdim", reduces=True),
+    aten.std_mean.correction: batching.along(1, keepdim="keepdim", reduces=True),
+    aten.norm.ScalarOpt_dim: batching.along(2, keepdim=3, reduces=True),
+    aten.linalg_vector_norm: batching.along(2, keepdim=3, reduces=True),
+    aten.aminmax: batching.along("dim", keepdim="keepdim", reduces=True),
+    aten.cumsum: batching.along(1),
+    aten.cumprod: batching.along(1),
+    aten.cummax: batching.along(1),
+    aten.cummin: batching.along(1),
+    aten.logcumsumexp: batching.along(1),
+    aten.sort.default: batching.along(1, default=-1),
+    aten.sort.stable: batching.along("dim", default=-1),
+    aten.topk: batching.along(2, default=-1),
 }
 

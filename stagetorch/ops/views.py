@@ -4,10 +4,43 @@ from __future__ import annotations
 
 import torch
 
-from ..ir import Aval
-from . import _batch, _memory, _shape  # noqa: F401
+from .. import batching
+from ..batching import Batched, Chunked, LabelFn, coupling
+from ..ir import Aval, Eqn
+from . import _shape
 
 aten = torch.ops.aten
+
+
+# Batch rules for this family's ops (see stagetorch/batching.py).
+
+def _select_backward_label(eqn: Eqn, label: LabelFn) -> Batched:
+    grad, dim = eqn.args[0], eqn.args[2] % len(eqn.args[1])
+    lab = label(grad)
+    return lab.moved(lab.dim + (dim <= lab.dim))
+
+
+def _slice_backward_label(eqn: Eqn, label: LabelFn) -> Batched:
+    grad, dim = eqn.args[0], eqn.args[2] % len(eqn.args[1])
+    lab = label(grad)
+    if dim == lab.dim and list(eqn.args[1])[dim] != grad.aval.shape[dim]:
+        raise coupling(eqn, "is the gradient of a slice of the batch dim", "slice examples outside the staged function")
+    return lab
+
+
+select_backward = batching.batch_size_list(1, _select_backward_label)
+
+
+slice_backward = batching.batch_size_list(1, _slice_backward_label)
+
+
+def constant_pad_nd(eqn: Eqn, label: LabelFn) -> Chunked:
+    x, pad = eqn.args[0], eqn.args[1]
+    lab = label(x)
+    padded = {x.aval.ndim - 1 - i // 2 for i, p in enumerate(pad) if p != 0}
+    if lab.dim in padded:
+        raise coupling(eqn, "pads the batch dim", "pad examples outside the staged function")
+    return Chunked((lab,))
 
 
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
@@ -30,50 +63,43 @@ SHAPE: dict = {
 }
 
 
-
-# Memory rules: op -> rule(eqn) -> transient workspace bytes
-MEMORY: dict = {
-}
-
-
-
 # Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
 BATCH: dict = {
-    aten.view: _batch.view,
-    aten._unsafe_view: _batch.view,
-    aten.reshape: _batch.view,
-    aten.expand: _batch.expand,
-    aten.permute: _batch.permute,
-    aten.t: _batch.transpose,
-    aten.transpose: _batch.transpose,
-    aten.unsqueeze: _batch.unsqueeze,
-    aten.squeeze: _batch.squeeze,
-    aten.select.int: _batch.select,
-    aten.slice.Tensor: _batch.slice_,
-    aten.select_backward: _batch.select_backward,
-    aten.slice_backward: _batch.slice_backward,
-    aten.split: _batch.split,
-    aten.split_with_sizes: _batch.split,
-    aten.unbind: _batch.split,
-    aten.cat: _batch.cat,
-    aten.stack: _batch.stack,
-    aten.constant_pad_nd: _batch.constant_pad_nd,
+    aten.view: batching.view,
+    aten._unsafe_view: batching.view,
+    aten.reshape: batching.view,
+    aten.expand: batching.expand,
+    aten.permute: batching.permute,
+    aten.t: batching.transpose,
+    aten.transpose: batching.transpose,
+    aten.unsqueeze: batching.unsqueeze,
+    aten.squeeze: batching.squeeze,
+    aten.select.int: batching.select,
+    aten.slice.Tensor: batching.slice_,
+    aten.select_backward: select_backward,
+    aten.slice_backward: slice_backward,
+    aten.split: batching.split,
+    aten.split_with_sizes: batching.split,
+    aten.unbind: batching.split,
+    aten.cat: batching.cat,
+    aten.stack: batching.stack,
+    aten.constant_pad_nd: constant_pad_nd,
     # Copying variants of the views above.
-    aten.view_copy: _batch.view,
-    aten.expand_copy: _batch.expand,
-    aten.alias_copy: _batch.elementwise,
-    aten.squeeze_copy: _batch.squeeze,
-    aten.unsqueeze_copy: _batch.unsqueeze,
-    aten.unsafe_split: _batch.split,
-    aten.split_with_sizes_copy: _batch.split,
-    aten.flip: _batch.along(1),
-    aten.roll: _batch.along(2),
-    aten.tril: _batch.along(None, last=2),
-    aten.triu: _batch.along(None, last=2),
-    aten.gather: _batch.along(1),
-    aten.scatter: _batch.along(1),
-    aten.scatter_add: _batch.along(1),
-    aten.scatter_reduce: _batch.along(1),
-    aten.index_select: _batch.along(1),
+    aten.view_copy: batching.view,
+    aten.expand_copy: batching.expand,
+    aten.alias_copy: batching.elementwise,
+    aten.squeeze_copy: batching.squeeze,
+    aten.unsqueeze_copy: batching.unsqueeze,
+    aten.unsafe_split: batching.split,
+    aten.split_with_sizes_copy: batching.split,
+    aten.flip: batching.along(1),
+    aten.roll: batching.along(2),
+    aten.tril: batching.along(None, last=2),
+    aten.triu: batching.along(None, last=2),
+    aten.gather: batching.along(1),
+    aten.scatter: batching.along(1),
+    aten.scatter_add: batching.along(1),
+    aten.scatter_reduce: batching.along(1),
+    aten.index_select: batching.along(1),
 }
 

@@ -10,30 +10,18 @@ It knows the IR and the registry; it runs nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
-
 import attrs
 import torch
 
+from .devices import format_bytes
 from .ir import Eqn, Graph, SourceInfo, Var, op_name
-from .ops._registry import slot
+from .registry import slot
 
-__all__ = [
-    "CATEGORIES", "MemoryEffect", "Timeline", "timeline", "peak_bytes", "MemoryReport", "memory", "format_bytes",
-]
+__all__ = ["CATEGORIES", "MemoryEffect", "Timeline", "timeline", "peak_bytes", "MemoryReport", "report"]
 
 CATEGORIES = ("parameters", "buffers", "inputs", "gradients", "activations", "temporaries", "workspace")
 
 _CUDA_BLOCK = 512  # the caching allocator rounds every block up to a multiple of 512 bytes
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _allocated(nbytes: int, device: torch.device) -> int:
@@ -229,7 +217,7 @@ def _totals(t: Timeline) -> list[int]:
     return [sum(row) for row in t.live]
 
 
-def _report(
+def report(
     graph: Graph,
     batch: int,
     linear: bool,
@@ -273,69 +261,3 @@ def _report(
         point_fixed=points[0],
         point_per_example=points[1],
     )
-
-
-def memory(
-    fn: Callable,
-    *,
-    batch_dim: int = 0,
-    batch_argnums: Sequence[int] | None = None,
-    static_argnums: Sequence[int] = (),
-) -> Callable[..., MemoryReport]:
-    """Cost ``fn`` before running it: ``stagetorch.memory(fn)(*args, **kwargs) -> MemoryReport``.
-
-    The step is staged at the given batch and at two smaller ones (the batched arguments sliced along
-    ``batch_dim``); the fixed and per-example parts come from those peaks, and a third size checks that the
-    peak is affine in the batch. Nothing is run and no real tensor is touched.
-    """
-    from .api import Staged
-
-    def cost(*args: Any, **kwargs: Any) -> MemoryReport:
-        staged = Staged(fn, batch_dim=batch_dim, batch_argnums=batch_argnums, static_argnums=static_argnums)
-        leaves, batch = staged._batch_leaves(args, kwargs)
-        graph = staged.graph(*args, **kwargs)
-        if batch < 4 or not any(b for b, _ in leaves):
-            return _report(graph, batch, True, "Too few examples to separate the per-example part.")
-        totals = {batch: _totals(timeline(graph))}
-        for b in (batch // 2, batch // 4):
-            small_args, small_kwargs = _sliced(staged, args, kwargs, b)
-            small = staged.graph(*small_args, **small_kwargs)
-            # The slices are views of the whole batch; cost them as the batch of that size they stand for.
-            for v, role in zip(small.invars, small.roles):
-                if role == "arg" and v.base is None:
-                    v.storage_nbytes = v.aval.nbytes
-            totals[b] = _totals(timeline(small))
-        half, quarter = batch // 2, batch // 4
-        if not len(totals[batch]) == len(totals[half]) == len(totals[quarter]):
-            return _report(graph, batch, False, "The staged program changes with the batch size (control flow on "
-                           "shapes), so the per-example part cannot be separated.")
-        slope = tuple((x - y) / (batch - half) for x, y in zip(totals[batch], totals[half]))
-        fixed = tuple(x - s * batch for x, s in zip(totals[batch], slope))
-        worst = max(abs(a + s * quarter - q) for a, s, q in zip(fixed, slope, totals[quarter]))
-        linear = worst <= 1e-3 * max(totals[quarter]) + 1024
-        note = "" if linear else (
-            f"The peak is not affine in the batch: staging at batch {quarter} differs by up to {format_bytes(worst)} "
-            f"from the line through batches {half} and {batch} (an op whose size grows faster than the batch, "
-            "such as attention across examples)."
-        )
-        return _report(graph, batch, linear, note, (fixed, slope))
-
-    return cost
-
-
-def _sliced(staged: Any, args: tuple, kwargs: dict, b: int) -> tuple[tuple, dict]:
-    import torch.utils._pytree as pytree
-
-    leaves_info, _ = staged._batch_leaves(args, kwargs)
-    it = iter(leaves_info)
-    static = set(staged.static_argnums)
-
-    def cut(x: Any, argnum: int) -> Any:
-        if not isinstance(x, torch.Tensor) or argnum in static:
-            return x
-        is_batched, dim = next(it)
-        return x.narrow(dim, 0, b) if is_batched else x
-
-    new_args = tuple(pytree.tree_map(lambda x, i=i: cut(x, i), a) for i, a in enumerate(args))
-    new_kwargs = {k: pytree.tree_map(lambda x: cut(x, -1), v) for k, v in kwargs.items()}
-    return new_args, new_kwargs

@@ -1,0 +1,105 @@
+"""Rules for the recurrent op family: the CPU LSTM/GRU layer (oneDNN's ``mkldnn_rnn_layer``) and its backward.
+
+The layer's input is (time, batch, features) and its hidden states are (batch, hidden).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..batching import Chunked, LabelFn, Reduced, coupling
+from ..costing import MemoryEffect
+from ..errors import ShapeError
+from ..ir import Aval, Eqn, Var
+
+aten = torch.ops.aten
+
+
+def mkldnn_rnn_layer(x: Aval, w_ih: Aval, w_hh: Aval, b_ih: Aval, b_hh: Aval, hx: Aval, cx: Aval, reverse: bool,
+                     batch_sizes: list[int], mode: int, hidden_size: int, *args: Any) -> tuple[Aval, ...]:
+    """One direction of one CPU LSTM layer: (output, hy, cy, workspace). oneDNN sizes its workspace when the
+    kernel runs; the meta kernel reports it empty, and so does this rule (the memory rule measures it)."""
+    if x.shape[-1] != w_ih.shape[-1] or hx.shape != cx.shape or hx.shape[-1] != hidden_size:
+        raise ShapeError(
+            f"aten.mkldnn_rnn_layer: input {x}, weight_ih {w_ih} and states {hx}, {cx} do not fit hidden size {hidden_size}"
+        )
+    return (
+        Aval(x.shape[:-1] + (hidden_size,), x.dtype, x.device),
+        hx,
+        cx,
+        Aval((0,), torch.uint8, x.device),
+    )
+
+
+def mkldnn_rnn_layer_backward(x: Aval, w_ih: Aval, w_hh: Aval, b_ih: Aval, b_hh: Aval, hx: Aval, cx: Aval,
+                              *args: Any) -> tuple[Aval, ...]:
+    """Gradients for the input, the four weights and the two initial states."""
+    return x, w_ih, w_hh, b_ih, b_hh, hx, cx
+
+
+@functools.lru_cache(maxsize=256)
+def _mkldnn_rnn_workspace_bytes(shapes: tuple, params: tuple) -> int:
+    # oneDNN does not expose its RNN workspace size, and the fake kernel reports it as empty: run the real
+    # CPU kernel once per shape on zeros and read the size it returns.
+    args = [torch.zeros(s) for s in shapes]
+    out = torch.ops.aten.mkldnn_rnn_layer.default(*args, *params)
+    return out[3].untyped_storage().nbytes()
+
+
+def mkldnn_rnn_layer_memory(eqn: Eqn) -> MemoryEffect:
+    tensors = eqn.args[:7]
+    if any(getattr(t, "aval", None) is None or t.aval.device.type != "cpu" for t in tensors):
+        return MemoryEffect()
+    params: tuple[Any, ...] = tuple(tuple(p) if isinstance(p, list) else p for p in eqn.args[7:])
+    size = _mkldnn_rnn_workspace_bytes(tuple(t.aval.shape for t in tensors), params)
+    return MemoryEffect(outputs={3: size})
+
+
+def _rnn_layer(outputs: Sequence[str | None], hidden_args: Sequence[int]) -> Callable[[Eqn, LabelFn], Chunked]:
+    """mkldnn RNN layers: the sequence is (time, batch, features), hidden states are (batch, hidden).
+
+    ``outputs`` names each outvar: ``"seq"`` batched on dim 1, ``"hidden"`` batched on dim 0, ``"sum"`` a
+    weight gradient, ``None`` an opaque workspace that only this chunk's backward reads.
+    """
+
+    def rule(eqn: Eqn, label: LabelFn) -> Chunked:
+        seq = label(eqn.args[0])
+        if seq is None or seq.dim != 1:
+            raise coupling(eqn, "runs a recurrent layer whose input is not batched on dim 1", "keep the batch whole")
+        extent = seq.extent(label.batch)
+        cut = {}
+        for i in hidden_args:
+            v = eqn.args[i]
+            if isinstance(v, Var) and label(v) is None and v.aval.ndim and v.aval.shape[0] == extent:
+                cut[v] = seq.moved(0)
+        kinds = {"seq": seq, "hidden": seq.moved(0), "sum": Reduced("sum"), None: None}
+        return Chunked(tuple(kinds[o] if v is not None else None for o, v in zip(outputs, eqn.outvars)), slice=cut)
+
+    return rule
+
+
+rnn_layer = _rnn_layer(("seq", "hidden", "hidden", None), hidden_args=(5, 6))
+
+
+rnn_layer_backward = _rnn_layer(
+    ("seq", "sum", "sum", "sum", "sum", "hidden", "hidden"), hidden_args=(5, 6, 8, 9, 11, 12)
+)
+
+
+SHAPE: dict = {
+    aten.mkldnn_rnn_layer: mkldnn_rnn_layer,
+    aten.mkldnn_rnn_layer_backward: mkldnn_rnn_layer_backward,
+}
+
+MEMORY: dict = {
+    aten.mkldnn_rnn_layer: mkldnn_rnn_layer_memory,
+}
+
+BATCH: dict = {
+    aten.mkldnn_rnn_layer: rnn_layer,
+    aten.mkldnn_rnn_layer_backward: rnn_layer_backward,
+}
