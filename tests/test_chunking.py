@@ -186,6 +186,23 @@ def test_examples_weighted_by_a_batch_sum_use_a_prepass():
     check(model, lambda m: _step(m, loss), (x, y))
 
 
+def test_a_spatial_loss_with_reduction_none_summed():
+    # nll_loss2d with reduction="none": its backward's incoming gradient is a shared expand of the full
+    # batch, cut to each chunk.
+    model, make = _mlp()
+    x, y = make(BATCH)
+
+    def step_of(m):
+        def step(x, y):
+            loss = F.cross_entropy(m(x).unsqueeze(-1), y.unsqueeze(-1), reduction="none").sum() / x.shape[0]
+            loss.backward()
+            return loss
+
+        return step
+
+    check(model, step_of, (x, y))
+
+
 def test_normalising_by_batch_statistics_raises():
     model, make = _mlp()
     x, y = make(BATCH)

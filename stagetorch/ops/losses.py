@@ -115,14 +115,15 @@ def nll_loss_forward_batch_rule(eqn: Eqn, label: LabelFn) -> Chunked:
 
 
 def nll_loss_backward_batch_rule(eqn: Eqn, label: LabelFn) -> Chunked:
-    """Exact per chunk: the global total weight arrives as an argument."""
-    x, target = eqn.args[1], eqn.args[2]
+    """Exact per chunk: the global total weight arrives as an argument. With ``reduction="none"`` the
+    incoming gradient is per-example too (often a shared expand of ones: cut to the chunk)."""
+    grad, x, target = eqn.args[:3]
     lab = label(x) or label(target)
     if lab is None or lab.dim != 0:
         raise coupling(eqn, "has its batch off dim 0", "keep the batch on dim 0 of the loss input")
     cut = {
         v: lab
-        for v in (x, target)
+        for v in (grad, x, target)
         if label(v) is None and v.aval.ndim and v.aval.shape[0] == lab.extent(label.batch)
     }
     return Chunked((lab,), slice=cut)
