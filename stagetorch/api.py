@@ -15,12 +15,12 @@ import attrs
 import torch
 import torch.utils._pytree as pytree
 
-from . import shapes
+from . import distributed, shapes
 from .batching import Batched, analyze
 from .chunking import Split, run_chunked
 from .costing import MemoryReport, peak_bytes, report, timeline
 from .devices import format_bytes, free_memory
-from .errors import ShapeError
+from .errors import OutOfMemoryError, ShapeError
 from .execute import Program, accumulate_grad
 from .ir import Aval, Graph, Var
 from .planning import SAFETY_MARGIN, Plan, plan_chunks
@@ -196,27 +196,39 @@ class Staged:
         static_argnums: Sequence[int] = (),
         memory_budget: int | str | None = None,
         progress: bool = False,
+        process_group: Any = None,
     ):
         self.fn = fn
+        self.process_group = process_group
         self.progress = progress
         self.batch_dim = batch_dim
         self.batch_argnums = None if batch_argnums is None else tuple(batch_argnums)
         self.static_argnums = tuple(static_argnums)
         self.memory_budget = memory_budget
         self._cache: dict[tuple, _Entry] = {}
+        self._shard_plans: dict[tuple, Plan] = {}
         functools.update_wrapper(self, fn)
 
-    def _stage(self, args: tuple, kwargs: dict) -> tuple[_Entry, list, State]:
+    def _stage(self, args: tuple, kwargs: dict, global_batch: int | None = None) -> tuple[_Entry, list, State]:
+        """The cached staged program for these arguments, and its real inputs. With ``global_batch`` (a
+        process group's), the program is staged for the batched arguments holding that many examples."""
         state = discover(self.fn, args, kwargs)
         state_tensors, state_key = state.tensors_and_key()
         leaves, tree = pytree.tree_flatten((args, kwargs))
         static = set(self.static_argnums)
         argnums = _leaf_argnums(args, kwargs) if static or self.batch_argnums is not None else None
-        key = (tree, _signature(leaves, static, argnums), state_key)
+        key = (tree, _signature(leaves, static, argnums), state_key, global_batch)
         entry = self._cache.get(key)
         if entry is None:
-            batched_leaves, batch = self._batch_leaves(args, kwargs)
-            traced = trace(self.fn, args, kwargs, static_argnums=self.static_argnums, state=state)
+            batched_leaves, batch = self._batch_leaves(args, kwargs, allow_empty=global_batch is not None)
+            traced_args, traced_kwargs = args, kwargs
+            if global_batch is not None:
+                batch = global_batch
+                traced_args, traced_kwargs = _map_batched(
+                    self, args, kwargs, lambda x, dim: distributed.global_aval(x, dim, global_batch)
+                )
+            with distributed.staging(state, self.process_group):
+                traced = trace(self.fn, traced_args, traced_kwargs, static_argnums=self.static_argnums, state=state)
             graph = traced.graph
             arg_vars = [v for v, r in zip(graph.invars, graph.roles) if r == "arg"]
             batched = {v: Batched(dim) for v, (is_batched, dim) in zip(arg_vars, batched_leaves) if is_batched}
@@ -230,9 +242,12 @@ class Staged:
         inputs += entry.executable.consts
         return entry, inputs, state
 
-    def _batch_leaves(self, args: tuple, kwargs: dict) -> tuple[list[tuple[bool, int]], int]:
+    def _batch_leaves(
+        self, args: tuple, kwargs: dict, allow_empty: bool = False
+    ) -> tuple[list[tuple[bool, int]], int]:
         """For each tensor leaf of the non-static arguments: is it batched, and along which dim; and the batch
-        size. Raises a clear error for a batch dim out of range, mismatched batch sizes or an empty batch."""
+        size. Raises a clear error for a batch dim out of range, mismatched batch sizes or an empty batch
+        (unless ``allow_empty``: a process group's rank may hold no examples)."""
         static = set(self.static_argnums)
         chosen = None if self.batch_argnums is None else set(self.batch_argnums)
         if chosen is not None:
@@ -264,7 +279,7 @@ class Staged:
             listed = ", ".join(f"{w}: {n}" for w, n in sizes)
             raise ShapeError(f"the batched arguments disagree on the batch size ({listed}); batch_dim={self.batch_dim}")
         batch = sizes[0][1] if sizes else 1
-        if sizes and batch == 0:
+        if sizes and batch == 0 and not allow_empty:
             raise ShapeError(f"the batch is empty: {sizes[0][0]} has 0 examples along batch_dim={self.batch_dim}")
         return out, batch
 
@@ -281,11 +296,52 @@ class Staged:
         return free_memory(device_of(executable.graph), self.memory_budget)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.process_group is not None:
+            return self._call_sharded(args, kwargs)
         entry, inputs, _ = self._stage(args, kwargs)
         executable = entry.executable
         budget = self._budget(executable)
         name = getattr(self.fn, "__name__", "step")
         outs, grads = executable.run(inputs, budget, on_chunk=self._progress(executable.plan(budget)), name=name)
+        for i, g in grads:
+            accumulate_grad(inputs[i], g)
+        return pytree.tree_unflatten(outs, entry.traced.graph.out_tree)
+
+    def _call_sharded(self, args: tuple, kwargs: dict) -> Any:
+        """One data-parallel step: this rank's shard of a global batch (see ``stagetorch.distributed``)."""
+        group = distributed.ShardGroup(self.process_group)
+        try:
+            local = self._batch_leaves(args, kwargs, allow_empty=True)[1]
+        except Exception as e:
+            group.shard_sizes(e)
+            raise
+        sizes = group.shard_sizes(local)
+        if sum(sizes) == 0:
+            raise ShapeError(f"the global batch is empty: every rank of the process group passed 0 examples ({sizes})")
+        # The staged program is the global batch's, traced on contiguous stand-ins.
+        args, kwargs = _map_batched(self, args, kwargs, lambda x, dim: x.contiguous())
+        entry, inputs, _ = self._stage(args, kwargs, global_batch=sum(sizes))
+        executable = entry.executable
+        budget = self._budget(executable)
+        key = (id(executable), local, budget >> max(budget.bit_length() - 9, 0))
+        plan = self._shard_plans.get(key)
+        error = None
+        if plan is None:
+            try:
+                plan = self._shard_plans[key] = distributed.plan_shard(executable.split(), executable.graph, local, budget)
+            except OutOfMemoryError as e:
+                error = e
+        group.check(error)
+        if plan.chunked:
+            log.info("stagetorch: %s (rank %d): %s", getattr(self.fn, "__name__", "step"), group.rank, plan)
+        saved = [(inputs[i], inputs[i].clone()) for i in _mutated_inputs(executable.graph)]
+        try:
+            outs, grads = distributed.run_shard(executable.split(), inputs, plan.chunk_sizes, sum(sizes[: group.rank]), group)
+        except BaseException:
+            with torch.no_grad():
+                for t, copy in saved:
+                    t.copy_(copy)
+            raise
         for i, g in grads:
             accumulate_grad(inputs[i], g)
         return pytree.tree_unflatten(outs, entry.traced.graph.out_tree)
@@ -313,6 +369,7 @@ def jit(
     static_argnums: Sequence[int] = (),
     memory_budget: int | str | None = None,
     progress: bool = False,
+    process_group: Any = None,
 ) -> Any:
     """Stage ``fn`` once per input signature and run the staged program.
 
@@ -327,6 +384,11 @@ def jit(
     - ``memory_budget``: bytes (or ``"512MiB"``) the step may use; default: the device's free memory.
       A batch whose step does not fit runs in chunks, combined exactly (see ``Staged.plan``).
     - ``progress``: show a progress bar over the chunks of a chunked step.
+    - ``process_group``: a ``torch.distributed`` group (``torch.distributed.group.WORLD`` for all processes).
+      Each rank passes its own shard of a global batch (shards may differ in size, or be empty); after
+      the call every rank's ``.grad`` and the returned loss are those of the global batch, as one process
+      running all shards concatenated in rank order would compute them. Each rank plans for its own
+      ``memory_budget``. Per-example outputs are the rank's own examples. See the distributed docs page.
 
     **Returns** a :class:`Staged` callable.
     """
@@ -336,6 +398,7 @@ def jit(
         static_argnums=static_argnums,
         memory_budget=memory_budget,
         progress=progress,
+        process_group=process_group,
     )
     if fn is None:
         return lambda f: Staged(f, **options)
@@ -398,7 +461,12 @@ def memory(
 
 
 def _sliced(staged: Any, args: tuple, kwargs: dict, b: int) -> tuple[tuple, dict]:
-    leaves_info, _ = staged._batch_leaves(args, kwargs)
+    return _map_batched(staged, args, kwargs, lambda x, dim: x.narrow(dim, 0, b))
+
+
+def _map_batched(staged: Any, args: tuple, kwargs: dict, f: Callable[[torch.Tensor, int], Any]) -> tuple[tuple, dict]:
+    """The arguments with every batched tensor ``x`` replaced by ``f(x, its batch dim)``."""
+    leaves_info, _ = staged._batch_leaves(args, kwargs, allow_empty=True)
     it = iter(leaves_info)
     static = set(staged.static_argnums)
 
@@ -406,7 +474,7 @@ def _sliced(staged: Any, args: tuple, kwargs: dict, b: int) -> tuple[tuple, dict
         if not isinstance(x, torch.Tensor) or argnum in static:
             return x
         is_batched, dim = next(it)
-        return x.narrow(dim, 0, b) if is_batched else x
+        return f(x, dim) if is_batched else x
 
     new_args = tuple(pytree.tree_map(lambda x, i=i: cut(x, i), a) for i, a in enumerate(args))
     new_kwargs = {k: pytree.tree_map(lambda x: cut(x, -1), v) for k, v in kwargs.items()}

@@ -295,11 +295,13 @@ def _cut(x: torch.Tensor, lab: Batched, start: int, n: int) -> torch.Tensor:
     return inner.narrow(lab.dim + 1, start * lab.k, n * lab.k).flatten(lab.dim, lab.dim + 1)
 
 
-def _feed_values(body: BodyGraph, env: dict[Var, Any], start: int, n: int) -> list:
+def _feed_values(body: BodyGraph, env: dict[Var, Any], start: int, n: int, offset: int) -> list:
     vals = []
     for f in body.feeds:
         if f[0] == "full":
             vals.append(env[f[1]])
+        elif f[0] == "slice":  # a shared value spans the whole batch: this run's examples start at ``offset``
+            vals.append(_cut(env[f[1]], f[2], offset + start, n))
         else:
             vals.append(_cut(env[f[1]], f[2], start, n))
     return vals
@@ -308,17 +310,22 @@ def _feed_values(body: BodyGraph, env: dict[Var, Any], start: int, n: int) -> li
 class _Combiner:
     """Accumulates chunk results: per-example values into preallocated full tensors, reductions in place."""
 
-    def __init__(self, labels: dict[Var, Any]):
+    def __init__(self, labels: dict[Var, Any], batch: int):
         self.labels = labels
+        self.batch = batch  # the examples this run covers: per-example results have this extent
         self.values: dict[Var, Any] = {}
+        self.kinds: dict[Var, str] = {}
 
     def add(self, results: list[tuple[Var, str]], outs: list, start: int, n: int) -> None:
         for (v, kind), x in zip(results, outs):
+            self.kinds[v] = kind
             if kind == "cat":
                 lab = self.labels[v]
                 full = self.values.get(v)
                 if full is None:
-                    full = torch.empty(v.aval.shape, dtype=x.dtype, device=x.device)
+                    shape = list(v.aval.shape)
+                    shape[lab.dim] = lab.extent(self.batch)
+                    full = torch.empty(shape, dtype=x.dtype, device=x.device)
                     self.values[v] = full
                 if lab.outer == 1:
                     _cut(full, lab, start, n).copy_(x)
@@ -347,9 +354,10 @@ def _loop(
     env: dict[Var, Any],
     sizes: Sequence[int],
     on_chunk: Callable[[int, int], None] | None,
+    offset: int = 0,
 ) -> tuple[_Combiner, list[int]]:
     """Run a per-chunk graph over the batch; on OOM redo the failed chunk in halves. Returns what ran."""
-    combiner = _Combiner(split.analysis.labels)
+    combiner = _Combiner(split.analysis.labels, sum(sizes))
     pending = list(sizes)
     ran: list[int] = []
     start = 0
@@ -357,7 +365,7 @@ def _loop(
         n = pending.pop(0)
         body = make(n)
         try:
-            outs = body.program.outputs(body.program.run_env(_feed_values(body, env, start, n)))
+            outs = body.program.outputs(body.program.run_env(_feed_values(body, env, start, n, offset)))
         except Exception as e:
             if not _is_oom(e) or n == 1:
                 raise
@@ -381,8 +389,15 @@ def run_chunked(
     sizes: Sequence[int],
     *,
     on_chunk: Callable[[int, int], None] | None = None,
+    offset: int = 0,
+    combine: Callable[[dict[Var, torch.Tensor], dict[Var, str]], None] | None = None,
 ) -> tuple[list, list[tuple[int, torch.Tensor]], list[int]]:
     """Run the split graph in chunks of ``sizes`` examples.
+
+    ``offset`` and ``combine`` run a part of a larger batch (one process's shard): the batched inputs hold
+    the examples ``[offset, offset + sum(sizes))`` of the batch the graph was staged for, and
+    ``combine(values, kinds)`` merges, in place, the partials of the reductions over those examples with
+    those of the other parts; it is called once after each pre-pass and once after the chunk loop.
 
     **Returns** the flat outputs, the (input position, gradient) pairs to accumulate, and the chunk sizes
     that actually ran (they differ from ``sizes`` after an out-of-memory retry).
@@ -395,10 +410,14 @@ def run_chunked(
     del senv
 
     if split.globals:
-        partials, _ = _loop(split, split.normaliser_pass, env, sizes, None)
+        partials, _ = _loop(split, split.normaliser_pass, env, sizes, None, offset)
+        if combine is not None:
+            combine(partials.values, partials.kinds)
         env.update(partials.values)
     if split.reduced_for_globals:
-        partials, _ = _loop(split, split.reduction_pass, env, sizes, None)
+        partials, _ = _loop(split, split.reduction_pass, env, sizes, None, offset)
+        if combine is not None:
+            combine(partials.values, partials.kinds)
         env.update(partials.values)
         if split.global_post.eqns:
             batch_wide = split.global_post
@@ -406,7 +425,9 @@ def run_chunked(
             values = program.outputs(program.run_env([env[v] for v in batch_wide.invars]))
             env.update(zip(batch_wide.outvars, values))
 
-    combined, ran = _loop(split, split.body, env, sizes, on_chunk)
+    combined, ran = _loop(split, split.body, env, sizes, on_chunk, offset)
+    if combine is not None:
+        combine(combined.values, combined.kinds)
     env.update(combined.values)
 
     post = split.post_program

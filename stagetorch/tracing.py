@@ -642,7 +642,10 @@ def trace(
     static_argnums: Sequence[int] = (),
     state: State | None = None,
 ) -> Traced:
-    """Stage ``fn(*args, **kwargs)`` into a Graph. Real tensors are left exactly as they were."""
+    """Stage ``fn(*args, **kwargs)`` into a Graph. Real tensors are left exactly as they were.
+
+    An argument given as an :class:`~stagetorch.Aval` stands for a contiguous tensor of that aval.
+    """
     state = discover(fn, args, kwargs) if state is None else state
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     rec = _Recorder(fake_mode)
@@ -661,6 +664,12 @@ def trace(
         if isinstance(leaf, torch.Tensor) and not is_static:
             with fake_mode:
                 fake = fake_mode.from_tensor(leaf, static_shapes=True)
+            rec.add_input(fake, "arg", name)
+            fake_leaves.append(fake)
+        elif isinstance(leaf, Aval):
+            # An argument known by its aval only (a process group's global batch): a contiguous tensor.
+            with fake_mode:
+                fake = torch.empty(leaf.shape, dtype=leaf.dtype, device=leaf.device)
             rec.add_input(fake, "arg", name)
             fake_leaves.append(fake)
         else:

@@ -1,0 +1,230 @@
+"""Data parallel over a ``torch.distributed`` process group: every process runs its shard of one global batch.
+
+A step staged with ``process_group=`` is staged for the *global* batch (every rank's shard, in rank order)
+and each rank runs only its own examples, as chunks of that batch. The chunked executor already makes a
+chunk's share exact: a mean is a sum divided by the global count, a count-normalised loss divides by a
+normaliser that a pre-pass sums over the chunks. Across ranks the same holds once the partials are summed
+over the group too, so a step's collectives are:
+
+1. an all-gather of the shard sizes (the global batch and this rank's offset in it);
+2. an all-gather of "my plan fits" (every rank plans for its own memory; if one cannot, all raise);
+3. after each pre-pass, one all-reduce of the batch-wide normalisers (a loss's total weight);
+4. after the chunk loop, one bucketed all-reduce of the reductions (gradients, the loss).
+
+Nothing runs a collective inside the chunk loop, so a chunk that runs out of memory is redone locally.
+Each merge is preceded by a one-integer-per-rank status exchange, so a rank that fails mid-step still
+takes part in what the others wait for and every rank raises instead of waiting for a timeout.
+
+This module knows the chunked executor, the planner and ``torch.distributed``; it knows nothing of the
+front ends that call it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .chunking import Split, run_chunked
+from .costing import peak_bytes
+from .errors import BatchCouplingError, OutOfMemoryError, StagingError, UnsupportedOpError
+from .ir import Aval, Graph, Var
+from .planning import Plan, _chunk_peak, plan_chunks
+from .tracing import State
+
+__all__ = ["ShardGroup", "plan_shard", "run_shard", "global_aval", "staging"]
+
+# Gradients are all-reduced in buckets of this many bytes, DDP's default.
+BUCKET_BYTES = 25 * 2**20
+
+_OK, _OOM, _FAILED = 0, 1, 2
+
+_REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+
+# torch 2.13 renamed all_gather_into_tensor (and warns on the old name); torch 2.11 has only that.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ShardGroup:
+    """A process group as the staged step uses it: the collectives of one step, in a fixed order."""
+
+    def __init__(self, group: Any):
+        self.group = None if group is dist.GroupMember.WORLD else group
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+        # NCCL moves CUDA tensors only; gloo moves CPU tensors (and CUDA ones through a copy).
+        backend = dist.get_backend(self.group)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    def _gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        mine = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        every = torch.empty(self.size * len(values), dtype=torch.int64, device=self.device)
+        _all_gather(every, mine, group=self.group)
+        return every.view(self.size, len(values)).tolist()
+
+    def shard_sizes(self, local: int | BaseException) -> list[int]:
+        """Every rank's number of examples (one all-gather). ``local`` is an error when this rank could not
+        tell its own: then every rank raises."""
+        rows = self._gather_ints([-1 if isinstance(local, BaseException) else local])
+        sizes = [r[0] for r in rows]
+        if -1 in sizes:
+            self._raise(local if isinstance(local, BaseException) else None, [_FAILED if n < 0 else _OK for n in sizes])
+        return sizes
+
+    def check(self, error: BaseException | None) -> None:
+        """Agree that every rank may go on (one all-gather): if any rank failed, every rank raises."""
+        code = _OK if error is None else _OOM if isinstance(error, (OutOfMemoryError, torch.OutOfMemoryError)) else _FAILED
+        codes = [r[0] for r in self._gather_ints([code])]
+        if any(codes):
+            self._raise(error, codes)
+
+    def _raise(self, error: BaseException | None, codes: list[int]) -> None:
+        # Every rank knows someone failed, so all take part in sharing the messages, and all raise the same.
+        messages: list[Any] = [None] * self.size
+        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}", group=self.group)
+        failed = [r for r, c in enumerate(codes) if c]
+        text = "; ".join(f"rank {r} of {self.size}: {messages[r] or 'failed'}" for r in failed)
+        if all(codes[r] == _OOM for r in failed):
+            raise OutOfMemoryError(
+                f"{text}.\nNo rank ran the step: parameters and .grad are unchanged on every rank. What to do: "
+                "give that rank a larger memory_budget or fewer examples (shards may differ in size)."
+            ) from error
+        raise StagingError(
+            f"the step failed on {text}.\nEvery rank stopped before changing parameters or .grad."
+        ) from error
+
+    def merge(self, values: dict[Var, torch.Tensor], kinds: dict[Var, str]) -> None:
+        """All-reduce, in place, every reduction partial in ``values`` (by its kind: sum, max, min), in
+        buckets of at most ``BUCKET_BYTES`` per dtype, all in flight at once. ``values`` must be in the
+        same order on every rank."""
+        self.check(None)
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for v, x in values.items():
+            kind = kinds.get(v)
+            if kind in _REDUCE_OPS:
+                groups.setdefault((kind, x.dtype, x.device), []).append(x)
+        pending = []
+        for (kind, _, _), tensors in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), str(kv[0][2]))):
+            for bucket in _buckets(tensors):
+                flat = torch.cat([t.reshape(-1) for t in bucket])
+                moved = flat.to(self.device)
+                work = dist.all_reduce(moved, op=getattr(dist.ReduceOp, _REDUCE_OPS[kind]), group=self.group, async_op=True)
+                pending.append((work, moved, bucket))
+        for work, moved, bucket in pending:
+            work.wait()
+            for t, part in zip(bucket, moved.to(bucket[0].device).split([t.numel() for t in bucket])):
+                t.copy_(part.view_as(t))
+
+
+def _buckets(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > BUCKET_BYTES:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def global_aval(x: torch.Tensor, dim: int, batch: int) -> Aval:
+    """The aval ``x`` would have if its batch ``dim`` held the global ``batch``."""
+    if x.requires_grad:
+        raise UnsupportedOpError(
+            f"a batched argument of shape {tuple(x.shape)} requires grad; with process_group= the batched "
+            "arguments must be data (detach them, or keep the differentiated tensor inside the function)."
+        )
+    shape = list(x.shape)
+    shape[dim] = batch
+    return Aval(tuple(shape), x.dtype, x.device)
+
+
+def plan_shard(split: Split, graph: Graph, examples: int, budget: int) -> Plan:
+    """Chunk sizes for this rank's ``examples`` within its own ``budget``; raises ``OutOfMemoryError``.
+
+    The shard always runs through the split graphs (its counts are the global batch's), so the whole shard
+    at once is costed as one chunk of it. The global batch's inputs are counted as resident, which is
+    conservative for a rank that holds a small shard.
+    """
+    if examples == 0:
+        return Plan(0, (0,), (0,), budget, 0, "This rank has no examples: it adds zero to every sum.")
+    whole = _chunk_peak(split, examples, peak_bytes)
+    return plan_chunks(graph, lambda: split, examples, budget, peak_bytes, whole)
+
+
+def run_shard(
+    split: Split, inputs: list[torch.Tensor], sizes: Sequence[int], offset: int, group: ShardGroup
+) -> tuple[list, list[tuple[int, torch.Tensor]]]:
+    """Run this rank's examples ``[offset, offset + sum(sizes))`` of the staged global batch in chunks of
+    ``sizes``, merging the reductions with the other ranks'. **Returns** outputs and gradients, global."""
+    merges = 1 + bool(split.globals) + bool(split.reduced_for_globals)
+    done = 0
+    merging = False
+    # Every rank must lay its partials out in the same order; the executor's follows sets of Vars.
+    position = {v: i for i, e in enumerate(split.graph.eqns) for v in e.outvars if v is not None}
+
+    def merge(values: dict[Var, torch.Tensor], kinds: dict[Var, str]) -> None:
+        nonlocal done, merging
+        merging = True
+        group.merge(dict(sorted(values.items(), key=lambda item: position[item[0]])), kinds)
+        merging = False
+        done += 1
+
+    try:
+        return run_chunked(split, inputs, sizes, offset=offset, combine=merge)[:2]
+    except Exception as e:
+        # The other ranks wait in the next status exchange: take part with this failure, so that every
+        # rank raises now. A failure inside a merge (another rank's, or the collective's) is already shared.
+        if merging or done == merges:
+            raise
+        group.check(e)
+        raise
+
+
+@contextlib.contextmanager
+def staging(state: State, process_group: Any) -> Iterator[None]:
+    """While tracing: a ``DistributedDataParallel`` wrapper is traced as the module it wraps (its reduction
+    is the group's merge) when the step has a process group, and refused otherwise; ``SyncBatchNorm`` in
+    training is refused, since it couples the examples of every rank and chunk."""
+    wrappers = []
+    seen: set[int] = set()
+    for name, root in state.modules:
+        for sub_name, m in root.named_modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            where = ".".join(p for p in (name, sub_name) if p) or type(m).__name__
+            if isinstance(m, torch.nn.SyncBatchNorm) and m.training and _coupled(process_group):
+                raise BatchCouplingError(
+                    f"{where} is a SyncBatchNorm in training mode: it normalises with statistics of the whole "
+                    "global batch, so running it in shards and chunks would change the result.\nWhat to do: use "
+                    "GroupNorm or LayerNorm, or put the normalisation layers in eval mode (model.eval())."
+                )
+            if isinstance(m, torch.nn.parallel.DistributedDataParallel):
+                if process_group is None:
+                    raise UnsupportedOpError(
+                        f"{where} is wrapped in DistributedDataParallel, whose gradient averaging stagetorch "
+                        "cannot stage.\nWhat to do: pass process_group= to stagetorch.jit (e.g. "
+                        f"process_group={where}.process_group): the step then reduces the gradients of the global "
+                        "batch exactly, and the wrapper is traced as the module it wraps."
+                    )
+                wrappers.append(m)
+    for m in wrappers:
+        m.forward = m.module
+    try:
+        yield
+    finally:
+        for m in wrappers:
+            del m.forward
+
+
+def _coupled(process_group: Any) -> bool:
+    if process_group is not None:
+        return True
+    return dist.is_initialized() and dist.get_world_size() > 1

@@ -1,0 +1,395 @@
+"""Data parallel on two gloo processes against one process running the global batch.
+
+One pair of spawned processes (a file store, a 20 s timeout on every collective, float64 models) runs every
+case in turn; each test then compares what both ranks returned with eager PyTorch on all shards
+concatenated: the loss, every parameter's .grad, per-example outputs, and the chunk counts the kernels saw.
+"""
+
+from __future__ import annotations
+
+import queue
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import stagetorch
+from stagetorch import distributed as sdist
+
+V, T, D, C = 20, 6, 8, 5
+WORLD = 2
+CASES = {}
+
+
+def case(fn):
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def make_model(norm: type[nn.Module] | None = None) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Embedding(V, D), nn.Linear(D, 16), nn.Tanh(), nn.Linear(16, C)]
+    return nn.Sequential(*layers).double() if norm is None else nn.Sequential(nn.Linear(D, 16), norm(16)).double()
+
+
+def make_batch(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and targets, each sequence padded with -100 after a random length, plus 20% dropped tokens."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, V, (n, T), generator=g)
+    y = torch.randint(0, C, (n, T), generator=g)
+    lengths = torch.randint(1, T + 1, (n, 1), generator=g)
+    y[torch.arange(T).expand(n, T) >= lengths] = -100
+    y[torch.rand(n, T, generator=g) < 0.2] = -100
+    return x, y
+
+
+CLASS_WEIGHT = torch.tensor([1.0, 2.0, 0.5, 3.0, 1.5], dtype=torch.float64)
+
+
+def token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, C), y.reshape(-1), ignore_index=-100), logits
+
+
+def mixed_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three normalisers in one loss: total class weight, element count of a mean, the batch size; and a
+    weight per example made inside the step from the batch size (each rank must cut its own rows)."""
+    logits = model(x)
+    weighted = F.cross_entropy(logits.reshape(-1, C), y.reshape(-1), weight=CLASS_WEIGHT, ignore_index=-100)
+    per_token = F.cross_entropy(logits.transpose(1, 2), y, ignore_index=-100, reduction="none")
+    by_position = torch.linspace(0.5, 1.5, x.shape[0], dtype=torch.float64)
+    per_sequence = (per_token.sum(1) * by_position).sum() / x.shape[0]
+    return weighted + 0.5 * logits.pow(2).mean() + 0.1 * per_sequence, logits
+
+
+def shards(sizes: tuple[int, ...], seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x, y = make_batch(sum(sizes), seed)
+    return list(zip(x.split(list(sizes)), y.split(list(sizes))))
+
+
+def reference(loss_fn, sizes: tuple[int, ...], seed: int = 1) -> dict:
+    model = make_model()
+    x, y = make_batch(sum(sizes), seed)
+    loss, logits = loss_fn(model, x, y)
+    loss.backward()
+    return {"loss": loss.item(), "grads": [p.grad.numpy() for p in model.parameters()], "logits": logits.detach()}
+
+
+class CountCalls(TorchDispatchMode):
+    """Counts the real calls of one op (the chunks that ran); can fail the ``fail_at``-th with ``error``."""
+
+    def __init__(self, op, fail_at: int | None = None, error: Exception | None = None):
+        super().__init__()
+        self.op, self.fail_at, self.error, self.calls = op, fail_at, error, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is self.op and not any(isinstance(a, FakeTensor) for a in args):  # not the trace's
+            self.calls += 1
+            if self.calls == self.fail_at:
+                raise self.error
+        return func(*args, **(kwargs or {}))
+
+
+def shard_budget(staged, x, y, global_batch: int, chunks: int) -> int:
+    """The largest budget (in 3% steps) that splits this rank's shard into at least ``chunks`` chunks."""
+    entry, _, _ = staged._stage((x, y), {}, global_batch=global_batch)
+    split, graph = entry.executable.split(), entry.executable.graph
+    budget = sdist.plan_shard(split, graph, x.shape[0], 2**40).peak_bytes[0] * 2
+    while budget > 1024:
+        try:
+            if len(sdist.plan_shard(split, graph, x.shape[0], budget).chunk_sizes) >= chunks:
+                return budget
+        except stagetorch.OutOfMemoryError:
+            break
+        budget = int(budget * 0.97)
+    raise AssertionError("no budget gives enough chunks")
+
+
+def run_step(rank: int, sizes: tuple[int, ...], loss_fn=token_loss, chunks: tuple[int, ...] = (1, 1), **options) -> dict:
+    """One staged step of this rank's shard; its loss, grads, own logits and the chunks the kernels saw."""
+    model = make_model()
+    x, y = shards(sizes)[rank]
+    staged = stagetorch.jit(lambda x, y: _step(model, loss_fn, x, y), process_group=dist.group.WORLD, **options)
+    if chunks[rank] > 1:
+        staged.memory_budget = shard_budget(staged, x, y, sum(sizes), chunks[rank])
+    with CountCalls(torch.ops.aten.embedding.default) as seen:
+        loss, logits = staged(x, y)
+    return {
+        "loss": loss.item(),
+        "grads": [p.grad.numpy() for p in model.parameters()],
+        "logits": logits.numpy(),
+        "chunks": seen.calls,
+    }
+
+
+def _step(model, loss_fn, x, y):
+    loss, logits = loss_fn(model, x, y)
+    loss.backward()
+    return loss.detach(), logits.detach()
+
+
+@case
+def uneven_padded(rank: int) -> dict:
+    return run_step(rank, (37, 63))
+
+
+@case
+def own_budgets(rank: int) -> dict:
+    return run_step(rank, (37, 63), chunks=(2, 4))
+
+
+@case
+def mixed_normalisers(rank: int) -> dict:
+    return run_step(rank, (37, 63), mixed_loss, chunks=(3, 1))
+
+
+@case
+def empty_rank(rank: int) -> dict:
+    return run_step(rank, (0, 50), chunks=(1, 3))
+
+
+@case
+def injected_oom(rank: int) -> dict:
+    model = make_model()
+    x, y = shards((37, 63))[rank]
+    staged = stagetorch.jit(lambda x, y: _step(model, token_loss, x, y), process_group=dist.group.WORLD)
+    oom = torch.OutOfMemoryError("CUDA out of memory (injected)")
+    with CountCalls(torch.ops.aten.embedding.default, fail_at=1 if rank == 0 else None, error=oom) as seen:
+        loss, _ = staged(x, y)
+    return {"loss": loss.item(), "grads": [p.grad.numpy() for p in model.parameters()], "chunks": seen.calls}
+
+
+def _failed(rank: int, fn) -> dict:
+    try:
+        fn()
+    except Exception as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None}
+
+
+@case
+def infeasible_rank(rank: int) -> dict:
+    model = make_model()
+    x, y = shards((37, 63))[rank]
+    budget = 2**30 if rank == 0 else 4096
+    staged = stagetorch.jit(
+        lambda x, y: _step(model, token_loss, x, y), process_group=dist.group.WORLD, memory_budget=budget
+    )
+    out = _failed(rank, lambda: staged(x, y))
+    out["grads_untouched"] = all(p.grad is None for p in model.parameters())
+    return out
+
+
+@case
+def failure_mid_step(rank: int) -> dict:
+    model = make_model()
+    x, y = shards((37, 63))[rank]
+    staged = stagetorch.jit(lambda x, y: _step(model, token_loss, x, y), process_group=dist.group.WORLD)
+
+    def run() -> None:
+        error = RuntimeError("a kernel failed (injected)")
+        with CountCalls(torch.ops.aten.tanh.default, fail_at=1 if rank == 1 else None, error=error):
+            staged(x, y)
+
+    out = _failed(rank, run)
+    out["grads_untouched"] = all(p.grad is None for p in model.parameters())
+    return out
+
+
+@case
+def ddp_wrapped(rank: int) -> dict:
+    model = make_model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    x, y = shards((37, 63))[rank]
+    refused = _failed(rank, lambda: stagetorch.jit(lambda x, y: _step(ddp, token_loss, x, y))(x, y))
+    staged = stagetorch.jit(lambda x, y: _step(ddp, token_loss, x, y), process_group=ddp.process_group)
+    loss, _ = staged(x, y)
+    return {"loss": loss.item(), "grads": [p.grad.numpy() for p in model.parameters()], "refused": refused}
+
+
+@case
+def sync_batch_norm(rank: int) -> dict:
+    model = make_model(nn.SyncBatchNorm)
+    staged = stagetorch.jit(lambda x: model(x).sum().backward(), process_group=dist.group.WORLD)
+    return _failed(rank, lambda: staged(torch.randn(8, D, dtype=torch.float64)))
+
+
+STEPS = [((37, 63), 0.1), ((50, 50), 0.05), ((10, 20), 0.2)]
+
+
+@case
+def training_loop(rank: int) -> dict:
+    """Three steps, shard sizes and learning rate changing, SGD with momentum; rank 1 chunks."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    staged = stagetorch.jit(lambda x, y: _step(model, mixed_loss, x, y), process_group=dist.group.WORLD)
+    losses = []
+    for i, (sizes, lr) in enumerate(STEPS):
+        x, y = shards(sizes, seed=i)[rank]
+        staged.memory_budget = shard_budget(staged, x, y, sum(sizes), 3) if rank == 1 else None
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.zero_grad()
+        losses.append(staged(x, y)[0].item())
+        opt.step()
+    return {"losses": losses, "params": [p.detach().numpy() for p in model.parameters()]}
+
+
+def _worker(rank: int, store: str, results: mp.Queue, names: list[str]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=20))
+    try:
+        for name in names:
+            try:
+                out = CASES[name](rank)
+            except Exception as e:  # reported to the test, which fails with it
+                out = {"crash": f"{type(e).__name__}: {e}"}
+            results.put((name, rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> dict:
+    """Every case's result per rank: {(case, rank): result}."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    store = str(tmp_path_factory.mktemp("dist") / "store")
+    procs = [ctx.Process(target=_worker, args=(r, store, results, list(CASES))) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        while len(out) < WORLD * len(CASES):
+            name, rank, value = results.get(timeout=120)
+            out[name, rank] = value
+    except queue.Empty:
+        pass
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    return out
+
+
+def result(ranks: dict, name: str, rank: int) -> dict:
+    if (name, rank) not in ranks:
+        pytest.fail(f"rank {rank} never reported case {name} (hung or died)")
+    value = ranks[name, rank]
+    if "crash" in value:
+        pytest.fail(f"rank {rank}, case {name}: {value['crash']}")
+    return value
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def assert_global(got: dict, expected: dict) -> None:
+    assert abs(got["loss"] - expected["loss"]) <= 1e-10 * abs(expected["loss"])
+    for g, e in zip(got["grads"], expected["grads"], strict=True):
+        assert rel(g, e) <= 1e-10
+
+
+@pytest.mark.parametrize(
+    "name, sizes, loss_fn, chunks",
+    [
+        ("uneven_padded", (37, 63), token_loss, (1, 1)),
+        ("own_budgets", (37, 63), token_loss, (2, 4)),
+        ("mixed_normalisers", (37, 63), mixed_loss, (3, 1)),
+        ("empty_rank", (0, 50), token_loss, (1, 3)),
+    ],
+)
+def test_every_rank_gets_the_global_batch_gradient(ranks, name, sizes, loss_fn, chunks):
+    expected = reference(loss_fn, sizes)
+    offsets = np.cumsum((0, *sizes))
+    for rank in range(WORLD):
+        got = result(ranks, name, rank)
+        assert_global(got, expected)
+        # Per-example outputs are the rank's own examples.
+        own = expected["logits"][offsets[rank] : offsets[rank + 1]].numpy()
+        np.testing.assert_allclose(got["logits"], own, rtol=1e-12, atol=1e-14)
+        # Each rank planned for its own budget: the kernels saw that many chunks (a chunk of none on an
+        # empty rank).
+        assert got["chunks"] >= chunks[rank] if chunks[rank] > 1 else got["chunks"] == 1
+
+
+def test_a_local_out_of_memory_retry_stays_exact(ranks):
+    expected = reference(token_loss, (37, 63))
+    assert_global(result(ranks, "injected_oom", 0), expected)
+    assert_global(result(ranks, "injected_oom", 1), expected)
+    assert result(ranks, "injected_oom", 0)["chunks"] == 3  # the failed whole shard, then its two halves
+    assert result(ranks, "injected_oom", 1)["chunks"] == 1
+
+
+def test_an_infeasible_rank_makes_every_rank_raise_the_same_error(ranks):
+    got = [result(ranks, "infeasible_rank", r) for r in range(WORLD)]
+    assert [g["error"] for g in got] == ["OutOfMemoryError"] * WORLD
+    assert got[0]["message"] == got[1]["message"]
+    assert "rank 1 of 2" in got[0]["message"] and "rank 0" not in got[0]["message"]
+    assert all(g["grads_untouched"] for g in got)
+
+
+def test_a_failure_mid_step_makes_every_rank_raise(ranks):
+    got = [result(ranks, "failure_mid_step", r) for r in range(WORLD)]
+    assert [g["error"] for g in got] == ["StagingError"] * WORLD
+    assert got[0]["message"] == got[1]["message"]
+    assert "rank 1 of 2" in got[0]["message"] and "injected" in got[0]["message"]
+    assert all(g["grads_untouched"] for g in got)
+
+
+def test_a_ddp_wrapped_model_takes_the_global_semantics(ranks):
+    expected = reference(token_loss, (37, 63))
+    for rank in range(WORLD):
+        got = result(ranks, "ddp_wrapped", rank)
+        assert_global(got, expected)
+        assert got["refused"]["error"] == "UnsupportedOpError"
+        assert "process_group=" in got["refused"]["message"]
+
+
+def test_sync_batch_norm_in_training_is_refused(ranks):
+    for rank in range(WORLD):
+        got = result(ranks, "sync_batch_norm", rank)
+        assert got["error"] == "BatchCouplingError" and "SyncBatchNorm" in got["message"]
+
+
+def test_a_training_loop_matches_eager_on_the_global_batch(ranks):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for i, (sizes, lr) in enumerate(STEPS):
+        x, y = make_batch(sum(sizes), seed=i)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.zero_grad()
+        loss, _ = mixed_loss(model, x, y)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+    for rank in range(WORLD):
+        got = result(ranks, "training_loop", rank)
+        np.testing.assert_allclose(got["losses"], losses, rtol=1e-10)
+        for p, e in zip(got["params"], model.parameters(), strict=True):
+            assert rel(p, e.detach().numpy()) <= 1e-10
+
+
+def test_averaging_per_rank_means_would_be_wrong():
+    """The cases above are not vacuous: DDP's average of the two ranks' mean losses misses by far."""
+    expected = reference(token_loss, (37, 63))
+    averaged = None
+    for x, y in shards((37, 63)):
+        model = make_model()
+        token_loss(model, x, y)[0].backward()
+        grads = [p.grad / WORLD for p in model.parameters()]
+        averaged = grads if averaged is None else [a + g for a, g in zip(averaged, grads)]
+    assert max(rel(a.numpy(), e) for a, e in zip(averaged, expected["grads"])) > 1e-3
+
+
+
