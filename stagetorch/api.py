@@ -288,7 +288,16 @@ class Staged:
         return self._stage(args, kwargs)[0].traced.graph
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
-        """How a call with these arguments would run: chunk sizes, predicted peaks, and why."""
+        """How a call with these arguments would run: chunk sizes, predicted peaks, and why.
+
+        With a ``process_group`` this is this rank's plan for its shard, and a collective: call it on every
+        rank, with every rank's shard.
+        """
+        if self.process_group is not None:
+            plan = self._shard(distributed.ShardGroup(self.process_group), args, kwargs)[2]
+            if isinstance(plan, OutOfMemoryError):
+                raise plan
+            return plan
         entry, inputs, _ = self._stage(args, kwargs)
         return entry.executable.plan(self._budget(entry.executable))
 
@@ -307,9 +316,10 @@ class Staged:
             accumulate_grad(inputs[i], g)
         return pytree.tree_unflatten(outs, entry.traced.graph.out_tree)
 
-    def _call_sharded(self, args: tuple, kwargs: dict) -> Any:
-        """One data-parallel step: this rank's shard of a global batch (see ``stagetorch.distributed``)."""
-        group = distributed.ShardGroup(self.process_group)
+    def _shard(self, group: distributed.ShardGroup, args: tuple, kwargs: dict) -> tuple:
+        """Stage this rank's shard as part of the global batch and plan it for this rank's budget (two
+        collectives). **Returns** the entry, its real inputs, the plan or the ``OutOfMemoryError`` that
+        says none fits, and the shard's offset in the global batch."""
         try:
             local = self._batch_leaves(args, kwargs, allow_empty=True)[1]
         except Exception as e:
@@ -318,25 +328,36 @@ class Staged:
         sizes = group.shard_sizes(local)
         if sum(sizes) == 0:
             raise ShapeError(f"the global batch is empty: every rank of the process group passed 0 examples ({sizes})")
-        # The staged program is the global batch's, traced on contiguous stand-ins.
+        # The program is the global batch's, staged on contiguous stand-ins; the shard runs on what it cuts.
         args, kwargs = _map_batched(self, args, kwargs, lambda x, dim: x.contiguous())
         entry, inputs, _ = self._stage(args, kwargs, global_batch=sum(sizes))
         executable = entry.executable
         budget = self._budget(executable)
-        key = (id(executable), local, budget >> max(budget.bit_length() - 9, 0))
-        plan = self._shard_plans.get(key)
-        error = None
+        # Plans are kept per budget to about 0.4% (its top 9 bits), as Executable.plan keeps them.
+        shift = max(budget.bit_length() - 9, 0)
+        key = (id(executable), local, budget >> shift << shift)
+        plan: Plan | OutOfMemoryError | None = self._shard_plans.get(key)
         if plan is None:
             try:
-                plan = self._shard_plans[key] = distributed.plan_shard(executable.split(), executable.graph, local, budget)
+                plan = distributed.plan_shard(executable.split(), executable.graph, local, budget)
+                self._shard_plans[key] = plan
             except OutOfMemoryError as e:
-                error = e
-        group.check(error)
+                plan = e
+        return entry, inputs, plan, sum(sizes[: group.rank])
+
+    def _call_sharded(self, args: tuple, kwargs: dict) -> Any:
+        """One data-parallel step: this rank's shard of a global batch (see ``stagetorch.distributed``)."""
+        group = distributed.ShardGroup(self.process_group)
+        entry, inputs, plan, offset = self._shard(group, args, kwargs)
+        group.check(plan if isinstance(plan, OutOfMemoryError) else None)
         if plan.chunked:
             log.info("stagetorch: %s (rank %d): %s", getattr(self.fn, "__name__", "step"), group.rank, plan)
-        saved = [(inputs[i], inputs[i].clone()) for i in _mutated_inputs(executable.graph)]
+        graph = entry.executable.graph
+        saved = [(inputs[i], inputs[i].clone()) for i in _mutated_inputs(graph)]
         try:
-            outs, grads = distributed.run_shard(executable.split(), inputs, plan.chunk_sizes, sum(sizes[: group.rank]), group)
+            outs, grads = distributed.run_shard(
+                entry.executable.split(), inputs, plan.chunk_sizes, offset, group, on_chunk=self._progress(plan)
+            )
         except BaseException:
             with torch.no_grad():
                 for t, copy in saved:
@@ -344,7 +365,7 @@ class Staged:
             raise
         for i, g in grads:
             accumulate_grad(inputs[i], g)
-        return pytree.tree_unflatten(outs, entry.traced.graph.out_tree)
+        return pytree.tree_unflatten(outs, graph.out_tree)
 
     def _progress(self, plan: Plan) -> Any:
         if not self.progress:

@@ -22,7 +22,7 @@ front ends that call it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -52,7 +52,7 @@ class ShardGroup:
     """A process group as the staged step uses it: the collectives of one step, in a fixed order."""
 
     def __init__(self, group: Any):
-        self.group = None if group is dist.GroupMember.WORLD else group
+        self.group = group
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
         # NCCL moves CUDA tensors only; gloo moves CPU tensors (and CUDA ones through a copy).
@@ -159,7 +159,13 @@ def plan_shard(split: Split, graph: Graph, examples: int, budget: int) -> Plan:
 
 
 def run_shard(
-    split: Split, inputs: list[torch.Tensor], sizes: Sequence[int], offset: int, group: ShardGroup
+    split: Split,
+    inputs: list[torch.Tensor],
+    sizes: Sequence[int],
+    offset: int,
+    group: ShardGroup,
+    *,
+    on_chunk: Callable[[int, int], None] | None = None,
 ) -> tuple[list, list[tuple[int, torch.Tensor]]]:
     """Run this rank's examples ``[offset, offset + sum(sizes))`` of the staged global batch in chunks of
     ``sizes``, merging the reductions with the other ranks'. **Returns** outputs and gradients, global."""
@@ -177,7 +183,7 @@ def run_shard(
         done += 1
 
     try:
-        return run_chunked(split, inputs, sizes, offset=offset, combine=merge)[:2]
+        return run_chunked(split, inputs, sizes, on_chunk=on_chunk, offset=offset, combine=merge)[:2]
     except Exception as e:
         # The other ranks wait in the next status exchange: take part with this failure, so that every
         # rank raises now. A failure inside a merge (another rank's, or the collective's) is already shared.

@@ -119,6 +119,7 @@ def run_step(rank: int, sizes: tuple[int, ...], loss_fn=token_loss, chunks: tupl
     staged = stagetorch.jit(lambda x, y: _step(model, loss_fn, x, y), process_group=dist.group.WORLD, **options)
     if chunks[rank] > 1:
         staged.memory_budget = shard_budget(staged, x, y, sum(sizes), chunks[rank])
+    plan = staged.plan(x, y)  # a collective, as the step
     with CountCalls(torch.ops.aten.embedding.default) as seen:
         loss, logits = staged(x, y)
     return {
@@ -126,6 +127,7 @@ def run_step(rank: int, sizes: tuple[int, ...], loss_fn=token_loss, chunks: tupl
         "grads": [p.grad.numpy() for p in model.parameters()],
         "logits": logits.numpy(),
         "chunks": seen.calls,
+        "plan": plan.chunk_sizes,
     }
 
 
@@ -201,6 +203,14 @@ def failure_mid_step(rank: int) -> dict:
     out = _failed(rank, run)
     out["grads_untouched"] = all(p.grad is None for p in model.parameters())
     return out
+
+
+@case
+def bad_shard(rank: int) -> dict:
+    model = make_model()
+    x, y = shards((37, 63))[rank]
+    staged = stagetorch.jit(lambda x, y: _step(model, token_loss, x, y), process_group=dist.group.WORLD)
+    return _failed(rank, lambda: staged(x, y[:-1] if rank == 1 else y))
 
 
 @case
@@ -316,9 +326,10 @@ def test_every_rank_gets_the_global_batch_gradient(ranks, name, sizes, loss_fn, 
         # Per-example outputs are the rank's own examples.
         own = expected["logits"][offsets[rank] : offsets[rank + 1]].numpy()
         np.testing.assert_allclose(got["logits"], own, rtol=1e-12, atol=1e-14)
-        # Each rank planned for its own budget: the kernels saw that many chunks (a chunk of none on an
-        # empty rank).
-        assert got["chunks"] >= chunks[rank] if chunks[rank] > 1 else got["chunks"] == 1
+        # Each rank planned for its own budget, and the kernels saw its plan's chunks (a chunk of none on
+        # an empty rank).
+        assert sum(got["plan"]) == sizes[rank] and len(got["plan"]) >= chunks[rank]
+        assert got["chunks"] == len(got["plan"])
 
 
 def test_a_local_out_of_memory_retry_stays_exact(ranks):
@@ -343,6 +354,13 @@ def test_a_failure_mid_step_makes_every_rank_raise(ranks):
     assert got[0]["message"] == got[1]["message"]
     assert "rank 1 of 2" in got[0]["message"] and "injected" in got[0]["message"]
     assert all(g["grads_untouched"] for g in got)
+
+
+def test_a_rank_with_bad_arguments_makes_every_rank_raise(ranks):
+    got = [result(ranks, "bad_shard", r) for r in range(WORLD)]
+    assert [g["error"] for g in got] == ["StagingError"] * WORLD
+    assert got[0]["message"] == got[1]["message"]
+    assert "rank 1 of 2: ShapeError: the batched arguments disagree" in got[0]["message"]
 
 
 def test_a_ddp_wrapped_model_takes_the_global_semantics(ranks):
