@@ -225,10 +225,13 @@ def ddp_wrapped(rank: int) -> dict:
 
 
 @case
-def sync_batch_norm(rank: int) -> dict:
-    model = make_model(nn.SyncBatchNorm)
-    staged = stagetorch.jit(lambda x: model(x).sum().backward(), process_group=dist.group.WORLD)
-    return _failed(rank, lambda: staged(torch.randn(8, D, dtype=torch.float64)))
+def batch_norm(rank: int) -> dict:
+    out = {}
+    for norm in (nn.SyncBatchNorm, nn.BatchNorm1d):
+        model = make_model(norm)
+        staged = stagetorch.jit(lambda x, model=model: model(x).sum().backward(), process_group=dist.group.WORLD)
+        out[norm.__name__] = _failed(rank, lambda: staged(torch.randn(8, D, dtype=torch.float64)))
+    return out
 
 
 STEPS = [((37, 63), 0.1), ((50, 50), 0.05), ((10, 20), 0.2)]
@@ -372,10 +375,11 @@ def test_a_ddp_wrapped_model_takes_the_global_semantics(ranks):
         assert "process_group=" in got["refused"]["message"]
 
 
-def test_sync_batch_norm_in_training_is_refused(ranks):
+def test_batch_norm_in_training_is_refused(ranks):
     for rank in range(WORLD):
-        got = result(ranks, "sync_batch_norm", rank)
-        assert got["error"] == "BatchCouplingError" and "SyncBatchNorm" in got["message"]
+        got = result(ranks, "batch_norm", rank)
+        assert got["SyncBatchNorm"]["error"] == "BatchCouplingError" and "SyncBatchNorm" in got["SyncBatchNorm"]["message"]
+        assert got["BatchNorm1d"]["error"] == "BatchCouplingError" and "BatchNorm" in got["BatchNorm1d"]["message"]
 
 
 def test_a_training_loop_matches_eager_on_the_global_batch(ranks):
