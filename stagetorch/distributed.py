@@ -89,8 +89,8 @@ class ShardGroup:
         text = "; ".join(f"rank {r} of {self.size}: {messages[r] or 'failed'}" for r in failed)
         if all(codes[r] == _OOM for r in failed):
             raise OutOfMemoryError(
-                f"{text}.\nNo rank ran the step: parameters and .grad are unchanged on every rank. What to do: "
-                "give that rank a larger memory_budget or fewer examples (shards may differ in size)."
+                f"{text}.\nEvery rank stopped before changing parameters or .grad. What to do: give that rank a "
+                "larger memory_budget or fewer examples (shards may differ in size)."
             ) from error
         raise StagingError(
             f"the step failed on {text}.\nEvery rank stopped before changing parameters or .grad."
@@ -221,16 +221,17 @@ def staging(state: State, process_group: Any) -> Iterator[None]:
                         "batch exactly, and the wrapper is traced as the module it wraps."
                     )
                 wrappers.append(m)
+    # An instance attribute shadows the class's forward (nn.Module's setattr would register a submodule).
     for m in wrappers:
-        m.forward = m.module
+        object.__setattr__(m, "forward", m.module)
     try:
         yield
     finally:
         for m in wrappers:
-            del m.forward
+            object.__delattr__(m, "forward")
 
 
 def _coupled(process_group: Any) -> bool:
     if process_group is not None:
         return True
-    return dist.is_initialized() and dist.get_world_size() > 1
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -215,13 +215,21 @@ def bad_shard(rank: int) -> dict:
 
 @case
 def ddp_wrapped(rank: int) -> dict:
+    """Two steps with new shard sizes (so two traces through the wrapper), then the wrapper used eagerly."""
     model = make_model()
     ddp = nn.parallel.DistributedDataParallel(model)
     x, y = shards((37, 63))[rank]
     refused = _failed(rank, lambda: stagetorch.jit(lambda x, y: _step(ddp, token_loss, x, y))(x, y))
     staged = stagetorch.jit(lambda x, y: _step(ddp, token_loss, x, y), process_group=ddp.process_group)
+    staged(*shards((50, 50), seed=2)[rank])
+    model.zero_grad()
     loss, _ = staged(x, y)
-    return {"loss": loss.item(), "grads": [p.grad.numpy() for p in model.parameters()], "refused": refused}
+    out = {"loss": loss.item(), "grads": [p.grad.numpy().copy() for p in model.parameters()], "refused": refused}
+    out["wrapper_ran"] = ddp._lazy_init_ran  # set by DDP's first forward: staging traced the module only
+    model.zero_grad()
+    token_loss(ddp, x, y)[0].backward()  # DDP's own step still works: its reducer saw nothing of ours
+    out["eager_ddp_grads"] = [p.grad.numpy() for p in model.parameters()]
+    return out
 
 
 @case
@@ -230,7 +238,7 @@ def batch_norm(rank: int) -> dict:
     for norm in (nn.SyncBatchNorm, nn.BatchNorm1d):
         model = make_model(norm)
         staged = stagetorch.jit(lambda x, model=model: model(x).sum().backward(), process_group=dist.group.WORLD)
-        out[norm.__name__] = _failed(rank, lambda: staged(torch.randn(8, D, dtype=torch.float64)))
+        out[norm.__name__] = _failed(rank, lambda staged=staged: staged(torch.randn(8, D, dtype=torch.float64)))
     return out
 
 
@@ -371,8 +379,13 @@ def test_a_ddp_wrapped_model_takes_the_global_semantics(ranks):
     for rank in range(WORLD):
         got = result(ranks, "ddp_wrapped", rank)
         assert_global(got, expected)
+        assert not got["wrapper_ran"]
         assert got["refused"]["error"] == "UnsupportedOpError"
         assert "process_group=" in got["refused"]["message"]
+        # DDP averages per-rank means: not the global gradient, but what DDP computes for the same shards.
+        averaged = averaged_grads((37, 63))
+        for g, a in zip(got["eager_ddp_grads"], averaged, strict=True):
+            assert rel(g, a.numpy()) <= 1e-10
 
 
 def test_batch_norm_in_training_is_refused(ranks):
@@ -402,16 +415,21 @@ def test_a_training_loop_matches_eager_on_the_global_batch(ranks):
             assert rel(p, e.detach().numpy()) <= 1e-10
 
 
-def test_averaging_per_rank_means_would_be_wrong():
-    """The cases above are not vacuous: DDP's average of the two ranks' mean losses misses by far."""
-    expected = reference(token_loss, (37, 63))
+def averaged_grads(sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    """What DDP computes: the average over ranks of each rank's gradient of its own mean loss."""
     averaged = None
-    for x, y in shards((37, 63)):
+    for x, y in shards(sizes):
         model = make_model()
         token_loss(model, x, y)[0].backward()
         grads = [p.grad / WORLD for p in model.parameters()]
         averaged = grads if averaged is None else [a + g for a, g in zip(averaged, grads)]
-    assert max(rel(a.numpy(), e) for a, e in zip(averaged, expected["grads"])) > 1e-3
+    return averaged
+
+
+def test_averaging_per_rank_means_would_be_wrong():
+    """The cases above are not vacuous: DDP's average of the two ranks' mean losses misses by far."""
+    expected = reference(token_loss, (37, 63))
+    assert max(rel(a.numpy(), e) for a, e in zip(averaged_grads((37, 63)), expected["grads"])) > 1e-3
 
 
 
