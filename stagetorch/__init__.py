@@ -1,7 +1,7 @@
 """stagetorch: stage PyTorch code, know its memory before it runs, run batches that do not fit in exact chunks."""
 
 from . import ops
-from .api import Staged, eval_shape, jit, make_ir, memory
+from .api import Staged, clear_caches, eval_shape, jit, make_ir, memory
 from .costing import MemoryReport
 from .errors import (
     BatchCouplingError,
@@ -19,6 +19,7 @@ __all__ = [
     "jit",
     "make_ir",
     "eval_shape",
+    "clear_caches",
     "Staged",
     "memory",
     "lazy",

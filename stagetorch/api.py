@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,7 +16,7 @@ import attrs
 import torch
 import torch.utils._pytree as pytree
 
-from . import distributed, shapes
+from . import _caches, distributed, shapes
 from .batching import Batched, analyze
 from .chunking import Split, run_chunked
 from .costing import MemoryReport, peak_bytes, report, timeline
@@ -26,7 +27,7 @@ from .ir import Aval, Graph, Var
 from .planning import SAFETY_MARGIN, Plan, plan_chunks
 from .tracing import State, Traced, arg_names, discover, trace
 
-__all__ = ["make_ir", "eval_shape", "jit", "Staged", "memory", "Executable"]
+__all__ = ["make_ir", "eval_shape", "jit", "Staged", "memory", "Executable", "clear_caches"]
 
 log = logging.getLogger("stagetorch")
 
@@ -208,6 +209,7 @@ class Staged:
         self._cache: dict[tuple, _Entry] = {}
         self._shard_plans: dict[tuple, Plan] = {}
         functools.update_wrapper(self, fn)
+        _STAGED.add(self)
 
     def _stage(self, args: tuple, kwargs: dict, global_batch: int | None = None) -> tuple[_Entry, list, State]:
         """The cached staged program for these arguments, and its real inputs. With ``global_batch`` (a
@@ -380,6 +382,19 @@ class Staged:
                 bar.close()
 
         return advance
+
+
+_STAGED: weakref.WeakSet[Staged] = weakref.WeakSet()
+_caches.on_clear(lambda: [s._cache.clear() for s in list(_STAGED)])
+
+
+def clear_caches() -> None:
+    """Forget every staged program and every module-level cache (traced op metadata, memory probes...).
+
+    The next call of each staged function stages it again. Use it to free the memory the caches hold, or
+    after changing something stagetorch cannot see (a custom op's rule re-registered under the same name).
+    """
+    _caches.clear_all()
 
 
 def jit(

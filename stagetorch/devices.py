@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from . import _caches
+
 __all__ = ["parse_bytes", "format_bytes", "free_memory"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -60,3 +62,4 @@ def free_memory(device: torch.device, budget: int | str | None = None) -> int:
 
 _HOST_FREE: list = [float("-inf"), 0]  # (when read, bytes free)
 _HOST_FREE_TTL = 0.05
+_caches.on_clear(lambda: _HOST_FREE.__setitem__(slice(None), [float("-inf"), 0]))

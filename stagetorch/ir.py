@@ -1,7 +1,7 @@
 """The typed IR: abstract values, variables, equations and graphs.
 
 Plain data that every interpreter reads. It knows nothing about tracing, memory or chunking; printing a
-graph is the only behaviour it has.
+graph and checking that it is well formed (:func:`check`) are the only behaviours it has.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from typing import Any
 import attrs
 import torch
 
-__all__ = ["Aval", "Var", "Literal", "SourceInfo", "Eqn", "Graph", "op_name"]
+from .errors import StagingError, UnsupportedOpError
+
+__all__ = ["Aval", "Var", "Literal", "SourceInfo", "Eqn", "Graph", "GraphError", "check", "op_name"]
 
 _DTYPE_NAMES = {
     torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
@@ -253,3 +255,85 @@ def format_graph(g: Graph, *, source: bool = True) -> str:
     for i, v in g.grads:
         lines.append(f"  {g.names[i] if i < len(g.names) else name(g.invars[i])}.grad += {name(v)}")
     return "\n".join(lines)
+
+
+class GraphError(ValueError):
+    """A graph that breaks the IR's invariants: a bug in whatever built or rewrote it, not in user code."""
+
+
+AbstractEval = Callable[[Callable, tuple, dict], Sequence["Aval | None"]]
+
+
+def check(graph: Graph, *, abstract_eval: AbstractEval | None = None) -> Graph:
+    """Check that ``graph`` is well formed, and return it; raise :class:`GraphError` naming the first fault.
+
+    - Single assignment: every variable is defined once, as an input or by one equation.
+    - Defined before use: an equation reads only inputs and the outputs of earlier equations, and a view's
+      ``base``, when the graph defines it, is defined before the view.
+    - Outputs and gradients name defined variables; ``roles`` and ``names`` run parallel to ``invars``;
+      each gradient's input position is in range and its aval is that input's.
+    - With ``abstract_eval`` (``stagetorch.shapes.abstract_eval``: the registry's shape rules, else meta
+      kernels), each ATen equation's output avals are what the rules say for its input avals. Equations
+      whose op has neither (a Python function a pass inserted) are checked structurally only.
+    """
+    defined: set[Var] = set()
+    # A view's base may live outside the graph (a subgraph's input viewing the caller's storage); if the
+    # graph defines it, it must do so first.
+    everywhere = set(graph.vars())
+
+    def define(v: Var, where: str) -> None:
+        if v in defined:
+            raise GraphError(f"{v} is defined twice ({where})")
+        if v.base is not None and v.base in everywhere and v.base not in defined:
+            raise GraphError(f"{v} is a view of {v.base}, which is defined after it ({where})")
+        defined.add(v)
+
+    for k, v in enumerate(graph.invars):
+        define(v, f"input {k}")
+    for field in ("roles", "names"):
+        values = getattr(graph, field)
+        if values and len(values) != len(graph.invars):
+            raise GraphError(f"graph.{field} has {len(values)} entries for {len(graph.invars)} inputs")
+    for i, e in enumerate(graph.eqns):
+        where = f"equation {i}: {op_name(e.prim)} at {e.source}"
+        for v in e.invars:
+            if v not in defined:
+                raise GraphError(f"{where} reads {v} before it is defined")
+        if abstract_eval is not None and isinstance(e.prim, torch._ops.OpOverload):
+            _check_avals(e, where, abstract_eval)
+        for v in e.outvars:
+            if v is not None:
+                define(v, where)
+    for v in graph.outvars:
+        if isinstance(v, Var) and v not in defined:
+            raise GraphError(f"output {v} is not defined by the graph")
+    for pos, v in graph.grads:
+        if not 0 <= pos < len(graph.invars):
+            raise GraphError(f"a gradient names input {pos}, but the graph has {len(graph.invars)} inputs")
+        if v not in defined:
+            raise GraphError(f"the gradient of input {pos} is not defined by the graph")
+        want = graph.invars[pos].aval
+        if (v.aval.shape, v.aval.dtype) != (want.shape, want.dtype):
+            raise GraphError(f"the gradient of input {pos} is {v.aval}, but that input is {want}")
+    return graph
+
+
+def _check_avals(e: Eqn, where: str, abstract_eval: AbstractEval) -> None:
+    def aval(x: Any) -> Any:
+        if isinstance(x, Var):
+            return x.aval
+        if isinstance(x, (list, tuple)):
+            return type(x)(aval(y) for y in x)
+        return x
+
+    try:
+        expected = abstract_eval(e.prim, aval(e.args), {k: aval(v) for k, v in e.kwargs.items()})
+    except UnsupportedOpError:  # no rule and no meta kernel: nothing to compare against
+        return
+    except StagingError as err:  # the rules refuse the very operands the graph gives the op
+        raise GraphError(f"{where}: the shape rule refuses its operands: {err}") from err
+    for j, (v, want) in enumerate(zip(e.outvars, expected)):
+        if v is None or want is None:
+            continue
+        if (v.aval.shape, v.aval.dtype) != (want.shape, want.dtype):
+            raise GraphError(f"{where}: output {j} is {v.aval}, but the shape rule says {want}")

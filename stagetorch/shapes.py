@@ -11,11 +11,12 @@ from typing import Any
 import torch
 
 from ._tree import flatten, map_leaves
-from .errors import ShapeError, StagingError
+from .errors import ShapeError, UnsupportedOpError
 from .ir import Aval, Eqn, Graph, Literal, Var, op_name
+from .ir import check as ir_check
 from .registry import slot
 
-__all__ = ["infer", "abstract_eval"]
+__all__ = ["infer", "abstract_eval", "check"]
 
 
 def _to_meta(x: Any) -> Any:
@@ -50,7 +51,13 @@ def meta_eval(prim: Any, args: tuple, kwargs: dict) -> list[Aval | None]:
     try:
         out = prim(*_to_meta(args), **meta_kwargs)
     except NotImplementedError as e:
-        raise StagingError(f"{op_name(prim)} has no meta kernel: {e}") from e
+        packet = op_name(getattr(prim, "overloadpacket", prim))
+        raise UnsupportedOpError(
+            f"{op_name(prim)} has no meta kernel and stagetorch has no shape rule for it, so the shapes of its "
+            f"outputs cannot be known without running it.\nTeach it with one call: "
+            f"stagetorch.ops.register(torch.ops.{packet}, shape=rule), where rule(*args, **kwargs) takes the "
+            f"arguments with a stagetorch.Aval for each tensor and returns the output Aval (or a tuple of them)."
+        ) from e
     except (RuntimeError, ValueError, IndexError, TypeError) as e:
         raise ShapeError(f"{op_name(prim)}: {str(e).strip().splitlines()[0]}") from e
     return [Aval(t.shape, t.dtype, device) if isinstance(t, torch.Tensor) else None for t in flatten(out)]
@@ -83,6 +90,14 @@ def _infer_eqn(e: Eqn, env: dict[Var, Aval]) -> None:
         outs = abstract_eval(e.prim, args, kwargs)
     except ShapeError as err:
         raise ShapeError(f"{err} at {e.source}") from err
+    except UnsupportedOpError as err:
+        first, _, rest = str(err).partition("\n")
+        raise UnsupportedOpError(f"{first} (at {e.source})\n{rest}") from err
     for v, a in zip(e.outvars, outs):
         if v is not None:
             env[v] = a if a is not None else v.aval
+
+
+def check(graph: Graph) -> Graph:
+    """:func:`stagetorch.ir.check` with the registry's shape rules (else meta kernels) for the avals."""
+    return ir_check(graph, abstract_eval=abstract_eval)

@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import _gc
+from . import _caches, _gc
 from ._tree import flat_call, flatten, map_leaves
 from .errors import ConcretizationError, ShapeError, StagingError, UnsupportedOpError
 from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var, op_name
@@ -437,6 +437,8 @@ class _Recorder:
 _META_CACHE: dict[tuple, tuple] = {}
 _MAX_META_CACHE = 1 << 16
 _CACHE_KIND: dict[Any, str | None] = {}  # op -> "fresh", "view" or None (never cached)
+_caches.on_clear(_META_CACHE.clear)
+_caches.on_clear(_CACHE_KIND.clear)
 
 
 def _cache_kind(func: Any) -> str | None:

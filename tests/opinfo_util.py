@@ -8,7 +8,7 @@ import itertools
 import torch
 from torch.testing._internal.common_methods_invocations import op_db
 
-SAMPLES_PER_OP = 2
+SAMPLES_PER_OP = 4
 
 
 @functools.cache

@@ -110,3 +110,27 @@ def test_ops_whose_meta_kernel_accepts_bool_but_whose_kernel_does_not(fn):
     with pytest.raises(stagetorch.ShapeError, match=r"test_errors.py:\d+[\s\S]*bool tensors are not supported"):
         stagetorch.eval_shape(lambda t: fn(t))(x)
     assert stagetorch.eval_shape(lambda t: fn(t))(torch.tensor([1.0, -1.0])).dtype == torch.float32
+
+
+def test_op_without_meta_kernel_names_the_op_the_line_and_the_register_call():
+    def qr_parts(x):
+        return torch.geqrf(x)
+
+    with pytest.raises(stagetorch.UnsupportedOpError) as info:
+        stagetorch.eval_shape(qr_parts)(torch.randn(5, 3))
+    msg = str(info.value)
+    assert "aten.geqrf" in msg and "test_errors.py:" in msg
+    assert "stagetorch.ops.register(torch.ops.aten.geqrf, shape=" in msg
+    # ...and the call it shows is the fix.
+    geqrf = torch.ops.aten.geqrf
+    before = stagetorch.ops.lookup(geqrf)
+    stagetorch.ops.register(geqrf, shape=lambda x: (x, stagetorch.Aval(x.shape[:-2] + (min(x.shape[-2:]),), x.dtype, x.device)))
+    try:
+        a, tau = stagetorch.eval_shape(qr_parts)(torch.randn(5, 3))
+        real = torch.geqrf(torch.randn(5, 3))
+        assert (a.shape, tau.shape) == (tuple(real[0].shape), tuple(real[1].shape))
+    finally:
+        if before is None:
+            stagetorch.registry._RULES.pop(geqrf)
+        else:
+            stagetorch.registry._RULES[geqrf] = before

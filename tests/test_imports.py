@@ -18,7 +18,7 @@ PACKAGE = pathlib.Path(stagetorch.__file__).parent
 
 # Lower number = lower layer. A module not listed sits in the layer of its package's entry.
 LAYERS = {
-    "errors": 0, "_gc": 0, "_tree": 0, "ir": 0, "devices": 0,
+    "errors": 0, "_gc": 0, "_caches": 0, "_tree": 0, "ir": 0, "devices": 0,
     "registry": 1,
     "tracing": 2, "shapes": 2, "costing": 2, "batching": 2, "execute": 2, "chunking": 3, "planning": 4,
     "ops": 5, "distributed": 5,

@@ -35,3 +35,73 @@ def test_graph_prints_one_typed_equation_a_line_with_source():
     assert all(isinstance(v, stagetorch.Var) for e in g.eqns for v in e.invars)
     mm = next(e for e in g.eqns if e.prim is torch.ops.aten.mm.default)
     assert mm.params == {} and mm.source.function == "f"
+
+
+# -- the checker ------------------------------------------------------------------------------------------
+
+import models  # noqa: E402
+import pytest  # noqa: E402
+
+from stagetorch.batching import Batched, analyze  # noqa: E402
+from stagetorch.chunking import Split  # noqa: E402
+from stagetorch.ir import Eqn, Graph, GraphError, Var, check  # noqa: E402
+from stagetorch.shapes import check as check_with_rules  # noqa: E402
+
+ZOO = {
+    "seed_mlp": (models.seed_mlp, models.train_step, 8),
+    "cnn": (models.cnn, models.train_step, 8),
+    "transformer": (models.transformer, models.train_step, 4),
+    "mha": (models.mha, models.train_step, 4),
+    "lstm": (models.lstm, models.train_step, 4),
+    "gpt2": (models.gpt2, models.gpt2_step, 4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_every_staged_graph_of_the_test_models_checks(name):
+    """The traced step and every graph the chunked executor builds from it (shared, body, post, pre-passes)."""
+    factory, step, b = ZOO[name]
+    model, make = factory()
+    x, y = make(b)
+    graph = stagetorch.make_ir(step(model))(x, y)
+    check_with_rules(graph)
+    args = [v for v, r in zip(graph.invars, graph.roles) if r == "arg"]
+    split = Split(analyze(graph, {v: Batched(0) for v in args}, b))
+    for g in (split.shared, split.post, split.global_post, split.body(2).graph, split.body(1).graph):
+        check_with_rules(g)
+
+
+def _tiny() -> Graph:
+    x = Var(stagetorch.Aval((2, 3), torch.float32))
+    y = Var(stagetorch.Aval((2, 3), torch.float32))
+    return Graph([x], [Eqn(torch.ops.aten.relu.default, (x,), {}, (y,))], [y], roles=["arg"], names=["x"])
+
+
+def test_check_accepts_a_well_formed_graph_and_names_each_fault():
+    assert check_with_rules(_tiny()) is not None
+    g = _tiny()
+    g.eqns[0].outvars = (g.invars[0],)  # x defined twice
+    with pytest.raises(GraphError, match="defined twice"):
+        check(g)
+    g = _tiny()
+    g.eqns[0].args = (Var(stagetorch.Aval((2, 3), torch.float32)),)  # read before defined
+    with pytest.raises(GraphError, match="before it is defined"):
+        check(g)
+    g = _tiny()
+    g.outvars = [Var(stagetorch.Aval((1,), torch.float32))]
+    with pytest.raises(GraphError, match="not defined"):
+        check(g)
+    g = _tiny()
+    g.eqns[0].outvars = (Var(stagetorch.Aval((3, 2), torch.float32)),)
+    g.outvars = list(g.eqns[0].outvars)
+    check(g)  # structurally fine...
+    with pytest.raises(GraphError, match="shape rule says f32\\[2,3\\]"):
+        check_with_rules(g)  # ...but relu of f32[2,3] is not f32[3,2]
+    g = _tiny()
+    g.grads = [(0, Var(stagetorch.Aval((2,), torch.float32)))]
+    with pytest.raises(GraphError):
+        check(g)
+    g = _tiny()
+    g.roles = ["arg", "param"]
+    with pytest.raises(GraphError, match="roles"):
+        check(g)

@@ -349,3 +349,20 @@ def test_random_chains_of_aliases_run_as_eager(seed):
     assert [[a is b for b in got] for a in got] == [[a is b for b in want] for a in want]  # the same tensors
     for g, e in zip(got, want):
         assert g.shape == e.shape and g.stride() == e.stride() and torch.equal(g, e)
+
+
+def test_clear_caches_forgets_staged_programs_and_module_caches():
+    from stagetorch import tracing
+
+    model, make = models.seed_mlp()
+    step = stagetorch.jit(models.train_step(model))
+    x, y = make(4)
+    step(x, y)
+    assert step._cache and tracing._META_CACHE
+    stagetorch.clear_caches()
+    assert not step._cache and not tracing._META_CACHE
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    step(x, y)  # staged again, same answer
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)

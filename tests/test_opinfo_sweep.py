@@ -1,7 +1,9 @@
 """A sweep of PyTorch's OpInfo samples (float32, CPU) through stagetorch.eval_shape.
 
 Each sample either agrees with real execution (shapes, dtypes, output structure), or is refused with a
-named stagetorch error. A wrong answer or a raw exception fails the sweep. Run with -s for the counts.
+named stagetorch error: a subclass of StagingError, never the base class, and for an op without a meta
+kernel the ``stagetorch.ops.register`` call that fixes it. A wrong answer or a raw exception fails the
+sweep. Run with -s for the counts.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ def _classify(info, s) -> str:
         return "skipped"  # the op rejects its own sample on this build
     try:
         abstract = stagetorch.eval_shape(fn)(s.input)
-    except stagetorch.StagingError:
+    except stagetorch.StagingError as e:
+        if type(e) is stagetorch.StagingError:
+            return f"raw: the bare StagingError base class: {str(e)[:120]}"
+        if "meta kernel" in str(e) and "stagetorch.ops.register(" not in str(e):
+            return f"raw: a missing meta kernel without the register call that fixes it: {str(e)[:120]}"
         return "refused"
     except Exception as e:  # never acceptable: every failure must be a named stagetorch error
         return f"raw: {type(e).__name__}: {str(e)[:120]}"

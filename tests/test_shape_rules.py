@@ -16,6 +16,7 @@ import warnings
 import models
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from opinfo_util import samples
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -61,8 +62,19 @@ class Capture(TorchDispatchMode):
             dtypes = tuple(t.dtype for t in _flat([args, kwargs]) if isinstance(t, torch.Tensor))
             cases = self.calls[_entry(func)]
             if sum(1 for c in cases if c[0] == (func, dtypes)) < CALLS_PER_SIGNATURE:
-                cases.append(((func, dtypes), args, kwargs, out))
+                # Only metadata is compared; snapshot it now, since a later in-place op (matmul's squeeze_ of
+                # an integer mm's result) changes the very tensor objects.
+                cases.append(((func, dtypes), _snapshot(args), _snapshot(kwargs), _snapshot(out)))
         return out
+
+
+def _snapshot(tree):
+    def copy(t):
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        return t
+
+    return pytree.tree_map(copy, tree)
 
 
 def _flat(tree):

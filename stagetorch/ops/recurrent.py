@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .. import _caches
 from ..batching import Chunked, LabelFn, Reduced, coupling
 from ..costing import MemoryEffect
 from ..errors import ShapeError
@@ -48,6 +49,9 @@ def _mkldnn_rnn_workspace_bytes(shapes: tuple, params: tuple) -> int:
     args = [torch.zeros(s) for s in shapes]
     out = torch.ops.aten.mkldnn_rnn_layer.default(*args, *params)
     return out[3].untyped_storage().nbytes()
+
+
+_caches.on_clear(_mkldnn_rnn_workspace_bytes.cache_clear)
 
 
 def mkldnn_rnn_layer_memory(eqn: Eqn) -> MemoryEffect:
