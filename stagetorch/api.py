@@ -159,6 +159,8 @@ class Executable:
 class _Entry:
     traced: Traced
     executable: Executable
+    # With a process group: this rank's plan per (shard size, budget).
+    shard_plans: dict[tuple[int, int], Plan] = attrs.field(factory=dict)
 
 
 def device_of(graph: Graph) -> torch.device:
@@ -207,7 +209,6 @@ class Staged:
         self.static_argnums = tuple(static_argnums)
         self.memory_budget = memory_budget
         self._cache: dict[tuple, _Entry] = {}
-        self._shard_plans: dict[tuple, Plan] = {}
         functools.update_wrapper(self, fn)
         _STAGED.add(self)
 
@@ -337,12 +338,11 @@ class Staged:
         budget = self._budget(executable)
         # Plans are kept per budget to about 0.4% (its top 9 bits), as Executable.plan keeps them.
         shift = max(budget.bit_length() - 9, 0)
-        key = (id(executable), local, budget >> shift << shift)
-        plan: Plan | OutOfMemoryError | None = self._shard_plans.get(key)
+        key = (local, budget >> shift << shift)
+        plan: Plan | OutOfMemoryError | None = entry.shard_plans.get(key)
         if plan is None:
             try:
-                plan = distributed.plan_shard(executable.split(), executable.graph, local, budget)
-                self._shard_plans[key] = plan
+                plan = entry.shard_plans[key] = distributed.plan_shard(executable.split(), executable.graph, local, budget)
             except OutOfMemoryError as e:
                 plan = e
         return entry, inputs, plan, sum(sizes[: group.rank])
@@ -354,11 +354,13 @@ class Staged:
         group.check(plan if isinstance(plan, OutOfMemoryError) else None)
         if plan.chunked:
             log.info("stagetorch: %s (rank %d): %s", getattr(self.fn, "__name__", "step"), group.rank, plan)
-        graph = entry.executable.graph
-        saved = [(inputs[i], inputs[i].clone()) for i in _mutated_inputs(graph)]
+        executable, graph = entry.executable, entry.executable.graph
+        if executable._mutated is None:
+            executable._mutated = _mutated_inputs(graph)
+        saved = [(inputs[i], inputs[i].clone()) for i in executable._mutated]
         try:
             outs, grads = distributed.run_shard(
-                entry.executable.split(), inputs, plan.chunk_sizes, offset, group, on_chunk=self._progress(plan)
+                executable.split(), inputs, plan.chunk_sizes, offset, group, on_chunk=self._progress(plan)
             )
         except BaseException:
             with torch.no_grad():
