@@ -169,6 +169,20 @@ def injected_oom(rank: int) -> dict:
     return {"loss": loss.item(), "grads": [p.grad.numpy() for p in model.parameters()], "chunks": seen.calls}
 
 
+@case
+def max_metric(rank: int) -> dict:
+    """A max over the batch returned beside the loss merges by MAX; an empty shard cannot take part."""
+    model = make_model()
+    out = {}
+    for sizes in ((37, 63), (0, 50)):
+        x, y = shards(sizes)[rank]
+        staged = stagetorch.jit(
+            lambda x, y: (_step(model, token_loss, x, y)[0], model(x).detach().amax()), process_group=dist.group.WORLD
+        )
+        out[sizes] = _failed(rank, lambda staged=staged, x=x, y=y: out.setdefault("max", staged(x, y)[1].item()))
+    return out
+
+
 def _failed(rank: int, fn) -> dict:
     try:
         fn()
@@ -342,6 +356,14 @@ def test_every_rank_gets_the_global_batch_gradient(ranks, name, sizes, loss_fn, 
         # an empty rank).
         assert sum(got["plan"]) == sizes[rank] and len(got["plan"]) >= chunks[rank]
         assert got["chunks"] == len(got["plan"])
+
+
+def test_a_max_over_the_global_batch(ranks):
+    expected = reference(token_loss, (37, 63))["logits"].amax().item()
+    for rank in range(WORLD):
+        got = result(ranks, "max_metric", rank)
+        assert got[(37, 63)]["error"] is None and got["max"] == expected
+        assert got[(0, 50)]["error"] == "StagingError" and "rank 0 of 2: RuntimeError: amax()" in got[(0, 50)]["message"]
 
 
 def test_a_local_out_of_memory_retry_stays_exact(ranks):
