@@ -130,7 +130,15 @@ def _worker(rank: int, store: str, results: mp.Queue) -> None:
         out = {"ddp": _ddp(rank, x, y), "stagetorch": _staged(rank, x, y, None)}
         # Rank 1 with 40% of what its shard needs at once: chunked, rank 0 not.
         out["stagetorch, rank 1 chunked"] = _staged(rank, x, y, 0.4 if rank == 1 else None)
-        results.put((rank, {k: {**v, "grads": [g.numpy() for g in v["grads"]]} for k, v in out.items()}))
+        # The latency of one small collective (a status exchange), what each extra one costs a step.
+        group = sdist.ShardGroup(dist.group.WORLD)
+        times = []
+        for _ in range(200):
+            start = time.perf_counter()
+            group.check(None)
+            times.append(time.perf_counter() - start)
+        out["status_us"] = statistics.median(times[20:]) * 1e6
+        results.put((rank, {k: v if k == "status_us" else {**v, "grads": [g.numpy() for g in v["grads"]]} for k, v in out.items()}))
     finally:
         dist.destroy_process_group()
 
@@ -161,7 +169,7 @@ def measure() -> list[str]:
         "| mode | rank | chunks | bytes sent / step | collectives / step | median step | max grad error vs global |",
         "|---|---|---|---|---|---|---|",
     ]
-    for mode in got[0]:
+    for mode in [m for m in got[0] if m != "status_us"]:
         for rank in (0, 1):
             r = got[rank][mode]
             error = max(
@@ -170,6 +178,7 @@ def measure() -> list[str]:
             lines.append(
                 f"| {mode} | {rank} | {r.get('chunks', 1)} | {r['bytes']:,.0f} | {r['calls']:.0f} | {r['ms']:.1f} ms | {error:.1e} |"
             )
+    lines.append(f"one status exchange (an all-gather of one int64): median {got[0]['status_us']:.0f} us on rank 0")
     return lines
 
 
