@@ -17,10 +17,10 @@ import torch.utils._pytree as pytree
 
 from . import shapes
 from .batching import Batched, analyze
-from .chunking import Split, run_chunked
+from .chunking import Split, is_oom, run_chunked
 from .costing import MemoryReport, peak_bytes, report, timeline
 from .devices import format_bytes, free_memory
-from .errors import ShapeError
+from .errors import BatchCouplingError, ShapeError
 from .execute import Program, accumulate_grad
 from .ir import Aval, Graph, Var
 from .planning import SAFETY_MARGIN, Plan, plan_chunks
@@ -102,6 +102,8 @@ class Executable:
     plans: dict[int, Plan] = attrs.field(factory=dict)
     _mutated: list[int] | None = None
     _full_peak: int | None = None
+    # The largest chunk known to run: set when a larger one ran out of memory, so later calls plan with it.
+    cap: int | None = None
 
     @property
     def program(self) -> Program:
@@ -119,11 +121,13 @@ class Executable:
         # The whole graph is costed once; a budget it fits in reuses one plan.
         if self._full_peak is None:
             self._full_peak = peak_bytes(self.graph)
-        fits = self._full_peak <= budget * (1 - SAFETY_MARGIN)
+        fits = self._full_peak <= budget * (1 - SAFETY_MARGIN) and self.cap is None
         # Chunked plans are kept per budget to about 0.4% (its top 9 bits).
         key = -1 if fits else budget >> max(budget.bit_length() - 9, 0) << max(budget.bit_length() - 9, 0)
         if key not in self.plans:
-            self.plans[key] = plan_chunks(self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak)
+            self.plans[key] = plan_chunks(
+                self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak, cap=self.cap
+            )
         return self.plans[key]
 
     def run(
@@ -132,26 +136,69 @@ class Executable:
         """Run on real ``inputs`` (parallel to ``graph.invars``) within ``budget`` bytes.
 
         **Returns** the flat outputs and the (input position, gradient) pairs to accumulate into ``.grad``.
-        If anything fails, inputs the program updates in place (buffers) are restored first.
+        If anything fails, inputs the program updates in place (buffers) are restored first. If the device
+        runs out of memory where the plan said the step fits, the step is redone in smaller chunks, and
+        later calls plan with the chunk size that ran.
         """
         plan = self.plan(budget)
         mutated = self._mutated
         if mutated is None:
             mutated = self._mutated = _mutated_inputs(self.graph)
         if not mutated and len(plan.chunk_sizes) == 1:  # one call, nothing to restore if it fails
-            return self.program.run(inputs)
+            try:
+                return self.program.run(inputs)
+            except Exception as e:
+                if not is_oom(e) or self.batch == 1:
+                    raise
+                return self._recover(inputs, [], e, on_chunk, name)
         saved = [(inputs[i], inputs[i].clone()) for i in mutated]
         try:
             if plan.chunked:
                 log.info("stagetorch: %s: %s", name, plan)
-                outs, grads, _ = run_chunked(self.split(), inputs, plan.chunk_sizes, on_chunk=on_chunk)
+                outs, grads, ran = run_chunked(self.split(), inputs, plan.chunk_sizes, on_chunk=on_chunk)
+                self._remember(plan.chunk_sizes, ran, name)
                 return outs, grads
             return self.program.run(inputs)
+        except Exception as e:
+            _restore(saved)
+            if not is_oom(e) or plan.chunked or self.batch == 1:
+                raise
+            return self._recover(inputs, saved, e, on_chunk, name)
         except BaseException:
-            with torch.no_grad():
-                for t, copy in saved:
-                    t.copy_(copy)
+            _restore(saved)
             raise
+
+    def _recover(self, inputs: list, saved: list, error: Exception, on_chunk: Any, name: str) -> tuple[list, list]:
+        """The whole batch ran out of memory although the plan said it fits: redo it in two halves (and
+        smaller, if those fail too)."""
+        try:
+            split = self.split()
+        except BatchCouplingError as coupled:
+            raise error from coupled
+        half = self.batch // 2
+        try:
+            outs, grads, ran = run_chunked(split, inputs, [half, self.batch - half], on_chunk=on_chunk)
+        except BaseException:
+            _restore(saved)
+            raise
+        self._remember((self.batch,), ran, name)
+        return outs, grads
+
+    def _remember(self, planned: Sequence[int], ran: Sequence[int], name: str) -> None:
+        if max(ran) >= max(planned):
+            return
+        self.cap = max(ran)
+        self.plans.clear()
+        log.warning(
+            "stagetorch: %s: out of memory where the plan said a chunk of %d fits; ran in chunks of at most %d, "
+            "and later calls will too", name, max(planned), self.cap,
+        )
+
+
+def _restore(saved: list) -> None:
+    with torch.no_grad():
+        for t, copy in saved:
+            t.copy_(copy)
 
 
 @attrs.define

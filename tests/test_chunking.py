@@ -222,7 +222,7 @@ def test_not_even_one_example_fits():
 
 
 def test_plan_prefers_multiples_of_eight_and_no_tiny_last_chunk():
-    from stagetorch.planning import _sizes
+    from stagetorch.chunking import even_chunks as _sizes
 
     assert _sizes(100, 45) == [40, 40, 20]
     assert _sizes(100, 30) == [25, 25, 25, 25]
