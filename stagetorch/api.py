@@ -104,6 +104,8 @@ class Executable:
     _full_peak: int | None = None
     # The largest chunk known to run: set when a larger one ran out of memory, so later calls plan with it.
     cap: int | None = None
+    # Bytes the graph counts twice because two of its inputs are views of one storage (known at the first run).
+    _overlap: int | None = None
 
     @property
     def program(self) -> Program:
@@ -120,7 +122,7 @@ class Executable:
         # The device's free memory moves a little between calls: re-plan only when the answer can change.
         # The whole graph is costed once; a budget it fits in reuses one plan.
         if self._full_peak is None:
-            self._full_peak = peak_bytes(self.graph)
+            self._full_peak = peak_bytes(self.graph) - (self._overlap or 0)
         fits = self._full_peak <= budget * (1 - SAFETY_MARGIN) and self.cap is None
         # Chunked plans are kept per budget to about 0.4% (its top 9 bits).
         key = -1 if fits else budget >> max(budget.bit_length() - 9, 0) << max(budget.bit_length() - 9, 0)
@@ -140,6 +142,8 @@ class Executable:
         runs out of memory where the plan said the step fits, the step is redone in smaller chunks, and
         later calls plan with the chunk size that ran.
         """
+        if self._overlap is None:
+            self._see_inputs(inputs)
         plan = self.plan(budget)
         mutated = self._mutated
         if mutated is None:
@@ -167,6 +171,20 @@ class Executable:
         except BaseException:
             _restore(saved)
             raise
+
+    def _see_inputs(self, inputs: list) -> None:
+        """Inputs that are views of one storage (a weight and its transpose handed to a lazy flush) are
+        separate values in the graph: the plan counts their storage once."""
+        groups: dict[int, dict[Var, int]] = {}
+        for v, x in zip(self.graph.invars, inputs):
+            if isinstance(x, torch.Tensor) and x.device.type != "meta":
+                groups.setdefault(x.untyped_storage().data_ptr(), {})[v.root] = v.root.owned_nbytes
+        overlap = sum(sum(g.values()) - max(g.values()) for g in groups.values() if len(g) > 1)
+        self._overlap = overlap
+        if overlap:
+            self.plans.clear()
+            self._full_peak = None
+            self.split().input_overlap = overlap
 
     def _recover(self, inputs: list, saved: list, error: Exception, on_chunk: Any, name: str) -> tuple[list, list]:
         """The whole batch ran out of memory although the plan said it fits: redo it in two halves (and

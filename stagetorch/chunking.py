@@ -70,6 +70,9 @@ class BodyGraph:
     handed: list[Var]
     # The body values each chunk folds (the partials), parallel to ``results``.
     partials: list[Var]
+    # Bytes held across the chunks: the full per-example results, and the accumulators with the values
+    # kept as they are (those in storage of their own).
+    held_bytes: tuple[int, int] = (0, 0)
     _programs: dict[bool, Program] = attrs.field(factory=dict)
 
     def program(self, first: bool) -> Program:
@@ -182,6 +185,8 @@ class Split:
         self._bodies: dict[int, BodyGraph] = {}
         self._prepasses: dict[tuple[str, int], BodyGraph] = {}
         self.batched_inputs = [v for v in graph.invars if isinstance(labels.get(v), Batched)]
+        # Bytes of input storage the graph counts twice (inputs that are views of one storage at run time).
+        self.input_overlap = 0
 
     # -- shared and post graphs ------------------------------------------------------------------------
 
@@ -370,9 +375,13 @@ class Split:
             rest_in.append(acc)
             rest_feeds.append(("acc", v))
             rest_folds.append((x, Eqn(_FOLD[kind], (acc, x), {}, (Var(x.aval, base=acc),), source)))
+        cat = sum(v.aval.nbytes for v, kind in kinds if kind == "cat")
+        acc = sum(x.aval.nbytes for x, (_, kind) in zip(outs, kinds) if kind not in ("cat", "same"))
+        kept_roots = {x.root for x, (_, kind) in zip(outs, kinds) if kind == "same"} - input_roots
+        acc += sum(r.owned_nbytes for r in kept_roots)
         first = Graph(first_in, _insert_after_last_use(eqns, first_folds), first_outs)
         rest = Graph(rest_in, _insert_after_last_use(eqns, rest_folds), [])
-        return BodyGraph(first, rest, first_feeds, rest_feeds, kinds, handed, outs)
+        return BodyGraph(first, rest, first_feeds, rest_feeds, kinds, handed, outs, (cat, acc))
 
 
 def _vars_in(tree: Any) -> list[Var]:

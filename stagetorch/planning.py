@@ -55,9 +55,9 @@ class Plan:
         )
 
 
-def _bytes(vars: list[Var], seen: set[Var] | None = None) -> int:
-    """Bytes of the storages ``vars`` live in, each counted once (and not if already in ``seen``)."""
-    seen = set() if seen is None else seen
+def _bytes(vars: list[Var]) -> int:
+    """Bytes of the storages ``vars`` live in, each counted once."""
+    seen: set[Var] = set()
     total = 0
     for v in vars:
         r = v.root
@@ -69,13 +69,7 @@ def _bytes(vars: list[Var], seen: set[Var] | None = None) -> int:
 
 def _base(split: Split) -> int:
     """Bytes held for the whole chunked run: every graph input and what the shared phase hands on."""
-    return _bytes([*split.graph.invars, *split.shared.outvars])
-
-
-def _held(body: BodyGraph) -> tuple[int, int]:
-    """Bytes of the full per-example results, and of the accumulators (and values kept as they are)."""
-    cat = sum(v.aval.nbytes for v, kind in body.results if kind == "cat")
-    return cat, sum(v.aval.nbytes for v, kind in body.results if kind != "cat")
+    return _bytes([*split.graph.invars, *split.shared.outvars]) - split.input_overlap
 
 
 def _own_peak(graph: Graph, cost: Callable[[Graph], int]) -> int:
@@ -87,7 +81,7 @@ def body_peaks(split: Split, body: BodyGraph, cost: Callable[[Graph], int]) -> t
     """Predicted peak of the run while ``body``'s first chunk runs, and while any later chunk does. The
     first chunk's partials become the accumulators, so they are counted in its own peak."""
     base = _base(split)
-    cat, acc = _held(body)
+    cat, acc = body.held_bytes
     return base + cat + _own_peak(body.first, cost), base + cat + acc + _own_peak(body.rest, cost)
 
 
@@ -104,11 +98,10 @@ def _chunk_peaks(split: Split, n: int, cost: Callable[[Graph], int]) -> tuple[in
 def _phase_peak(split: Split, n: int, cost: Callable[[Graph], int]) -> int:
     """Peak of the phases that run once: the shared phase before the chunks, the post phase after them
     (with the accumulators and full results held)."""
-    seen: set[Var] = set()
-    base = _bytes([*split.graph.invars, *split.shared.outvars], seen)
-    cat, acc = _held(split.body(n))
+    base = _base(split)
+    cat, acc = split.body(n).held_bytes
     post = cost(split.post) - _bytes(split.post.invars) if split.post.eqns else 0
-    return max(cost(split.shared), base + cat + acc + max(post, 0))
+    return max(cost(split.shared) - split.input_overlap, base + cat + acc + max(post, 0))
 
 
 def plan_chunks(
@@ -167,7 +160,7 @@ def _too_big(graph: Graph, split: Split, budget: int, cost: Callable[[Graph], in
     roles = dict(zip(graph.invars, graph.roles or ["arg"] * len(graph.invars)))
     params = _bytes([v for v in graph.invars if roles[v] in ("param", "buffer")])
     inputs = _base(split) - params
-    cat, acc = _held(body)
+    cat, acc = body.held_bytes
     t = timeline(body.rest)
     partial_roots = {x.root for x in body.partials}
     live = [r for r in t.peak_live if t.owners[r][2] >= 0]

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+_DENSE = (torch.Tensor, torch.nn.Parameter)
+
 
 class LivePeak(TorchDispatchMode):
     def __init__(self, resident: Iterable[torch.Tensor] = ()):
@@ -28,6 +30,8 @@ class LivePeak(TorchDispatchMode):
         self.peak = self.live
 
     def _see(self, t: torch.Tensor, keep: bool = False) -> None:
+        if type(t) not in _DENSE or t.device.type == "meta":  # fake and lazy tensors hold no memory
+            return
         st = t.untyped_storage()
         key, nbytes = st.data_ptr(), st.nbytes()
         if not nbytes:
@@ -50,6 +54,10 @@ class LivePeak(TorchDispatchMode):
             del self.count[key]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and not isinstance(args[0], torch.Tensor):
+            # Under a dispatch mode, .item() of a 0-dim tensor autograd made from a Python number arrives with
+            # the number itself (torch 2.13); stagetorch.lazy reads such saved numbers.
+            return args[0]
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
