@@ -233,6 +233,15 @@ def device_of(graph: Graph) -> torch.device:
     return graph.invars[0].aval.device if graph.invars else torch.device("cpu")
 
 
+# Ops that write inputs their schema does not mark as written: BatchNorm in training updates its running
+# statistics (argument positions), as autograd's kernels do, though the schema says they are read only.
+_UNDECLARED_WRITES = {
+    torch.ops.aten.native_batch_norm.default: (3, 4),
+    torch.ops.aten.cudnn_batch_norm.default: (3, 4),
+    torch.ops.aten.miopen_batch_norm.default: (3, 4),
+}
+
+
 def _mutated_inputs(graph: Graph) -> list[int]:
     """Positions of inputs that some equation writes in place (a buffer update, an in-place op on an arg)."""
     roots = {v: i for i, v in enumerate(graph.invars)}
@@ -241,8 +250,11 @@ def _mutated_inputs(graph: Graph) -> list[int]:
         schema = getattr(e.prim, "_schema", None)
         if schema is None:
             continue
-        for a, x in zip(schema.arguments, e.args):
-            if a.alias_info is not None and a.alias_info.is_write and isinstance(x, Var):
+        written = [x for a, x in zip(schema.arguments, e.args) if a.alias_info is not None and a.alias_info.is_write]
+        if e.prim in _UNDECLARED_WRITES and len(e.args) > 5 and e.args[5] is True:  # training
+            written += [e.args[k] for k in _UNDECLARED_WRITES[e.prim]]
+        for x in written:
+            if isinstance(x, Var):
                 i = roots.get(x.root)
                 if i is not None and i not in out:
                     out.append(i)
@@ -269,6 +281,7 @@ class Staged:
         self.static_argnums = tuple(static_argnums)
         self.memory_budget = memory_budget
         self._cache: dict[tuple, _Entry] = {}
+        self._caps: dict[int, int] = {}  # batch size -> the largest chunk that ran after an out-of-memory error
         functools.update_wrapper(self, fn)
 
     def _stage(self, args: tuple, kwargs: dict) -> tuple[_Entry, list, State]:
@@ -285,7 +298,8 @@ class Staged:
             graph = traced.graph
             arg_vars = [v for v, r in zip(graph.invars, graph.roles) if r == "arg"]
             batched = {v: Batched(dim) for v, (is_batched, dim) in zip(arg_vars, batched_leaves) if is_batched}
-            entry = _Entry(traced, Executable(graph, batched, batch, traced.consts))
+            # A chunk size that ran out of memory for another signature of this step is not tried again.
+            entry = _Entry(traced, Executable(graph, batched, batch, traced.consts, cap=self._caps.get(batch)))
             self._cache[key] = entry
         if argnums is None:
             inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -351,6 +365,8 @@ class Staged:
         budget = self._budget(executable)
         name = getattr(self.fn, "__name__", "step")
         outs, grads = executable.run(inputs, budget, on_chunk=self._progress(executable.plan(budget)), name=name)
+        if executable.cap is not None:
+            self._caps[executable.batch] = executable.cap
         for i, g in grads:
             accumulate_grad(inputs[i], g)
         return pytree.tree_unflatten(outs, entry.traced.graph.out_tree)

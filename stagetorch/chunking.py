@@ -491,7 +491,8 @@ def _loop(
             return _pass(make, env, sizes, on_chunk), sizes
         except ChunkOutOfMemory as e:
             half = e.size // 2
-            log.warning(
+            # The caller warns once, with what it will do from now on.
+            log.info(
                 "stagetorch: out of memory on a chunk of %d examples; redoing the batch in chunks of at most %d",
                 e.size, half,
             )
