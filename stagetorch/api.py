@@ -440,55 +440,74 @@ def memory(
 ) -> Callable[..., MemoryReport]:
     """Cost ``fn`` before running it: ``stagetorch.memory(fn)(*args, **kwargs) -> MemoryReport``.
 
-    The step is staged at the given batch and at two smaller ones (the batched arguments sliced along
-    ``batch_dim``); the fixed and per-example parts come from those peaks, and a third size checks that the
-    peak is affine in the batch. Nothing is run and no real tensor is touched.
+    The step is staged at the given batch and at other sizes: a half and a quarter of it (the batched
+    arguments sliced along ``batch_dim``), or, below 4 examples, two, three and four times it (the batched
+    arguments repeated: one example is often a program of its own), and at one example. The fixed and
+    per-example parts come from the two largest; the third checks that the peak is affine in the batch.
+    Nothing is run and no real tensor is touched.
     """
 
     def cost(*args: Any, **kwargs: Any) -> MemoryReport:
         staged = Staged(fn, batch_dim=batch_dim, batch_argnums=batch_argnums, static_argnums=static_argnums)
         leaves, batch = staged._batch_leaves(args, kwargs)
         graph = staged.graph(*args, **kwargs)
-        if batch < 4 or not any(b for b, _ in leaves):
-            return report(graph, batch, True, "Too few examples to separate the per-example part.")
+        if not any(b for b, _ in leaves):
+            return report(graph, batch, True, "No argument carries a batch.")
+        sizes = [batch // 2, batch // 4] if batch >= 4 else [2 * batch, 3 * batch, 4 * batch]
         totals = {batch: _live_totals(graph)}
-        for b in (batch // 2, batch // 4):
-            small_args, small_kwargs = _sliced(staged, args, kwargs, b)
-            small = staged.graph(*small_args, **small_kwargs)
-            # The slices are views of the whole batch; cost them as the batch of that size they stand for.
-            for v, role in zip(small.invars, small.roles):
-                if role == "arg" and v.base is None:
-                    v.storage_nbytes = v.aval.nbytes
-            totals[b] = _live_totals(small)
-        half, quarter = batch // 2, batch // 4
-        if not len(totals[batch]) == len(totals[half]) == len(totals[quarter]):
+        for b in [*sizes, 1]:
+            if b not in totals:
+                totals[b] = _live_totals(_staged_at(staged, args, kwargs, b))
+        large, small, check = sorted({batch, *sizes}, reverse=True)[:3]
+        peaks = {b: max(t) for b, t in totals.items()}
+        slope = (peaks[large] - peaks[small]) / (large - small)
+        line = (peaks[large] - slope * large, slope)
+        def cost_at(b: int) -> int:
+            return peak_bytes(_staged_at(staged, args, kwargs, b))
+
+        if not len(totals[large]) == len(totals[small]) == len(totals[check]):
             return report(graph, batch, False, "The staged program changes with the batch size (control flow on "
-                           "shapes), so the per-example part cannot be separated.")
-        slope = tuple((x - y) / (batch - half) for x, y in zip(totals[batch], totals[half]))
-        fixed = tuple(x - s * batch for x, s in zip(totals[batch], slope))
-        worst = max(abs(a + s * quarter - q) for a, s, q in zip(fixed, slope, totals[quarter]))
-        linear = worst <= 1e-3 * max(totals[quarter]) + 1024
+                          "shapes): the per-example part is the line through the peaks at batches "
+                          f"{small} and {large}, and predict() stages the step at the batch asked.",
+                          line=line, probes=peaks, cost_at=cost_at)
+        point_slope = tuple((x - y) / (large - small) for x, y in zip(totals[large], totals[small]))
+        fixed = tuple(x - s * large for x, s in zip(totals[large], point_slope))
+        worst = max(abs(a + s * check - q) for a, s, q in zip(fixed, point_slope, totals[check]))
+        linear = worst <= 1e-3 * max(totals[check]) + 1024
         note = "" if linear else (
-            f"The peak is not affine in the batch: staging at batch {quarter} differs by up to {format_bytes(worst)} "
-            f"from the line through batches {half} and {batch} (an op whose size grows faster than the batch, "
-            "such as attention across examples)."
+            f"The peak is not affine in the batch: staging at batch {check} differs by up to {format_bytes(worst)} "
+            f"from the line through batches {small} and {large} (an op whose size grows faster than the batch, "
+            "such as attention across examples, or a kernel whose workspace is padded); predict() stages the step "
+            "at the batch asked."
         )
-        return report(graph, batch, linear, note, (fixed, slope))
+        return report(
+            graph, batch, linear, note, (fixed, point_slope), line=line, probes=peaks, cost_at=None if linear else cost_at
+        )
 
     return cost
 
 
-def _sliced(staged: Any, args: tuple, kwargs: dict, b: int) -> tuple[tuple, dict]:
-    leaves_info, _ = staged._batch_leaves(args, kwargs)
+def _staged_at(staged: Staged, args: tuple, kwargs: dict, b: int) -> Graph:
+    """The step staged at ``b`` examples: the batched arguments sliced (views, no copy) or repeated."""
+    leaves_info, batch = staged._batch_leaves(args, kwargs)
     it = iter(leaves_info)
     static = set(staged.static_argnums)
 
-    def cut(x: Any, argnum: int) -> Any:
+    def resize(x: Any, argnum: int) -> Any:
         if not isinstance(x, torch.Tensor) or argnum in static:
             return x
         is_batched, dim = next(it)
-        return x.narrow(dim, 0, b) if is_batched else x
+        if not is_batched:
+            return x
+        if b <= batch:
+            return x.narrow(dim, 0, b)
+        return x.repeat_interleave(-(-b // batch), dim=dim).narrow(dim, 0, b)
 
-    new_args = tuple(pytree.tree_map(lambda x, i=i: cut(x, i), a) for i, a in enumerate(args))
-    new_kwargs = {k: pytree.tree_map(lambda x: cut(x, -1), v) for k, v in kwargs.items()}
-    return new_args, new_kwargs
+    new_args = tuple(pytree.tree_map(lambda x, i=i: resize(x, i), a) for i, a in enumerate(args))
+    new_kwargs = {k: pytree.tree_map(lambda x: resize(x, -1), v) for k, v in kwargs.items()}
+    graph = staged.graph(*new_args, **new_kwargs)
+    # A slice is a view of the whole batch; cost it as the batch of that size it stands for.
+    for v, role in zip(graph.invars, graph.roles):
+        if role == "arg" and v.base is None:
+            v.storage_nbytes = v.aval.nbytes
+    return graph

@@ -71,6 +71,23 @@ def test_fixed_plus_per_example_predicts_other_batches(name):
         assert abs(report.predict(b) - run.peak) / run.peak <= 0.02, (b, report.predict(b), run.peak)
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_report_at_any_batch_predicts_every_batch_up_to_four_times_it(name):
+    """Batch 1-3 is where long-sequence fine-tuning lives: a report made there must know the per-example
+    part (costed at larger batches) and predict the peak the step is planned with at other batches."""
+    torch.manual_seed(0)
+    model, make = MODELS[name]()
+    step = _step(name)(model)
+    estimate = {}
+    for batch in (1, 3, 16):
+        report = stagetorch.memory(step)(*make(batch))
+        assert report.per_example_bytes > 0 and report.predict(batch) == report.peak_bytes, report
+        for b in range(1, 4 * batch + 1) if batch < 16 else (1, 7, 24, 64):
+            if b not in estimate:
+                estimate[b] = stagetorch.jit(step).plan(*make(b)).full_batch_peak_bytes
+            assert abs(report.predict(b) - estimate[b]) <= 0.02 * estimate[b], (batch, b, report.predict(b), estimate[b])
+
+
 # -- measured = predicted, on every path --------------------------------------------------------------------
 
 PATHS = ["jit", "chunked", "small_chunks", "no_grad", "lazy", "lazy_chunked"]
