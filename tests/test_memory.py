@@ -9,13 +9,11 @@ import models
 import pytest
 import torch
 import torch.nn.functional as F
-from memtrack import LivePeak, measured_peak
+from memtrack import PATHS, LivePeak, measure, measured_peak, smallest_plan_peak
 
 import stagetorch
-from stagetorch.api import Executable
 from stagetorch.costing import MemoryEffect, peak_bytes
 from stagetorch.devices import parse_bytes
-from stagetorch.planning import SAFETY_MARGIN, _chunk_peaks, _phase_peak
 
 MODELS = {**models.CLASSIFIERS, "gpt2": models.gpt2}
 
@@ -90,62 +88,6 @@ def test_a_report_at_any_batch_predicts_every_batch_up_to_four_times_it(name):
 
 # -- measured = predicted, on every path --------------------------------------------------------------------
 
-PATHS = ["jit", "chunked", "small_chunks", "no_grad", "lazy", "lazy_chunked"]
-
-
-def _budget_between(staged, args, fraction):
-    """A budget ``fraction`` of the way from the smallest feasible plan's peak to the whole batch's."""
-    entry, _, _ = staged._stage(args, {})
-    split = entry.executable.split()
-    smallest = max(*_chunk_peaks(split, 1, peak_bytes), _phase_peak(split, 1, peak_bytes))
-    full = staged.plan(*args).full_batch_peak_bytes
-    return int((smallest + fraction * (full - smallest)) / (1 - SAFETY_MARGIN)) + 64
-
-
-def measure(name, path):
-    """Run one step of ``name`` along ``path`` under the live-storage tracker: (predicted, measured, budget,
-    chunks). The model's state, the inputs and nothing else are resident before the step."""
-    torch.manual_seed(0)
-    model, make = MODELS[name]()
-    # The MLP's activations outweigh its parameters only from a few hundred examples: below, chunking saves nothing.
-    x, y = make(1024 if name == "mlp" else 16)
-    resident = [*model.parameters(), *model.buffers(), x, y]
-    if path == "no_grad":
-        with torch.no_grad():
-            staged = stagetorch.jit(model if name != "gpt2" else lambda ids: model(input_ids=ids).logits)
-            staged.memory_budget = _budget_between(staged, (x,), 0.3)
-            plan = staged.plan(x)
-            with LivePeak(resident) as run:
-                staged(x)
-        return plan.peak, run.peak, staged.memory_budget, len(plan.chunk_sizes)
-    staged = stagetorch.jit(_step(name)(copy.deepcopy(model)))
-    budget = {"chunked": 0.4, "small_chunks": 0.05, "lazy_chunked": 0.4}.get(path)
-    if budget is not None:
-        budget = _budget_between(staged, (x, y), budget)
-    if path.startswith("lazy"):
-        # The prediction is that of the flushes lazy runs (through the Executable every front end uses).
-        planned = []
-        run_executable = Executable.run
-
-        def recorded(self, inputs, budget, **kwargs):
-            out = run_executable(self, inputs, budget, **kwargs)
-            planned.append(self.plan(budget))  # the plan it ran (it learns about its inputs on the first run)
-            return out
-
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(Executable, "run", recorded)
-            with LivePeak(resident) as run:
-                lx, ly = stagetorch.lazy(x, y, batch=0, memory_budget=budget)
-                float(_step(name)(model)(lx, ly))
-        assert planned
-        return max(p.peak for p in planned), run.peak, budget, max(len(p.chunk_sizes) for p in planned)
-    staged = stagetorch.jit(_step(name)(model), memory_budget=budget)
-    plan = staged.plan(x, y)
-    with LivePeak(resident) as run:
-        staged(x, y)
-    return plan.peak, run.peak, budget, len(plan.chunk_sizes)
-
-
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_measured_peak_is_the_predicted_peak_under_the_budget(name, path):
@@ -164,9 +106,7 @@ def test_the_smallest_plan_needs_little_more_than_gradient_accumulation():
     model = torch.nn.Sequential(*layers, torch.nn.Linear(512, 10))
     x, y = torch.randn(4096, 512), torch.randint(0, 10, (4096,))
     staged = stagetorch.jit(models.train_step(model))
-    entry, _, _ = staged._stage((x, y), {})
-    split = entry.executable.split()
-    smallest = max(*_chunk_peaks(split, 1, peak_bytes), _phase_peak(split, 1, peak_bytes))
+    smallest = smallest_plan_peak(staged, x, y)
     params = [p.nbytes for p in model.parameters()]
     floor = 2 * sum(params) + x.nbytes + y.nbytes + max(params)
     assert floor <= smallest <= 1.10 * floor, (smallest, floor)
