@@ -486,9 +486,18 @@ def _loop(
     out of memory spoils the pass: it is dropped whole and the batch redone in chunks of half that size.
     Returns the combined results and the chunk sizes of the pass that succeeded."""
     sizes = list(sizes)
+    reported = 0
+
+    def progress(start: int, n: int) -> None:
+        # A redone pass reports only examples beyond those already reported.
+        nonlocal reported
+        if on_chunk is not None and start + n > reported:
+            on_chunk(reported, start + n - reported)
+            reported = start + n
+
     while True:
         try:
-            return _pass(make, env, sizes, on_chunk), sizes
+            return _pass(make, env, sizes, progress), sizes
         except ChunkOutOfMemory as e:
             half = e.size // 2
             # The caller warns once, with what it will do from now on.

@@ -216,9 +216,16 @@ def test_not_even_one_example_fits():
     model, make = models.seed_mlp()
     x, y = make(64)
     staged = stagetorch.jit(_step(model, LOSSES["mean_ce"]), memory_budget=1000)
-    with pytest.raises(stagetorch.OutOfMemoryError, match="not even one example fits"):
+    with pytest.raises(stagetorch.OutOfMemoryError, match="not even one example fits") as error:
         staged(x, y)
     assert all(p.grad is None for p in model.parameters())
+    # The bytes are attributed to what holds them; the parameters' share is exact.
+    params = sum(p.nbytes for p in model.parameters())
+    text = str(error.value)
+    for holder in ("parameters and buffers", "inputs", "gradient and other accumulators", "partial gradients",
+                   "activations"):
+        assert holder in text, holder
+    assert f"parameters and buffers {stagetorch.devices.format_bytes(params)}" in text, text
 
 
 def test_plan_prefers_multiples_of_eight_and_no_tiny_last_chunk():
