@@ -5,8 +5,9 @@ once per chunk, built for each chunk size by the equations' batch rules) and ``p
 chunks, on the combined reductions). Each is an ordinary Graph that the eager interpreter runs and the
 memory interpreter costs, so the plan is costed on exactly what runs.
 
-Nothing is written to a real ``.grad`` until every chunk has succeeded; a chunk that runs out of memory is
-dropped whole and redone in halves, so no gradient is counted twice.
+Each chunk folds its results into the accumulators as soon as they are made. Nothing is written to a real
+``.grad`` until every chunk has succeeded; a chunk that runs out of memory spoils the accumulators it has
+added into, so the whole pass is dropped and redone in chunks of half that size: no gradient is counted twice.
 """
 
 from __future__ import annotations
