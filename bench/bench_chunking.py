@@ -23,7 +23,7 @@ import torch
 import stagetorch
 from stagetorch.chunking import run_chunked
 from stagetorch.costing import peak_bytes as cost
-from stagetorch.planning import SAFETY_MARGIN, _chunk_peak
+from stagetorch.planning import SAFETY_MARGIN, _chunk_peaks
 
 BATCH = 256
 FRACTIONS = (0.35, 0.5, 0.7)
@@ -56,7 +56,7 @@ def test_plan_throughput_against_best_hand_picked(benchmark, fraction):
     entry, inputs, _ = step._stage(args, {})
     split = entry.executable.split()
     usable = step.memory_budget * (1 - SAFETY_MARGIN)
-    candidates = [n for n in (8, 16, 24, 32, 48, 64, 96, 128, 192) if n < BATCH and _chunk_peak(split, n, cost) <= usable]
+    candidates = [n for n in (8, 16, 24, 32, 48, 64, 96, 128, 192) if n < BATCH and max(_chunk_peaks(split, n, cost)) <= usable]
     timings = {}
     for n in candidates:
         sizes = [n] * (BATCH // n) + ([BATCH % n] if BATCH % n else [])

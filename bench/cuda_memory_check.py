@@ -1,7 +1,9 @@
 """CUDA check for memory estimates (needs a GPU): estimate against torch.cuda.max_memory_allocated().
 
 For each model the model and inputs are made resident, statistics reset, one step run; the staged estimate
-is printed beside the measured peak. Run: python bench/cuda_memory_check.py
+is printed beside the measured peak, for the whole batch and for chunked runs at half and a quarter of its
+predicted peak (the plan's predicted peak, ``plan.peak``, against the measured one and the budget).
+Run: python bench/cuda_memory_check.py
 """
 
 from __future__ import annotations
@@ -38,18 +40,27 @@ def check(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, lm: boo
         return loss
 
     estimate = stagetorch.memory(step)(x, y).peak_bytes
-    staged = stagetorch.jit(step)
-    staged.plan(x, y)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    staged(x, y)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    print(f"| {name} | {estimate:,} | {peak:,} | {100 * (estimate - peak) / peak:+.2f}% |")
+    for fraction in (None, 0.5, 0.25):
+        budget = None if fraction is None else int(estimate * fraction)
+        staged = stagetorch.jit(step, memory_budget=budget)
+        try:
+            plan = staged.plan(x, y)
+        except stagetorch.BatchCouplingError:  # BatchNorm in training: the resnet is not chunked
+            print(f"| {name}, budget {budget:,} | cannot be chunked (BatchNorm in training) | | |")
+            continue
+        for p in model.parameters():
+            p.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        staged(x, y)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        where = "whole batch" if budget is None else f"budget {budget:,}, {len(plan.chunk_sizes)} chunks"
+        print(f"| {name}, {where} | {plan.peak:,} | {peak:,} | {100 * (plan.peak - peak) / peak:+.2f}% |")
 
 
 def main() -> None:
-    print("| model | estimate | max_memory_allocated | error |")
+    print("| model | predicted | max_memory_allocated | error |\n|---|---|---|---|")
     check("resnet-ish, batch 64x3x224x224", resnet().cuda(), torch.randn(64, 3, 224, 224).cuda(),
           torch.randint(0, 1000, (64,)).cuda(), lm=False)
     torch.cuda.empty_cache()

@@ -18,10 +18,10 @@ import torch.utils._pytree as pytree
 
 from . import _caches, distributed, shapes
 from .batching import Batched, analyze
-from .chunking import Split, run_chunked
+from .chunking import Split, is_oom, run_chunked
 from .costing import MemoryReport, peak_bytes, report, timeline
 from .devices import format_bytes, free_memory
-from .errors import OutOfMemoryError, ShapeError
+from .errors import BatchCouplingError, OutOfMemoryError, ShapeError
 from .execute import Program, accumulate_grad
 from .ir import Aval, Graph, Var
 from .planning import SAFETY_MARGIN, Plan, plan_chunks
@@ -103,6 +103,10 @@ class Executable:
     plans: dict[int, Plan] = attrs.field(factory=dict)
     _mutated: list[int] | None = None
     _full_peak: int | None = None
+    # The largest chunk known to run: set when a larger one ran out of memory, so later calls plan with it.
+    cap: int | None = None
+    # Bytes the graph counts twice because two of its inputs are views of one storage (known at the first run).
+    _overlap: int | None = None
 
     @property
     def program(self) -> Program:
@@ -119,12 +123,14 @@ class Executable:
         # The device's free memory moves a little between calls: re-plan only when the answer can change.
         # The whole graph is costed once; a budget it fits in reuses one plan.
         if self._full_peak is None:
-            self._full_peak = peak_bytes(self.graph)
-        fits = self._full_peak <= budget * (1 - SAFETY_MARGIN)
+            self._full_peak = peak_bytes(self.graph) - (self._overlap or 0)
+        fits = self._full_peak <= budget * (1 - SAFETY_MARGIN) and self.cap is None
         # Chunked plans are kept per budget to about 0.4% (its top 9 bits).
         key = -1 if fits else budget >> max(budget.bit_length() - 9, 0) << max(budget.bit_length() - 9, 0)
         if key not in self.plans:
-            self.plans[key] = plan_chunks(self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak)
+            self.plans[key] = plan_chunks(
+                self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak, cap=self.cap
+            )
         return self.plans[key]
 
     def run(
@@ -133,26 +139,85 @@ class Executable:
         """Run on real ``inputs`` (parallel to ``graph.invars``) within ``budget`` bytes.
 
         **Returns** the flat outputs and the (input position, gradient) pairs to accumulate into ``.grad``.
-        If anything fails, inputs the program updates in place (buffers) are restored first.
+        If anything fails, inputs the program updates in place (buffers) are restored first. If the device
+        runs out of memory where the plan said the step fits, the step is redone in smaller chunks, and
+        later calls plan with the chunk size that ran.
         """
+        if self._overlap is None:
+            self._see_inputs(inputs)
         plan = self.plan(budget)
         mutated = self._mutated
         if mutated is None:
             mutated = self._mutated = _mutated_inputs(self.graph)
         if not mutated and len(plan.chunk_sizes) == 1:  # one call, nothing to restore if it fails
-            return self.program.run(inputs)
+            try:
+                return self.program.run(inputs)
+            except Exception as e:
+                if not is_oom(e) or self.batch == 1:
+                    raise
+                return self._recover(inputs, [], e, on_chunk, name)
         saved = [(inputs[i], inputs[i].clone()) for i in mutated]
         try:
             if plan.chunked:
                 log.info("stagetorch: %s: %s", name, plan)
-                outs, grads, _ = run_chunked(self.split(), inputs, plan.chunk_sizes, on_chunk=on_chunk)
+                outs, grads, ran = run_chunked(self.split(), inputs, plan.chunk_sizes, on_chunk=on_chunk)
+                self._remember(plan.chunk_sizes, ran, name)
                 return outs, grads
             return self.program.run(inputs)
+        except Exception as e:
+            _restore(saved)
+            if not is_oom(e) or plan.chunked or self.batch == 1:
+                raise
+            return self._recover(inputs, saved, e, on_chunk, name)
         except BaseException:
-            with torch.no_grad():
-                for t, copy in saved:
-                    t.copy_(copy)
+            _restore(saved)
             raise
+
+    def _see_inputs(self, inputs: list) -> None:
+        """Inputs that are views of one storage (a weight and its transpose handed to a lazy flush) are
+        separate values in the graph: the plan counts their storage once."""
+        groups: dict[int, dict[Var, int]] = {}
+        for v, x in zip(self.graph.invars, inputs):
+            if isinstance(x, torch.Tensor) and x.device.type != "meta":
+                groups.setdefault(x.untyped_storage().data_ptr(), {})[v.root] = v.root.owned_nbytes
+        overlap = sum(sum(g.values()) - max(g.values()) for g in groups.values() if len(g) > 1)
+        self._overlap = overlap
+        if overlap:
+            self.plans.clear()
+            self._full_peak = None
+            self.split().input_overlap = overlap
+
+    def _recover(self, inputs: list, saved: list, error: Exception, on_chunk: Any, name: str) -> tuple[list, list]:
+        """The whole batch ran out of memory although the plan said it fits: redo it in two halves (and
+        smaller, if those fail too)."""
+        try:
+            split = self.split()
+        except BatchCouplingError as coupled:
+            raise error from coupled
+        half = self.batch // 2
+        try:
+            outs, grads, ran = run_chunked(split, inputs, [half, self.batch - half], on_chunk=on_chunk)
+        except BaseException:
+            _restore(saved)
+            raise
+        self._remember((self.batch,), ran, name)
+        return outs, grads
+
+    def _remember(self, planned: Sequence[int], ran: Sequence[int], name: str) -> None:
+        if max(ran) >= max(planned):
+            return
+        self.cap = max(ran)
+        self.plans.clear()
+        log.warning(
+            "stagetorch: %s: out of memory where the plan said a chunk of %d fits; ran in chunks of at most %d, "
+            "and later calls will too", name, max(planned), self.cap,
+        )
+
+
+def _restore(saved: list) -> None:
+    with torch.no_grad():
+        for t, copy in saved:
+            t.copy_(copy)
 
 
 @attrs.define
@@ -171,6 +236,15 @@ def device_of(graph: Graph) -> torch.device:
     return graph.invars[0].aval.device if graph.invars else torch.device("cpu")
 
 
+# Ops that write inputs their schema does not mark as written: BatchNorm in training updates its running
+# statistics (argument positions), as autograd's kernels do, though the schema says they are read only.
+_UNDECLARED_WRITES = {
+    torch.ops.aten.native_batch_norm.default: (3, 4),
+    torch.ops.aten.cudnn_batch_norm.default: (3, 4),
+    torch.ops.aten.miopen_batch_norm.default: (3, 4),
+}
+
+
 def _mutated_inputs(graph: Graph) -> list[int]:
     """Positions of inputs that some equation writes in place (a buffer update, an in-place op on an arg)."""
     roots = {v: i for i, v in enumerate(graph.invars)}
@@ -179,8 +253,11 @@ def _mutated_inputs(graph: Graph) -> list[int]:
         schema = getattr(e.prim, "_schema", None)
         if schema is None:
             continue
-        for a, x in zip(schema.arguments, e.args):
-            if a.alias_info is not None and a.alias_info.is_write and isinstance(x, Var):
+        written = [x for a, x in zip(schema.arguments, e.args) if a.alias_info is not None and a.alias_info.is_write]
+        if e.prim in _UNDECLARED_WRITES and len(e.args) > 5 and e.args[5] is True:  # training
+            written += [e.args[k] for k in _UNDECLARED_WRITES[e.prim]]
+        for x in written:
+            if isinstance(x, Var):
                 i = roots.get(x.root)
                 if i is not None and i not in out:
                     out.append(i)
@@ -209,6 +286,7 @@ class Staged:
         self.static_argnums = tuple(static_argnums)
         self.memory_budget = memory_budget
         self._cache: dict[tuple, _Entry] = {}
+        self._caps: dict[int, int] = {}  # batch size -> the largest chunk that ran after an out-of-memory error
         functools.update_wrapper(self, fn)
         _STAGED.add(self)
 
@@ -235,7 +313,8 @@ class Staged:
             graph = traced.graph
             arg_vars = [v for v, r in zip(graph.invars, graph.roles) if r == "arg"]
             batched = {v: Batched(dim) for v, (is_batched, dim) in zip(arg_vars, batched_leaves) if is_batched}
-            entry = _Entry(traced, Executable(graph, batched, batch, traced.consts))
+            # A chunk size that ran out of memory for another signature of this step is not tried again.
+            entry = _Entry(traced, Executable(graph, batched, batch, traced.consts, cap=self._caps.get(batch)))
             self._cache[key] = entry
         if argnums is None:
             inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -315,6 +394,8 @@ class Staged:
         budget = self._budget(executable)
         name = getattr(self.fn, "__name__", "step")
         outs, grads = executable.run(inputs, budget, on_chunk=self._progress(executable.plan(budget)), name=name)
+        if executable.cap is not None:
+            self._caps[executable.batch] = executable.cap
         for i, g in grads:
             accumulate_grad(inputs[i], g)
         return pytree.tree_unflatten(outs, entry.traced.graph.out_tree)
@@ -460,46 +541,51 @@ def memory(
 ) -> Callable[..., MemoryReport]:
     """Cost ``fn`` before running it: ``stagetorch.memory(fn)(*args, **kwargs) -> MemoryReport``.
 
-    The step is staged at the given batch and at two smaller ones (the batched arguments sliced along
-    ``batch_dim``); the fixed and per-example parts come from those peaks, and a third size checks that the
-    peak is affine in the batch. Nothing is run and no real tensor is touched.
+    The step is staged at the given batch and at other sizes: a half and a quarter of it (the batched
+    arguments sliced along ``batch_dim``), or, below 4 examples, two, three and four times it (the batched
+    arguments repeated: one example is often a program of its own), and at one example. The fixed and
+    per-example parts come from the two largest; the third checks that the peak is affine in the batch.
+    Nothing is run and no real tensor is touched.
     """
 
     def cost(*args: Any, **kwargs: Any) -> MemoryReport:
         staged = Staged(fn, batch_dim=batch_dim, batch_argnums=batch_argnums, static_argnums=static_argnums)
         leaves, batch = staged._batch_leaves(args, kwargs)
         graph = staged.graph(*args, **kwargs)
-        if batch < 4 or not any(b for b, _ in leaves):
-            return report(graph, batch, True, "Too few examples to separate the per-example part.")
+        if not any(b for b, _ in leaves):
+            return report(graph, batch, True, "No argument carries a batch.")
+        sizes = [batch // 2, batch // 4] if batch >= 4 else [2 * batch, 3 * batch, 4 * batch]
         totals = {batch: _live_totals(graph)}
-        for b in (batch // 2, batch // 4):
-            small_args, small_kwargs = _sliced(staged, args, kwargs, b)
-            small = staged.graph(*small_args, **small_kwargs)
-            # The slices are views of the whole batch; cost them as the batch of that size they stand for.
-            for v, role in zip(small.invars, small.roles):
-                if role == "arg" and v.base is None:
-                    v.storage_nbytes = v.aval.nbytes
-            totals[b] = _live_totals(small)
-        half, quarter = batch // 2, batch // 4
-        if not len(totals[batch]) == len(totals[half]) == len(totals[quarter]):
+        for b in [*sizes, 1]:
+            if b not in totals:
+                totals[b] = _live_totals(_staged_at(staged, args, kwargs, b))
+        large, small, check = sorted({batch, *sizes}, reverse=True)[:3]
+        peaks = {b: max(t) for b, t in totals.items()}
+        slope = (peaks[large] - peaks[small]) / (large - small)
+        line = (peaks[large] - slope * large, slope)
+        def cost_at(b: int) -> int:
+            return peak_bytes(_staged_at(staged, args, kwargs, b))
+
+        if not len(totals[large]) == len(totals[small]) == len(totals[check]):
             return report(graph, batch, False, "The staged program changes with the batch size (control flow on "
-                           "shapes), so the per-example part cannot be separated.")
-        slope = tuple((x - y) / (batch - half) for x, y in zip(totals[batch], totals[half]))
-        fixed = tuple(x - s * batch for x, s in zip(totals[batch], slope))
-        worst = max(abs(a + s * quarter - q) for a, s, q in zip(fixed, slope, totals[quarter]))
-        linear = worst <= 1e-3 * max(totals[quarter]) + 1024
+                          "shapes): the per-example part is the line through the peaks at batches "
+                          f"{small} and {large}, and predict() stages the step at the batch asked.",
+                          line=line, probes=peaks, cost_at=cost_at)
+        point_slope = tuple((x - y) / (large - small) for x, y in zip(totals[large], totals[small]))
+        fixed = tuple(x - s * large for x, s in zip(totals[large], point_slope))
+        worst = max(abs(a + s * check - q) for a, s, q in zip(fixed, point_slope, totals[check]))
+        linear = worst <= 1e-3 * max(totals[check]) + 1024
         note = "" if linear else (
-            f"The peak is not affine in the batch: staging at batch {quarter} differs by up to {format_bytes(worst)} "
-            f"from the line through batches {half} and {batch} (an op whose size grows faster than the batch, "
-            "such as attention across examples)."
+            f"The peak is not affine in the batch: staging at batch {check} differs by up to {format_bytes(worst)} "
+            f"from the line through batches {small} and {large} (an op whose size grows faster than the batch, "
+            "such as attention across examples, or a kernel whose workspace is padded); predict() stages the step "
+            "at the batch asked."
         )
-        return report(graph, batch, linear, note, (fixed, slope))
+        return report(
+            graph, batch, linear, note, (fixed, point_slope), line=line, probes=peaks, cost_at=None if linear else cost_at
+        )
 
     return cost
-
-
-def _sliced(staged: Any, args: tuple, kwargs: dict, b: int) -> tuple[tuple, dict]:
-    return _map_batched(staged, args, kwargs, lambda x, dim: x.narrow(dim, 0, b))
 
 
 def _map_batched(staged: Any, args: tuple, kwargs: dict, f: Callable[[torch.Tensor, int], Any]) -> tuple[tuple, dict]:
@@ -508,12 +594,30 @@ def _map_batched(staged: Any, args: tuple, kwargs: dict, f: Callable[[torch.Tens
     it = iter(leaves_info)
     static = set(staged.static_argnums)
 
-    def cut(x: Any, argnum: int) -> Any:
+    def resize(x: Any, argnum: int) -> Any:
         if not isinstance(x, torch.Tensor) or argnum in static:
             return x
         is_batched, dim = next(it)
         return f(x, dim) if is_batched else x
 
-    new_args = tuple(pytree.tree_map(lambda x, i=i: cut(x, i), a) for i, a in enumerate(args))
-    new_kwargs = {k: pytree.tree_map(lambda x: cut(x, -1), v) for k, v in kwargs.items()}
+    new_args = tuple(pytree.tree_map(lambda x, i=i: resize(x, i), a) for i, a in enumerate(args))
+    new_kwargs = {k: pytree.tree_map(lambda x: resize(x, -1), v) for k, v in kwargs.items()}
     return new_args, new_kwargs
+
+
+def _staged_at(staged: Staged, args: tuple, kwargs: dict, b: int) -> Graph:
+    """The step staged at ``b`` examples: the batched arguments sliced (views, no copy) or repeated."""
+
+    def resize(x: torch.Tensor, dim: int) -> torch.Tensor:
+        batch = x.shape[dim]
+        if b <= batch:
+            return x.narrow(dim, 0, b)
+        return x.repeat_interleave(-(-b // batch), dim=dim).narrow(dim, 0, b)
+
+    new_args, new_kwargs = _map_batched(staged, args, kwargs, resize)
+    graph = staged.graph(*new_args, **new_kwargs)
+    # A slice is a view of the whole batch; cost it as the batch of that size it stands for.
+    for v, role in zip(graph.invars, graph.roles):
+        if role == "arg" and v.base is None:
+            v.storage_nbytes = v.aval.nbytes
+    return graph

@@ -5,14 +5,16 @@ once per chunk, built for each chunk size by the equations' batch rules) and ``p
 chunks, on the combined reductions). Each is an ordinary Graph that the eager interpreter runs and the
 memory interpreter costs, so the plan is costed on exactly what runs.
 
-Nothing is written to a real ``.grad`` until every chunk has succeeded; a chunk that runs out of memory is
-dropped whole and redone in halves, so no gradient is counted twice.
+Each chunk folds its results into the accumulators as soon as they are made. Nothing is written to a real
+``.grad`` until every chunk has succeeded; a chunk that runs out of memory spoils the accumulators it has
+added into, so the whole pass is dropped and redone in chunks of half that size: no gradient is counted twice.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,9 +24,9 @@ import torch
 from ._tree import map_leaves
 from .batching import BatchAnalysis, Batched, Global, Prepass, Reduced, coupling
 from .execute import Program
-from .ir import Aval, Eqn, Graph, Literal, Var
+from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var
 
-__all__ = ["Split", "run_chunked"]
+__all__ = ["Split", "run_chunked", "even_chunks", "is_oom", "ChunkOutOfMemory"]
 
 log = logging.getLogger("stagetorch")
 
@@ -47,15 +49,77 @@ def _empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 @attrs.define
 class BodyGraph:
-    """The per-chunk program for chunks of ``n`` examples and how its inputs are cut from the batch."""
+    """The per-chunk programs for chunks of ``n`` examples and how their inputs are cut from the batch.
 
-    graph: Graph
-    program: Program
+    A chunk folds each result into its accumulator as soon as the result's last reader has run, so no
+    partial outlives its use. ``first`` runs the first chunk: it hands its partials over as the
+    accumulators (a copy only for one that shares storage with an input or another result). ``rest`` runs
+    every later chunk: the accumulators are its inputs and it adds into them in place. Per-example results
+    are copied into the full tensor as they are produced, in both.
+    """
+
+    first: Graph
+    rest: Graph
     # Per body invar: ("batch", original var, Batched) cut from a batched graph input; ("slice", var,
-    # Batched) cut from a shared value; ("full", var) a shared or global value as it is.
-    feeds: list[tuple]
-    # Per body outvar: the original var it computes and how chunks combine: "cat", "sum"/"max"/"min", "same".
+    # Batched) cut from a shared value; ("full", var) a shared or global value as it is; ("into", var,
+    # Batched) this chunk's rows of the full per-example result; ("acc", var) an accumulator (``rest`` only).
+    first_feeds: list[tuple]
+    rest_feeds: list[tuple]
+    # Per original var the chunks combine: how ("cat", "sum"/"max"/"min", "same").
     results: list[tuple[Var, str]]
+    # The original vars ``first`` hands over as accumulators, parallel to its outvars.
+    handed: list[Var]
+    # The body values each chunk folds (the partials), parallel to ``results``.
+    partials: list[Var]
+    # Bytes held across the chunks: the full per-example results, and the accumulators with the values
+    # kept as they are (those in storage of their own).
+    held_bytes: tuple[int, int] = (0, 0)
+    _programs: dict[bool, Program] = attrs.field(factory=dict)
+
+    def program(self, first: bool) -> Program:
+        if first not in self._programs:
+            self._programs[first] = Program(self.first if first else self.rest)
+        return self._programs[first]
+
+
+def _add_into(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return acc.add_(x)
+
+
+def _max_into(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.maximum(acc, x, out=acc)
+
+
+def _min_into(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.minimum(acc, x, out=acc)
+
+
+def _copy_into(rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return rows.copy_(x)
+
+
+_FOLD = {"sum": _add_into, "max": _max_into, "min": _min_into, "cat": _copy_into}
+_CLONE = torch.ops.aten.clone.default
+
+
+def _insert_after_last_use(eqns: list[Eqn], folds: list[tuple[Var, Eqn]]) -> list[Eqn]:
+    """``eqns`` with each fold equation placed right after the last equation that reads (or defines) its
+    value, so the value dies there."""
+    last: dict[Var, int] = {}
+    for i, e in enumerate(eqns):
+        for v in e.outvars:
+            if v is not None:
+                last.setdefault(v, i)
+        for v in e.invars:
+            last[v] = i
+    after: dict[int, list[Eqn]] = {}
+    for v, e in folds:
+        after.setdefault(last.get(v, -1), []).append(e)
+    out = list(after.get(-1, []))
+    for i, e in enumerate(eqns):
+        out.append(e)
+        out.extend(after.get(i, []))
+    return out
 
 
 def _combine_kind(label: Any) -> str:
@@ -122,6 +186,8 @@ class Split:
         self._bodies: dict[int, BodyGraph] = {}
         self._prepasses: dict[tuple[str, int], BodyGraph] = {}
         self.batched_inputs = [v for v in graph.invars if isinstance(labels.get(v), Batched)]
+        # Bytes of input storage the graph counts twice (inputs that are views of one storage at run time).
+        self.input_overlap = 0
 
     # -- shared and post graphs ------------------------------------------------------------------------
 
@@ -271,8 +337,52 @@ class Split:
             eqns.append(Eqn(p.fn, args, {}, (out,), self.graph.eqns[0].source))
             outs.append(out)
             kinds.append((v, "sum"))
-        g = Graph(invars, eqns, outs)
-        return BodyGraph(g, Program(g), feeds, kinds)
+        return self._fold(n, invars, feeds, eqns, outs, kinds)
+
+    def _fold(
+        self, n: int, invars: list[Var], feeds: list[tuple], eqns: list[Eqn], outs: list[Var], kinds: list[tuple[Var, str]]
+    ) -> BodyGraph:
+        """The first-chunk and later-chunk graphs: each result folded into its accumulator after its last use."""
+        labels = self.analysis.labels
+        source = eqns[0].source if eqns else SourceInfo()
+        input_roots = {v.root for v in invars}
+        first_in, first_feeds, first_folds, first_outs, handed = list(invars), list(feeds), [], [], []
+        rest_in, rest_feeds, rest_folds = list(invars), list(feeds), []
+        # Storage the accumulators must not take over: what a never-written result lives in.
+        owned = {x.root for x, (_, kind) in zip(outs, kinds) if kind == "same"}
+        for x, (v, kind) in zip(outs, kinds):
+            if kind == "cat":
+                lab = labels[v]
+                for ins, fds, folds in ((first_in, first_feeds, first_folds), (rest_in, rest_feeds, rest_folds)):
+                    rows = Var(x.aval)
+                    ins.append(rows)
+                    fds.append(("into", v, lab))
+                    folds.append((x, Eqn(_copy_into, (rows, x), {}, (Var(x.aval, base=rows),), source)))
+                continue
+            handed.append(v)
+            if kind == "same":  # never written: handed over as it is
+                first_outs.append(x)
+                continue
+            # The first chunk's partial becomes the accumulator itself when it owns its storage outright.
+            r = x.root
+            if r in input_roots or r in owned or r.owned_nbytes != x.aval.nbytes:
+                copy = Var(x.aval)
+                first_folds.append((x, Eqn(_CLONE, (x,), {}, (copy,), source)))
+                first_outs.append(copy)
+            else:
+                owned.add(r)
+                first_outs.append(x)
+            acc = Var(x.aval)
+            rest_in.append(acc)
+            rest_feeds.append(("acc", v))
+            rest_folds.append((x, Eqn(_FOLD[kind], (acc, x), {}, (Var(x.aval, base=acc),), source)))
+        cat = sum(v.aval.nbytes for v, kind in kinds if kind == "cat")
+        acc = sum(x.aval.nbytes for x, (_, kind) in zip(outs, kinds) if kind not in ("cat", "same"))
+        kept_roots = {x.root for x, (_, kind) in zip(outs, kinds) if kind == "same"} - input_roots
+        acc += sum(r.owned_nbytes for r in kept_roots)
+        first = Graph(first_in, _insert_after_last_use(eqns, first_folds), first_outs)
+        rest = Graph(rest_in, _insert_after_last_use(eqns, rest_folds), [])
+        return BodyGraph(first, rest, first_feeds, rest_feeds, kinds, handed, outs, (cat, acc))
 
 
 def _vars_in(tree: Any) -> list[Var]:
@@ -295,92 +405,147 @@ def _cut(x: torch.Tensor, lab: Batched, start: int, n: int) -> torch.Tensor:
     return inner.narrow(lab.dim + 1, start * lab.k, n * lab.k).flatten(lab.dim, lab.dim + 1)
 
 
-def _feed_values(body: BodyGraph, env: dict[Var, Any], start: int, n: int, offset: int) -> list:
+@attrs.frozen
+class _Run:
+    """Which examples a pass covers: ``batch`` of them, the first being example ``offset`` of the batch the
+    graph was staged for (a process's shard of a larger batch; 0 and all of it otherwise)."""
+
+    batch: int
+    offset: int = 0
+
+
+def _feed_values(feeds: list[tuple], env: dict[Var, Any], held: dict[Var, Any], start: int, n: int, run: _Run) -> list:
     vals = []
-    for f in body.feeds:
-        if f[0] == "full":
+    for f in feeds:
+        kind = f[0]
+        if kind == "full":
             vals.append(env[f[1]])
-        elif f[0] == "slice":  # a shared value spans the whole batch: this run's examples start at ``offset``
-            vals.append(_cut(env[f[1]], f[2], offset + start, n))
+        elif kind == "acc":
+            vals.append(held[f[1]])
+        elif kind == "into":
+            vals.append(_rows(held, f[1], f[2], start, n, run.batch))
+        elif kind == "slice":  # a shared value spans the staged batch: this run's examples start at its offset
+            vals.append(_cut(env[f[1]], f[2], run.offset + start, n))
         else:
             vals.append(_cut(env[f[1]], f[2], start, n))
     return vals
 
 
-class _Combiner:
-    """Accumulates chunk results: per-example values into preallocated full tensors, reductions in place."""
-
-    def __init__(self, labels: dict[Var, Any], batch: int):
-        self.labels = labels
-        self.batch = batch  # the examples this run covers: per-example results have this extent
-        self.values: dict[Var, Any] = {}
-        self.kinds: dict[Var, str] = {}
-
-    def add(self, results: list[tuple[Var, str]], outs: list, start: int, n: int) -> None:
-        for (v, kind), x in zip(results, outs):
-            self.kinds[v] = kind
-            if kind == "cat":
-                lab = self.labels[v]
-                full = self.values.get(v)
-                if full is None:
-                    shape = list(v.aval.shape)
-                    shape[lab.dim] = lab.extent(self.batch)
-                    full = torch.empty(shape, dtype=x.dtype, device=x.device)
-                    self.values[v] = full
-                if lab.outer == 1:
-                    _cut(full, lab, start, n).copy_(x)
-                else:
-                    rows = full.unflatten(lab.dim, (lab.outer, -1)).narrow(lab.dim + 1, start * lab.k, n * lab.k)
-                    rows.copy_(x.unflatten(lab.dim, (lab.outer, -1)))
-            elif kind == "same":
-                self.values[v] = x
-            elif v not in self.values:
-                self.values[v] = x.clone()
-            elif kind == "sum":
-                self.values[v].add_(x)
-            elif kind == "max":
-                torch.maximum(self.values[v], x, out=self.values[v])
-            elif kind == "min":
-                torch.minimum(self.values[v], x, out=self.values[v])
+def _rows(held: dict[Var, Any], v: Var, lab: Batched, start: int, n: int, batch: int) -> torch.Tensor:
+    """Examples ``[start, start + n)`` of the full per-example result ``v`` over the run's ``batch`` examples
+    (allocated on first use)."""
+    full = held.get(v)
+    if full is None:
+        shape = list(v.aval.shape)
+        shape[lab.dim] = lab.extent(batch)
+        full = held[v] = torch.empty(shape, dtype=v.aval.dtype, device=v.aval.device)
+    if lab.outer == 1:
+        return _cut(full, lab, start, n)
+    # Under an outer dim the rows are not one view's worth: write them through an unflattened view.
+    return _OuterRows(full, lab, start, n)
 
 
-def _is_oom(e: BaseException) -> bool:
+class _OuterRows:
+    """Stands in for the rows of an outer-batched result: ``copy_`` writes them in place."""
+
+    def __init__(self, full: torch.Tensor, lab: Batched, start: int, n: int):
+        self.rows = full.unflatten(lab.dim, (lab.outer, -1)).narrow(lab.dim + 1, start * lab.k, n * lab.k)
+        self.dim, self.outer = lab.dim, lab.outer
+
+    def copy_(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rows.copy_(x.unflatten(self.dim, (self.outer, -1)))
+
+
+def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def _loop(
-    split: Split,
-    make: Callable[[int], BodyGraph | None],
-    env: dict[Var, Any],
-    sizes: Sequence[int],
-    on_chunk: Callable[[int, int], None] | None,
-    offset: int = 0,
-) -> tuple[_Combiner, list[int]]:
-    """Run a per-chunk graph over the batch; on OOM redo the failed chunk in halves. Returns what ran."""
-    combiner = _Combiner(split.analysis.labels, sum(sizes))
-    pending = list(sizes)
-    ran: list[int] = []
+class ChunkOutOfMemory(Exception):
+    """A chunk of ``size`` examples ran out of memory (``__cause__`` is the device's error)."""
+
+    def __init__(self, size: int):
+        super().__init__(f"out of memory on a chunk of {size} examples")
+        self.size = size
+
+
+def _pass(
+    make: Callable[[int], BodyGraph], env: dict[Var, Any], sizes: Sequence[int], on_chunk, run: _Run
+) -> dict[Var, Any]:
+    """Run a per-chunk graph over the batch once. Returns the combined results by original var."""
+    held: dict[Var, Any] = {}
     start = 0
-    while pending:
-        n = pending.pop(0)
+    for k, n in enumerate(sizes):
         body = make(n)
+        first = k == 0
+        program = body.program(first)
         try:
-            outs = body.program.outputs(body.program.run_env(_feed_values(body, env, start, n, offset)))
+            feeds = body.first_feeds if first else body.rest_feeds
+            env_out = program.run_env(_feed_values(feeds, env, held, start, n, run))
         except Exception as e:
-            if not _is_oom(e) or n == 1:
-                raise
-            half = n // 2
-            log.warning("stagetorch: out of memory on a chunk of %d examples; retrying as %d + %d", n, half, n - half)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            pending[:0] = [half, n - half]
-            continue
-        combiner.add(body.results, outs, start, n)
-        ran.append(n)
+            if is_oom(e) and n > 1:
+                raise ChunkOutOfMemory(n) from e
+            raise
+        if first:
+            held.update(zip(body.handed, program.outputs(env_out)))
+        del env_out
         if on_chunk is not None:
             on_chunk(start, n)
         start += n
-    return combiner, ran
+    return held
+
+
+def _loop(
+    make: Callable[[int], BodyGraph],
+    env: dict[Var, Any],
+    sizes: Sequence[int],
+    on_chunk: Callable[[int, int], None] | None,
+    run: _Run,
+    combine: Callable[[dict[Var, torch.Tensor], dict[Var, str]], None] | None,
+) -> tuple[dict[Var, Any], list[int]]:
+    """Run a per-chunk graph over the batch. The accumulators are written in place, so a chunk that runs
+    out of memory spoils the pass: it is dropped whole and the batch redone in chunks of half that size.
+    ``combine`` then merges the results with those of the other parts of a sharded batch.
+    Returns the combined results and the chunk sizes of the pass that succeeded."""
+    sizes = list(sizes)
+    reported = 0
+
+    def progress(start: int, n: int) -> None:
+        # A redone pass reports only examples beyond those already reported.
+        nonlocal reported
+        if on_chunk is not None and start + n > reported:
+            on_chunk(reported, start + n - reported)
+            reported = start + n
+
+    while True:
+        try:
+            held = _pass(make, env, sizes, progress, run)
+        except ChunkOutOfMemory as e:
+            half = e.size // 2
+            # The caller warns once, with what it will do from now on.
+            log.info(
+                "stagetorch: out of memory on a chunk of %d examples; redoing the batch in chunks of at most %d",
+                e.size, half,
+            )
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            sizes = even_chunks(sum(sizes), half)
+            continue
+        if combine is not None:
+            combine(held, dict(make(sizes[0]).results))
+        return held, sizes
+
+
+def even_chunks(batch: int, largest: int) -> list[int]:
+    """Even chunks no larger than ``largest``, rounded up to a multiple of 8 where that still fits, so the
+    last chunk is not tiny and kernels see friendly sizes."""
+    count = math.ceil(batch / largest)
+    size = math.ceil(batch / count)
+    if size > 8 and math.ceil(size / 8) * 8 <= largest:
+        size = math.ceil(size / 8) * 8
+    sizes = [size] * (batch // size)
+    if batch % size:
+        sizes.append(batch % size)
+    return sizes
 
 
 def run_chunked(
@@ -403,6 +568,7 @@ def run_chunked(
     that actually ran (they differ from ``sizes`` after an out-of-memory retry).
     """
     g = split.graph
+    run = _Run(sum(sizes), offset)
     env: dict[Var, Any] = dict(zip(g.invars, inputs))
     shared = split.shared_program
     senv = shared.run_env(inputs)
@@ -410,25 +576,20 @@ def run_chunked(
     del senv
 
     if split.globals:
-        partials, _ = _loop(split, split.normaliser_pass, env, sizes, None, offset)
-        if combine is not None:
-            combine(partials.values, partials.kinds)
-        env.update(partials.values)
+        partials, sizes = _loop(split.normaliser_pass, env, sizes, None, run, combine)
+        env.update(partials)
     if split.reduced_for_globals:
-        partials, _ = _loop(split, split.reduction_pass, env, sizes, None, offset)
-        if combine is not None:
-            combine(partials.values, partials.kinds)
-        env.update(partials.values)
+        partials, sizes = _loop(split.reduction_pass, env, sizes, None, run, combine)
+        env.update(partials)
         if split.global_post.eqns:
             batch_wide = split.global_post
             program = Program(batch_wide)
             values = program.outputs(program.run_env([env[v] for v in batch_wide.invars]))
             env.update(zip(batch_wide.outvars, values))
 
-    combined, ran = _loop(split, split.body, env, sizes, on_chunk, offset)
-    if combine is not None:
-        combine(combined.values, combined.kinds)
-    env.update(combined.values)
+    combined, ran = _loop(split.body, env, sizes, on_chunk, run, combine)
+    env.update(combined)
+    del combined
 
     post = split.post_program
     env.update(zip(split.post.outvars, post.outputs(post.run_env([env[v] for v in split.post.invars]))))

@@ -10,6 +10,8 @@ It knows the IR and the registry; it runs nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import torch
 
@@ -140,9 +142,10 @@ def peak_bytes(graph: Graph) -> int:
 class MemoryReport:
     """What a staged step needs: its peak, how that grows with the batch, and where the bytes go.
 
-    ``peak_bytes = fixed_bytes + per_example_bytes * batch`` (exact when ``linear``). ``by_category``,
-    ``by_op`` and ``by_module`` break down the bytes live at the peak; ``peak_source`` is the user's line of
-    the equation at which the peak occurs.
+    ``peak_bytes = fixed_bytes + per_example_bytes * batch``: the line through the peaks at the two largest
+    batches costed (exact at those when ``linear``). ``by_category``, ``by_op`` and ``by_module`` break down
+    the bytes live at the peak; ``peak_source`` is the user's line of the equation at which the peak occurs.
+    ``probes`` holds the peak at every batch size that was costed.
     """
 
     peak_bytes: int
@@ -160,10 +163,20 @@ class MemoryReport:
     peak_index: int
     point_fixed: tuple[float, ...] = ()
     point_per_example: tuple[float, ...] = ()
+    probes: dict[int, int] = attrs.field(factory=dict)
+    # Costs the step at another batch size; kept (with the arguments it stages from) only when the peak is
+    # not affine in the batch, where no line predicts it.
+    cost_at: Callable[[int], int] | None = attrs.field(default=None, eq=False, repr=False)
 
     def predict(self, batch: int) -> int:
-        """The peak for another batch size: every program point's live bytes are affine in the batch, and
-        the peak is the largest of them (the point where it occurs can move as the batch grows)."""
+        """The peak for another batch size: exact at a batch that was costed, and at any batch when the
+        peak is not affine in the batch (the step is costed there); else every program point's live bytes
+        are affine in the batch, and the peak is the largest of them (the point where it occurs can move
+        as the batch grows)."""
+        if batch not in self.probes and self.cost_at is not None:
+            self.probes[batch] = self.cost_at(batch)
+        if batch in self.probes:
+            return self.probes[batch]
         if not self.point_fixed:
             return int(round(self.fixed_bytes + self.per_example_bytes * batch))
         return int(round(max(a + b * batch for a, b in zip(self.point_fixed, self.point_per_example))))
@@ -223,12 +236,14 @@ def report(
     linear: bool,
     note: str,
     points: tuple[tuple[float, ...], tuple[float, ...]] = ((), ()),
+    line: tuple[float, float] | None = None,
+    probes: dict[int, int] | None = None,
+    cost_at: Callable[[int], int] | None = None,
 ) -> MemoryReport:
+    """The report for ``graph`` staged at ``batch``. ``line`` is (fixed, per example) through the peaks;
+    ``points`` the same per program point, when the program is the same at every batch costed."""
     t = timeline(graph)
-    if points[0]:
-        fixed, per_example = points[0][t.peak_index], points[1][t.peak_index]
-    else:
-        fixed, per_example = float(t.peak_bytes), 0.0
+    fixed, per_example = line if line is not None else (float(t.peak_bytes), 0.0)
     by_category: dict[str, int] = {c: 0 for c in CATEGORIES}
     by_op: dict[str, int] = {}
     by_module: dict[str, int] = {}
@@ -260,4 +275,6 @@ def report(
         peak_index=t.peak_index,
         point_fixed=points[0],
         point_per_example=points[1],
+        probes={batch: t.peak_bytes, **(probes or {})},
+        cost_at=cost_at,
     )

@@ -32,7 +32,7 @@ from .chunking import Split, run_chunked
 from .costing import peak_bytes
 from .errors import BatchCouplingError, OutOfMemoryError, StagingError, UnsupportedOpError
 from .ir import Aval, Graph, Var
-from .planning import Plan, _chunk_peak, plan_chunks
+from .planning import Plan, chunked_peak, plan_chunks
 from .tracing import State
 
 __all__ = ["ShardGroup", "plan_shard", "run_shard", "global_aval", "staging"]
@@ -154,7 +154,7 @@ def plan_shard(split: Split, graph: Graph, examples: int, budget: int) -> Plan:
     """
     if examples == 0:
         return Plan(0, (0,), (0,), budget, 0, "This rank has no examples: it adds zero to every sum.")
-    whole = _chunk_peak(split, examples, peak_bytes)
+    whole = chunked_peak(split, examples, peak_bytes)
     return plan_chunks(graph, lambda: split, examples, budget, peak_bytes, whole)
 
 

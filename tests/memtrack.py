@@ -1,4 +1,5 @@
-"""Measure the live-tensor peak of real PyTorch code: the ground truth the memory estimates are tested against.
+"""Measure the live-tensor peak of real PyTorch code: the ground truth the memory estimates are tested against,
+and the one harness that runs a step along every path (tests and benchmarks) and returns both.
 
 A dispatch mode sees every tensor an ATen op returns, forward and backward. Each storage is counted once
 from its first appearance until the last tensor on it dies (weak references fire when the C++ tensor goes,
@@ -8,11 +9,27 @@ since PyTorch keeps a tensor's Python object alive while C++ still holds it). Te
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Callable, Iterable
 
+import models
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+import stagetorch
+from stagetorch.api import Executable
+from stagetorch.costing import peak_bytes
+from stagetorch.planning import SAFETY_MARGIN, _chunk_peaks, _phase_peak
+
+MODELS = {**models.CLASSIFIERS, "gpt2": models.gpt2}
+
+
+def _step_of(name):
+    return models.gpt2_step if name == "gpt2" else models.train_step
+
+_DENSE = (torch.Tensor, torch.nn.Parameter)
 
 
 class LivePeak(TorchDispatchMode):
@@ -28,6 +45,8 @@ class LivePeak(TorchDispatchMode):
         self.peak = self.live
 
     def _see(self, t: torch.Tensor, keep: bool = False) -> None:
+        if type(t) not in _DENSE or t.device.type == "meta":  # fake and lazy tensors hold no memory
+            return
         st = t.untyped_storage()
         key, nbytes = st.data_ptr(), st.nbytes()
         if not nbytes:
@@ -50,11 +69,76 @@ class LivePeak(TorchDispatchMode):
             del self.count[key]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and not isinstance(args[0], torch.Tensor):
+            # Under a dispatch mode, .item() of a 0-dim tensor autograd made from a Python number arrives with
+            # the number itself (torch 2.13); stagetorch.lazy reads such saved numbers.
+            return args[0]
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
                 self._see(t)
         return out
+
+
+PATHS = ["jit", "chunked", "small_chunks", "no_grad", "lazy", "lazy_chunked"]
+
+
+def smallest_plan_peak(staged: stagetorch.Staged, *args: torch.Tensor) -> int:
+    """The predicted peak of the smallest plan (chunks of one example)."""
+    entry, _, _ = staged._stage(args, {})
+    split = entry.executable.split()
+    return max(*_chunk_peaks(split, 1, peak_bytes), _phase_peak(split, 1, peak_bytes))
+
+
+def _budget_between(staged, args, fraction):
+    """A budget ``fraction`` of the way from the smallest feasible plan's peak to the whole batch's."""
+    smallest = smallest_plan_peak(staged, *args)
+    full = staged.plan(*args).full_batch_peak_bytes
+    return int((smallest + fraction * (full - smallest)) / (1 - SAFETY_MARGIN)) + 64
+
+
+def measure(name, path):
+    """Run one step of ``name`` along ``path`` under the live-storage tracker: (predicted, measured, budget,
+    chunks). The model's state, the inputs and nothing else are resident before the step."""
+    torch.manual_seed(0)
+    model, make = MODELS[name]()
+    # The MLP's activations outweigh its parameters only from a few hundred examples: below, chunking saves nothing.
+    x, y = make(1024 if name == "mlp" else 16)
+    resident = [*model.parameters(), *model.buffers(), x, y]
+    if path == "no_grad":
+        with torch.no_grad():
+            staged = stagetorch.jit(model if name != "gpt2" else lambda ids: model(input_ids=ids).logits)
+            staged.memory_budget = _budget_between(staged, (x,), 0.3)
+            plan = staged.plan(x)
+            with LivePeak(resident) as run:
+                staged(x)
+        return plan.peak, run.peak, staged.memory_budget, len(plan.chunk_sizes)
+    staged = stagetorch.jit(_step_of(name)(copy.deepcopy(model)))
+    budget = {"chunked": 0.4, "small_chunks": 0.05, "lazy_chunked": 0.4}.get(path)
+    if budget is not None:
+        budget = _budget_between(staged, (x, y), budget)
+    if path.startswith("lazy"):
+        # The prediction is that of the flushes lazy runs (through the Executable every front end uses).
+        planned = []
+        run_executable = Executable.run
+
+        def recorded(self, inputs, budget, **kwargs):
+            out = run_executable(self, inputs, budget, **kwargs)
+            planned.append(self.plan(budget))  # the plan it ran (it learns about its inputs on the first run)
+            return out
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Executable, "run", recorded)
+            with LivePeak(resident) as run:
+                lx, ly = stagetorch.lazy(x, y, batch=0, memory_budget=budget)
+                float(_step_of(name)(model)(lx, ly))
+        assert planned
+        return max(p.peak for p in planned), run.peak, budget, max(len(p.chunk_sizes) for p in planned)
+    staged = stagetorch.jit(_step_of(name)(model), memory_budget=budget)
+    plan = staged.plan(x, y)
+    with LivePeak(resident) as run:
+        staged(x, y)
+    return plan.peak, run.peak, budget, len(plan.chunk_sizes)
 
 
 def measured_peak(step: Callable, model: torch.nn.Module, *args: torch.Tensor) -> int:

@@ -233,13 +233,20 @@ def test_not_even_one_example_fits():
     model, make = models.seed_mlp()
     x, y = make(64)
     staged = stagetorch.jit(_step(model, LOSSES["mean_ce"]), memory_budget=1000)
-    with pytest.raises(stagetorch.OutOfMemoryError, match="not even one example fits"):
+    with pytest.raises(stagetorch.OutOfMemoryError, match="not even one example fits") as error:
         staged(x, y)
     assert all(p.grad is None for p in model.parameters())
+    # The bytes are attributed to what holds them; the parameters' share is exact.
+    params = sum(p.nbytes for p in model.parameters())
+    text = str(error.value)
+    for holder in ("parameters and buffers", "inputs", "gradient and other accumulators", "partial gradients",
+                   "activations"):
+        assert holder in text, holder
+    assert f"parameters and buffers {stagetorch.devices.format_bytes(params)}" in text, text
 
 
 def test_plan_prefers_multiples_of_eight_and_no_tiny_last_chunk():
-    from stagetorch.planning import _sizes
+    from stagetorch.chunking import even_chunks as _sizes
 
     assert _sizes(100, 45) == [40, 40, 20]
     assert _sizes(100, 30) == [25, 25, 25, 25]
@@ -312,6 +319,155 @@ def test_a_failed_step_leaves_grads_and_buffers_untouched():
             staged(x, y)
     finally:
         _LIMIT.update(examples=10**9, error=None)
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g)
+
+
+# -- an out-of-memory error the plan did not foresee, on every path ---------------------------------------------
+
+_DEVICE = {"limit": 10**9, "raised": 0}
+
+
+@torch.library.custom_op("stagetorch_test::scratch_hungry", mutates_args=())
+def scratch_hungry(x: torch.Tensor) -> torch.Tensor:
+    """x * 2 that runs out of memory, as a device would, on more than ``_DEVICE["limit"]`` rows."""
+    if x.shape[0] > _DEVICE["limit"]:
+        _DEVICE["raised"] += 1
+        raise torch.OutOfMemoryError(f"simulated: {x.shape[0]} rows")
+    return x * 2
+
+
+@scratch_hungry.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+scratch_hungry.register_autograd(lambda ctx, grad: grad * 2, setup_context=lambda ctx, inputs, output: None)
+# What a user writes for their own op: its batch rule, from the generic ones.
+stagetorch.ops.register(torch.ops.stagetorch_test.scratch_hungry, batch=stagetorch.ops.pointwise)
+
+
+class HungryMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(20, 32), nn.ReLU())
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x):
+        return self.head(torch.ops.stagetorch_test.scratch_hungry(self.inner(x)))
+
+
+@pytest.fixture
+def device_limit():
+    def limit(rows):
+        _DEVICE.update(limit=rows, raised=0)
+        return _DEVICE
+
+    yield limit
+    _DEVICE.update(limit=10**9, raised=0)
+
+
+def _oom_warnings(caplog):
+    return [r for r in caplog.records if r.levelname == "WARNING" and "out of memory" in r.getMessage()]
+
+
+@pytest.mark.parametrize("budget", [None, "chunked"])
+def test_an_unforeseen_oom_is_survived_exactly_and_remembered(budget, device_limit, caplog):
+    """Three SGD steps with Python values that change between steps, against the same eager loop; the
+    device holds fewer rows than the plan thinks (the whole batch, or a planned chunk)."""
+    torch.manual_seed(0)
+    model = HungryMLP()
+    reference = copy.deepcopy(model)
+    batches = [(torch.randn(96, 20), torch.randint(0, 5, (96,))) for _ in range(3)]
+
+    def step_of(m):
+        def step(x, y, scale):
+            loss = F.cross_entropy(m(x), y) * scale
+            loss.backward()
+            return loss
+
+        return step
+
+    staged = stagetorch.jit(step_of(model), static_argnums=(2,))
+    if budget == "chunked":
+        budget_for(staged, *batches[0], 1.0)
+    planned = max(staged.plan(*batches[0], 1.0).chunk_sizes)
+    state = device_limit(planned // 2 - 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    with caplog.at_level("WARNING", logger="stagetorch"):
+        for k, (x, y) in enumerate(batches):
+            optimizer.zero_grad()
+            loss = staged(x, y, 1.0 + k)
+            raised_by_step = state["raised"]
+            state["limit"] = 10**9
+            ref_optimizer.zero_grad()
+            expected = step_of(reference)(x, y, 1.0 + k)
+            state["limit"] = planned // 2 - 3
+            assert rel(loss.detach(), expected.detach()) < 1e-5, k
+            for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+                assert rel(p.grad, q.grad) < 1e-5, (k, name)
+            optimizer.step()
+            ref_optimizer.step()
+            if k == 0:
+                assert raised_by_step >= 1, "the injected OOM never fired"
+            state["raised"] = 0
+    assert raised_by_step == 0  # later steps planned with the chunk size that ran
+    assert max(staged.plan(*batches[0], 1.0).chunk_sizes) <= planned // 2 - 3
+    assert len(_oom_warnings(caplog)) <= 2 and any("later calls" in r.getMessage() for r in _oom_warnings(caplog))
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert rel(p.detach(), q.detach()) < 1e-5
+
+
+def test_an_oom_in_a_forward_only_step_under_no_grad(device_limit):
+    torch.manual_seed(0)
+    model = HungryMLP()
+    x = torch.randn(64, 20)
+    with torch.no_grad():
+        expected = model(x)
+        staged = stagetorch.jit(model)
+        state = device_limit(20)
+        got = staged(x)
+    assert state["raised"] >= 1
+    assert rel(got, expected) < 1e-6 and got.shape == expected.shape
+
+
+def test_an_oom_in_lazy_mode(device_limit):
+    torch.manual_seed(0)
+    model = HungryMLP()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(64, 20), torch.randint(0, 5, (64,))
+    expected = F.cross_entropy(reference(x), y)
+    expected.backward()
+    state = device_limit(20)
+    lx, ly = stagetorch.lazy(x, y, batch=0)
+    loss = F.cross_entropy(model(lx), ly)
+    loss.backward()
+    assert abs(loss.item() - expected.item()) < 1e-5 and state["raised"] >= 1
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert rel(p.grad, q.grad) < 1e-5
+
+
+def test_an_oom_that_cannot_be_chunked_leaves_state_untouched(device_limit):
+    """BatchNorm in training couples the batch: the whole-batch OOM is raised, with buffers and .grad as before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 32))
+
+    def step(x):
+        loss = torch.ops.stagetorch_test.scratch_hungry(model(x)).sum()
+        loss.backward()
+        return loss
+
+    x = torch.randn(64, 20)
+    staged = stagetorch.jit(step)
+    staged(x)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = [p.grad.clone() for p in model.parameters()]
+    device_limit(20)
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        staged(x)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
     for p, g in zip(model.parameters(), grads):
         assert torch.equal(p.grad, g)
 

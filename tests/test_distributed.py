@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import stagetorch
 from stagetorch import distributed as sdist
+from stagetorch.chunking import even_chunks
 from stagetorch.shapes import check as check_with_rules
 
 V, T, D, C = 20, 6, 8, 5
@@ -370,7 +371,8 @@ def test_a_local_out_of_memory_retry_stays_exact(ranks):
     expected = reference(token_loss, (37, 63))
     assert_global(result(ranks, "injected_oom", 0), expected)
     assert_global(result(ranks, "injected_oom", 1), expected)
-    assert result(ranks, "injected_oom", 0)["chunks"] == 3  # the failed whole shard, then its two halves
+    # The failed whole shard of 37, then the shard redone in even chunks of at most half that (13 + 13 + 11).
+    assert result(ranks, "injected_oom", 0)["chunks"] == 1 + len(even_chunks(37, 18)) == 4
     assert result(ranks, "injected_oom", 1)["chunks"] == 1
 
 
@@ -449,9 +451,10 @@ def test_a_shard_runs_well_formed_graphs():
     check_with_rules(entry.executable.graph)
     for n in (0, 1, 37):
         for part in (split.body(n), split.normaliser_pass(n)):
-            check_with_rules(part.graph)
-            cut = [v.aval.shape[0] for v in part.graph.invars if v.aval.ndim == 2 and v.aval.shape[1] == T]
-            assert cut and set(cut) == {n}  # the tokens and targets, cut to the chunk
+            for graph in (part.first, part.rest):  # the first chunk's program and every later one's
+                check_with_rules(graph)
+                cut = [v.aval.shape[0] for v in graph.invars if v.aval.ndim == 2 and v.aval.shape[1] == T]
+                assert cut and set(cut) == {n}  # the tokens and targets, cut to the chunk
 
 
 def averaged_grads(sizes: tuple[int, ...]) -> list[torch.Tensor]:

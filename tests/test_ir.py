@@ -67,7 +67,8 @@ def test_every_staged_graph_of_the_test_models_checks(name):
     check_with_rules(graph)
     args = [v for v, r in zip(graph.invars, graph.roles) if r == "arg"]
     split = Split(analyze(graph, {v: Batched(0) for v in args}, b))
-    for g in (split.shared, split.post, split.global_post, split.body(2).graph, split.body(1).graph):
+    bodies = [g for n in (1, 2) for g in (split.body(n).first, split.body(n).rest)]
+    for g in (split.shared, split.post, split.global_post, *bodies):
         check_with_rules(g)
 
 

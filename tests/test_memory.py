@@ -9,7 +9,7 @@ import models
 import pytest
 import torch
 import torch.nn.functional as F
-from memtrack import LivePeak, measured_peak
+from memtrack import PATHS, LivePeak, measure, measured_peak, smallest_plan_peak
 
 import stagetorch
 from stagetorch.costing import MemoryEffect, peak_bytes
@@ -67,6 +67,49 @@ def test_fixed_plus_per_example_predicts_other_batches(name):
             staged(x, y)
         model.zero_grad(set_to_none=True)
         assert abs(report.predict(b) - run.peak) / run.peak <= 0.02, (b, report.predict(b), run.peak)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_report_at_any_batch_predicts_every_batch_up_to_four_times_it(name):
+    """Batch 1-3 is where long-sequence fine-tuning lives: a report made there must know the per-example
+    part (costed at larger batches) and predict the peak the step is planned with at other batches."""
+    torch.manual_seed(0)
+    model, make = MODELS[name]()
+    step = _step(name)(model)
+    estimate = {}
+    for batch in (1, 3, 16):
+        report = stagetorch.memory(step)(*make(batch))
+        assert report.per_example_bytes > 0 and report.predict(batch) == report.peak_bytes, report
+        for b in range(1, 4 * batch + 1) if batch < 16 else (1, 7, 24, 64):
+            if b not in estimate:
+                estimate[b] = stagetorch.jit(step).plan(*make(b)).full_batch_peak_bytes
+            assert abs(report.predict(b) - estimate[b]) <= 0.02 * estimate[b], (batch, b, report.predict(b), estimate[b])
+
+
+# -- measured = predicted, on every path --------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_measured_peak_is_the_predicted_peak_under_the_budget(name, path):
+    predicted, measured, budget, chunks = measure(name, path)
+    assert (chunks > 1) == (path not in ("jit", "lazy")), chunks
+    assert abs(measured - predicted) <= 0.02 * predicted, (predicted, measured, chunks)
+    if budget is not None:
+        assert measured <= budget, (measured, budget)
+
+
+def test_the_smallest_plan_needs_little_more_than_gradient_accumulation():
+    """Parameters + gradients + the batch's inputs + the largest parameter is the least any chunked step
+    that accumulates gradients can hold; the smallest plan stays within 10% of it."""
+    torch.manual_seed(0)
+    layers = [m for _ in range(8) for m in (torch.nn.Linear(512, 512), torch.nn.ReLU())]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(512, 10))
+    x, y = torch.randn(4096, 512), torch.randint(0, 10, (4096,))
+    staged = stagetorch.jit(models.train_step(model))
+    smallest = smallest_plan_peak(staged, x, y)
+    params = [p.nbytes for p in model.parameters()]
+    floor = 2 * sum(params) + x.nbytes + y.nbytes + max(params)
+    assert floor <= smallest <= 1.10 * floor, (smallest, floor)
 
 
 def test_report_says_where_the_memory_goes(tmp_path):

@@ -43,12 +43,13 @@ def mkldnn_rnn_layer_backward(x: Aval, w_ih: Aval, w_hh: Aval, b_ih: Aval, b_hh:
 
 
 @functools.lru_cache(maxsize=256)
-def _mkldnn_rnn_workspace_bytes(shapes: tuple, params: tuple) -> int:
+def _mkldnn_rnn_workspace_bytes(shapes: tuple, params: tuple, grad_enabled: bool) -> int:
     # oneDNN does not expose its RNN workspace size, and the fake kernel reports it as empty: run the real
-    # CPU kernel once per shape on zeros and read the size it returns.
+    # CPU kernel once per shape on zeros and read the size it returns. Under no_grad the kernel makes none.
     args = [torch.zeros(s) for s in shapes]
-    out = torch.ops.aten.mkldnn_rnn_layer.default(*args, *params)
-    return out[3].untyped_storage().nbytes()
+    with torch.set_grad_enabled(grad_enabled):
+        out = torch.ops.aten.mkldnn_rnn_layer.default(*args, *params)
+    return 0 if out[3] is None else out[3].untyped_storage().nbytes()
 
 
 _caches.on_clear(_mkldnn_rnn_workspace_bytes.cache_clear)
@@ -59,7 +60,7 @@ def mkldnn_rnn_layer_memory(eqn: Eqn) -> MemoryEffect:
     if any(getattr(t, "aval", None) is None or t.aval.device.type != "cpu" for t in tensors):
         return MemoryEffect()
     params: tuple[Any, ...] = tuple(tuple(p) if isinstance(p, list) else p for p in eqn.args[7:])
-    size = _mkldnn_rnn_workspace_bytes(tuple(t.aval.shape for t in tensors), params)
+    size = _mkldnn_rnn_workspace_bytes(tuple(t.aval.shape for t in tensors), params, torch.is_grad_enabled())
     return MemoryEffect(outputs={3: size})
 
 
