@@ -168,19 +168,40 @@ def device_of(graph: Graph) -> torch.device:
     return graph.invars[0].aval.device if graph.invars else torch.device("cpu")
 
 
+_aten = torch.ops.aten
+# Ops that write arguments their schema does not mark as written: (the training flag's position, the
+# positions it makes written). Batch norm in training updates running_mean and running_var in place.
+_UNDECLARED_WRITES = {
+    _aten.native_batch_norm.default: (5, (3, 4)),
+    _aten.cudnn_batch_norm.default: (5, (3, 4)),
+    _aten.miopen_batch_norm.default: (5, (3, 4)),
+    _aten.batch_norm.default: (5, (3, 4)),
+}
+
+
 def _mutated_inputs(graph: Graph) -> list[int]:
-    """Positions of inputs that some equation writes in place (a buffer update, an in-place op on an arg)."""
+    """Positions of inputs that some equation writes in place (a buffer update, an in-place op on an arg),
+    whether its schema says so or :data:`_UNDECLARED_WRITES` does."""
     roots = {v: i for i, v in enumerate(graph.invars)}
     out = []
+
+    def written(x: Any) -> None:
+        i = roots.get(x.root) if isinstance(x, Var) else None
+        if i is not None and i not in out:
+            out.append(i)
+
     for e in graph.eqns:
         schema = getattr(e.prim, "_schema", None)
         if schema is None:
             continue
         for a, x in zip(schema.arguments, e.args):
-            if a.alias_info is not None and a.alias_info.is_write and isinstance(x, Var):
-                i = roots.get(x.root)
-                if i is not None and i not in out:
-                    out.append(i)
+            if a.alias_info is not None and a.alias_info.is_write:
+                for y in x if isinstance(x, (list, tuple)) else (x,):
+                    written(y)
+        undeclared = _UNDECLARED_WRITES.get(e.prim)
+        if undeclared is not None and len(e.args) > undeclared[0] and e.args[undeclared[0]]:
+            for k in undeclared[1]:
+                written(e.args[k])
     return out
 
 
