@@ -205,6 +205,10 @@ def _mutated_inputs(graph: Graph) -> list[int]:
     return out
 
 
+# As dynamo's recompile limit: this many programs for one function means some value changes every call.
+_MANY_PROGRAMS = 8
+
+
 class Staged:
     """A function staged by :func:`jit`. Call it like the function; inspect it with ``graph``/``plan``."""
 
@@ -225,7 +229,23 @@ class Staged:
         self.static_argnums = tuple(static_argnums)
         self.memory_budget = memory_budget
         self._cache: dict[tuple, _Entry] = {}
+        self._last_key: tuple | None = None
         functools.update_wrapper(self, fn)
+
+    def _log_restage(self, old: tuple, new: tuple, state: State) -> None:
+        """Say why a call stages again: what changed since the previous call's program."""
+        why = []
+        if old[0] != new[0] or old[1] != new[1]:
+            why.append("the arguments (their structure, shapes, dtypes or static values)")
+        why += state.changes(old[2], new[2])
+        name = getattr(self.fn, "__name__", "step")
+        log.info("stagetorch: %s: staging again (%d programs now), as these changed: %s", name, len(self._cache) + 1,
+                 "; ".join(why) or "nothing nameable")
+        if len(self._cache) + 1 == _MANY_PROGRAMS:
+            log.warning(
+                "stagetorch: %s has been staged %d times: a value it reads changes between calls (last: %s). "
+                "Pass a value that changes every step as a tensor argument, or read it outside the function.",
+                name, _MANY_PROGRAMS, "; ".join(why))
 
     def _stage(self, args: tuple, kwargs: dict) -> tuple[_Entry, list, State]:
         state = discover(self.fn, args, kwargs)
@@ -236,6 +256,8 @@ class Staged:
         key = (tree, _signature(leaves, static, argnums), state_key)
         entry = self._cache.get(key)
         if entry is None:
+            if self._last_key is not None:
+                self._log_restage(self._last_key, key, state)
             batched_leaves, batch = self._batch_leaves(args, kwargs)
             traced = trace(self.fn, args, kwargs, static_argnums=self.static_argnums, state=state)
             graph = traced.graph
@@ -243,6 +265,7 @@ class Staged:
             batched = {v: Batched(dim) for v, (is_batched, dim) in zip(arg_vars, batched_leaves) if is_batched}
             entry = _Entry(traced, Executable(graph, batched, batch, traced.consts))
             self._cache[key] = entry
+        self._last_key = key
         if argnums is None:
             inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
         else:

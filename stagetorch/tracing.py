@@ -11,6 +11,7 @@ an op anyway are lifted into the graph as constants.
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
 import linecache
@@ -88,15 +89,19 @@ def _code_line(src: SourceInfo) -> str:
 
 @attrs.define
 class State:
-    """The real tensors a function closes over, in a fixed order.
+    """The real tensors a function closes over, in a fixed order, and the Python values it may read.
 
     ``modules`` are (name, module) roots; ``tensors`` are (name, tensor) for tensors referred to directly,
     with ``setters`` that rebind each reference (a closure cell, a global, an attribute) for the swap.
+    ``values`` are (name, value) for the Python scalars found on the way (a global float, a closure cell, a
+    default argument, an attribute of a user object): a trace bakes them in, so they are part of its key,
+    as the scalar attributes of every module are (see :meth:`tensors_and_key`).
     """
 
     modules: list[tuple[str, torch.nn.Module]] = attrs.field(factory=list)
     tensors: list[tuple[str, torch.Tensor]] = attrs.field(factory=list)
     setters: list[list[Callable[[Any], None]]] = attrs.field(factory=list)
+    values: list[tuple[str, Any]] = attrs.field(factory=list)
 
     def named_state(self) -> Iterator[tuple[str, str, torch.Tensor]]:
         """(role, name, tensor) for every parameter, buffer and tensor, each tensor once."""
@@ -117,8 +122,12 @@ class State:
                 yield ("param" if t.requires_grad else "const"), name, t
 
     def tensors_and_key(self) -> tuple[list[torch.Tensor], tuple]:
-        """The tensors of :meth:`named_state` (same order) and :meth:`key`, in one cheap walk: what every
-        call of a staged function needs."""
+        """The tensors of :meth:`named_state` (same order) and the key of everything a trace of the
+        function assumed about its state, in one cheap walk: what every call of a staged function needs.
+
+        The key holds each tensor's identity and metadata, every module's scalar attributes (``training``,
+        ``Dropout.p``, ``eps``, a user's ``self.scale``: whatever a forward may read and bake into the
+        trace) and the scalars of :attr:`values`."""
         subs = [sub for _, m in self.modules for sub in m.modules()]
         seen: set[int] = set()
         tensors = []
@@ -133,11 +142,109 @@ class State:
                 seen.add(id(t))
                 tensors.append(t)
         avals = tuple((id(t), t.shape, t.dtype, t.device, t.requires_grad) for t in tensors)
-        return tensors, (avals, tuple(sub.training for sub in subs))
+        scalars = tuple([_scalar_items(sub.__dict__) for sub in subs])
+        values = list(self.values)
+        for cls in dict.fromkeys(type(sub) for sub in subs):
+            reads = _CLASS_GLOBALS.get(cls)
+            if reads is None:
+                reads = _CLASS_GLOBALS[cls] = _class_globals(cls)
+            values += [(name, _as_key(g.get(key))) for name, g, key in reads]
+        return tensors, (avals, scalars, tuple(values))
+
+    def changes(self, old: tuple, new: tuple) -> list[str]:
+        """What differs between two keys of :meth:`tensors_and_key` for the same function, in words."""
+        (old_avals, old_scalars, old_values), (avals, scalars, values) = old, new
+        out = []
+        if old_avals != avals:
+            out.append("its parameters or buffers (a new tensor, shape, dtype, device or requires_grad)")
+        names = [_join(prefix, name) if name else prefix for prefix, m in self.modules for name, _ in m.named_modules()]
+        if len(old_scalars) != len(scalars):
+            out.append("its modules")
+        else:
+            for name, was, now in zip(names, old_scalars, scalars):
+                if was != now:
+                    as_dict = lambda items: {k: (kind, x) for k, kind, x in items}  # noqa: E731
+                    out += _diff(as_dict(was), as_dict(now), f"{name}." if name else "")
+        out += _diff(dict(old_values), dict(values), "")
+        return out
 
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
+
+
+# Values a trace may bake in and a key can hold: Python scalars and short tuples or lists of them.
+_SCALARS = frozenset({int, float, bool, str, complex, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
+_MAX_SCALARS = 16
+
+
+def _as_key(x: Any) -> Any:
+    """``x`` as a key entry if it is a scalar (its type kept, so 1 and 1.0 stay apart), else None."""
+    kind = type(x)
+    if kind in _SCALARS:
+        return (kind, x)
+    if (kind is tuple or kind is list) and len(x) <= _MAX_SCALARS and all(type(y) in _SCALARS for y in x):
+        return (kind, tuple((type(y), y) for y in x))
+    if isinstance(x, enum.Enum):
+        return (kind, x)
+    return None
+
+
+_KEYABLE = _SCALARS | {tuple, list}
+
+
+def _scalar_items(d: dict) -> tuple:
+    """(name, type, value) for the scalar entries of a module's ``__dict__``. This runs for every module on
+    every call, so the common case is one comprehension; the rare tuple or list is checked after."""
+    items = [(k, type(x), x) for k, x in d.items() if type(x) in _KEYABLE]
+    for i, (k, kind, x) in enumerate(items):
+        if kind is tuple or kind is list:
+            items[i] = (k, kind, _as_key(x))
+    return tuple(items)
+
+
+_CLASS_GLOBALS: dict[type, list[tuple[str, dict, str]]] = {}
+
+
+def _class_globals(cls: type) -> list[tuple[str, dict, str]]:
+    """(name, globals dict, key) for each scalar global that a user's module class reads from ``forward``
+    (``TEMPERATURE``), from the methods of the class that ``forward`` names, and from the functions they
+    name, to a small depth."""
+    out: list[tuple[str, dict, str]] = []
+    seen: set[Any] = set()
+    methods: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        if not klass.__module__.startswith("torch"):
+            for name, attr in vars(klass).items():
+                methods[name] = getattr(attr, "__func__", getattr(attr, "fget", attr))  # static/class methods, properties
+
+    def scan(f: Any, depth: int) -> None:
+        if not isinstance(f, types.FunctionType) or id(f) in seen or _is_internal(f.__code__.co_filename):
+            return
+        seen.add(id(f))
+        g = f.__globals__
+        for name in dict.fromkeys(_global_names(f.__code__)):
+            if name in methods and depth < _MAX_DEPTH:
+                scan(methods[name], depth + 1)
+            if name not in g or name.startswith("__") or (id(g), name) in seen:
+                continue
+            seen.add((id(g), name))
+            if _as_key(g[name]) is not None:
+                out.append((name, g, name))
+            elif depth < _MAX_DEPTH:
+                scan(g[name], depth + 1)
+
+    scan(methods.get("forward"), 1)
+    return out
+
+
+def _diff(was: dict, now: dict, prefix: str) -> list[str]:
+    def shown(d: dict, k: str) -> str:
+        if k not in d:
+            return "(unset)"
+        return "(not a scalar)" if d[k] is None else repr(d[k][1])
+
+    return sorted(f"{prefix}{k} {shown(was, k)} -> {shown(now, k)}" for k in was.keys() | now.keys() if was.get(k) != now.get(k))
 
 
 _MAX_DEPTH = 3
@@ -160,6 +267,10 @@ def discover(fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> S
     def visit(name: str, obj: Any, depth: int, setter: Callable[[Any], None] | None = None) -> None:
         if isinstance(obj, torch.Tensor):
             add_tensor(name, obj, setter)
+            return
+        value = _as_key(obj)
+        if value is not None:
+            state.values.append((name, value))
             return
         if id(obj) in seen or depth > _MAX_DEPTH:
             return

@@ -4,6 +4,8 @@ read inside the step, batch-wide normalisers, and the state a failed step must l
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -102,3 +104,163 @@ def test_a_failure_after_the_batchnorm_update_restores_its_running_statistics(ch
         _FAIL["above"] = 10**9
     _assert_unchanged(model, {k: v for k, v in before.items() if k != "table.grad"})
     assert torch.equal(table.grad, before["table.grad"])
+
+
+# -- Python values the step reads -----------------------------------------------------------------------------
+
+TEMPERATURE = 1.0
+CONFIG = {"weight": 1.0}
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(5, 8), nn.LayerNorm(8), nn.ReLU(), nn.Dropout(0.0), nn.Linear(8, 3))
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.body(x) * self.scale / TEMPERATURE
+
+
+def _loss_step(model, extra=lambda: 1.0):
+    def step(x, y, weight=1.0):
+        loss = F.cross_entropy(model(x), y) * CONFIG["weight"] * weight * extra()
+        loss.backward()
+        return loss
+
+    return step
+
+
+def _set_attr(path: str, values: list):
+    def change(model: nn.Module, call: int) -> None:
+        owner, _, name = path.rpartition(".")
+        setattr(model.get_submodule(owner), name, values[call])
+
+    return change
+
+
+def _set_global(name: str, values: list):
+    def change(model: nn.Module, call: int) -> None:
+        if isinstance(globals()[name], dict):
+            globals()[name]["weight"] = values[call]
+        else:
+            globals()[name] = values[call]
+
+    return change
+
+
+CHANGES = {
+    "module_attribute": _set_attr(".scale", [1.0, 4.0, 0.5]),
+    "dropout_p": _set_attr("body.3.p", [0.0, 0.5, 0.9]),
+    "layernorm_eps": _set_attr("body.1.eps", [1e-5, 10.0, 1e-5]),
+    "global_float": _set_global("TEMPERATURE", [1.0, 3.0, 0.25]),
+    "global_dict_item": _set_global("CONFIG", [1.0, 0.3, 2.0]),
+}
+
+
+@pytest.fixture
+def restore_globals():
+    saved = TEMPERATURE, dict(CONFIG)
+    yield
+    globals()["TEMPERATURE"] = saved[0]
+    CONFIG.clear()
+    CONFIG.update(saved[1])
+
+
+def _loop(model, step, reference_step, reference, x, y, change, chunked, staged_step=None):
+    """CALLS calls of the staged and the eager step, ``change(call)`` applied before each; all state compared."""
+    staged = staged_step or stagetorch.jit(step)
+    for call in range(CALLS):
+        change(call)
+        torch.manual_seed(call)
+        expected = reference_step(x, y)
+        if chunked:
+            budget_for(staged, x, y)
+        torch.manual_seed(call)
+        loss = staged(x, y)
+        if chunked:
+            assert len(staged.plan(x, y).chunk_sizes) >= 3
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, call=call: f"call {call}: {m}")
+        assert_same_state(model, reference)
+    return staged
+
+
+@pytest.mark.usefixtures("restore_globals")
+@pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])
+@pytest.mark.parametrize("what", list(CHANGES))
+def test_a_python_value_the_step_reads_is_read_again_when_it_changes(what, chunked):
+    model = Scaled()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(BATCH, 5), torch.randint(0, 3, (BATCH,))
+
+    def change(call):
+        CHANGES[what](model, call)
+        CHANGES[what](reference, call)
+
+    _loop(model, _loss_step(model), _loss_step(reference), reference, x, y, change, chunked)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])
+def test_closure_cells_and_default_arguments_are_guarded(chunked):
+    model = Scaled()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(BATCH, 5), torch.randint(0, 3, (BATCH,))
+    factor = [1.0]
+
+    def make(m):
+        k = 2.0
+        step = _loss_step(m, lambda: factor[0] * k)
+
+        def outer(x, y, w=1.0):
+            nonlocal k
+            return step(x, y, w)
+
+        def set_k(v):
+            nonlocal k
+            k = v
+
+        return outer, set_k
+
+    step, set_k = make(model)
+    eager, set_k_eager = make(reference)
+
+    def change(call):
+        factor[0] = [1.0, 2.0, 3.0][call]
+        for f, s in ((step, set_k), (eager, set_k_eager)):
+            s([2.0, 0.5, 5.0][call])
+            f.__defaults__ = ([1.0, 1.0, 7.0][call],)
+
+    _loop(model, step, eager, reference, x, y, change, chunked)
+
+
+def test_a_change_restages_with_a_log_that_names_it_and_a_value_seen_before_reuses_its_program(caplog, restore_globals):
+    model = Scaled()
+    x, y = torch.randn(BATCH, 5), torch.randint(0, 3, (BATCH,))
+    staged = stagetorch.jit(_loss_step(model))
+    staged(x, y)
+    with caplog.at_level("INFO", logger="stagetorch"):
+        model.body[3].p = 0.5
+        globals()["TEMPERATURE"] = 2.0
+        staged(x, y)
+    assert "step: staging again (2 programs now), as these changed: model.body.3.p 0.0 -> 0.5; TEMPERATURE 1.0 -> 2.0" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="stagetorch"):
+        model.body[3].p = 0.0
+        globals()["TEMPERATURE"] = 1.0
+        staged(x, y)
+        model.scale = 2  # an int where a float was: traced apart (an int tensor would get another dtype)
+        staged(x, y)
+    assert "staging again (3 programs now), as these changed: model.scale 1.0 -> 2" in caplog.text
+    assert len(staged._cache) == 3
+
+
+def test_a_value_that_changes_every_call_warns_after_eight_programs(caplog):
+    model = Scaled()
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    staged = stagetorch.jit(_loss_step(model))
+    with caplog.at_level("INFO", logger="stagetorch"):
+        for k in range(9):
+            model.scale = float(k)
+            staged(x, y)
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "staged 8 times" in warnings[0].message and "model.scale 6.0 -> 7.0" in warnings[0].message
