@@ -45,6 +45,10 @@ def _signature(leaves: list, static: set[int], leaf_argnum: list[int] | None) ->
     return tuple(sig)
 
 
+def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
+    return t.grad if t.grad is not None else torch.zeros_like(t)
+
+
 def _leaf_argnums(args: Sequence, kwargs: dict) -> list[int]:
     out = []
     for i, a in enumerate(args):
@@ -80,7 +84,7 @@ def eval_shape(fn: Callable, *, static_argnums: Sequence[int] = ()) -> Callable[
     def shaped(*args: Any, **kwargs: Any) -> Any:
         graph = trace(fn, args, kwargs, static_argnums=static_argnums).graph
         outs = [o.value if not isinstance(o, Aval) and hasattr(o, "value") else o for o in shapes.infer(graph)]
-        return pytree.tree_unflatten(outs, graph.out_tree)
+        return pytree.tree_unflatten(outs[: graph.out_tree.num_leaves], graph.out_tree)
 
     return shaped
 
@@ -271,6 +275,7 @@ class Staged:
         else:
             inputs = [x for x, a in zip(leaves, argnums) if isinstance(x, torch.Tensor) and a not in static]
         inputs += state_tensors
+        inputs += [_grad_or_zeros(inputs[i]) for i in entry.traced.grad_params]
         inputs += entry.executable.consts
         return entry, inputs, state
 
@@ -330,9 +335,21 @@ class Staged:
         budget = self._budget(executable)
         name = getattr(self.fn, "__name__", "step")
         outs, grads = executable.run(inputs, budget, on_chunk=self._progress(executable.plan(budget)), name=name)
+        traced = entry.traced
+        first = len(inputs) - len(executable.consts) - len(traced.grad_params)
+        for i, g in zip(traced.grad_params, inputs[first:]):
+            if inputs[i].grad is None:
+                inputs[i].grad = g  # the zeros fed for it, which the step wrote
+        for i in traced.assign_grads:
+            inputs[i].grad = None
         for i, g in grads:
             accumulate_grad(inputs[i], g)
-        return pytree.tree_unflatten(outs, entry.traced.graph.out_tree)
+        for i in traced.clear_grads:
+            inputs[i].grad = None
+        n = traced.graph.out_tree.num_leaves
+        for (opt, p, key), value in zip(traced.state_outs, outs[n:]):
+            opt.state[p][key] = value
+        return pytree.tree_unflatten(outs[:n], traced.graph.out_tree)
 
     def _progress(self, plan: Plan) -> Any:
         if not self.progress:

@@ -197,6 +197,12 @@ def analyze(graph: Graph, inputs: dict[Var, Batched], batch: int) -> BatchAnalys
             for v in e.outvars:
                 if v is not None:
                     labels[v] = _POST if late else None
+            if late:
+                # An in-place op that returns nothing (_foreach_add_ of an optimizer's step) leaves its
+                # arguments' Vars as they were: what reads them after it must run after it too.
+                for v in _mutated_args(e):
+                    if labels.get(v) is None:
+                        labels[v] = _POST
             continue
         phases.append("body")
         rule = _rule_for(e.prim)
