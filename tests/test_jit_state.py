@@ -392,3 +392,81 @@ def test_a_step_that_only_accumulates_into_grad_stages_one_program_without_grad_
     assert_same_state(model, reference)
     (entry,) = staged._cache.values()
     assert "grad" not in entry.traced.graph.roles and not entry.traced.grad_params
+
+
+def test_the_memory_report_of_a_step_with_adamw_covers_its_state_and_update():
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    x, y = torch.randn(8, 256), torch.randint(0, 256, (8,))
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def plain(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    plain_peak = stagetorch.memory(plain)(x, y).peak_bytes
+    first = stagetorch.memory(_optimizer_step(model, opt))(x, y).peak_bytes
+    # The first step creates both moments (two copies of the parameters) and keeps them.
+    assert first >= plain_peak + 2 * param_bytes
+    staged = stagetorch.jit(_optimizer_step(model, opt))
+    staged(x, y)
+    later = stagetorch.memory(_optimizer_step(model, opt))(x, y)
+    assert later.peak_bytes >= plain_peak + 2 * param_bytes
+    assert all(p.grad is not None for p in model.parameters()) and len(opt.state) == 4
+
+
+# -- batch-wide normalisers ------------------------------------------------------------------------------------
+
+NORMALISERS = {
+    "weighted_sum_over_sum_of_weights": lambda per, w: (per * w).sum() / w.sum(),
+    "mean_over_mean_of_mask": lambda per, w: (per * w).mean() / w.mean(),
+    "count_of_valid_examples": lambda per, w: (per * w).sum() / (w > 0).sum(),
+    "normalised_weights_first": lambda per, w: (per * (w / w.sum())).sum(),
+    "label_smoothing": lambda per, w: per.mean(),  # per is label-smoothed (see below)
+}
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])
+@pytest.mark.parametrize("form", list(NORMALISERS))
+def test_batch_wide_normalisers_are_exact_in_chunks(form, chunked):
+    model = _mlp()
+    reference = copy.deepcopy(model)
+
+    def make(m):
+        def step(x, y, w):
+            per = F.cross_entropy(m(x), y, reduction="none", label_smoothing=0.2 if form == "label_smoothing" else 0.0)
+            loss = NORMALISERS[form](per, w)
+            loss.backward()
+            return loss
+
+        return step
+
+    staged, eager = stagetorch.jit(make(model)), make(reference)
+    x, y = torch.randn(BATCH, 5), torch.randint(0, 3, (BATCH,))
+    for call in range(CALLS):
+        w = (torch.rand(BATCH) > 0.3).float() * (call + 1)
+        expected = eager(x, y, w)
+        if chunked:
+            budget_for(staged, x, y, w)
+        loss = staged(x, y, w)
+        if chunked:
+            assert len(staged.plan(x, y, w).chunk_sizes) >= 3
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+        assert_same_state(model, reference)
+
+
+def test_a_normaliser_of_a_normalised_value_is_refused_by_name_not_a_raw_error():
+    model = _mlp()
+
+    def step(x, y, w):
+        per = F.cross_entropy(model(x), y, reduction="none") * (w / w.sum())
+        loss = (per / per.sum()).pow(2).sum()
+        loss.backward()
+        return loss
+
+    x, y, w = torch.randn(BATCH, 5), torch.randint(0, 3, (BATCH,)), torch.rand(BATCH)
+    staged = stagetorch.jit(step, memory_budget=1)
+    with pytest.raises(stagetorch.BatchCouplingError, match="depends on another batch-wide value"):
+        staged(x, y, w)
+    assert all(p.grad is None for p in model.parameters())

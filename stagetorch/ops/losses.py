@@ -9,7 +9,7 @@ import torch
 
 from ..batching import Chunked, Global, LabelFn, Prepass, Reduced, coupling, elementwise
 from ..errors import ShapeError
-from ..ir import Aval, Eqn
+from ..ir import Aval, Eqn, Var
 from . import _shape
 
 aten = torch.ops.aten
@@ -115,15 +115,16 @@ def nll_loss_forward_batch_rule(eqn: Eqn, label: LabelFn) -> Chunked:
 
 
 def nll_loss_backward_batch_rule(eqn: Eqn, label: LabelFn) -> Chunked:
-    """Exact per chunk: the global total weight arrives as an argument."""
+    """Exact per chunk: the global total weight arrives as an argument. A shared operand of the batch's
+    extent is cut to the chunk (the per-example grad_output of an unreduced loss, computed once)."""
     x, target = eqn.args[1], eqn.args[2]
     lab = label(x) or label(target)
     if lab is None or lab.dim != 0:
         raise coupling(eqn, "has its batch off dim 0", "keep the batch on dim 0 of the loss input")
     cut = {
         v: lab
-        for v in (x, target)
-        if label(v) is None and v.aval.ndim and v.aval.shape[0] == lab.extent(label.batch)
+        for v in (eqn.args[0], x, target)
+        if isinstance(v, Var) and label(v) is None and v.aval.ndim and v.aval.shape[0] == lab.extent(label.batch)
     }
     return Chunked((lab,), slice=cut)
 
