@@ -470,3 +470,39 @@ def test_a_normaliser_of_a_normalised_value_is_refused_by_name_not_a_raw_error()
     with pytest.raises(stagetorch.BatchCouplingError, match="depends on another batch-wide value"):
         staged(x, y, w)
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])
+@pytest.mark.parametrize("kind", ["sgd_foreach", "adamw"])
+def test_a_step_failing_after_the_optimizer_restores_weights_grads_and_optimizer_state(kind, chunked):
+    model = _mlp()
+    opt = OPTIMIZERS[kind](model.parameters())
+    update = _optimizer_step(model, opt)
+
+    def step(x, y):
+        loss = update(x, y)
+        return loss, torch.ops.stagetorch_test.fail_above(model(x))  # fails after the weights moved
+
+    x, y = torch.randn(BATCH, 5), torch.randint(0, 3, (BATCH,))
+    staged = stagetorch.jit(step)
+    staged(x, y)
+    staged(x, y)  # the program that updates existing state in place
+    if chunked:
+        # A forward after the step cannot share the chunk loop with the backward before it: refused by name.
+        with pytest.raises(stagetorch.BatchCouplingError, match="an optimizer inside the step has already stepped"):
+            budget_for(staged, x, y)
+        step = update
+        staged = stagetorch.jit(lambda x, y: step(torch.ops.stagetorch_test.fail_above(x), y))
+        staged(x, y)
+        staged(x, y)
+        budget_for(staged, x, y)
+    before = _snapshot(model)
+    state = copy.deepcopy(opt.state_dict())
+    _FAIL["above"] = max(staged.plan(x, y).chunk_sizes) - 1
+    try:
+        with pytest.raises(RuntimeError, match="injected failure"):
+            staged(x, y)
+    finally:
+        _FAIL["above"] = 10**9
+    _assert_unchanged(model, before)
+    torch.testing.assert_close(opt.state_dict(), state, rtol=0, atol=0)
