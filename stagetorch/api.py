@@ -21,7 +21,7 @@ from .batching import Batched, analyze
 from .chunking import Split, is_oom, run_chunked
 from .costing import MemoryReport, peak_bytes, report, timeline
 from .devices import format_bytes, free_memory
-from .errors import BatchCouplingError, OutOfMemoryError, ShapeError
+from .errors import BatchCouplingError, OutOfMemoryError, ShapeError, UnsupportedOpError
 from .execute import Program, accumulate_grad
 from .ir import Aval, Graph, Var
 from .planning import SAFETY_MARGIN, Plan, plan_chunks
@@ -44,6 +44,10 @@ def _signature(leaves: list, static: set[int], leaf_argnum: list[int] | None) ->
             except TypeError:
                 sig.append(("static-id", id(leaf)))
     return tuple(sig)
+
+
+def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
+    return t.grad if t.grad is not None else torch.zeros_like(t)
 
 
 def _leaf_argnums(args: Sequence, kwargs: dict) -> list[int]:
@@ -81,7 +85,7 @@ def eval_shape(fn: Callable, *, static_argnums: Sequence[int] = ()) -> Callable[
     def shaped(*args: Any, **kwargs: Any) -> Any:
         graph = trace(fn, args, kwargs, static_argnums=static_argnums).graph
         outs = [o.value if not isinstance(o, Aval) and hasattr(o, "value") else o for o in shapes.infer(graph)]
-        return pytree.tree_unflatten(outs, graph.out_tree)
+        return pytree.tree_unflatten(outs[: graph.out_tree.num_leaves], graph.out_tree)
 
     return shaped
 
@@ -236,32 +240,45 @@ def device_of(graph: Graph) -> torch.device:
     return graph.invars[0].aval.device if graph.invars else torch.device("cpu")
 
 
-# Ops that write inputs their schema does not mark as written: BatchNorm in training updates its running
-# statistics (argument positions), as autograd's kernels do, though the schema says they are read only.
+_aten = torch.ops.aten
+# Ops that write arguments their schema does not mark as written: (the training flag's position, the
+# positions it makes written). Batch norm in training updates running_mean and running_var in place.
 _UNDECLARED_WRITES = {
-    torch.ops.aten.native_batch_norm.default: (3, 4),
-    torch.ops.aten.cudnn_batch_norm.default: (3, 4),
-    torch.ops.aten.miopen_batch_norm.default: (3, 4),
+    _aten.native_batch_norm.default: (5, (3, 4)),
+    _aten.cudnn_batch_norm.default: (5, (3, 4)),
+    _aten.miopen_batch_norm.default: (5, (3, 4)),
+    _aten.batch_norm.default: (5, (3, 4)),
 }
 
 
 def _mutated_inputs(graph: Graph) -> list[int]:
-    """Positions of inputs that some equation writes in place (a buffer update, an in-place op on an arg)."""
+    """Positions of inputs that some equation writes in place (a buffer update, an in-place op on an arg),
+    whether its schema says so or :data:`_UNDECLARED_WRITES` does."""
     roots = {v: i for i, v in enumerate(graph.invars)}
     out = []
+
+    def written(x: Any) -> None:
+        i = roots.get(x.root) if isinstance(x, Var) else None
+        if i is not None and i not in out:
+            out.append(i)
+
     for e in graph.eqns:
         schema = getattr(e.prim, "_schema", None)
         if schema is None:
             continue
-        written = [x for a, x in zip(schema.arguments, e.args) if a.alias_info is not None and a.alias_info.is_write]
-        if e.prim in _UNDECLARED_WRITES and len(e.args) > 5 and e.args[5] is True:  # training
-            written += [e.args[k] for k in _UNDECLARED_WRITES[e.prim]]
-        for x in written:
-            if isinstance(x, Var):
-                i = roots.get(x.root)
-                if i is not None and i not in out:
-                    out.append(i)
+        for a, x in zip(schema.arguments, e.args):
+            if a.alias_info is not None and a.alias_info.is_write:
+                for y in x if isinstance(x, (list, tuple)) else (x,):
+                    written(y)
+        undeclared = _UNDECLARED_WRITES.get(e.prim)
+        if undeclared is not None and len(e.args) > undeclared[0] and e.args[undeclared[0]]:
+            for k in undeclared[1]:
+                written(e.args[k])
     return out
+
+
+# As dynamo's recompile limit: this many programs for one function means some value changes every call.
+_MANY_PROGRAMS = 8
 
 
 class Staged:
@@ -287,8 +304,24 @@ class Staged:
         self.memory_budget = memory_budget
         self._cache: dict[tuple, _Entry] = {}
         self._caps: dict[int, int] = {}  # batch size -> the largest chunk that ran after an out-of-memory error
+        self._last_key: tuple | None = None
         functools.update_wrapper(self, fn)
         _STAGED.add(self)
+
+    def _log_restage(self, old: tuple, new: tuple, state: State) -> None:
+        """Say why a call stages again: what changed since the previous call's program."""
+        why = []
+        if old[0] != new[0] or old[1] != new[1]:
+            why.append("the arguments (their structure, shapes, dtypes or static values)")
+        why += state.changes(old[2], new[2])
+        name = getattr(self.fn, "__name__", "step")
+        log.info("stagetorch: %s: staging again (%d programs now), as these changed: %s", name, len(self._cache) + 1,
+                 "; ".join(why) or "nothing nameable")
+        if len(self._cache) + 1 == _MANY_PROGRAMS:
+            log.warning(
+                "stagetorch: %s has been staged %d times: a value it reads changes between calls (last: %s). "
+                "Pass a value that changes every step as a tensor argument, or read it outside the function.",
+                name, _MANY_PROGRAMS, "; ".join(why))
 
     def _stage(self, args: tuple, kwargs: dict, global_batch: int | None = None) -> tuple[_Entry, list, State]:
         """The cached staged program for these arguments, and its real inputs. With ``global_batch`` (a
@@ -301,6 +334,8 @@ class Staged:
         key = (tree, _signature(leaves, static, argnums), state_key, global_batch)
         entry = self._cache.get(key)
         if entry is None:
+            if self._last_key is not None:
+                self._log_restage(self._last_key, key, state)
             batched_leaves, batch = self._batch_leaves(args, kwargs, allow_empty=global_batch is not None)
             traced_args, traced_kwargs = args, kwargs
             if global_batch is not None:
@@ -316,11 +351,13 @@ class Staged:
             # A chunk size that ran out of memory for another signature of this step is not tried again.
             entry = _Entry(traced, Executable(graph, batched, batch, traced.consts, cap=self._caps.get(batch)))
             self._cache[key] = entry
+        self._last_key = key
         if argnums is None:
             inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
         else:
             inputs = [x for x, a in zip(leaves, argnums) if isinstance(x, torch.Tensor) and a not in static]
         inputs += state_tensors
+        inputs += [_grad_or_zeros(inputs[i]) for i in entry.traced.grad_params]
         inputs += entry.executable.consts
         return entry, inputs, state
 
@@ -396,9 +433,21 @@ class Staged:
         outs, grads = executable.run(inputs, budget, on_chunk=self._progress(executable.plan(budget)), name=name)
         if executable.cap is not None:
             self._caps[executable.batch] = executable.cap
+        traced = entry.traced
+        first = len(inputs) - len(executable.consts) - len(traced.grad_params)
+        for i, g in zip(traced.grad_params, inputs[first:]):
+            if inputs[i].grad is None:
+                inputs[i].grad = g  # the zeros fed for it, which the step wrote
+        for i in traced.assign_grads:
+            inputs[i].grad = None
         for i, g in grads:
             accumulate_grad(inputs[i], g)
-        return pytree.tree_unflatten(outs, entry.traced.graph.out_tree)
+        for i in traced.clear_grads:
+            inputs[i].grad = None
+        n = traced.graph.out_tree.num_leaves
+        for (opt, p, key), value in zip(traced.state_outs, outs[n:]):
+            opt.state[p][key] = value
+        return pytree.tree_unflatten(outs[:n], traced.graph.out_tree)
 
     def _shard(self, group: distributed.ShardGroup, args: tuple, kwargs: dict) -> tuple:
         """Stage this rank's shard as part of the global batch and plan it for this rank's budget (two
@@ -432,6 +481,15 @@ class Staged:
         """One data-parallel step: this rank's shard of a global batch (see ``stagetorch.distributed``)."""
         group = distributed.ShardGroup(self.process_group)
         entry, inputs, plan, offset = self._shard(group, args, kwargs)
+        traced = entry.traced
+        if traced.state_outs or traced.grad_params or traced.assign_grads or traced.clear_grads:
+            # Every rank staged the same program, so every rank raises here: no collective is left waiting.
+            raise UnsupportedOpError(
+                f"{getattr(self.fn, '__name__', 'the step')} reads or sets .grad, or steps an optimizer, inside a "
+                "step staged with process_group=: the gradients are all-reduced after the staged program has run, "
+                "so they would be this rank's alone. What to do: call clip_grad_norm_, opt.step() and "
+                "opt.zero_grad() after the staged step returns (its .grad is then the global batch's)."
+            )
         group.check(plan if isinstance(plan, OutOfMemoryError) else None)
         if plan.chunked:
             log.info("stagetorch: %s (rank %d): %s", getattr(self.fn, "__name__", "step"), group.rank, plan)

@@ -182,6 +182,7 @@ def analyze(graph: Graph, inputs: dict[Var, Batched], batch: int) -> BatchAnalys
     placeholders: dict[int, dict[Var, Any]] = {}
     needs_global: list[Var] = []
     prepass: dict[Var, Prepass] = {}
+    updated: set[Var] = set()  # written in place after the chunk loop, and what is computed from that
 
     for i, e in enumerate(graph.eqns):
         ins = e.invars
@@ -197,8 +198,25 @@ def analyze(graph: Graph, inputs: dict[Var, Batched], batch: int) -> BatchAnalys
             for v in e.outvars:
                 if v is not None:
                     labels[v] = _POST if late else None
+            if late:
+                # An in-place op that returns nothing (_foreach_add_ of an optimizer's step) leaves its
+                # arguments' Vars as they were: what reads them after it must run after it too.
+                for v in _mutated_args(e):
+                    if labels.get(v) is None:
+                        labels[v] = _POST
+                    updated.add(v)
+                if any(v in updated for v in ins):
+                    updated.update(v for v in e.outvars if v is not None)
             continue
         phases.append("body")
+        if any(v in updated for v in late):
+            raise coupling(
+                e,
+                "reads a value updated in place after the whole batch's reductions (a weight an optimizer "
+                "inside the step has already stepped)",
+                "compute it outside the staged function (after the call), or run without chunking (a larger "
+                "memory_budget)",
+            )
         rule = _rule_for(e.prim)
         if rule is None:
             raise UnsupportedOpError(

@@ -310,7 +310,8 @@ class Split:
 
             def arg(v: Var, decision=decision) -> Var:
                 if v in batch_wide:  # the pre-pass's value for the whole batch, not this chunk's partial
-                    return feed(v)
+                    # (cut to the chunk where it has the batch's extent: a normaliser expanded to the batch)
+                    return feed(v, decision.slice.get(v))
                 if v in mapping:
                     return mapping[v]
                 return feed(v, decision.slice.get(v))

@@ -11,6 +11,8 @@ an op anyway are lifted into the graph as constants.
 
 from __future__ import annotations
 
+import collections
+import enum
 import functools
 import inspect
 import linecache
@@ -88,15 +90,20 @@ def _code_line(src: SourceInfo) -> str:
 
 @attrs.define
 class State:
-    """The real tensors a function closes over, in a fixed order.
+    """The real tensors a function closes over, in a fixed order, and the Python values it may read.
 
     ``modules`` are (name, module) roots; ``tensors`` are (name, tensor) for tensors referred to directly,
     with ``setters`` that rebind each reference (a closure cell, a global, an attribute) for the swap.
+    ``values`` are (name, value) for the Python scalars found on the way (a global float, a closure cell, a
+    default argument, an attribute of a user object): a trace bakes them in, so they are part of its key,
+    as the scalar attributes of every module are (see :meth:`tensors_and_key`).
     """
 
     modules: list[tuple[str, torch.nn.Module]] = attrs.field(factory=list)
     tensors: list[tuple[str, torch.Tensor]] = attrs.field(factory=list)
     setters: list[list[Callable[[Any], None]]] = attrs.field(factory=list)
+    values: list[tuple[str, Any]] = attrs.field(factory=list)
+    optimizers: list[tuple[str, torch.optim.Optimizer]] = attrs.field(factory=list)
 
     def named_state(self) -> Iterator[tuple[str, str, torch.Tensor]]:
         """(role, name, tensor) for every parameter, buffer and tensor, each tensor once."""
@@ -117,8 +124,12 @@ class State:
                 yield ("param" if t.requires_grad else "const"), name, t
 
     def tensors_and_key(self) -> tuple[list[torch.Tensor], tuple]:
-        """The tensors of :meth:`named_state` (same order) and :meth:`key`, in one cheap walk: what every
-        call of a staged function needs."""
+        """The tensors of :meth:`named_state` (same order) and the key of everything a trace of the
+        function assumed about its state, in one cheap walk: what every call of a staged function needs.
+
+        The key holds each tensor's identity and metadata, every module's scalar attributes (``training``,
+        ``Dropout.p``, ``eps``, a user's ``self.scale``: whatever a forward may read and bake into the
+        trace) and the scalars of :attr:`values`."""
         subs = [sub for _, m in self.modules for sub in m.modules()]
         seen: set[int] = set()
         tensors = []
@@ -133,11 +144,109 @@ class State:
                 seen.add(id(t))
                 tensors.append(t)
         avals = tuple((id(t), t.shape, t.dtype, t.device, t.requires_grad) for t in tensors)
-        return tensors, (avals, tuple(sub.training for sub in subs))
+        scalars = tuple([_scalar_items(sub.__dict__) for sub in subs])
+        values = list(self.values)
+        for cls in dict.fromkeys(type(sub) for sub in subs):
+            reads = _CLASS_GLOBALS.get(cls)
+            if reads is None:
+                reads = _CLASS_GLOBALS[cls] = _class_globals(cls)
+            values += [(name, _as_key(g.get(key))) for name, g, key in reads]
+        return tensors, (avals, scalars, tuple(values))
+
+    def changes(self, old: tuple, new: tuple) -> list[str]:
+        """What differs between two keys of :meth:`tensors_and_key` for the same function, in words."""
+        (old_avals, old_scalars, old_values), (avals, scalars, values) = old, new
+        out = []
+        if old_avals != avals:
+            out.append("its parameters, buffers or optimizer state (a new tensor, shape, dtype, device or requires_grad)")
+        names = [_join(prefix, name) if name else prefix for prefix, m in self.modules for name, _ in m.named_modules()]
+        if len(old_scalars) != len(scalars):
+            out.append("its modules")
+        else:
+            for name, was, now in zip(names, old_scalars, scalars):
+                if was != now:
+                    as_dict = lambda items: {k: (kind, x) for k, kind, x in items}  # noqa: E731
+                    out += _diff(as_dict(was), as_dict(now), f"{name}." if name else "")
+        out += _diff(dict(old_values), dict(values), "")
+        return out
 
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
+
+
+# Values a trace may bake in and a key can hold: Python scalars and short tuples or lists of them.
+_SCALARS = frozenset({int, float, bool, str, complex, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
+_MAX_SCALARS = 16
+
+
+def _as_key(x: Any) -> Any:
+    """``x`` as a key entry if it is a scalar (its type kept, so 1 and 1.0 stay apart), else None."""
+    kind = type(x)
+    if kind in _SCALARS:
+        return (kind, x)
+    if (kind is tuple or kind is list) and len(x) <= _MAX_SCALARS and all(type(y) in _SCALARS for y in x):
+        return (kind, tuple((type(y), y) for y in x))
+    if isinstance(x, enum.Enum):
+        return (kind, x)
+    return None
+
+
+_KEYABLE = _SCALARS | {tuple, list}
+
+
+def _scalar_items(d: dict) -> tuple:
+    """(name, type, value) for the scalar entries of a module's ``__dict__``. This runs for every module on
+    every call, so the common case is one comprehension; the rare tuple or list is checked after."""
+    items = [(k, type(x), x) for k, x in d.items() if type(x) in _KEYABLE]
+    for i, (k, kind, x) in enumerate(items):
+        if kind is tuple or kind is list:
+            items[i] = (k, kind, _as_key(x))
+    return tuple(items)
+
+
+_CLASS_GLOBALS: dict[type, list[tuple[str, dict, str]]] = {}
+
+
+def _class_globals(cls: type) -> list[tuple[str, dict, str]]:
+    """(name, globals dict, key) for each scalar global that a user's module class reads from ``forward``
+    (``TEMPERATURE``), from the methods of the class that ``forward`` names, and from the functions they
+    name, to a small depth."""
+    out: list[tuple[str, dict, str]] = []
+    seen: set[Any] = set()
+    methods: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        if not klass.__module__.startswith("torch"):
+            for name, attr in vars(klass).items():
+                methods[name] = getattr(attr, "__func__", getattr(attr, "fget", attr))  # static/class methods, properties
+
+    def scan(f: Any, depth: int) -> None:
+        if not isinstance(f, types.FunctionType) or id(f) in seen or _is_internal(f.__code__.co_filename):
+            return
+        seen.add(id(f))
+        g = f.__globals__
+        for name in dict.fromkeys(_global_names(f.__code__)):
+            if name in methods and depth < _MAX_DEPTH:
+                scan(methods[name], depth + 1)
+            if name not in g or name.startswith("__") or (id(g), name) in seen:
+                continue
+            seen.add((id(g), name))
+            if _as_key(g[name]) is not None:
+                out.append((name, g, name))
+            elif depth < _MAX_DEPTH:
+                scan(g[name], depth + 1)
+
+    scan(methods.get("forward"), 1)
+    return out
+
+
+def _diff(was: dict, now: dict, prefix: str) -> list[str]:
+    def shown(d: dict, k: str) -> str:
+        if k not in d:
+            return "(unset)"
+        return "(not a scalar)" if d[k] is None else repr(d[k][1])
+
+    return sorted(f"{prefix}{k} {shown(was, k)} -> {shown(now, k)}" for k in was.keys() | now.keys() if was.get(k) != now.get(k))
 
 
 _MAX_DEPTH = 3
@@ -161,11 +270,19 @@ def discover(fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> S
         if isinstance(obj, torch.Tensor):
             add_tensor(name, obj, setter)
             return
+        value = _as_key(obj)
+        if value is not None:
+            state.values.append((name, value))
+            return
         if id(obj) in seen or depth > _MAX_DEPTH:
             return
         if isinstance(obj, torch.nn.Module):
             seen.add(id(obj))
             state.modules.append((name, obj))
+            return
+        if isinstance(obj, torch.optim.Optimizer):
+            seen.add(id(obj))
+            visit_optimizer(name, obj)
             return
         if isinstance(obj, (types.FunctionType, types.MethodType, functools.partial)):
             seen.add(id(obj))
@@ -185,6 +302,22 @@ def discover(fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> S
             seen.add(id(obj))
             for k, x in vars(obj).items():
                 visit(_join(name, k), x, depth + 1, _attr_setter(obj, k))
+
+    def visit_optimizer(name: str, opt: torch.optim.Optimizer) -> None:
+        """An optimizer's parameters, its state tensors and its hyperparameters (``lr`` set by a scheduler
+        included) are the step's state like a module's."""
+        state.optimizers.append((name, opt))
+        k = 0
+        for g, group in enumerate(opt.param_groups):
+            for key, x in group.items():
+                if key != "params":
+                    visit(f"{name}.param_groups[{g}][{key!r}]", x, _MAX_DEPTH)
+            params = group["params"]
+            for j, p in enumerate(params):
+                add_tensor(f"{name}.param_groups[{g}]['params'][{j}]", p, _item_setter(params, j))
+                for key, x in opt.state.get(p, {}).items():
+                    visit(f"{name}.state[{k}][{key!r}]", x, _MAX_DEPTH)
+                k += 1
 
     def visit_callable(name: str, f: Any, depth: int) -> None:
         if isinstance(f, functools.partial):
@@ -627,10 +760,21 @@ _PRIM_DEVICE = torch.ops.prim.device.default
 
 @attrs.define
 class Traced:
-    """A graph and what the caller needs to run it again: the real consts it captured."""
+    """A graph and what the caller needs to run it again.
+
+    ``consts`` are the real tensors it captured (its last inputs). ``grad_params`` are the inputs whose
+    ``.grad`` is an input, in order, after the state (zeros where it is None, which then become its
+    ``.grad``); ``assign_grads`` the inputs whose ``.grad`` the step replaces (rather than adds to),
+    ``clear_grads`` those it sets to None. ``state_outs`` are (optimizer, parameter, key) for the outputs
+    after the function's own: optimizer state the step created.
+    """
 
     graph: Graph
     consts: list[torch.Tensor]
+    grad_params: list[int] = attrs.field(factory=list)
+    assign_grads: list[int] = attrs.field(factory=list)
+    clear_grads: list[int] = attrs.field(factory=list)
+    state_outs: list[tuple] = attrs.field(factory=list)
 
 
 # A trace allocates many small objects that all stay alive until it ends: the cyclic collector's passes
@@ -678,15 +822,28 @@ def trace(
             fake_leaves.append(leaf)
 
     swapped: dict[int, torch.Tensor] = {}
+    with_grad: list[tuple[int, str, torch.Tensor]] = []
     for role, name, t in state.named_state():
         with fake_mode:
             fake = fake_mode.from_tensor(t, static_shapes=True)
         swapped[id(t)] = fake
         rec.add_input(fake, role, name)
+        if t.requires_grad and t.is_leaf:
+            with_grad.append((len(rec.invars) - 1, name, t))
+    # Every .grad is an input, so a step that reads .grad (clip_grad_norm_) sees the gradient accumulated
+    # so far plus this call's, as in eager (the caller feeds zeros where .grad is None: 0 + g is g, to the
+    # bit). _settle_grads drops each one the step only adds to, so a plain step's program is unchanged.
+    grad_inputs: dict[int, Var] = {}
+    for i, name, t in with_grad:
+        with fake_mode:
+            fake_grad = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        grad_inputs[i] = rec.add_input(fake_grad, "grad", f"{name}.grad")
+        rec.fakes[i].grad = fake_grad
     for prefix, m in state.modules:
         for sub_name, sub in m.named_modules(remove_duplicate=False):
             rec.module_names.setdefault(id(sub), _join(prefix, sub_name) or type(sub).__name__)
 
+    optimizers = [_TracedOptimizer(opt, swapped) for _, opt in state.optimizers]
     restore = _swap(state, swapped)
     hooks = _module_hooks(rec)
     # FakeTensorMode logs every kernel failure at ERROR level; stagetorch raises its own named error instead.
@@ -701,15 +858,18 @@ def trace(
         with fake_mode:
             out_leaves = [rec.lift(x) if isinstance(x, torch.Tensor) else x for x in out_leaves]
         outvars = [rec.var(x) if isinstance(x, torch.Tensor) else Literal(x) for x in out_leaves]
-        grads = [
-            (i, rec.var(fake.grad))
-            for i, fake in enumerate(rec.fakes)
-            if fake.requires_grad and fake.grad is not None
-        ]
+        state_outs = []
+        for opt in optimizers:
+            for target, x in opt.created():
+                state_outs.append(target)
+                outvars.append(rec.var(rec.lift(x)) if isinstance(x, torch.Tensor) else Literal(x))
+        final = {i: None if fake.grad is None else rec.var(fake.grad) for i, fake in enumerate(rec.fakes) if fake.requires_grad}
     finally:
         fake_log.setLevel(log_level)
         for h in hooks:
             h.remove()
+        for opt in optimizers:
+            opt.restore()
         restore()
         leaks = rec.grad_leaks
         for t, old_grad, _ in leaks:
@@ -722,9 +882,149 @@ def trace(
             f"{_code_line(src)}\nRefer to its module directly in the function (a global or closure "
             "variable, an attribute of self, or an argument)."
         )
-    eqns, grads = _steal_accumulated_grads(rec.eqns, grads, outvars)
-    graph = Graph(rec.invars, eqns, outvars, rec.roles, rec.names, grads, out_tree)
-    return Traced(graph, rec.consts)
+    eqns, grads, assign, clear, unused = _settle_grads(rec.eqns, final, grad_inputs)
+    eqns, grads = _steal_accumulated_grads(eqns, grads, outvars)
+    keep = [i for i, v in enumerate(rec.invars) if v not in unused]
+    index = {old: new for new, old in enumerate(keep)}
+    graph = Graph(
+        [rec.invars[i] for i in keep], eqns, outvars, [rec.roles[i] for i in keep], [rec.names[i] for i in keep],
+        [(index[i], g) for i, g in grads], out_tree,
+    )
+    return Traced(
+        graph, rec.consts,
+        grad_params=[index[i] for i, v in grad_inputs.items() if v not in unused],
+        assign_grads=[index[i] for i in assign], clear_grads=[index[i] for i in clear], state_outs=state_outs,
+    )
+
+
+class _TracedOptimizer:
+    """An optimizer pointed at the fakes for a trace: its parameters (through the swap) and its state,
+    re-keyed by the fake parameters, each state tensor the fake the trace made for it. A first step's
+    state, created during the trace, becomes outputs the caller installs after each run."""
+
+    def __init__(self, opt: torch.optim.Optimizer, fakes: dict[int, torch.Tensor]):
+        self.opt, self.real_state = opt, opt.state
+        self.pairs = [(p, fakes[id(p)]) for group in opt.param_groups for p in group["params"]]
+        self.state: collections.defaultdict = collections.defaultdict(dict)
+        self.inputs: set[int] = set()
+        for p, fake in self.pairs:
+            if p in self.real_state:
+                entries = {k: fakes.get(id(x), x) if isinstance(x, torch.Tensor) else x for k, x in self.real_state[p].items()}
+                self.state[fake] = entries
+                self.inputs.update(id(x) for x in entries.values())
+        opt.state = self.state
+        self.undo_step = _stage_optimizer_step(opt)
+
+    def created(self) -> Iterator[tuple[tuple, Any]]:
+        """((optimizer, real parameter, key), value) for each state entry the trace created or rebound."""
+        for p, fake in self.pairs:
+            for k, x in self.state.get(fake, {}).items():
+                if id(x) not in self.inputs:
+                    yield (self.opt, p, k), x
+
+    def restore(self) -> None:
+        self.opt.state = self.real_state
+        self.undo_step()
+
+
+def _stage_optimizer_step(opt: torch.optim.Optimizer) -> Callable[[], None]:
+    """Make ``opt.step`` stageable for the trace; return the undo.
+
+    Adam-like optimizers read their step count with ``.item()`` unless ``capturable``; their capturable
+    formulation keeps it a tensor, so the trace runs that (its device check, which only guards CUDA graph
+    capture, is skipped as torch.compile skips it). An optimizer without such a mode cannot be staged."""
+    # An LR scheduler wraps ``opt.step`` as an instance attribute; it is put back as it was.
+    own = vars(opt).get("step")
+
+    def undo() -> None:
+        if own is None:
+            vars(opt).pop("step", None)
+        else:
+            opt.step = own
+
+    if "capturable" not in opt.defaults and not isinstance(opt, _STAGEABLE_OPTIMIZERS):
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            src = source_info()
+            raise UnsupportedOpError(
+                f"{type(opt).__name__}.step at {src} cannot be staged: it reads its state as Python numbers."
+                f"{_code_line(src)}\nCall the optimizer outside the staged function: loss = step(x, y); "
+                "opt.step(); opt.zero_grad()."
+            )
+
+        opt.step = refuse
+        return undo
+    if "capturable" not in opt.defaults:
+        return lambda: None
+    original = opt.step
+
+    def capturable_step(*args: Any, **kwargs: Any) -> Any:
+        flags = [g.get("capturable") for g in opt.param_groups]
+        is_compiling = torch.compiler.is_compiling
+        for g in opt.param_groups:
+            g["capturable"] = True
+        torch.compiler.is_compiling = lambda: True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            torch.compiler.is_compiling = is_compiling
+            for g, flag in zip(opt.param_groups, flags):
+                g["capturable"] = flag
+
+    opt.step = capturable_step
+    return undo
+
+
+_STAGEABLE_OPTIMIZERS = (torch.optim.SGD,)
+
+
+def _settle_grads(
+    eqns: list[Eqn], final: dict[int, Var | None], grad_inputs: dict[int, Var]
+) -> tuple[list[Eqn], list[tuple[int, Var]], list[int], list[int], set[Var]]:
+    """What the step does to each ``.grad``, given ``final``, the value each parameter's fake ``.grad``
+    ended with, and ``grad_inputs``, the inputs that held the real ``.grad`` where it existed.
+
+    **Returns** the equations, the (parameter, gradient) pairs to accumulate, the parameters whose ``.grad``
+    is replaced by theirs (zero_grad, then backward), those whose ``.grad`` is set to None, and the grad
+    inputs no equation reads (dropped). A grad input only added into by AccumulateGrad is dropped with
+    that add: the executor accumulates as for a parameter with no ``.grad``, so the program is the same.
+    One the program writes in place (accumulated, then clipped) needs nothing after the run."""
+    readers: dict[Var, list[Eqn]] = {v: [] for v in grad_inputs.values()}
+    for e in eqns:
+        for v in {v.root for v in e.invars}:
+            if v in readers:
+                readers[v].append(e)
+    dropped: set[int] = set()
+    grads, assign, clear, unused = [], [], [], set()
+    for i, fv in final.items():
+        g = grad_inputs.get(i)
+        if g is None:
+            if fv is not None:
+                grads.append((i, fv))
+            continue
+        users = readers[g]
+        if len(users) == 1 and _only_accumulates(users[0], g, fv):
+            dropped.add(id(users[0]))
+            grads.append((i, users[0].args[1]))
+            unused.add(g)
+            continue
+        if not users:
+            unused.add(g)
+        if fv is None:
+            clear.append(i)
+        elif fv.root is not g:
+            grads.append((i, fv))
+            assign.append(i)
+    return [e for e in eqns if id(e) not in dropped], grads, assign, clear, unused
+
+
+def _only_accumulates(e: Eqn, g: Var, final: Var | None) -> bool:
+    return (
+        e.prim is torch.ops.aten.add_.Tensor
+        and e.source.backward == _ACCUMULATE_GRAD
+        and len(e.args) == 2 and not e.kwargs
+        and e.args[0] is g
+        and e.outvars[0] is final
+    )
 
 
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"

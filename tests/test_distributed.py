@@ -222,6 +222,25 @@ def failure_mid_step(rank: int) -> dict:
 
 
 @case
+def optimizer_inside(rank: int) -> dict:
+    """An optimizer stepped inside a sharded step would use this rank's gradient alone: refused by every rank."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = shards((37, 63))[rank]
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def step(x, y):
+        loss = _step(model, token_loss, x, y)
+        opt.step()
+        return loss
+
+    staged = stagetorch.jit(step, process_group=dist.group.WORLD)
+    out = _failed(rank, lambda: staged(x, y))
+    out["untouched"] = all(torch.equal(p, b) and p.grad is None for p, b in zip(model.parameters(), before))
+    return out
+
+
+@case
 def bad_shard(rank: int) -> dict:
     model = make_model()
     x, y = shards((37, 63))[rank]
@@ -397,6 +416,13 @@ def test_a_rank_with_bad_arguments_makes_every_rank_raise(ranks):
     assert [g["error"] for g in got] == ["StagingError"] * WORLD
     assert got[0]["message"] == got[1]["message"]
     assert "rank 1 of 2: ShapeError: the batched arguments disagree" in got[0]["message"]
+
+
+def test_an_optimizer_inside_a_sharded_step_is_refused_by_every_rank(ranks):
+    got = [result(ranks, "optimizer_inside", r) for r in range(WORLD)]
+    assert [g["error"] for g in got] == ["UnsupportedOpError"] * WORLD
+    assert all("opt.step()" in g["message"] and "after the staged step returns" in g["message"] for g in got)
+    assert all(g["untouched"] for g in got)
 
 
 def test_a_ddp_wrapped_model_takes_the_global_semantics(ranks):
