@@ -11,7 +11,7 @@ from .errors import (
     UnsupportedOpError,
 )
 from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var
-from .lazy import LazyTensor, lazy
+from .lazymode import LazyTensor, lazy
 from .memory import MemoryReport, memory
 from .planning import Plan
 

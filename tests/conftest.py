@@ -1,11 +1,11 @@
-import importlib
 import pathlib
 import sys
 
 import pytest
 import torch
 
-import stagetorch
+from stagetorch import tracing
+from stagetorch.lazymode.session import _Session
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
@@ -18,7 +18,7 @@ def _seed():
 def _instrument(monkeypatch, owner, name, wrapper):
     """Wrap a stagetorch method for counting. The wrapper is marked as stagetorch's own code, so the
     tracer does not take it for the user's line (which the replay's hook detection relies on)."""
-    stagetorch.tracing._INTERNAL_CODE[wrapper.__code__] = True
+    tracing.mark_internal(wrapper.__code__)
     monkeypatch.setattr(owner, name, wrapper)
 
 
@@ -26,9 +26,9 @@ def _instrument(monkeypatch, owner, name, wrapper):
 def recorded(monkeypatch):
     """The ops run on fake tensors (recorded, not replayed), in order."""
     ops = []
-    original = stagetorch.tracing._Recorder.record
+    original = tracing.Recorder.record
     _instrument(
-        monkeypatch, stagetorch.tracing._Recorder, "record",
+        monkeypatch, tracing.Recorder, "record",
         lambda self, *a, **k: ops.append(a[0]) or original(self, *a, **k),
     )
     return ops
@@ -38,7 +38,6 @@ def recorded(monkeypatch):
 def dispatched(monkeypatch):
     """The ops that reached a lazy tensor (a skipped backward's ops never do), in order."""
     ops = []
-    session = importlib.import_module("stagetorch.lazy")._Session
-    call = session.call
-    _instrument(monkeypatch, session, "call", lambda self, *a: ops.append(a[0]) or call(self, *a))
+    call = _Session.call
+    _instrument(monkeypatch, _Session, "call", lambda self, *a: ops.append(a[0]) or call(self, *a))
     return ops

@@ -6,7 +6,6 @@ gradients. Each loop runs against the same loop in plain PyTorch."""
 from __future__ import annotations
 
 import copy
-import importlib
 
 import pytest
 import torch
@@ -15,8 +14,8 @@ import torch.nn.functional as F
 from test_lazy_replay import assert_same_grads, assert_same_loop, batches, mlp
 
 import stagetorch
-
-lazy_module = importlib.import_module("stagetorch.lazy")
+from stagetorch.lazymode import recording
+from stagetorch.lazymode.session import _Session
 
 
 def plain_step(i, model, x, y):
@@ -24,7 +23,7 @@ def plain_step(i, model, x, y):
 
 
 def test_a_repeated_step_runs_no_op_and_builds_no_graph(dispatched):
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = mlp()
     reference = copy.deepcopy(model)
     counts = []
@@ -94,7 +93,7 @@ def test_batchnorm_and_dropout_replay_once_per_step():
         return nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
 
     assert_same_loop(plain_step, n=4, model_fn=model_fn)
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = model_fn()
     reference = copy.deepcopy(model)
     for x, _ in batches(4):
@@ -155,12 +154,12 @@ def test_an_autograd_function_in_every_step_turns_the_express_replay_off():
         return F.cross_entropy(model[2](_Reverse.apply(model[1](model[0](x)))), y)
 
     assert_same_loop(step, n=3)
-    (recording,) = lazy_module._RECORDINGS.values()
-    assert not recording.express
+    (recorded_once,) = recording._RECORDINGS.values()
+    assert not recorded_once.express
 
 
 def test_autograd_grad_over_an_unrecorded_function_is_refused():
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = mlp()
     for i, (x, y) in enumerate(batches(2)):
         h = model[1](model[0](stagetorch.lazy(x, batch=0)))
@@ -195,7 +194,7 @@ def test_a_parameter_given_new_storage_is_read_from_its_new_storage():
                 model[2].weight.data = torch.randn(16, 3, generator=torch.Generator().manual_seed(i)).t()  # another stride
         return F.cross_entropy(model(x), y)
 
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     torch.manual_seed(5)
     assert_same_loop(step, n=5)
 
@@ -219,7 +218,7 @@ def test_a_real_argument_with_an_autograd_graph(scales, express, dispatched):
 
 
 def test_results_keep_their_kind_and_aliases():
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     for x, _ in batches(3):
         a = stagetorch.lazy(x, batch=0)
         assert a.contiguous() is a
@@ -232,7 +231,7 @@ def test_results_keep_their_kind_and_aliases():
 
 
 def test_an_op_below_the_torch_function_is_refused():
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = mlp()
     for i, (x, _) in enumerate(batches(2)):
         h = model[0](stagetorch.lazy(x, batch=0))
@@ -266,7 +265,7 @@ def test_autocast_and_grad_mode_are_part_of_what_repeats():
 
 def test_gradient_accumulation_replays_and_adds_into_grad(dispatched):
     """Several micro-batches, one optimizer step: the express backward adds into the real .grad."""
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = mlp()
     reference = copy.deepcopy(model)
     counts = []
@@ -281,7 +280,7 @@ def test_gradient_accumulation_replays_and_adds_into_grad(dispatched):
 
 
 def test_a_second_backward_after_an_express_backward_raises():
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = mlp()
     for x, y in batches(2):
         loss = F.cross_entropy(model(stagetorch.lazy(x, batch=0)), y)
@@ -294,7 +293,7 @@ def test_a_second_backward_after_an_express_backward_raises():
 def test_a_call_that_returns_its_argument_stays_on_the_tape(dispatched):
     """``x.to(x.dtype)`` runs no op and hands back its argument: replayed (as is ``loss.detach()``, an op).
     A call that changes autograd state without an op (``requires_grad_``) is not."""
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = mlp()
     counts = []
     for x, y in batches(3):
@@ -309,7 +308,7 @@ def test_a_call_that_returns_its_argument_stays_on_the_tape(dispatched):
         dispatched.clear()
     assert counts[0] > 0 and counts[1:] == [0, 0], counts
     assert loss._session.express
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     for x, _ in batches(2):
         a = stagetorch.lazy(x, batch=0).clone()
         assert a.requires_grad_() is a and a.requires_grad
@@ -323,7 +322,7 @@ def test_an_express_step_still_chunks_to_its_budget(dispatched):
     from test_chunking import budget_for
     from test_lazy import RealKernelBatchSizes, rel, seed_program
 
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model, make = models.seed_mlp()
     x, y = make(1000)
     budget = budget_for(stagetorch.jit(models.train_step(copy.deepcopy(model))), x, y)
@@ -350,7 +349,7 @@ def test_an_express_step_still_chunks_to_its_budget(dispatched):
 def test_nested_and_keyword_arguments_replay(dispatched):
     """Lists of tensors (``torch.cat``), keyword arguments and Python values are part of the taped call;
     another value (here a dim, a scale) is another call."""
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = mlp()
     reference = copy.deepcopy(model)
     counts = []
@@ -383,7 +382,7 @@ def test_models_replay_express_and_equal_eager(name, dispatched):
     else:
         model, make = models.cnn("batch") if name == "cnn_batchnorm" else getattr(models, name)()
         step = lambda m, x, y: (lambda out: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)))(m(x))  # noqa: E731
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     reference = copy.deepcopy(model)
     batches_ = [make(6) for _ in range(4)]
     counts, results = [], []
@@ -414,7 +413,7 @@ def test_models_replay_express_and_equal_eager(name, dispatched):
 def test_a_positional_lookup_replays_with_its_saved_indices(dispatched):
     """``h + pos(positions)``: a real embedding lookup of a parameter. Its backward reads the indices the
     lookup saved; the express backward takes them from this step's graph (new positions each step)."""
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = mlp()
     pos = nn.Embedding(40, 16)
     reference, reference_pos = copy.deepcopy(model), copy.deepcopy(pos)
@@ -437,8 +436,8 @@ def test_a_step_that_always_leaves_the_replay_stops_replaying_express(monkeypatc
     the express replay there; after that the recording is replayed slowly from the start, not express then
     slow."""
     left = []
-    leave = lazy_module._Session.leave_express
-    monkeypatch.setattr(lazy_module._Session, "leave_express", lambda self: left.append(self.tape_pos) or leave(self))
+    leave = _Session.leave_express
+    monkeypatch.setattr(_Session, "leave_express", lambda self: left.append(self.tape_pos) or leave(self))
 
     def step(i, model, x, y):
         h = model[1](model[0](x))

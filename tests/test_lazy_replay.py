@@ -5,7 +5,6 @@ re-recorded. Each case runs several steps against the same loop in plain PyTorch
 from __future__ import annotations
 
 import copy
-import importlib
 
 import pytest
 import torch
@@ -13,8 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import stagetorch
-
-lazy_module = importlib.import_module("stagetorch.lazy")
+from stagetorch.lazymode import recording
 
 
 def mlp(seed=0):
@@ -45,7 +43,7 @@ def run_loop(model, data, step, one_line, **lazy_options):
 
 
 def assert_same_loop(step, n=4, model_fn=mlp, **lazy_options):
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = model_fn()
     reference = copy.deepcopy(model)
     data = batches(n)
@@ -75,7 +73,7 @@ def plain_step(i, model, x, y):
 
 def test_repeated_steps_replay_without_recording_and_equal_eager(recorded, dispatched):
     assert_same_loop(plain_step, n=5)
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     recorded.clear()
     dispatched.clear()
     model = mlp()
@@ -186,7 +184,7 @@ def test_freezing_a_layer_between_steps():
 
 
 def test_gradients_accumulated_across_steps_without_zero_grad():
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = mlp()
     reference = copy.deepcopy(model)
     for x, y in batches(3):
@@ -197,7 +195,7 @@ def test_gradients_accumulated_across_steps_without_zero_grad():
 
 @pytest.mark.parametrize("how", ["method", "function"])
 def test_autograd_backward_function_is_intercepted(how):
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = mlp()
     reference = copy.deepcopy(model)
     for x, y in batches(3):
@@ -219,7 +217,7 @@ def test_batchnorm_statistics_update_once_per_replayed_step():
     def step(i, model, x, y):
         return F.cross_entropy(model(x), y)
 
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = make()
     reference = copy.deepcopy(model)
     data = batches(4)
@@ -231,7 +229,7 @@ def test_batchnorm_statistics_update_once_per_replayed_step():
 
 
 def test_tensors_of_two_sessions_never_mix_even_when_both_replay():
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     a, b = torch.randn(4, 3), torch.randn(4, 3)
     x = stagetorch.lazy(a)
     assert torch.equal((x + x).value(), a + a)
@@ -241,14 +239,14 @@ def test_tensors_of_two_sessions_never_mix_even_when_both_replay():
 
 
 def test_recordings_are_bounded():
-    lazy_module._RECORDINGS.clear()
-    for n in range(1, lazy_module._MAX_RECORDINGS + 10):
+    recording._RECORDINGS.clear()
+    for n in range(1, recording._MAX_RECORDINGS + 10):
         (stagetorch.lazy(torch.randn(n, 2)) * 2).value()
-    assert len(lazy_module._RECORDINGS) == lazy_module._MAX_RECORDINGS
+    assert len(recording._RECORDINGS) == recording._MAX_RECORDINGS
 
 
 def test_a_second_backward_through_a_replayed_graph_raises_as_in_eager():
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = mlp()
     for x, y in batches(2):
         loss = F.cross_entropy(model(stagetorch.lazy(x, batch=0)), y)
@@ -261,7 +259,7 @@ def test_a_second_backward_through_a_replayed_graph_raises_as_in_eager():
 def test_a_new_model_of_the_same_shapes_replays_from_its_first_step(dispatched):
     """The express replay binds real tensors (parameters) by position, as the slow replay does, and takes
     the backward's leaves from them: another model's first step replays without reaching any op."""
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     counts = []
     for model in (mlp(), mlp(seed=3)):
         reference = copy.deepcopy(model)
@@ -275,7 +273,7 @@ def test_a_new_model_of_the_same_shapes_replays_from_its_first_step(dispatched):
 
 
 def test_retain_graph_and_autograd_grad_run_through_the_engine():
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = mlp()
     reference = copy.deepcopy(model)
     for x, y in batches(3):
@@ -294,7 +292,7 @@ def test_retain_graph_and_autograd_grad_run_through_the_engine():
 
 
 def test_backward_twice_into_real_grads_that_already_hold_values():
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = nn.Linear(5, 3)
     reference = copy.deepcopy(model)
     x = torch.randn(4, 5)
@@ -313,7 +311,7 @@ def test_backward_twice_into_real_grads_that_already_hold_values():
 
 
 def test_training_and_evaluation_steps_on_the_same_shapes_each_replay(recorded):
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = mlp()
     reference = copy.deepcopy(model)
     counts = []
@@ -337,7 +335,7 @@ def test_a_finished_step_frees_its_values_without_waiting_for_the_garbage_collec
     import gc
     import weakref
 
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = mlp()
     gc.disable()
     try:
