@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from stagetorch import tracing
+from stagetorch.lazymode import recording
+from stagetorch.lazymode.mode import Mode, force_mode
 from stagetorch.lazymode.session import _Session
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -13,6 +15,30 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "lazy_modes(*names): run a test that uses the lazy_mode fixture only in these modes (it checks "
+        "the mechanism of one mode, not results)",
+    )
+
+
+def pytest_generate_tests(metafunc):
+    """A test that uses ``lazy_mode`` (every lazy test module does) runs once per mode: the lazy program's
+    results must be the same whether each step records, replays its recording, or replays express."""
+    if "lazy_mode" in metafunc.fixturenames:
+        marker = metafunc.definition.get_closest_marker("lazy_modes")
+        modes = marker.args if marker else [m.name.lower() for m in Mode]
+        metafunc.parametrize("lazy_mode", modes, indirect=True)
+
+
+@pytest.fixture
+def lazy_mode(request):
+    """Sessions capped at the test's mode, starting from no recording."""
+    recording._RECORDINGS.clear()
+    with force_mode(request.param) as mode:
+        yield mode
 
 
 def _instrument(monkeypatch, owner, name, wrapper):

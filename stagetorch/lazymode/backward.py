@@ -15,6 +15,7 @@ import torch
 from ..ir import Var
 from ..tracing import user_frame
 from .autograd_graph import _PYTHON_FUNCTION_NODE, _autograd_graph, _is_lazy_summary, _saved_state
+from .mode import Mode
 from .recording import _Step
 from .tape import _Call
 from .tensor import LazyTensor, _unshadow
@@ -57,7 +58,7 @@ class BackwardSkip:
         replayed), then a flush turns the lazy gradients into real ones. When the session replays a
         recording whose backward ran over the same autograd graph into the same leaves, with no hooks and
         every ``.grad`` empty, the engine is skipped: its steps are the recorded ones."""
-        if self.express:
+        if self.mode is Mode.EXPRESS:
             if self._express_backward(args, kwargs, roots):
                 return
             self.leave_express()
@@ -88,8 +89,8 @@ class BackwardSkip:
         )
         key = (loss._var, kinds)
         remark = None  # the replayed marker to bring up to date if the engine replays its steps as recorded
-        if self.replaying is not None:
-            steps = self.replaying.steps
+        if self.mode is not Mode.RECORD:
+            steps = self.recording.steps
             step = steps[self.cursor] if self.cursor < len(steps) else None
             if step is not None and step.func is _BACKWARD:
                 mark: _Backward = step.out
@@ -108,7 +109,7 @@ class BackwardSkip:
                     return
                 remark = self.cursor
                 self.cursor += 1  # the engine runs below; its calls replay one by one
-        was_recording = self.replaying is None
+        was_recording = self.mode is Mode.RECORD
         start = (self.cursor if not was_recording else len(self.recording.steps), self.eqn_count, dict(self.consts))
         marking = plain and (was_recording or remark is not None)
         caller = user_frame(2) if marking else None
@@ -128,13 +129,13 @@ class BackwardSkip:
             if mark is not None:
                 self.recording.steps.insert(start[0], _Step(_BACKWARD, (), [], mark, False, False))
                 marked = start[0]
-        elif plain and remark is not None and self.replaying is not None:
+        elif plain and remark is not None and self.mode is not Mode.RECORD:
             # Replayed through the engine, step by step as recorded (another model of the same shapes, a
             # hook since removed): the marker now describes this graph, so the next step skips the engine.
-            span = self.replaying.steps[remark + 1 : self.cursor]
+            span = self.recording.steps[remark + 1 : self.cursor]
             mark = self._backward_mark(key, leaves, span, start[1], start[2], saved, call_site)
             if mark is not None:
-                self.replaying.steps[remark] = _Step(_BACKWARD, (), [], mark, False, False)
+                self.recording.steps[remark] = _Step(_BACKWARD, (), [], mark, False, False)
                 marked = remark
         if marked >= 0:
             self._tape_backward(tape, tape_from, marked, loss, leaves, nodes)

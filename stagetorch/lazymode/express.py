@@ -15,6 +15,7 @@ from .._tree import flat_call, flatten, map_leaves, unflat_call
 from ..ir import Var
 from .autograd_graph import _PYTHON_FUNCTION_NODE, _autograd_graph, _Unreadable
 from .backward import _BACKWARD, _Backward
+from .mode import Mode
 from .recording import _meta
 from .tape import (
     _MAX_LEAVES,
@@ -37,7 +38,7 @@ class ExpressReplay:
 
     @property
     def step_count(self) -> int:
-        return self.cursor if self.replaying is not None else len(self.recording.steps)
+        return self.cursor if self.mode is not Mode.RECORD else len(self.recording.steps)
 
     def torch_call(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """A torch function on lazy tensors, above autograd, that the express replay did not match: run it
@@ -154,7 +155,7 @@ class ExpressReplay:
         of the recording (nothing runs for real: the steps replay as recorded), and give each live lazy
         tensor the express replay made a shadow, the same value with its autograd graph. Calls on it use
         its shadow from now on."""
-        self.express = False
+        self.mode = Mode.REPLAY
         recording = self.recording
         recording.left += 1
         if recording.left >= _MAX_LEAVES:  # every step leaves it (at a call the tape cannot replay, say)
@@ -175,7 +176,7 @@ class ExpressReplay:
             shadow_of[var] = t
             self.alive[var] = weakref.ref(t)
         for call in calls:
-            if self.replaying is not recording:
+            if self.mode is Mode.RECORD:
                 raise RuntimeError("stagetorch.lazy: the express replay's calls differ from its recording; this is a bug")
             if call.mark >= 0:  # a backward, already run without the engine
                 mark = recording.steps[call.mark].out

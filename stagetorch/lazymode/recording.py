@@ -17,6 +17,7 @@ from .._tree import map_leaves
 from ..errors import ConcretizationError
 from ..ir import Eqn, Var
 from .autograd_graph import _Unreadable
+from .mode import Mode
 from .tensor import LazyTensor, _lazy_tensor, _real
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ class RecordingSteps:
             return _lazy_tensor(t.shape, t.stride(), t.dtype, t.device, t._var, self, t._fake)
         if func.namespace == "prim":
             return func(*map_leaves(args, torch.Tensor, _real), **map_leaves(kwargs, torch.Tensor, _real))
-        if self.replaying is not None:
+        if self.mode is not Mode.RECORD:
             step = self._match(func, leaves)
             if step is not None:
                 return self._replay(step, args, kwargs)
@@ -159,7 +160,7 @@ class RecordingSteps:
         return out
 
     def _run_real(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
-        if self.replaying is None:
+        if self.mode is Mode.RECORD:
             self.recording.steps.append(_Step(func, _key(leaves), self._consts_in(leaves), None, False, False))
         return func(*map_leaves(args, torch.Tensor, _real), **map_leaves(kwargs, torch.Tensor, _real))
 

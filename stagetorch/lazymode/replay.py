@@ -14,6 +14,7 @@ import torch
 from .._tree import flatten, map_leaves
 from ..ir import Var
 from .backward import _BACKWARD
+from .mode import Mode
 from .recording import _key, _Out, _Step
 from .tensor import LazyTensor, _lazy_tensor
 
@@ -22,7 +23,7 @@ class SlowReplay:
     """The slow replay: each ATen call matched against the recorded step at the cursor."""
 
     def _match(self, func: Any, leaves: list) -> _Step | None:
-        steps = self.replaying.steps
+        steps = self.recording.steps
         if self.cursor >= len(steps):
             return None
         step = steps[self.cursor]
@@ -65,9 +66,9 @@ class SlowReplay:
     def _diverge(self) -> None:
         """The call differs from the recording being replayed: record the replayed steps again on fake
         tensors, remap every live value to the new variables, and go on recording."""
-        old = self.replaying
+        old = self.recording
         replayed = old.steps[: self.cursor]
-        self.replaying = None
+        self.mode = Mode.RECORD
         self.recording = self._start_recording()
         self.tape = None  # its steps are not this session's calls one for one: the next session tapes it
         rec = self.recorder

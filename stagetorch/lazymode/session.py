@@ -20,6 +20,7 @@ from ..ir import Graph, Var
 from ..tracing import Recorder
 from .backward import BackwardSkip
 from .express import ExpressReplay
+from .mode import Mode, cap
 from .recording import _MAX_RECORDINGS, _RECORDINGS, RecordingSteps, _meta, _Recording
 from .replay import SlowReplay
 from .tape import _Call
@@ -36,8 +37,8 @@ _BATCHED_AT: dict[int, Batched] = {}  # Batched(dim) of an input, made once per 
 class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
     """What one ``lazy(...)`` call records: the equations, which of them have run, and the values kept.
 
-    A session either *records* (each op runs on fake tensors through the tracer's recorder) or *replays*
-    the recording of an earlier session with the same inputs: while each call is the same op on the same
+    Its :class:`~.mode.Mode` says what it does with each call. A session either *records* (each op runs on
+    fake tensors through the tracer's recorder) or *replays* the recording of an earlier session with the same inputs: while each call is the same op on the same
     variables, the same constants' metadata and the same Python values as the recorded step at that
     position, the session reuses the step (no fake kernel runs) and, at a flush, the executable built for
     it. The first call that differs switches the session to recording: the steps replayed so far are
@@ -47,6 +48,7 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
     calls are matched against the tape and not run until one is not the tape's next (:meth:`leave_express`).
     """
 
+    mode: Mode  # what the session does with each call; it only moves down, EXPRESS to REPLAY to RECORD
     done = 0  # equations before this index have run
     hooked = False  # a hook or grad_fn was reached: backward always runs the autograd engine
     freed: frozenset[Var] = frozenset()  # losses whose backward ran (the engine would have freed their graph)
@@ -54,7 +56,6 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
     recorder: Recorder | None = None
     # Express replay (see _Call): the torch-level calls this session tapes, or replays without running them.
     tape: list[_Call] | None = None  # the tape this session appends to
-    express = False  # replaying the recording's tape call by call
     tape_pos = 0  # the next call of the tape to replay
     shadowed = False  # the lazy tensors the express replay made have shadows: calls take those instead
 
@@ -73,22 +74,27 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
         self.slots: list[torch.Tensor] = []  # the real tensors the session's calls took, in order
         self.slot_ids: dict[int, int] = {}
         self.graph_nodes: dict[int, list] = {}  # slot of a real argument with a graph -> its nodes, walked
-        self.replaying = _RECORDINGS.get(self.key)
-        grad_inputs = any(m[4] for m in metas)
-        if self.replaying is not None:
-            self.recording = self.replaying
-            self.eqns = self.replaying.eqns
+        limit = cap()
+        replaying = _RECORDINGS.get(self.key) if limit >= Mode.REPLAY else None
+        # Inputs that require grad have an autograd graph the tape cannot reproduce: never express.
+        taping = limit >= Mode.EXPRESS and not any(m[4] for m in metas)
+        if replaying is not None:
+            self.mode = Mode.REPLAY
+            self.recording = replaying
+            self.eqns = replaying.eqns
             self.cursor = 0  # the next step to replay
             self.end = 0  # equations replayed so far
-            inputs = self.replaying.inputs
-            tape = self.replaying.tape
-            if tape is None and not grad_inputs:
-                self.tape = self.replaying.tape = []
-            self.express = bool(tape) and tape[0].express and self.replaying.express and not grad_inputs
+            inputs = replaying.inputs
+            tape = replaying.tape
+            if tape is None and taping:
+                self.tape = replaying.tape = []
+            if taping and tape and tape[0].express and replaying.express:
+                self.mode = Mode.EXPRESS
         else:
+            self.mode = Mode.RECORD
             self.recording = self._start_recording()
             inputs = [None] * len(tensors)
-            if not grad_inputs:
+            if taping:
                 self.tape = self.recording.tape = []
         self.input_refs: list[weakref.ref] = []
         for i, (t, var, (shape, stride, dtype, device, requires_grad)) in enumerate(zip(tensors, inputs, metas)):
@@ -127,7 +133,7 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
 
     @property
     def eqn_count(self) -> int:
-        return self.end if self.replaying is not None else len(self.eqns)
+        return self.end if self.mode is not Mode.RECORD else len(self.eqns)
 
     def flush(self, targets: list[Var], leaves: list[torch.Tensor] = (), grads: list | None = None) -> None:
         """Run every recorded equation not yet run; keep ``targets``, every value still referenced, and the
@@ -162,7 +168,7 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
         wanted.update(v for v in alive if v not in values)
         wanted.update(v for _, v in grads)
         later = None
-        if self.express:
+        if self.mode is Mode.EXPRESS:
             # No autograd graph holds what the recording's later steps (the backward) read: keep it here.
             # (The recording is complete: an express replay only replays a recorded session's calls.)
             later_key = ("later", self.done, end)

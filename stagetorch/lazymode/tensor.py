@@ -15,6 +15,7 @@ import torch
 
 from .._tree import flat_call, map_leaves
 from ..ir import Var
+from .mode import Mode
 
 __all__ = ["LazyTensor"]
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
 
 _make_subclass = torch.Tensor._make_wrapper_subclass
+_EXPRESS = Mode.EXPRESS  # a module global: read on every call of an express step
 
 _MISS = object()  # the call is not the tape's next one
 
@@ -103,7 +105,7 @@ class LazyTensor(torch.Tensor):
             first = args[0] if args else None
             session = first._session if type(first) is LazyTensor else _session_of(args, kwargs)
             if session is not None:
-                if session.express:
+                if session.mode is _EXPRESS:
                     # The hot path of a replayed step: the tape's next call, if it is this one, matched by its
                     # guard (which makes the lazy results). Anything else leaves the express replay.
                     tape, pos = session.recording.tape, session.tape_pos
@@ -132,7 +134,7 @@ class LazyTensor(torch.Tensor):
         else:  # the user reaches into autograd (a hook, a grad_fn): backward must run through the engine
             for t in flat_call(args, kwargs):
                 if type(t) is LazyTensor:
-                    if t._session.express:
+                    if t._session.mode is _EXPRESS:
                         t._session.leave_express()  # the autograd graph is needed
                     t._session.hooked = True
             args, kwargs = _unshadow(args), _unshadow(kwargs)
