@@ -5,6 +5,7 @@ from .api import Staged, eval_shape, jit, make_ir
 from .errors import (
     BatchCouplingError,
     ConcretizationError,
+    ModifiedInputError,
     OutOfMemoryError,
     ShapeError,
     StagingError,
@@ -38,6 +39,7 @@ __all__ = [
     "UnsupportedOpError",
     "BatchCouplingError",
     "OutOfMemoryError",
+    "ModifiedInputError",
 ]
 
 __version__ = "0.1.0"

@@ -39,7 +39,7 @@ from ._tree import flat_call, flatten, map_leaves
 from .errors import ConcretizationError, ShapeError, StagingError, UnsupportedOpError
 from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var, op_name
 
-__all__ = ["trace", "discover", "State", "Recorder", "user_frame", "mark_internal", "source_info"]
+__all__ = ["trace", "discover", "State", "Recorder", "user_frame", "is_user_code", "mark_internal", "source_info"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(__file__) + os.sep
@@ -67,6 +67,14 @@ def user_frame(depth: int = 1) -> types.FrameType | None:
             return f
         f = f.f_back
     return None
+
+
+def is_user_code(code: types.CodeType) -> bool:
+    """Whether ``code`` is user (or model library) code: outside torch and stagetorch."""
+    internal = _INTERNAL_CODE.get(code)
+    if internal is None:
+        internal = _INTERNAL_CODE[code] = _is_internal(code.co_filename)
+    return not internal
 
 
 def mark_internal(code: types.CodeType) -> None:

@@ -6,6 +6,8 @@ steps are the recorded ones (:class:`_Backward`).
 
 from __future__ import annotations
 
+import sys
+import sysconfig
 import weakref
 from typing import Any
 
@@ -13,7 +15,7 @@ import attrs
 import torch
 
 from ..ir import Var
-from ..tracing import user_frame
+from ..tracing import is_user_code, user_frame
 from .autograd_graph import _PYTHON_FUNCTION_NODE, _autograd_graph, _is_lazy_summary, _saved_state
 from .mode import Mode
 from .recording import _Step
@@ -50,6 +52,33 @@ class _Backward:
 _BACKWARD = torch.Tensor.backward
 
 
+_ENGINE_RUN = torch.autograd.graph._engine_run_backward.__code__
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def _runs_user_code(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Call ``func``; whether it called user code on this thread (the engine runs CPU backward here; a
+    device's backward runs on the engine's thread for that device, which this does not watch)."""
+    seen = False
+
+    def watch(frame: Any, event: str, arg: Any) -> None:
+        nonlocal seen
+        # A hook is called by the engine itself (from C++: its caller is the engine's Python entry point);
+        # what torch's and our own Python code call (typing, dataclasses) is not a hook, nor is the standard
+        # library (torch's C++ asks logging for its level).
+        if event == "call" and not seen and is_user_code(frame.f_code):
+            caller = frame.f_back
+            seen = (caller is None or caller.f_code is _ENGINE_RUN) and not frame.f_code.co_filename.startswith(_STDLIB)
+
+    previous = sys.getprofile()
+    sys.setprofile(watch)
+    try:
+        func(*args, **kwargs)
+    finally:
+        sys.setprofile(previous)
+    return seen
+
+
 class BackwardSkip:
     """``loss.backward()``: through the autograd engine, or its recorded steps without it."""
 
@@ -67,7 +96,6 @@ class BackwardSkip:
             roots = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
         tape, tape_from = self.tape, self.step_count
         self.tape = None  # taped below, once the backward's steps are known
-        loss = roots[0]
         if any(type(t) is LazyTensor and t._var in self.freed for t in roots):
             raise RuntimeError(
                 "Trying to backward through the graph a second time: the first backward() freed it. Specify "
@@ -75,6 +103,21 @@ class BackwardSkip:
             )
         with torch._C.DisableTorchFunctionSubclass():
             leaves, kinds, nodes = _autograd_graph(roots)
+        # A failed backward leaves each .grad as it was (autograd may have stored a lazy gradient there).
+        before = [(leaf, leaf.grad) for leaf in leaves if type(leaf) is not LazyTensor]
+        try:
+            self._backward(func, args, kwargs, roots, tape, tape_from, leaves, kinds, nodes)
+        except BaseException:
+            for leaf, grad in before:
+                if leaf.grad is not grad:
+                    leaf.grad = grad
+            raise
+
+    def _backward(
+        self, func: Any, args: tuple, kwargs: dict, roots: list, tape: list | None, tape_from: int,
+        leaves: list, kinds: tuple, nodes: list,
+    ) -> None:
+        loss = roots[0]
         # The engine may be skipped only for a plain backward over built-in formulas: no arguments, no
         # hooks, empty .grad, and no Python autograd.Function (its backward is Python code reading any state).
         plain = (
@@ -89,13 +132,16 @@ class BackwardSkip:
         )
         key = (loss._var, kinds)
         remark = None  # the replayed marker to bring up to date if the engine replays its steps as recorded
+        # Skipping the engine leaves the forward's autograd graph in place, holding what it saved (the engine
+        # frees it): the flush must then keep all of it, which a budget may not allow. The engine runs instead.
+        skippable = plain and self.memory_budget is None
         if self.mode is not Mode.RECORD:
             steps = self.recording.steps
             step = steps[self.cursor] if self.cursor < len(steps) else None
             if step is not None and step.func is _BACKWARD:
                 mark: _Backward = step.out
                 if (
-                    plain and mark.key == key and len(mark.leaves) == len(leaves)
+                    skippable and mark.key == key and len(mark.leaves) == len(leaves)
                     and all(r() is leaf for r, leaf in zip(mark.leaves, leaves))
                     and all(v in self.consts for v in mark.needs)
                     and (state := self._saved_state(nodes, mark.checks))[0] == mark.saved
@@ -119,6 +165,11 @@ class BackwardSkip:
             stranded = [t for t in leaves if type(t) is LazyTensor and t._express]
             if stranded:
                 leaves = self._run_stranded(func, args, kwargs, leaves, stranded)
+            elif marking:
+                if _runs_user_code(func, args, kwargs):
+                    # Python code of the user's ran inside the engine (a hook, even one that runs no op): it
+                    # must run every step, so this backward is never skipped.
+                    call_site = None
             else:
                 func(*args, **kwargs)
         marked = -1

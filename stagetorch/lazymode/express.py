@@ -9,6 +9,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import attrs
 import torch
 
 from .._tree import flat_call, flatten, map_leaves, unflat_call
@@ -135,6 +136,15 @@ class ExpressReplay:
                 call.express = False  # a real tensor the call made itself: its value is not the arguments'
                 break
             call.consts.append((var, *source))
+        bound = {i for _, i, _ in call.consts}
+        for i, (x, k) in enumerate(zip(leaves, call.key)):
+            if type(k) is _Real and i not in bound and x.ndim == 0:
+                # Read as a number by torch (an index) rather than by an op: its value is part of the call
+                # (compared where reading it is cheap; elsewhere the call is not replayed express).
+                if x.device.type == "cpu":
+                    call.key = (*call.key[:i], attrs.evolve(k, value=x.item()), *call.key[i + 1 :])
+                else:
+                    call.express = False
         try:
             call.out = _out_spec(out, leaves, self)
         except _Unreadable:
@@ -162,7 +172,7 @@ class ExpressReplay:
             recording.express = False
         calls = recording.tape[: self.tape_pos]
         self.cursor = self.end = 0
-        self.consts = {}
+        bound, self.consts = self.consts, {}
         # Their shadows take their place (the same variables) as the calls run again.
         made = [t for r in self.alive.values() if (t := r()) is not None and t._express]
         self.alive = {v: r for v, r in self.alive.items() if (t := r()) is not None and not t._express}
@@ -181,6 +191,8 @@ class ExpressReplay:
             if call.mark >= 0:  # a backward, already run without the engine
                 mark = recording.steps[call.mark].out
                 self.cursor, self.end = call.mark + 1 + mark.nsteps, self.end + mark.neqns
+                # What it took from this step's graph: a later divergence records its steps again.
+                self.consts.update((d[0], bound[d[0]]) for d in mark.derived if d[0] in bound)
                 continue
             flat = [shadow_of[k] if type(k) is Var else self.slots[k.slot] if type(k) is _Real else k for k in call.key]
             args, kwargs = unflat_call(flat)

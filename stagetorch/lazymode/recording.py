@@ -7,6 +7,7 @@ signature for the next session with the same inputs to replay.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -98,6 +99,27 @@ def _is_inplace(func: Any) -> bool:
 # Ops that need a value: evaluate the inputs, then run the op on real tensors.
 _CONCRETE = {_aten._local_scalar_dense.default, _aten.item.default}
 
+_FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+
+_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}  # op -> (position, name) of each argument it writes
+
+
+def _writes_real(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the op writes a real tensor (``ema.add_(lazy)``, ``bank[:] = lazy``, ``out=``): what the user
+    can read of it without a lazy tensor, so it must hold its new value at once."""
+    written = _WRITTEN.get(func)
+    if written is None:
+        arguments = func._schema.arguments
+        written = _WRITTEN[func] = tuple(
+            (i, a.name) for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write
+        )
+    for i, name in written:
+        x = args[i] if i < len(args) else kwargs.get(name)
+        for t in x if isinstance(x, (list, tuple)) else (x,):
+            if isinstance(t, torch.Tensor) and type(t) is not LazyTensor:
+                return True
+    return False
+
 
 class RecordingSteps:
     """Recording: each op on lazy tensors staged on fake tensors by the tracer's recorder."""
@@ -117,7 +139,9 @@ class RecordingSteps:
             if step is not None:
                 return self._replay(step, args, kwargs)
             self._diverge()
-        if func in _CONCRETE:
+        # A write into a real tensor runs now, but not the engine's accumulation into a real .grad: nobody can
+        # read that before backward() returns, and its flush runs it.
+        if func in _CONCRETE or (_writes_real(func, args, kwargs) and torch._C._current_autograd_node() is None):
             return self._run_real(func, args, kwargs, leaves)
         try:
             return self._record(func, args, kwargs, leaves)
@@ -129,9 +153,17 @@ class RecordingSteps:
         """Record one call on fakes; the real tensors it lifted become this session's constants."""
         rec = self.recorder
         n_consts = len(rec.consts)
-        out = rec.record(func, args, kwargs, src=src)
+        # A fake kernel that fails (a wrong shape) logs its traceback before the tracer's ShapeError says it
+        # better, with the user's line; jit's trace silences it the same way.
+        disabled, _FAKE_LOG.disabled = _FAKE_LOG.disabled, True
+        try:
+            out = rec.record(func, args, kwargs, src=src)
+        finally:
+            _FAKE_LOG.disabled = disabled
         for t in rec.consts[n_consts:]:
-            self.consts[rec.const_vars[id(t)]] = t
+            var = rec.const_vars[id(t)]
+            self.consts[var] = t
+            self.versions[var] = t._version
         return out
 
     def _record(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
@@ -142,8 +174,9 @@ class RecordingSteps:
         self.recording.steps.append(_Step(func, _key(leaves), self._consts_in(leaves), out_spec, True, inplace))
         if inplace and type(args[0]) is not LazyTensor and isinstance(args[0], torch.Tensor):
             # In place on a real tensor (autograd accumulating into a real .grad): its new value is that
-            # tensor too, once the flush has run the op.
+            # tensor too, once the flush has run the op. Autograd bumps its version for the write now.
             self.consts[rec.var(out)] = args[0]
+            self.versions.pop(rec.const_vars.get(id(args[0])), None)
         if inplace and isinstance(args[0], LazyTensor):
             # In place: the same Python object now stands for the op's result.
             target = args[0]
@@ -162,6 +195,9 @@ class RecordingSteps:
     def _run_real(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
         if self.mode is Mode.RECORD:
             self.recording.steps.append(_Step(func, _key(leaves), self._consts_in(leaves), None, False, False))
+        if func not in _CONCRETE:
+            # A write into a real tensor: what was recorded before it reads the old value, as in eager.
+            self.flush([])
         return func(*map_leaves(args, torch.Tensor, _real), **map_leaves(kwargs, torch.Tensor, _real))
 
     def _wrap_fake(self, fake: torch.Tensor) -> LazyTensor:

@@ -38,6 +38,7 @@ class SlowReplay:
             bound = self.consts.get(var)
             if bound is None:
                 self.consts[var] = leaves[i]
+                self.versions[var] = leaves[i]._version
             elif bound is not leaves[i]:
                 return None
         return step
@@ -49,6 +50,9 @@ class SlowReplay:
         self.end += 1
         if step.inplace and type(args[0]) is not LazyTensor and isinstance(args[0], torch.Tensor):
             self.consts[step.out.var] = args[0]
+            for _, v in step.consts:  # autograd bumps the written tensor's version now, for this write
+                if v is not None and self.consts.get(v) is args[0]:
+                    self.versions.pop(v, None)
         if step.inplace and type(args[0]) is LazyTensor:
             target = args[0]
             target._var = step.out.var

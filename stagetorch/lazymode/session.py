@@ -5,18 +5,21 @@ real values kept) and its flush, which runs the pending equations through the sa
 
 from __future__ import annotations
 
+import itertools
+import sys
 import weakref
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..api import Executable
 from ..batching import Batched
 from ..devices import free_memory
-from ..errors import ConcretizationError
+from ..errors import ConcretizationError, ModifiedInputError
 from ..execute import accumulate_grad
-from ..ir import Graph, Var
+from ..ir import Graph, Var, op_name
 from ..tracing import Recorder
 from .backward import BackwardSkip
 from .express import ExpressReplay
@@ -30,6 +33,38 @@ __all__ = ["lazy"]
 
 
 _BATCHED_AT: dict[int, Batched] = {}  # Batched(dim) of an input, made once per dim
+
+_BATCH_NORM_FORWARD = torch.nn.modules.batchnorm._BatchNorm.forward.__code__
+
+# Global switches that select kernels (and so results, or whether an op may run at all): a step under other
+# settings is another program, recorded for them, as eager would run other kernels.
+_KERNEL_SWITCHES = [
+    getattr(torch._C, name) for name in (
+        "_get_deterministic_algorithms", "_get_deterministic_algorithms_warn_only", "_get_cudnn_enabled",
+        "_get_cudnn_benchmark", "_get_cudnn_deterministic", "_get_cudnn_allow_tf32", "_get_cublas_allow_tf32",
+        "_get_float32_matmul_precision", "_get_mkldnn_enabled", "_get_flash_sdp_enabled",
+        "_get_mem_efficient_sdp_enabled", "_get_math_sdp_enabled", "_get_cudnn_sdp_enabled",
+        "_get_math_sdp_allow_fp16_bf16_reduction", "_get_overrideable_sdp_enabled",
+    ) if hasattr(torch._C, name)  # the list differs between torch versions
+]
+
+_SESSIONS: weakref.WeakSet = weakref.WeakSet()  # every session still reachable (from its lazy tensors)
+_SERIALS = itertools.count()
+
+
+def _flush_before_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """An optimizer step changes parameters in place: lazy work recorded before it that reads them ran, in
+    eager, on their old values, so it runs first (a metric computed with the model, read after the step)."""
+    params = None
+    for session in list(_SESSIONS):
+        if session.eqn_count > session.done:
+            if params is None:
+                params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            if session.reads_any(params):
+                session.flush([])
+
+
+register_optimizer_step_pre_hook(_flush_before_optimizer_step)
 
 
 
@@ -65,9 +100,13 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
         # The key: grad mode tells a training step from an evaluation step on batches of the same shape (a
         # loop that alternates them would otherwise re-record each time).
         metas = [_meta(t) for t in tensors]
-        self.key = (batch, torch.is_grad_enabled(), tuple(metas))
+        self.key = (batch, torch.is_grad_enabled(), tuple(metas), tuple([get() for get in _KERNEL_SWITCHES]))
         self.values: dict[Var, torch.Tensor] = {}  # real values of vars, inputs included
         self.consts: dict[Var, torch.Tensor] = {}  # the real tensors recorded calls read
+        # The version counter of each constant when a call that has not run yet bound it: an in-place change
+        # before the flush would make that call read a value it never saw (see _check_versions).
+        self.versions: dict[Var, int] = {}
+        self.counted: list[torch.Tensor] = []  # BatchNorm counters the step's Python code added one to
         self.alive: dict[Var, weakref.ref] = {}
         self.batched: dict[Var, Batched] = {}
         self.lazies: list[LazyTensor] = []
@@ -96,6 +135,8 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
             inputs = [None] * len(tensors)
             if taping:
                 self.tape = self.recording.tape = []
+        _SESSIONS.add(self)
+        self.serial = next(_SERIALS)  # newer sessions have larger ones
         self.input_refs: list[weakref.ref] = []
         for i, (t, var, (shape, stride, dtype, device, requires_grad)) in enumerate(zip(tensors, inputs, metas)):
             real = t.detach() if requires_grad else t  # the value, without its autograd graph
@@ -134,6 +175,51 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
     @property
     def eqn_count(self) -> int:
         return self.end if self.mode is not Mode.RECORD else len(self.eqns)
+
+    def count_batch(self) -> None:
+        """BatchNorm's forward (training) added one to ``num_batches_tracked`` before calling batch_norm on
+        lazy tensors: a flush that fails takes it back, so a failed step leaves the buffers as they were."""
+        frame = sys._getframe(3)
+        for _ in range(4):  # batch_norm, called from _BatchNorm.forward (a subclass's forward in between)
+            if frame is None:
+                return
+            if frame.f_code is _BATCH_NORM_FORWARD:
+                module = frame.f_locals.get("self")
+                counter = getattr(module, "num_batches_tracked", None)
+                if module.training and isinstance(counter, torch.Tensor):
+                    self.counted.append(counter)
+                return
+            frame = frame.f_back
+
+    def _take_back(self) -> None:
+        """A flush failed: what the step's Python code counted before it is taken back."""
+        counted, self.counted = self.counted, []
+        with torch.no_grad():
+            for counter in counted:
+                counter.sub_(1)
+
+    def reads_any(self, ids: set[int]) -> bool:
+        """Whether an equation that has not run reads a constant whose id is in ``ids``."""
+        consts = self.consts
+        return any(
+            v in consts and id(consts[v]) in ids for e in self.eqns[self.done : self.eqn_count] for v in e.invars
+        )
+
+    def _check_versions(self, invars: list[Var]) -> None:
+        """Raise ModifiedInputError if a real tensor a pending call read was changed in place since."""
+        versions, consts = self.versions, self.consts
+        for v in invars:
+            seen = versions.get(v)
+            if seen is None or consts[v]._version == seen:
+                continue
+            eqn = next(e for e in self.eqns[self.done : self.eqn_count] if v in e.invars)
+            raise ModifiedInputError(
+                f"stagetorch.lazy: {op_name(eqn.prim)} at {eqn.source} read a real tensor ({v.aval}) that was "
+                "changed in place before the op ran (lazy ops run at the next read or backward()), so it would "
+                "compute with the new value where eager PyTorch used the old one. Nothing was run or changed.\n"
+                "What to do: read the result first (loss.item(), or backward()) and change the tensor after, or "
+                "change it before the op."
+            )
 
     def flush(self, targets: list[Var], leaves: list[torch.Tensor] = (), grads: list | None = None) -> None:
         """Run every recorded equation not yet run; keep ``targets``, every value still referenced, and the
@@ -197,7 +283,16 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
             raise ConcretizationError("a lazy value was dropped before it ran; this is a bug in stagetorch.lazy") from None
         batched = self.batched
         kept = {v: x for v, x in values.items() if v in alive or v in batched or (later is not None and v in later)}
-        results, _ = executable.run(inputs, free_memory(device, self.memory_budget), name="lazy")
+        try:
+            if self.versions:
+                self._check_versions(invars)
+            results, _ = executable.run(inputs, free_memory(device, self.memory_budget), name="lazy")
+        except BaseException:
+            if self.counted:
+                self._take_back()
+            raise
+        self.versions = {}  # nothing pending reads them now; the flush's own in-place writes are the program's
+        self.counted = []
         self.done = end
         dropped = False
         for leaf, v in grads:

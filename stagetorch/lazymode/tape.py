@@ -29,12 +29,14 @@ _MAX_LEAVES = 2
 @attrs.define(eq=False, frozen=True)
 class _Real:
     """A real tensor argument in a taped call: the ``slot``-th real tensor the session's calls took. A new
-    one is compared by metadata (and bound to the slot), a ``same`` one by identity with the slot."""
+    one is compared by metadata (and bound to the slot), a ``same`` one by identity with the slot. A 0-d
+    tensor the call read as a Python number (``out[:, t]``: no op reads it later) is compared by ``value``."""
 
     meta: tuple | None
     slot: int
     same: bool
     graph: _Graph | None = None  # a non-leaf that requires grad (``pos[:, :n]``): its autograd graph
+    value: Any = None  # the number a 0-d tensor stood for, or None
 
 @attrs.define(eq=False, frozen=True)
 class _Graph:
@@ -237,6 +239,8 @@ def _compile_guard(call: _Call) -> Callable:
                     lines.append(f"    if not _graph_ok(session, {x}, {const(k.graph)}, new, {base}, {k.slot}): return _MISS")
                 elif requires_grad:  # a leaf (a parameter)
                     lines.append(f"    if {x}.grad_fn is not None: return _MISS")
+            if k.value is not None:
+                lines.append(f"    if {x}.item() != {const(k.value)}: return _MISS")
         elif k is None or kind is bool:
             lines.append(f"    if {x} is not {k!r}: return _MISS")
         else:
@@ -253,9 +257,10 @@ def _compile_guard(call: _Call) -> Callable:
         take(f"kwargs.get({name!r}, _MISS)")
     lines.append("    if new: slots.extend(new)")
     if call.consts:
-        lines.append("    consts = session.consts")
+        lines.append("    consts = session.consts\n    versions = session.versions")
     for j, (var, i, view) in enumerate(call.consts):
         lines.append(f"    consts[{const(var)}] = {f'x{i}' if view is None else f'views.get({j}, x{i}, {const(view)})'}")
+        lines.append(f"    versions[{const(var)}] = x{i}._version")
     for i, var in call.mutated:
         lines.append(f"    x{i}._var = {const(var)}\n    session.alive[{const(var)}] = _weakref(x{i})")
     lines.append(f"    session.cursor += {call.nsteps}\n    session.end += {call.neqns}\n    session.tape_pos += 1")

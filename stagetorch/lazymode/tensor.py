@@ -71,6 +71,8 @@ _SPECIAL = {
     ], "read"),
     torch.Tensor.backward: "backward",
     torch.autograd.backward: "backward",
+    # A call like any other, but BatchNorm's forward counted the batch just before it (see count_batch).
+    torch.nn.functional.batch_norm: "batch_norm",
     **dict.fromkeys([
         torch.Tensor.register_hook, torch.Tensor.retain_grad, torch.Tensor.grad_fn.__get__,
         torch.Tensor.register_post_accumulate_grad_hook,
@@ -101,7 +103,7 @@ class LazyTensor(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kind = _SPECIAL.get(func)
         kwargs = kwargs or _NO_KWARGS
-        if kind is None:
+        if kind is None or kind == "batch_norm":
             first = args[0] if args else None
             session = first._session if type(first) is LazyTensor else _session_of(args, kwargs)
             if session is not None:
@@ -117,7 +119,15 @@ class LazyTensor(torch.Tensor):
                         ):
                             out = (call.guard or call.compile_guard())(session, args, kwargs)
                             if out is not _MISS:
+                                if kind is not None:
+                                    session.count_batch()
                                 return out
+                mixed = _one_session(args, kwargs)
+                if mixed is not None:
+                    return func(*mixed[0], **mixed[1])
+                if kind is not None:
+                    session.count_batch()
+                if session.mode is _EXPRESS:
                     session.leave_express()
                 return session.torch_call(func, args, kwargs)
         elif kind == "meta":
@@ -145,6 +155,10 @@ class LazyTensor(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         leaves = flat_call(args, kwargs)
+        mixed = _one_session(args, kwargs, leaves)
+        if mixed is not None:
+            args, kwargs = mixed
+            leaves = flat_call(args, kwargs)
         session = None
         for t in leaves:
             if type(t) is LazyTensor:
@@ -153,14 +167,23 @@ class LazyTensor(torch.Tensor):
                         f"stagetorch.lazy: {func} reached a lazy tensor without its torch function (under "
                         "torch._C.DisableTorchFunctionSubclass?); call it on the tensor directly"
                     )
-                if session is None:
-                    session = t._session
-                elif t._session is not session:
-                    raise ValueError(
-                        f"{func} got lazy tensors from two stagetorch.lazy(...) calls; make the tensors one step "
-                        "uses in one call: stagetorch.lazy(x, y, batch=0)"
-                    )
+                session = t._session
         return session.call(func, args, kwargs, leaves)
+
+def _one_session(args: tuple, kwargs: dict, leaves: list | None = None) -> tuple[tuple, dict] | None:
+    """A call on lazy tensors of several ``lazy(...)`` calls (``total + loss`` across steps): the ones of
+    every session but the newest become their real values, as in eager they already are. None if there is
+    one session."""
+    sessions = {t._session for t in (flat_call(args, kwargs) if leaves is None else leaves) if type(t) is LazyTensor}
+    if len(sessions) < 2:
+        return None
+    newest = max(sessions, key=lambda s: s.serial)
+
+    def real(t: LazyTensor) -> torch.Tensor:
+        return t if t._session is newest else t.value()
+
+    return map_leaves(args, LazyTensor, real), map_leaves(kwargs, LazyTensor, real)
+
 
 def _lazy_tensor(
     shape: Any, stride: Any, dtype: torch.dtype, device: torch.device, var: Var, session: _Session,
