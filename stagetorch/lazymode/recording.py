@@ -196,7 +196,8 @@ class RecordingSteps:
         if self.mode is Mode.RECORD:
             self.recording.steps.append(_Step(func, _key(leaves), self._consts_in(leaves), None, False, False))
         if func not in _CONCRETE:
-            # A write into a real tensor: what was recorded before it reads the old value, as in eager.
+            # A write into a real tensor (or a data-dependent shape): everything recorded before it runs
+            # first, so what it read is the old value, as in eager.
             self.flush([])
         return func(*map_leaves(args, torch.Tensor, _real), **map_leaves(kwargs, torch.Tensor, _real))
 
