@@ -326,9 +326,6 @@ def test_a_call_that_returns_its_argument_stays_on_the_tape(dispatched, lazy_mod
         assert a._session.mode is not Mode.EXPRESS or a._session.tape_pos < len(a._session.recording.tape)
 
 
-# Not in the slow replay: its skipped backward leaves the forward's autograd graph in place (the engine,
-# which frees it, does not run), so what that graph saved is kept, and this budget does not hold it.
-@pytest.mark.lazy_modes("record", "express")
 def test_an_express_step_still_chunks_to_its_budget(dispatched, lazy_mode):
     """The seed program, three steps with a budget that forces chunks: steps 2 and 3 replay from the tape
     (no op reaches a lazy tensor), run in chunks (what the real kernels saw), and equal eager."""
