@@ -6,13 +6,14 @@ from .costing import MemoryReport
 from .errors import (
     BatchCouplingError,
     ConcretizationError,
+    ModifiedInputError,
     OutOfMemoryError,
     ShapeError,
     StagingError,
     UnsupportedOpError,
 )
 from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var
-from .lazy import LazyTensor, lazy
+from .lazymode import LazyTensor, lazy
 from .planning import Plan
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "UnsupportedOpError",
     "BatchCouplingError",
     "OutOfMemoryError",
+    "ModifiedInputError",
 ]
 
 __version__ = "0.1.0"

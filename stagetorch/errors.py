@@ -9,6 +9,7 @@ __all__ = [
     "UnsupportedOpError",
     "BatchCouplingError",
     "OutOfMemoryError",
+    "ModifiedInputError",
 ]
 
 
@@ -34,3 +35,7 @@ class BatchCouplingError(StagingError):
 
 class OutOfMemoryError(StagingError, MemoryError):
     """Not even the smallest plan fits in the memory available."""
+
+
+class ModifiedInputError(StagingError, RuntimeError):
+    """A real tensor that a lazy op read was changed in place before that op ran (``stagetorch.lazy``)."""

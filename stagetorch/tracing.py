@@ -42,7 +42,7 @@ from .errors import ConcretizationError, ShapeError, StagingError, UnsupportedOp
 from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var, op_name
 from .registry import slot
 
-__all__ = ["trace", "discover", "State", "user_frame", "source_info"]
+__all__ = ["trace", "discover", "State", "Recorder", "user_frame", "is_user_code", "mark_internal", "source_info"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(__file__) + os.sep
@@ -70,6 +70,20 @@ def user_frame(depth: int = 1) -> types.FrameType | None:
             return f
         f = f.f_back
     return None
+
+
+def is_user_code(code: types.CodeType) -> bool:
+    """Whether ``code`` is user (or model library) code: outside torch and stagetorch."""
+    internal = _INTERNAL_CODE.get(code)
+    if internal is None:
+        internal = _INTERNAL_CODE[code] = _is_internal(code.co_filename)
+    return not internal
+
+
+def mark_internal(code: types.CodeType) -> None:
+    """Count ``code`` as stagetorch's own: :func:`user_frame` looks past its frames (a wrapper that stands in
+    for a stagetorch method, such as a test's counting wrapper, is not the user's line)."""
+    _INTERNAL_CODE[code] = True
 
 
 def source_info(module: str = "", backward: str = "") -> SourceInfo:
@@ -419,8 +433,12 @@ def arg_names(fn: Callable, n: int) -> list[str]:
 # The trace itself.
 
 
-class _Recorder:
-    """The mutable state of one trace. Every fake tensor it sees is kept alive, so ids stay unique."""
+class Recorder:
+    """The mutable state of one trace. Every fake tensor it sees is kept alive, so ids stay unique.
+
+    ``jit``'s trace and each ``lazy`` session that records use one: :meth:`record` stages one ATen call on
+    fake tensors into ``eqns``, lifting the real tensors it meets to constant inputs (``consts``, with the
+    input each became in ``const_vars``); :meth:`var` is the variable of a fake tensor it made."""
 
     def __init__(self, fake_mode: FakeTensorMode):
         self.fake_mode = fake_mode
@@ -742,7 +760,7 @@ def _unsupported_message(func: Any, src: SourceInfo, detail: str = "") -> str:
 
 
 class _StagingMode(TorchDispatchMode):
-    def __init__(self, recorder: _Recorder):
+    def __init__(self, recorder: Recorder):
         super().__init__()
         self.recorder = recorder
 
@@ -794,7 +812,7 @@ def trace(
     """
     state = discover(fn, args, kwargs) if state is None else state
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    rec = _Recorder(fake_mode)
+    rec = Recorder(fake_mode)
     static = set(static_argnums)
 
     leaves, tree = pytree.tree_flatten((tuple(args), kwargs))
@@ -1093,7 +1111,7 @@ def _swap(state: State, fakes: dict[int, torch.Tensor]) -> Callable[[], None]:
     return restore
 
 
-def _module_hooks(rec: _Recorder) -> list[Any]:
+def _module_hooks(rec: Recorder) -> list[Any]:
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
     def push(module: torch.nn.Module, args: Any) -> None:

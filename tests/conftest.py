@@ -1,11 +1,13 @@
-import importlib
 import pathlib
 import sys
 
 import pytest
 import torch
 
-import stagetorch
+from stagetorch import tracing
+from stagetorch.lazymode import recording
+from stagetorch.lazymode.mode import Mode, force_mode
+from stagetorch.lazymode.session import _Session
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
@@ -15,10 +17,34 @@ def _seed():
     torch.manual_seed(0)
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "lazy_modes(*names): run a test that uses the lazy_mode fixture only in these modes (it checks "
+        "the mechanism of one mode, not results)",
+    )
+
+
+def pytest_generate_tests(metafunc):
+    """A test that uses ``lazy_mode`` (every lazy test module does) runs once per mode: the lazy program's
+    results must be the same whether each step records, replays its recording, or replays express."""
+    if "lazy_mode" in metafunc.fixturenames:
+        marker = metafunc.definition.get_closest_marker("lazy_modes")
+        modes = marker.args if marker else [m.name.lower() for m in Mode]
+        metafunc.parametrize("lazy_mode", modes, indirect=True)
+
+
+@pytest.fixture
+def lazy_mode(request):
+    """Sessions capped at the test's mode, starting from no recording."""
+    recording._RECORDINGS.clear()
+    with force_mode(request.param) as mode:
+        yield mode
+
+
 def _instrument(monkeypatch, owner, name, wrapper):
     """Wrap a stagetorch method for counting. The wrapper is marked as stagetorch's own code, so the
     tracer does not take it for the user's line (which the replay's hook detection relies on)."""
-    stagetorch.tracing._INTERNAL_CODE[wrapper.__code__] = True
+    tracing.mark_internal(wrapper.__code__)
     monkeypatch.setattr(owner, name, wrapper)
 
 
@@ -26,9 +52,9 @@ def _instrument(monkeypatch, owner, name, wrapper):
 def recorded(monkeypatch):
     """The ops run on fake tensors (recorded, not replayed), in order."""
     ops = []
-    original = stagetorch.tracing._Recorder.record
+    original = tracing.Recorder.record
     _instrument(
-        monkeypatch, stagetorch.tracing._Recorder, "record",
+        monkeypatch, tracing.Recorder, "record",
         lambda self, *a, **k: ops.append(a[0]) or original(self, *a, **k),
     )
     return ops
@@ -38,7 +64,6 @@ def recorded(monkeypatch):
 def dispatched(monkeypatch):
     """The ops that reached a lazy tensor (a skipped backward's ops never do), in order."""
     ops = []
-    session = importlib.import_module("stagetorch.lazy")._Session
-    call = session.call
-    _instrument(monkeypatch, session, "call", lambda self, *a: ops.append(a[0]) or call(self, *a))
+    call = _Session.call
+    _instrument(monkeypatch, _Session, "call", lambda self, *a: ops.append(a[0]) or call(self, *a))
     return ops

@@ -366,3 +366,14 @@ def test_clear_caches_forgets_staged_programs_and_module_caches():
     step(x, y)  # staged again, same answer
     for p, g in zip(model.parameters(), grads):
         torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+
+
+def test_clear_caches_forgets_lazy_recordings():
+    from stagetorch.lazymode import recording
+
+    model, make = models.seed_mlp()
+    x, y = stagetorch.lazy(*make(4), batch=0)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert recording._RECORDINGS
+    stagetorch.clear_caches()
+    assert not recording._RECORDINGS

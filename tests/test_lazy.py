@@ -14,6 +14,8 @@ from test_chunking import KernelBatchSizes, budget_for
 
 import stagetorch
 
+pytestmark = pytest.mark.usefixtures("lazy_mode")
+
 
 class RealKernelBatchSizes(KernelBatchSizes):
     """Batch sizes the real kernels saw (the recording of an op on lazy tensors runs no kernel)."""
@@ -95,6 +97,7 @@ def test_python_scalars_broadcasting_indexing_views_and_in_place():
     ids=["conv-padding-same", "grouped-conv", "linear"],
 )
 def test_layers_forward_and_backward(layer, shape):
+    layer = copy.deepcopy(layer)  # the parametrized layer is shared by the runs in each mode
     x = torch.randn(*shape)
     reference = copy.deepcopy(layer)
     lx = stagetorch.lazy(x)

@@ -6,7 +6,6 @@ gradients. Each loop runs against the same loop in plain PyTorch."""
 from __future__ import annotations
 
 import copy
-import importlib
 
 import pytest
 import torch
@@ -15,16 +14,19 @@ import torch.nn.functional as F
 from test_lazy_replay import assert_same_grads, assert_same_loop, batches, mlp
 
 import stagetorch
+from stagetorch.lazymode import recording
+from stagetorch.lazymode.mode import Mode
+from stagetorch.lazymode.session import _Session
 
-lazy_module = importlib.import_module("stagetorch.lazy")
+pytestmark = pytest.mark.usefixtures("lazy_mode")
 
 
 def plain_step(i, model, x, y):
     return F.cross_entropy(model(x), y)
 
 
-def test_a_repeated_step_runs_no_op_and_builds_no_graph(dispatched):
-    lazy_module._RECORDINGS.clear()
+def test_a_repeated_step_runs_no_op_and_builds_no_graph(dispatched, lazy_mode):
+    recording._RECORDINGS.clear()
     model = mlp()
     reference = copy.deepcopy(model)
     counts = []
@@ -38,9 +40,11 @@ def test_a_repeated_step_runs_no_op_and_builds_no_graph(dispatched):
         dispatched.clear()
         # What user code sees of a lazy tensor is the same in both modes.
         assert h.shape == (10, 16) and h.dtype == torch.float32 and h.requires_grad and isinstance(h, torch.Tensor)
-    assert counts[0] > 0 and counts[1:] == [0, 0, 0], counts
     session = h._session
-    assert session.express and session.tape_pos == len(session.recording.tape)
+    assert session.mode is lazy_mode
+    if lazy_mode is Mode.EXPRESS:
+        assert counts[0] > 0 and counts[1:] == [0, 0, 0], counts
+        assert session.tape_pos == len(session.recording.tape)
 
 
 def test_a_call_the_tape_lacks_leaves_the_express_replay_mid_forward():
@@ -70,7 +74,7 @@ def test_in_place_calls_replay_and_survive_a_divergence():
     assert_same_loop(step, n=5)
 
 
-def test_a_value_read_mid_forward_does_not_leave_the_express_replay(dispatched):
+def test_a_value_read_mid_forward_does_not_leave_the_express_replay(dispatched, lazy_mode):
     reads, counts = [], []
 
     def step(i, model, x, y):
@@ -82,7 +86,8 @@ def test_a_value_read_mid_forward_does_not_leave_the_express_replay(dispatched):
     assert_same_loop(step, n=4)
     lazy_part, eager_part = reads[:4], reads[4:]
     assert lazy_part == pytest.approx(eager_part, rel=1e-5)
-    assert counts[0] > 0 and len(set(counts[1:4])) == 1, counts  # steps 2-4 dispatch nothing
+    if lazy_mode is Mode.EXPRESS:
+        assert counts[0] > 0 and len(set(counts[1:4])) == 1, counts  # steps 2-4 dispatch nothing
 
 
 def test_batchnorm_and_dropout_replay_once_per_step():
@@ -94,7 +99,7 @@ def test_batchnorm_and_dropout_replay_once_per_step():
         return nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
 
     assert_same_loop(plain_step, n=4, model_fn=model_fn)
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = model_fn()
     reference = copy.deepcopy(model)
     for x, _ in batches(4):
@@ -150,17 +155,18 @@ def test_an_autograd_function_the_recorded_step_did_not_call():
     assert_same_loop(step, n=4)
 
 
-def test_an_autograd_function_in_every_step_turns_the_express_replay_off():
+def test_an_autograd_function_in_every_step_turns_the_express_replay_off(lazy_mode):
     def step(i, model, x, y):
         return F.cross_entropy(model[2](_Reverse.apply(model[1](model[0](x)))), y)
 
     assert_same_loop(step, n=3)
-    (recording,) = lazy_module._RECORDINGS.values()
-    assert not recording.express
+    (recorded_once,) = recording._RECORDINGS.values()
+    assert not recorded_once.express or lazy_mode is not Mode.EXPRESS  # only an express step turns it off
 
 
+@pytest.mark.lazy_modes("express")
 def test_autograd_grad_over_an_unrecorded_function_is_refused():
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = mlp()
     for i, (x, y) in enumerate(batches(2)):
         h = model[1](model[0](stagetorch.lazy(x, batch=0)))
@@ -195,7 +201,7 @@ def test_a_parameter_given_new_storage_is_read_from_its_new_storage():
                 model[2].weight.data = torch.randn(16, 3, generator=torch.Generator().manual_seed(i)).t()  # another stride
         return F.cross_entropy(model(x), y)
 
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     torch.manual_seed(5)
     assert_same_loop(step, n=5)
 
@@ -203,7 +209,7 @@ def test_a_parameter_given_new_storage_is_read_from_its_new_storage():
 @pytest.mark.parametrize(
     ("scales", "express"), [([1.0, 2.0, 0.5, 3.0], [False] * 4), ([2.0, 2.0, 2.0, 0.5, 0.5], [False, True, True, False, False])]
 )
-def test_a_real_argument_with_an_autograd_graph(scales, express, dispatched):
+def test_a_real_argument_with_an_autograd_graph(scales, express, dispatched, lazy_mode):
     """``weight * scale`` computed outside the lazy tensors: its graph (node types, the saved scale, the
     parameter) is walked and compared each step; the same graph replays express, another scale does not."""
     counts = []
@@ -215,11 +221,12 @@ def test_a_real_argument_with_an_autograd_graph(scales, express, dispatched):
 
     assert_same_loop(step, n=len(scales))
     per_step = [counts[i + 1] - counts[i] for i in range(len(scales))]  # then the eager loop: nothing
-    assert [n == 0 for n in per_step] == express, per_step
+    if lazy_mode is Mode.EXPRESS:
+        assert [n == 0 for n in per_step] == express, per_step
 
 
 def test_results_keep_their_kind_and_aliases():
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     for x, _ in batches(3):
         a = stagetorch.lazy(x, batch=0)
         assert a.contiguous() is a
@@ -231,8 +238,9 @@ def test_results_keep_their_kind_and_aliases():
         assert torch.equal(halves[1].value(), x.chunk(2, dim=1)[1])
 
 
+@pytest.mark.lazy_modes("express")
 def test_an_op_below_the_torch_function_is_refused():
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = mlp()
     for i, (x, _) in enumerate(batches(2)):
         h = model[0](stagetorch.lazy(x, batch=0))
@@ -264,9 +272,9 @@ def test_autocast_and_grad_mode_are_part_of_what_repeats():
     assert_same_loop(step, n=5)
 
 
-def test_gradient_accumulation_replays_and_adds_into_grad(dispatched):
+def test_gradient_accumulation_replays_and_adds_into_grad(dispatched, lazy_mode):
     """Several micro-batches, one optimizer step: the express backward adds into the real .grad."""
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = mlp()
     reference = copy.deepcopy(model)
     counts = []
@@ -277,24 +285,25 @@ def test_gradient_accumulation_replays_and_adds_into_grad(dispatched):
             counts.append(len(dispatched))
             dispatched.clear()
         assert_same_grads(model, reference, clear=True)
-    assert counts[0] > 0 and counts[1:] == [0] * 8, counts
+    if lazy_mode is Mode.EXPRESS:
+        assert counts[0] > 0 and counts[1:] == [0] * 8, counts
 
 
-def test_a_second_backward_after_an_express_backward_raises():
-    lazy_module._RECORDINGS.clear()
+def test_a_second_backward_after_an_express_backward_raises(lazy_mode):
+    recording._RECORDINGS.clear()
     model = mlp()
     for x, y in batches(2):
         loss = F.cross_entropy(model(stagetorch.lazy(x, batch=0)), y)
         loss.backward()
-    assert loss._express
+    assert loss._express == (lazy_mode is Mode.EXPRESS)
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         loss.backward()
 
 
-def test_a_call_that_returns_its_argument_stays_on_the_tape(dispatched):
+def test_a_call_that_returns_its_argument_stays_on_the_tape(dispatched, lazy_mode):
     """``x.to(x.dtype)`` runs no op and hands back its argument: replayed (as is ``loss.detach()``, an op).
     A call that changes autograd state without an op (``requires_grad_``) is not."""
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = mlp()
     counts = []
     for x, y in batches(3):
@@ -307,23 +316,24 @@ def test_a_call_that_returns_its_argument_stays_on_the_tape(dispatched):
         model.zero_grad()
         counts.append(len(dispatched))
         dispatched.clear()
-    assert counts[0] > 0 and counts[1:] == [0, 0], counts
-    assert loss._session.express
-    lazy_module._RECORDINGS.clear()
+    if lazy_mode is Mode.EXPRESS:
+        assert counts[0] > 0 and counts[1:] == [0, 0], counts
+    assert loss._session.mode is lazy_mode
+    recording._RECORDINGS.clear()
     for x, _ in batches(2):
         a = stagetorch.lazy(x, batch=0).clone()
         assert a.requires_grad_() is a and a.requires_grad
-        assert not a._session.express or a._session.tape_pos < len(a._session.recording.tape)
+        assert a._session.mode is not Mode.EXPRESS or a._session.tape_pos < len(a._session.recording.tape)
 
 
-def test_an_express_step_still_chunks_to_its_budget(dispatched):
+def test_an_express_step_still_chunks_to_its_budget(dispatched, lazy_mode):
     """The seed program, three steps with a budget that forces chunks: steps 2 and 3 replay from the tape
     (no op reaches a lazy tensor), run in chunks (what the real kernels saw), and equal eager."""
     import models
     from test_chunking import budget_for
     from test_lazy import RealKernelBatchSizes, rel, seed_program
 
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model, make = models.seed_mlp()
     x, y = make(1000)
     budget = budget_for(stagetorch.jit(models.train_step(copy.deepcopy(model))), x, y)
@@ -337,7 +347,7 @@ def test_an_express_step_still_chunks_to_its_budget(dispatched):
             with RealKernelBatchSizes((torch.ops.aten.addmm,)) as seen:
                 loss, grads = seed_program(model, x, y, memory_budget=budget)
             assert max(seen.sizes) < 1000 and len(seen.sizes) > 3, seen.sizes
-        assert (len(dispatched) == 0) == (step > 0), len(dispatched)
+        assert (len(dispatched) == 0) == (step > 0 and lazy_mode is Mode.EXPRESS), len(dispatched)
         reference_optimizer.zero_grad()
         expected = F.cross_entropy(reference(x), y)
         expected.backward()
@@ -347,10 +357,10 @@ def test_an_express_step_still_chunks_to_its_budget(dispatched):
         reference_optimizer.step()
 
 
-def test_nested_and_keyword_arguments_replay(dispatched):
+def test_nested_and_keyword_arguments_replay(dispatched, lazy_mode):
     """Lists of tensors (``torch.cat``), keyword arguments and Python values are part of the taped call;
     another value (here a dim, a scale) is another call."""
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = mlp()
     reference = copy.deepcopy(model)
     counts = []
@@ -364,12 +374,13 @@ def test_nested_and_keyword_arguments_replay(dispatched):
         assert_same_grads(model, reference, clear=True)
         counts.append(len(dispatched))
         dispatched.clear()
-    assert counts[0] > 0 and counts[1:3] == [0, 0] and counts[3] > 0 and counts[4] > 0, counts
+    if lazy_mode is Mode.EXPRESS:
+        assert counts[0] > 0 and counts[1:3] == [0, 0] and counts[3] > 0 and counts[4] > 0, counts
 
 
 
 @pytest.mark.parametrize("name", ["cnn_batchnorm", "transformer", "mha", "lstm", "gpt2"])
-def test_models_replay_express_and_equal_eager(name, dispatched):
+def test_models_replay_express_and_equal_eager(name, dispatched, lazy_mode):
     """Each model of the zoo, four training steps (SGD) with the one line added, against the same loop in
     plain PyTorch: losses, gradients and parameters equal, and from the second step on nothing reaches an op
     on a lazy tensor. (The transformers add a slice or a lookup of a positional-embedding parameter: a real
@@ -383,7 +394,7 @@ def test_models_replay_express_and_equal_eager(name, dispatched):
     else:
         model, make = models.cnn("batch") if name == "cnn_batchnorm" else getattr(models, name)()
         step = lambda m, x, y: (lambda out: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)))(m(x))  # noqa: E731
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     reference = copy.deepcopy(model)
     batches_ = [make(6) for _ in range(4)]
     counts, results = [], []
@@ -408,13 +419,14 @@ def test_models_replay_express_and_equal_eager(name, dispatched):
             assert torch.allclose(g, e, rtol=1e-4, atol=1e-6)
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.allclose(p, q, rtol=1e-4, atol=1e-6)
-    assert counts[0] > 0 and counts[1:] == [0, 0, 0], counts
+    if lazy_mode is Mode.EXPRESS:
+        assert counts[0] > 0 and counts[1:] == [0, 0, 0], counts
 
 
-def test_a_positional_lookup_replays_with_its_saved_indices(dispatched):
+def test_a_positional_lookup_replays_with_its_saved_indices(dispatched, lazy_mode):
     """``h + pos(positions)``: a real embedding lookup of a parameter. Its backward reads the indices the
     lookup saved; the express backward takes them from this step's graph (new positions each step)."""
-    lazy_module._RECORDINGS.clear()
+    recording._RECORDINGS.clear()
     model = mlp()
     pos = nn.Embedding(40, 16)
     reference, reference_pos = copy.deepcopy(model), copy.deepcopy(pos)
@@ -429,16 +441,17 @@ def test_a_positional_lookup_replays_with_its_saved_indices(dispatched):
         pos.weight.grad = reference_pos.weight.grad = None
         counts.append(len(dispatched))
         dispatched.clear()
-    assert counts[0] > 0 and counts[1:] == [0, 0, 0], counts
+    if lazy_mode is Mode.EXPRESS:
+        assert counts[0] > 0 and counts[1:] == [0, 0, 0], counts
 
 
-def test_a_step_that_always_leaves_the_replay_stops_replaying_express(monkeypatch):
+def test_a_step_that_always_leaves_the_replay_stops_replaying_express(monkeypatch, lazy_mode):
     """A call the tape does not replay (here one under autocast) in every step: the first two replays leave
     the express replay there; after that the recording is replayed slowly from the start, not express then
     slow."""
     left = []
-    leave = lazy_module._Session.leave_express
-    monkeypatch.setattr(lazy_module._Session, "leave_express", lambda self: left.append(self.tape_pos) or leave(self))
+    leave = _Session.leave_express
+    monkeypatch.setattr(_Session, "leave_express", lambda self: left.append(self.tape_pos) or leave(self))
 
     def step(i, model, x, y):
         h = model[1](model[0](x))
@@ -447,4 +460,4 @@ def test_a_step_that_always_leaves_the_replay_stops_replaying_express(monkeypatc
         return F.cross_entropy(h.float(), y)
 
     assert_same_loop(step, n=6)
-    assert left == [2, 2], left
+    assert left == ([2, 2] if lazy_mode is Mode.EXPRESS else []), left

@@ -39,7 +39,7 @@ def test_a_warm_trace_equals_a_cold_one(name):
 
 def outputs(func, args, kwargs=None):
     """One op recorded twice on the same fakes: (first outputs from the kernel, second from the cache)."""
-    rec = tracing._Recorder(FakeTensorMode(allow_non_fake_inputs=True))
+    rec = tracing.Recorder(FakeTensorMode(allow_non_fake_inputs=True))
     fakes = [rec.fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
     for f in fakes:
         if isinstance(f, FakeTensor):
@@ -91,7 +91,7 @@ def test_views_from_the_cache_alias_their_base(func, args):
 def test_int_and_float_arguments_are_different_keys():
     x = torch.arange(4)
     _, as_int, _ = outputs(aten.add.Tensor, (x, torch.tensor(1)))
-    rec = tracing._Recorder(FakeTensorMode(allow_non_fake_inputs=True))
+    rec = tracing.Recorder(FakeTensorMode(allow_non_fake_inputs=True))
     fx = rec.fake_mode.from_tensor(x)
     rec.add_input(fx, "arg", "x")
     assert rec.record(aten.mul.Scalar, (fx, 2), {}).dtype == torch.int64
@@ -119,7 +119,7 @@ def test_in_place_calls_return_their_first_argument_and_undeclared_views_alias()
 
 
 def test_a_cached_call_still_refuses_what_the_kernel_refuses():
-    rec = tracing._Recorder(FakeTensorMode(allow_non_fake_inputs=True))
+    rec = tracing.Recorder(FakeTensorMode(allow_non_fake_inputs=True))
     a, b = (rec.fake_mode.from_tensor(t) for t in (torch.randn(3, 4), torch.randn(5)))
     for f in (a, b):
         rec.add_input(f, "arg", "x")

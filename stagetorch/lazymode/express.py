@@ -1,0 +1,275 @@
+"""The express replay: above autograd, a session replaying a taped recording matches each torch-level call
+against the tape and does not run it; ``loss.backward()`` runs the recorded backward. The first call off the
+tape gives the tensors made so far their autograd graph (shadows, :meth:`ExpressReplay.leave_express`) and
+the session continues with the slow replay.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import attrs
+import torch
+
+from .._tree import flat_call, flatten, map_leaves, unflat_call
+from ..ir import Var
+from .autograd_graph import _PYTHON_FUNCTION_NODE, _autograd_graph, _Unreadable
+from .backward import _BACKWARD, _Backward
+from .mode import Mode
+from .recording import _meta
+from .tape import (
+    _MAX_LEAVES,
+    _Call,
+    _Graph,
+    _in_custom_function,
+    _New,
+    _only_args,
+    _out_spec,
+    _Real,
+    _refuse_stranded,
+    _source,
+    _view,
+)
+from .tensor import LazyTensor, _lazy_tensor, _make_subclass, _unshadow
+
+
+class ExpressReplay:
+    """The express replay: torch-level calls taped, and matched by their guards without running."""
+
+    @property
+    def step_count(self) -> int:
+        return self.cursor if self.mode is not Mode.RECORD else len(self.recording.steps)
+
+    def torch_call(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A torch function on lazy tensors, above autograd, that the express replay did not match: run it
+        (through autograd and ``__torch_dispatch__``), taping it if this session tapes."""
+        if self.shadowed:
+            owners = {id(t._shadow): t for t in flat_call(args, kwargs) if type(t) is LazyTensor and t._shadow is not None}
+            args, kwargs = _unshadow(args), _unshadow(kwargs)
+            if func is torch.autograd.grad:
+                _refuse_stranded(args, kwargs)
+            if owners:
+                # A call that hands back its argument (in place, ``contiguous``) hands back the user's tensor.
+                with torch._C.DisableTorchFunctionSubclass():
+                    out = func(*args, **kwargs)
+                return map_leaves(out, LazyTensor, lambda t: owners.get(id(t), t))
+        tape = self.tape
+        if tape is None:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        leaves = flat_call(args, kwargs)
+        first, n_eqns, n_consts = self.step_count, self.eqn_count, len(self.consts)
+        call = self._tape_key(func, leaves, first, tape)
+        try:
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+        except BaseException:
+            self.tape = None
+            raise
+        if self.tape is tape:  # not diverged meanwhile
+            self._tape_result(call, leaves, n_eqns, n_consts, out)
+            tape.append(call)
+            if not call.express:
+                self.tape = None  # the express replay stops at this call: the rest need not be taped
+        return out
+
+    def _tape_key(self, func: Any, leaves: list, first: int, tape: list) -> _Call:
+        if _in_custom_function():
+            self.recording.express = False
+        # A call is not replayed express under autocast or inference mode, nor after steps made outside any
+        # taped call (``first`` not where the tape ends: an engine run by a hook, say).
+        express = (
+            not torch._C._is_any_autocast_enabled() and not torch.is_inference_mode_enabled()
+            and first == (tape[-1].first + tape[-1].nsteps if tape else 0) and self.recording.express
+        )
+        key = []
+        slots_before = len(self.slots)
+        for x in leaves:
+            if type(x) is LazyTensor:
+                key.append(x._var)
+            elif isinstance(x, torch.Tensor):
+                slot = self.slot_ids.get(id(x))
+                if slot is not None:
+                    key.append(_Real(None, slot, True))
+                    continue
+                slot = self._slot(x)
+                graph = None
+                if x.requires_grad and x.grad_fn is not None:
+                    graph = self._tape_graph(x)
+                    express = express and graph is not None
+                key.append(_Real(_meta(x), slot, False, graph))
+            else:
+                key.append(x)
+        return _Call(func, tuple(key), torch.is_grad_enabled(), first, 0, 0, express=express, slots_before=slots_before)
+
+    def _slot(self, x: torch.Tensor) -> int:
+        slot = self.slot_ids[id(x)] = len(self.slots)
+        self.slots.append(x)
+        return slot
+
+    def _tape_graph(self, x: torch.Tensor) -> _Graph | None:
+        """The graph behind a real argument with one, its leaves given slots; None where it runs Python
+        (an autograd.Function), which only the engine can run."""
+        leaves, kinds, nodes = _autograd_graph([x])
+        if any(issubclass(kind, _PYTHON_FUNCTION_NODE) for kind in kinds):
+            return None
+        self.graph_nodes[self.slot_ids[id(x)]] = nodes
+        spec = []
+        for leaf in leaves:
+            slot = self.slot_ids.get(id(leaf))
+            spec.append((self._slot(leaf), False, _meta(leaf)) if slot is None else (slot, True, None))
+        return _Graph(kinds, self._saved_state(nodes)[0], tuple(spec))
+
+    def _tape_result(self, call: _Call, leaves: list, n_eqns: int, n_consts: int, out: Any) -> None:
+        call.nsteps = self.step_count - call.first
+        call.neqns = self.eqn_count - n_eqns
+        steps = self.recording.steps[call.first : call.first + call.nsteps]
+        if not all(st.recorded and st.func is not _BACKWARD for st in steps):
+            call.express = False  # an op that ran for real (read a value)
+        for i, (x, k) in enumerate(zip(leaves, call.key)):
+            if type(x) is LazyTensor and x._var is not k:
+                call.mutated.append((i, x._var))
+        for var, t in list(self.consts.items())[n_consts:]:
+            source = _source(t, leaves)
+            if source is None:
+                call.express = False  # a real tensor the call made itself: its value is not the arguments'
+                break
+            call.consts.append((var, *source))
+        bound = {i for _, i, _ in call.consts}
+        for i, (x, k) in enumerate(zip(leaves, call.key)):
+            if type(k) is _Real and i not in bound and x.ndim == 0:
+                # Read as a number by torch (an index) rather than by an op: its value is part of the call
+                # (compared where reading it is cheap; elsewhere the call is not replayed express).
+                if x.device.type == "cpu":
+                    call.key = (*call.key[:i], attrs.evolve(k, value=x.item()), *call.key[i + 1 :])
+                else:
+                    call.express = False
+        try:
+            call.out = _out_spec(out, leaves, self)
+        except _Unreadable:
+            call.express = False
+        if not steps and (call.func is torch.Tensor.requires_grad_ or not _only_args(call.out)):
+            # No op: only a call that hands back its own arguments (``x.to(x.dtype)``, ``x.contiguous()``) is
+            # reproduced; anything else changed what the tape cannot see (autograd state, a new alias).
+            call.express = False
+
+    def _express_out(self, o: _New) -> LazyTensor:
+        t = _make_subclass(LazyTensor, o.shape, strides=o.stride, dtype=o.dtype, device=o.device, requires_grad=o.requires_grad)
+        t._var, t._session, t._express = o.var, self, True
+        self.alive[o.var] = weakref.ref(t)
+        return t
+
+    def leave_express(self) -> None:
+        """Go back to the slow replay: run the calls replayed so far again through autograd, from the start
+        of the recording (nothing runs for real: the steps replay as recorded), and give each live lazy
+        tensor the express replay made a shadow, the same value with its autograd graph. Calls on it use
+        its shadow from now on."""
+        self.mode = Mode.REPLAY
+        recording = self.recording
+        recording.left += 1
+        if recording.left >= _MAX_LEAVES:  # every step leaves it (at a call the tape cannot replay, say)
+            recording.express = False
+        calls = recording.tape[: self.tape_pos]
+        self.cursor = self.end = 0
+        bound, self.consts = self.consts, {}
+        # Their shadows take their place (the same variables) as the calls run again.
+        made = [t for r in self.alive.values() if (t := r()) is not None and t._express]
+        self.alive = {v: r for v, r in self.alive.items() if (t := r()) is not None and not t._express}
+        shadow_of: dict[Var, LazyTensor] = {}
+        for var, ref in zip(self.recording.inputs, self.input_refs):
+            t = ref()
+            if t is None:
+                x = self.values[var]
+                t = _lazy_tensor(x.shape, x.stride(), x.dtype, x.device, var, self)
+            t._var = var  # an in-place call replayed on it moved it on: it is replayed again
+            shadow_of[var] = t
+            self.alive[var] = weakref.ref(t)
+        for call in calls:
+            if self.mode is Mode.RECORD:
+                raise RuntimeError("stagetorch.lazy: the express replay's calls differ from its recording; this is a bug")
+            if call.mark >= 0:  # a backward, already run without the engine
+                mark = recording.steps[call.mark].out
+                self.cursor, self.end = call.mark + 1 + mark.nsteps, self.end + mark.neqns
+                # What it took from this step's graph: a later divergence records its steps again.
+                self.consts.update((d[0], bound[d[0]]) for d in mark.derived if d[0] in bound)
+                continue
+            flat = [shadow_of[k] if type(k) is Var else self.slots[k.slot] if type(k) is _Real else k for k in call.key]
+            args, kwargs = unflat_call(flat)
+            # Express calls were taped with autocast off; the leave may come inside a user's autocast region.
+            with torch.set_grad_enabled(call.grad), torch._C.DisableTorchFunctionSubclass(), torch._C._DisableAutocast():
+                out = call.func(*args, **kwargs)
+            for x in flatten(out):
+                if type(x) is LazyTensor:
+                    shadow_of[x._var] = x
+            for i, var in call.mutated:
+                shadow_of[var] = flat[i]
+        for t in made:
+            t._shadow = shadow_of[t._var]
+        self.shadowed = True
+
+    def _express_backward(self, args: tuple, kwargs: dict, roots: list) -> bool:
+        """``loss.backward()`` in an express replay, as the tape's backward: no autograd graph exists, so
+        it runs the recorded backward steps (the _Backward marker's) and accumulates into the leaves."""
+        tape = self.recording.tape
+        call = tape[self.tape_pos] if self.tape_pos < len(tape) else None
+        loss = roots[0]
+        if (
+            call is None or call.mark < 0 or len(args) != 1 or len(roots) != 1 or type(loss) is not LazyTensor
+            or loss._session is not self or loss._var is not call.key[0] or loss._shadow is not None
+            or any(v is not None and v is not False for v in kwargs.values())
+        ):
+            return False
+        mark: _Backward = self.recording.steps[call.mark].out
+        leaves = [self.slots[i] for i in call.leaves]
+        for leaf in leaves:
+            # A real .grad (gradient accumulation) is added into, as AccumulateGrad would.
+            grad = leaf.grad
+            if (
+                (grad is not None and (type(grad) is not torch.Tensor or grad.layout != torch.strided))
+                or leaf._backward_hooks or getattr(leaf, "_post_accumulate_grad_hooks", None)
+            ):
+                return False
+        consts = self.consts
+        for j, ((v, _, shape, stride, offset), source) in enumerate(zip(mark.derived, call.consts)):
+            if type(source) is Var:
+                consts[v] = call.views.get(j, consts[source], (shape, stride, offset))
+            else:  # what a node of a real argument's graph saved (the indices of an embedding lookup)
+                slot, i, name = source
+                with torch._C.DisableTorchFunctionSubclass():
+                    base = getattr(self.graph_nodes[slot][i], name)
+                same = base.shape == shape and base.stride() == stride and base.storage_offset() == offset
+                consts[v] = base if same else _view(base, (shape, stride, offset))
+        self.cursor = call.mark + 1 + mark.nsteps
+        self.end += mark.neqns
+        self.tape_pos += 1
+        self.freed = self.freed | {loss._var}
+        self.recording.left = 0
+        self.flush([], grads=[(leaves[i], v) for i, v in mark.grads])
+        return True
+
+    def _tape_backward(
+        self, tape: list | None, first: int, marked: int, loss: LazyTensor, leaves: list, nodes: list
+    ) -> None:
+        """Tape a backward that has a _Backward marker at step ``marked``; the express replay can run it
+        when the marker's constants all derive from the forward's and its leaves are real arguments the
+        calls took."""
+        if tape is None:
+            return
+        mark: _Backward = self.recording.steps[marked].out
+        slots = [self.slot_ids.get(id(leaf)) for leaf in leaves]
+        # A constant the backward derives from what a node saved must come from the graph of a real
+        # argument, which the express replay walks: (slot of the argument, node index in its walk, attribute).
+        where = {id(n): (slot, i) for slot, walked in self.graph_nodes.items() for i, n in enumerate(walked)}
+        sources = [d[1] if type(d[1]) is Var else (*where.get(id(nodes[d[1][0]]), (None, None)), d[1][1]) for d in mark.derived]
+        express = (
+            first == marked == (tape[-1].first + tape[-1].nsteps if tape else 0)
+            and all(type(src) is Var or src[0] is not None for src in sources)
+            and all(i is not None and self.slots[i] is leaf for i, leaf in zip(slots, leaves))
+        )
+        tape.append(_Call(
+            _BACKWARD, (loss._var,), False, first, 1 + mark.nsteps, mark.neqns, mark=marked, leaves=slots,
+            express=express, consts=sources,
+        ))
+        if express:
+            self.tape = tape

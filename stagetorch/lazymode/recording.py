@@ -1,0 +1,214 @@
+"""Recording: each ATen call on lazy tensors is staged on fake tensors by the tracer's :class:`Recorder`,
+into the same IR ``jit`` builds; a call that needs a value runs for real on evaluated inputs.
+
+What a session recorded (:class:`_Recording`: its steps, equations, flushes and tape) is kept per input
+signature for the next session with the same inputs to replay.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from .. import _caches
+from .._tree import map_leaves
+from ..errors import ConcretizationError
+from ..ir import Eqn, Var
+from .autograd_graph import _Unreadable
+from .mode import Mode
+from .tensor import LazyTensor, _lazy_tensor, _real
+
+if TYPE_CHECKING:
+    from .tape import _Call
+
+
+_aten = torch.ops.aten
+
+@attrs.define(eq=False)
+class _Out:
+    """A lazy result of a recorded call: its variable and the metadata its LazyTensor is made with."""
+
+    var: Var
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    device: torch.device
+
+@attrs.define(eq=False)
+class _Step:
+    """One call that reached lazy tensors: the op, its flattened arguments and its result. ``recorded`` steps
+    became an equation; the others (``item``, data-dependent shapes) ran for real on evaluated inputs.
+    ``key`` is :func:`_key` of the call when it was recorded."""
+
+    func: Any
+    key: tuple
+    consts: list  # (position in the key, the graph input the real tensor there became; None if not recorded)
+    out: Any
+    recorded: bool
+    inplace: bool
+    types: tuple = attrs.field(init=False)
+    single: bool = attrs.field(init=False)  # the result is one lazy tensor
+
+    def __attrs_post_init__(self) -> None:
+        self.types = tuple(map(type, self.key))
+        self.single = type(self.out) is _Out
+
+@attrs.define(eq=False)
+class _Recording:
+    """What a session recorded, for the next session with the same inputs to replay instead of re-tracing:
+    the steps, the equations, and the executables its flushes built."""
+
+    inputs: list[Var]
+    eqns: list[Eqn]
+    steps: list[_Step] = attrs.field(factory=list)
+    # (first, end) -> (the values those equations produce, their inputs from outside);
+    # (first, end, outputs) -> the Executable of that flush.
+    flushes: dict[tuple, Any] = attrs.field(factory=dict)
+    # The torch-level calls that made ``steps``, for the express replay (see _Call); None until a session
+    # taped them.
+    tape: list[_Call] | None = None
+    # False once a call ran inside a Python autograd.Function's forward: apply() builds its graph from the
+    # lazy tensors it takes, below any torch function, so they must have theirs (no express replay).
+    express: bool = True
+    # Sessions in a row that left the express replay (their calls were replayed twice, express then slow);
+    # at _MAX_LEAVES the express replay is turned off for this recording. A backward replayed express resets it.
+    left: int = 0
+
+# The latest recording per input signature: the step loop of a training script records once. The oldest
+# signatures are forgotten first.
+_RECORDINGS: dict[tuple, _Recording] = {}
+_caches.on_clear(_RECORDINGS.clear)
+
+_MAX_RECORDINGS = 32
+
+def _meta(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device, t.requires_grad
+
+def _key(leaves: list) -> tuple:
+    """What a replay compares: the variable of each lazy tensor, the metadata of each real one, values."""
+    return tuple([
+        x._var if type(x) is LazyTensor else _meta(x) if isinstance(x, torch.Tensor) else x for x in leaves
+    ])
+
+def _is_inplace(func: Any) -> bool:
+    returns = func._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and returns[0].alias_info.is_write
+
+# Ops that need a value: evaluate the inputs, then run the op on real tensors.
+_CONCRETE = {_aten._local_scalar_dense.default, _aten.item.default}
+
+_FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+
+_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}  # op -> (position, name) of each argument it writes
+
+
+def _writes_real(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the op writes a real tensor (``ema.add_(lazy)``, ``bank[:] = lazy``, ``out=``): what the user
+    can read of it without a lazy tensor, so it must hold its new value at once."""
+    written = _WRITTEN.get(func)
+    if written is None:
+        arguments = func._schema.arguments
+        written = _WRITTEN[func] = tuple(
+            (i, a.name) for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write
+        )
+    for i, name in written:
+        x = args[i] if i < len(args) else kwargs.get(name)
+        for t in x if isinstance(x, (list, tuple)) else (x,):
+            if isinstance(t, torch.Tensor) and type(t) is not LazyTensor:
+                return True
+    return False
+
+
+class RecordingSteps:
+    """Recording: each op on lazy tensors staged on fake tensors by the tracer's recorder."""
+
+    def call(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
+        """An op on lazy tensors: replay it, record it, or (for a value read) run it for real."""
+        if self.reading_saved:
+            # Autograd unpacking a saved lazy output detaches it: an alias of the same value, not a step.
+            if func is not _aten.detach.default:
+                raise _Unreadable
+            t = args[0]
+            return _lazy_tensor(t.shape, t.stride(), t.dtype, t.device, t._var, self, t._fake)
+        if func.namespace == "prim":
+            return func(*map_leaves(args, torch.Tensor, _real), **map_leaves(kwargs, torch.Tensor, _real))
+        if self.mode is not Mode.RECORD:
+            step = self._match(func, leaves)
+            if step is not None:
+                return self._replay(step, args, kwargs)
+            self._diverge()
+        # A write into a real tensor runs now, but not the engine's accumulation into a real .grad: nobody can
+        # read that before backward() returns, and its flush runs it.
+        if func in _CONCRETE or (_writes_real(func, args, kwargs) and torch._C._current_autograd_node() is None):
+            return self._run_real(func, args, kwargs, leaves)
+        try:
+            return self._record(func, args, kwargs, leaves)
+        except ConcretizationError:
+            # A data-dependent shape (x[x > 0], nonzero): evaluate the inputs and run this op for real.
+            return self._run_real(func, args, kwargs, leaves)
+
+    def _record_call(self, func: Any, args: tuple, kwargs: dict, src: Any = None) -> Any:
+        """Record one call on fakes; the real tensors it lifted become this session's constants."""
+        rec = self.recorder
+        n_consts = len(rec.consts)
+        # A fake kernel that fails (a wrong shape) logs its traceback before the tracer's ShapeError says it
+        # better, with the user's line; jit's trace silences it the same way.
+        disabled, _FAKE_LOG.disabled = _FAKE_LOG.disabled, True
+        try:
+            out = rec.record(func, args, kwargs, src=src)
+        finally:
+            _FAKE_LOG.disabled = disabled
+        for t in rec.consts[n_consts:]:
+            var = rec.const_vars[id(t)]
+            self.consts[var] = t
+            self.versions[var] = t._version
+        return out
+
+    def _record(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
+        rec = self.recorder
+        out = self._record_call(func, map_leaves(args, torch.Tensor, self._unwrap), map_leaves(kwargs, torch.Tensor, self._unwrap))
+        out_spec = map_leaves(out, torch.Tensor, lambda f: _Out(rec.var(f), f.shape, f.stride(), f.dtype, f.fake_device))
+        inplace = _is_inplace(func)
+        self.recording.steps.append(_Step(func, _key(leaves), self._consts_in(leaves), out_spec, True, inplace))
+        if inplace and type(args[0]) is not LazyTensor and isinstance(args[0], torch.Tensor):
+            # In place on a real tensor (autograd accumulating into a real .grad): its new value is that
+            # tensor too, once the flush has run the op. Autograd bumps its version for the write now.
+            self.consts[rec.var(out)] = args[0]
+            self.versions.pop(rec.const_vars.get(id(args[0])), None)
+        if inplace and isinstance(args[0], LazyTensor):
+            # In place: the same Python object now stands for the op's result.
+            target = args[0]
+            target._var, target._fake = rec.var(out), out
+            self.alive[target._var] = weakref.ref(target)
+            return target
+        return map_leaves(out, torch.Tensor, self._wrap_fake)
+
+    def _consts_in(self, leaves: list) -> list[tuple[int, Var | None]]:
+        rec, out = self.recorder, []
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor) and type(x) is not LazyTensor:
+                out.append((i, rec.const_vars.get(id(x))))
+        return out
+
+    def _run_real(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
+        if self.mode is Mode.RECORD:
+            self.recording.steps.append(_Step(func, _key(leaves), self._consts_in(leaves), None, False, False))
+        if func not in _CONCRETE:
+            # A write into a real tensor (or a data-dependent shape): everything recorded before it runs
+            # first, so what it read is the old value, as in eager.
+            self.flush([])
+        return func(*map_leaves(args, torch.Tensor, _real), **map_leaves(kwargs, torch.Tensor, _real))
+
+    def _wrap_fake(self, fake: torch.Tensor) -> LazyTensor:
+        var = self.recorder.var(fake)
+        out = _lazy_tensor(fake.shape, fake.stride(), fake.dtype, fake.fake_device, var, self, fake)
+        self.alive[var] = weakref.ref(out)
+        return out
+
+    @staticmethod
+    def _unwrap(t: torch.Tensor) -> torch.Tensor:
+        return t._fake if type(t) is LazyTensor else t

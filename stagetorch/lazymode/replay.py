@@ -1,0 +1,110 @@
+"""The slow replay: below autograd, each ATen call is checked against the recorded step at the cursor and
+reuses it (no fake kernel runs); the first call that differs records the replayed steps again on fakes
+(:meth:`SlowReplay._diverge`) and the session goes on recording.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import attrs
+import torch
+
+from .._tree import flatten, map_leaves
+from ..ir import Var
+from .backward import _BACKWARD
+from .mode import Mode
+from .recording import _key, _Out, _Step
+from .tensor import LazyTensor, _lazy_tensor
+
+
+class SlowReplay:
+    """The slow replay: each ATen call matched against the recorded step at the cursor."""
+
+    def _match(self, func: Any, leaves: list) -> _Step | None:
+        steps = self.recording.steps
+        if self.cursor >= len(steps):
+            return None
+        step = steps[self.cursor]
+        if step.func is not func:
+            return None
+        key = _key(leaves)
+        if key != step.key or tuple(map(type, key)) != step.types:
+            return None
+        for i, var in step.consts:
+            if var is None:  # an argument of a call that ran for real: its metadata is all that matters
+                continue
+            bound = self.consts.get(var)
+            if bound is None:
+                self.consts[var] = leaves[i]
+                self.versions[var] = leaves[i]._version
+            elif bound is not leaves[i]:
+                return None
+        return step
+
+    def _replay(self, step: _Step, args: tuple, kwargs: dict) -> Any:
+        self.cursor += 1
+        if not step.recorded:
+            return self._run_real(step.func, args, kwargs, [])
+        self.end += 1
+        if step.inplace and type(args[0]) is not LazyTensor and isinstance(args[0], torch.Tensor):
+            self.consts[step.out.var] = args[0]
+            for _, v in step.consts:  # autograd bumps the written tensor's version now, for this write
+                if v is not None and self.consts.get(v) is args[0]:
+                    self.versions.pop(v, None)
+        if step.inplace and type(args[0]) is LazyTensor:
+            target = args[0]
+            target._var = step.out.var
+            self.alive[target._var] = weakref.ref(target)
+            return target
+        if step.single:
+            return self._wrap_out(step.out)
+        return map_leaves(step.out, _Out, self._wrap_out)
+
+    def _wrap_out(self, o: _Out) -> LazyTensor:
+        out = _lazy_tensor(o.shape, o.stride, o.dtype, o.device, o.var, self)
+        self.alive[o.var] = weakref.ref(out)
+        return out
+
+    def _diverge(self) -> None:
+        """The call differs from the recording being replayed: record the replayed steps again on fake
+        tensors, remap every live value to the new variables, and go on recording."""
+        old = self.recording
+        replayed = old.steps[: self.cursor]
+        self.mode = Mode.RECORD
+        self.recording = self._start_recording()
+        self.tape = None  # its steps are not this session's calls one for one: the next session tapes it
+        rec = self.recorder
+        new_of: dict[Var, Var] = {}
+        fake_of: dict[Var, torch.Tensor] = {}
+        for i, var in enumerate(old.inputs):
+            new_of[var], fake_of[var] = self._add_input(i, self.values[var])
+        consts = self.consts
+        self.consts = {}
+        eqns = iter(old.eqns)
+        for step in replayed:
+            if step.func is _BACKWARD:  # a skipped backward's marker; its steps follow it
+                continue
+            if step.recorded:
+                eqn = next(eqns)
+                args = map_leaves(eqn.args, Var, lambda v: fake_of[v] if v in fake_of else consts[v])
+                kwargs = map_leaves(eqn.kwargs, Var, lambda v: fake_of[v] if v in fake_of else consts[v])
+                out = self._record_call(step.func, args, kwargs, src=eqn.source)
+                for v, f in zip(eqn.outvars, flatten(out)):
+                    if v is not None:
+                        new_of[v], fake_of[v] = rec.var(f), f
+                if step.inplace and eqn.args and type(eqn.args[0]) is Var and eqn.args[0] in consts:
+                    self.consts[new_of[eqn.outvars[0]]] = consts[eqn.args[0]]
+            step_consts = [(i, v if v is None else rec.const_vars[id(consts[v])]) for i, v in step.consts]
+            key = tuple(new_of[x] if type(x) is Var else x for x in step.key)
+            out_spec = map_leaves(step.out, _Out, lambda o: attrs.evolve(o, var=new_of[o.var]))
+            self.recording.steps.append(_Step(step.func, key, step_consts, out_spec, step.recorded, step.inplace))
+        for var, ref in self.alive.items():
+            t = ref()
+            if t is not None:
+                t._var, t._fake = new_of[var], fake_of[var]
+        self.alive = {new_of[v]: ref for v, ref in self.alive.items() if ref() is not None}
+        self.values = {new_of[v]: x for v, x in self.values.items()}
+        self.batched = {new_of[v]: b for v, b in self.batched.items()}
+        self.eqns = rec.eqns

@@ -1,0 +1,348 @@
+"""The session: what one ``lazy(...)`` call made (its lazy inputs, the recording it records or replays, the
+real values kept) and its flush, which runs the pending equations through the same
+:class:`~stagetorch.api.Executable` that ``jit`` uses. :func:`lazy` starts one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import weakref
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..api import Executable
+from ..batching import Batched
+from ..devices import free_memory
+from ..errors import ConcretizationError, ModifiedInputError
+from ..execute import accumulate_grad
+from ..ir import Graph, Var, op_name
+from ..tracing import Recorder
+from .backward import BackwardSkip
+from .express import ExpressReplay
+from .mode import Mode, cap
+from .recording import _MAX_RECORDINGS, _RECORDINGS, RecordingSteps, _meta, _Recording
+from .replay import SlowReplay
+from .tape import _Call
+from .tensor import LazyTensor, _make_subclass
+
+__all__ = ["lazy"]
+
+
+_BATCHED_AT: dict[int, Batched] = {}  # Batched(dim) of an input, made once per dim
+
+_BATCH_NORM_FORWARD = torch.nn.modules.batchnorm._BatchNorm.forward.__code__
+
+# Global switches that select kernels (and so results, or whether an op may run at all): a step under other
+# settings is another program, recorded for them, as eager would run other kernels.
+_KERNEL_SWITCHES = [
+    getattr(torch._C, name) for name in (
+        "_get_deterministic_algorithms", "_get_deterministic_algorithms_warn_only", "_get_cudnn_enabled",
+        "_get_cudnn_benchmark", "_get_cudnn_deterministic", "_get_cudnn_allow_tf32", "_get_cublas_allow_tf32",
+        "_get_float32_matmul_precision", "_get_mkldnn_enabled", "_get_flash_sdp_enabled",
+        "_get_mem_efficient_sdp_enabled", "_get_math_sdp_enabled", "_get_cudnn_sdp_enabled",
+        "_get_math_sdp_allow_fp16_bf16_reduction", "_get_overrideable_sdp_enabled",
+    ) if hasattr(torch._C, name)  # the list differs between torch versions
+]
+
+_SESSIONS: weakref.WeakSet = weakref.WeakSet()  # every session still reachable (from its lazy tensors)
+_SERIALS = itertools.count()
+
+
+def _flush_before_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """An optimizer step changes parameters in place: lazy work recorded before it that reads them ran, in
+    eager, on their old values, so it runs first (a metric computed with the model, read after the step)."""
+    params = None
+    for session in list(_SESSIONS):
+        if session.eqn_count > session.done:
+            if params is None:
+                params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            if session.reads_any(params):
+                session.flush([])
+
+
+register_optimizer_step_pre_hook(_flush_before_optimizer_step)
+
+
+
+
+class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
+    """What one ``lazy(...)`` call records: the equations, which of them have run, and the values kept.
+
+    Its :class:`~.mode.Mode` says what it does with each call. A session either *records* (each op runs on
+    fake tensors through the tracer's recorder) or *replays* the recording of an earlier session with the same inputs: while each call is the same op on the same
+    variables, the same constants' metadata and the same Python values as the recorded step at that
+    position, the session reuses the step (no fake kernel runs) and, at a flush, the executable built for
+    it. The first call that differs switches the session to recording: the steps replayed so far are
+    recorded again on fakes, and it goes on from there.
+
+    Above that, a session replaying a taped recording starts *express* (in ``LazyTensor.__torch_function__``):
+    calls are matched against the tape and not run until one is not the tape's next (:meth:`leave_express`).
+    """
+
+    mode: Mode  # what the session does with each call; it only moves down, EXPRESS to REPLAY to RECORD
+    done = 0  # equations before this index have run
+    hooked = False  # a hook or grad_fn was reached: backward always runs the autograd engine
+    freed: frozenset[Var] = frozenset()  # losses whose backward ran (the engine would have freed their graph)
+    reading_saved = False  # reading what autograd saved: calls are not steps
+    recorder: Recorder | None = None
+    # Express replay (see _Call): the torch-level calls this session tapes, or replays without running them.
+    tape: list[_Call] | None = None  # the tape this session appends to
+    tape_pos = 0  # the next call of the tape to replay
+    shadowed = False  # the lazy tensors the express replay made have shadows: calls take those instead
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], batch: int, memory_budget: int | str | None, size: int):
+        self.batch = size
+        self.memory_budget = memory_budget
+        # The key: grad mode tells a training step from an evaluation step on batches of the same shape (a
+        # loop that alternates them would otherwise re-record each time).
+        metas = [_meta(t) for t in tensors]
+        self.key = (batch, torch.is_grad_enabled(), tuple(metas), tuple([get() for get in _KERNEL_SWITCHES]))
+        self.values: dict[Var, torch.Tensor] = {}  # real values of vars, inputs included
+        self.consts: dict[Var, torch.Tensor] = {}  # the real tensors recorded calls read
+        # The version counter of each constant when a call that has not run yet bound it: an in-place change
+        # before the flush would make that call read a value it never saw (see _check_versions).
+        self.versions: dict[Var, int] = {}
+        self.counted: list[torch.Tensor] = []  # BatchNorm counters the step's Python code added one to
+        self.alive: dict[Var, weakref.ref] = {}
+        self.batched: dict[Var, Batched] = {}
+        self.lazies: list[LazyTensor] = []
+        self.slots: list[torch.Tensor] = []  # the real tensors the session's calls took, in order
+        self.slot_ids: dict[int, int] = {}
+        self.graph_nodes: dict[int, list] = {}  # slot of a real argument with a graph -> its nodes, walked
+        limit = cap()
+        replaying = _RECORDINGS.get(self.key) if limit >= Mode.REPLAY else None
+        # Inputs that require grad have an autograd graph the tape cannot reproduce: never express.
+        taping = limit >= Mode.EXPRESS and not any(m[4] for m in metas)
+        if replaying is not None:
+            self.mode = Mode.REPLAY
+            self.recording = replaying
+            self.eqns = replaying.eqns
+            self.cursor = 0  # the next step to replay
+            self.end = 0  # equations replayed so far
+            inputs = replaying.inputs
+            tape = replaying.tape
+            if tape is None and taping:
+                self.tape = replaying.tape = []
+            if taping and tape and tape[0].express and replaying.express:
+                self.mode = Mode.EXPRESS
+        else:
+            self.mode = Mode.RECORD
+            self.recording = self._start_recording()
+            inputs = [None] * len(tensors)
+            if taping:
+                self.tape = self.recording.tape = []
+        _SESSIONS.add(self)
+        self.serial = next(_SERIALS)  # newer sessions have larger ones
+        self.input_refs: list[weakref.ref] = []
+        for i, (t, var, (shape, stride, dtype, device, requires_grad)) in enumerate(zip(tensors, inputs, metas)):
+            real = t.detach() if requires_grad else t  # the value, without its autograd graph
+            fake = None
+            if var is None:
+                var, fake = self._add_input(i, real)
+            self.values[var] = real
+            # _lazy_tensor and Batched(dim), inline and cached: a replayed step's hot path, where each call
+            # saved is measurable (with these and flush's inline .grad, batch 256 ran 1.044x eager, not 1.051x).
+            dim = batch % len(shape)
+            self.batched[var] = _BATCHED_AT.get(dim) or _BATCHED_AT.setdefault(dim, Batched(dim))
+            lazy_t = _make_subclass(LazyTensor, shape, strides=stride, dtype=dtype, device=device, requires_grad=requires_grad)
+            lazy_t._fake, lazy_t._var, lazy_t._session = fake, var, self
+            self.alive[var] = ref = weakref.ref(lazy_t)
+            self.input_refs.append(ref)
+            self.lazies.append(lazy_t)
+
+    def _add_input(self, i: int, real: torch.Tensor) -> tuple[Var, torch.Tensor]:
+        rec = self.recorder
+        with rec.fake_mode:
+            fake = rec.fake_mode.from_tensor(real, static_shapes=True)
+        var = rec.add_input(fake, "arg", f"lazy{i}")
+        self.recording.inputs.append(var)
+        return var, fake
+
+    def _start_recording(self) -> _Recording:
+        self.recorder = Recorder(FakeTensorMode(allow_non_fake_inputs=True))
+        self.eqns = self.recorder.eqns
+        recording = _Recording([], self.eqns)
+        _RECORDINGS.pop(self.key, None)
+        _RECORDINGS[self.key] = recording
+        while len(_RECORDINGS) > _MAX_RECORDINGS:
+            del _RECORDINGS[next(iter(_RECORDINGS))]
+        return recording
+
+    @property
+    def eqn_count(self) -> int:
+        return self.end if self.mode is not Mode.RECORD else len(self.eqns)
+
+    def count_batch(self) -> None:
+        """BatchNorm's forward (training) added one to ``num_batches_tracked`` before calling batch_norm on
+        lazy tensors: a flush that fails takes it back, so a failed step leaves the buffers as they were."""
+        frame = sys._getframe(3)
+        for _ in range(4):  # batch_norm, called from _BatchNorm.forward (a subclass's forward in between)
+            if frame is None:
+                return
+            if frame.f_code is _BATCH_NORM_FORWARD:
+                module = frame.f_locals.get("self")
+                counter = getattr(module, "num_batches_tracked", None)
+                if module.training and isinstance(counter, torch.Tensor):
+                    self.counted.append(counter)
+                return
+            frame = frame.f_back
+
+    def _take_back(self) -> None:
+        """A flush failed: what the step's Python code counted before it is taken back."""
+        counted, self.counted = self.counted, []
+        with torch.no_grad():
+            for counter in counted:
+                counter.sub_(1)
+
+    def reads_any(self, ids: set[int]) -> bool:
+        """Whether an equation that has not run reads a constant whose id is in ``ids``."""
+        consts = self.consts
+        return any(
+            v in consts and id(consts[v]) in ids for e in self.eqns[self.done : self.eqn_count] for v in e.invars
+        )
+
+    def _check_versions(self, invars: list[Var]) -> None:
+        """Raise ModifiedInputError if a real tensor a pending call read was changed in place since."""
+        versions, consts = self.versions, self.consts
+        for v in invars:
+            seen = versions.get(v)
+            if seen is None or consts[v]._version == seen:
+                continue
+            eqn = next(e for e in self.eqns[self.done : self.eqn_count] if v in e.invars)
+            raise ModifiedInputError(
+                f"stagetorch.lazy: {op_name(eqn.prim)} at {eqn.source} read a real tensor ({v.aval}) that was "
+                "changed in place before the op ran (lazy ops run at the next read or backward()), so it would "
+                "compute with the new value where eager PyTorch used the old one. Nothing was run or changed.\n"
+                "What to do: read the result first (loss.item(), or backward()) and change the tensor after, or "
+                "change it before the op."
+            )
+
+    def flush(self, targets: list[Var], leaves: list[torch.Tensor] = (), grads: list | None = None) -> None:
+        """Run every recorded equation not yet run; keep ``targets``, every value still referenced, and the
+        lazy gradients autograd stored in the ``.grad`` of ``leaves`` (or the (leaf, Var) pairs ``grads``),
+        which become real gradients."""
+        end = self.eqn_count
+        if end == self.done:
+            return
+        if grads is None:
+            grads = [
+                (leaf, leaf.grad._var)
+                for leaf in leaves
+                if isinstance(leaf.grad, LazyTensor) and leaf.grad._session is self
+            ]
+        flushes = self.recording.flushes
+        span = flushes.get((self.done, end))
+        if span is None:
+            pending = self.eqns[self.done : end]
+            produced = [v for e in pending for v in e.outvars if v is not None]
+            made = set(produced)
+            invars: list[Var] = []  # every input of the pending equations that the user or a flush supplied
+            for e in pending:
+                for v in e.invars:
+                    if v not in made and v not in invars:
+                        invars.append(v)
+            span = flushes[(self.done, end)] = (produced, invars)
+        produced, invars = span
+        values = self.values
+        # Only what can still be read is kept: the inputs, and values whose lazy tensor is alive.
+        alive = self.alive = {v: ref for v, ref in self.alive.items() if ref() is not None}
+        wanted = {v for v in targets if v not in values}
+        wanted.update(v for v in alive if v not in values)
+        wanted.update(v for _, v in grads)
+        later = None
+        if self.mode is Mode.EXPRESS:
+            # No autograd graph holds what the recording's later steps (the backward) read: keep it here.
+            # (The recording is complete: an express replay only replays a recorded session's calls.)
+            later_key = ("later", self.done, end)
+            if later_key not in flushes:
+                later = frozenset(v for e in self.eqns[end:] for v in e.invars)
+                flushes[later_key] = (later, [v for v in produced if v in later])
+            later, read_later = flushes[later_key]
+            wanted.update(read_later)
+        outs = tuple(v for v in produced if v in wanted)
+        built = flushes.get((self.done, end, outs))
+        if built is None:
+            roles = ["arg" if v in self.batched else "const" for v in invars]
+            graph = Graph(invars, self.eqns[self.done : end], list(outs), roles, [""] * len(invars))
+            batched = {v: b for v, b in self.batched.items() if v in invars}
+            executable = Executable(graph, batched, self.batch)
+            device = next((v.aval.device for v in executable.batched), torch.device("cpu"))
+            # Outputs in storage the flush made (no view of an input): a gradient there is no parameter's.
+            made = set(produced)
+            fresh = frozenset(v for v in outs if v.root in made)
+            built = flushes[(self.done, end, outs)] = (executable, device, fresh, {v: i for i, v in enumerate(outs)})
+        executable, device, fresh, position = built
+        consts = self.consts
+        try:
+            inputs = [values[v] if v in values else consts[v] for v in invars]
+        except KeyError:
+            raise ConcretizationError("a lazy value was dropped before it ran; this is a bug in stagetorch.lazy") from None
+        batched = self.batched
+        kept = {v: x for v, x in values.items() if v in alive or v in batched or (later is not None and v in later)}
+        try:
+            if self.versions:
+                self._check_versions(invars)
+            results, _ = executable.run(inputs, free_memory(device, self.memory_budget), name="lazy")
+        except BaseException:
+            if self.counted:
+                self._take_back()
+            raise
+        self.versions = {}  # nothing pending reads them now; the flush's own in-place writes are the program's
+        self.counted = []
+        self.done = end
+        dropped = False
+        for leaf, v in grads:
+            grad = leaf.grad
+            if type(grad) is LazyTensor:
+                leaf.grad = grad = None  # autograd stored the lazy gradient; accumulate the real one as it would have
+                dropped = True
+            i = position.get(v)
+            x = values[v] if i is None else results[i]
+            if grad is None and v in fresh and x.stride() == leaf.stride():
+                leaf.grad = x  # accumulate_grad's first case, inline: the hot path (see __init__)
+            else:
+                accumulate_grad(leaf, x, fresh=v in fresh)
+        if dropped:
+            alive = self.alive = {v: ref for v, ref in alive.items() if ref() is not None}
+            kept = {v: x for v, x in kept.items() if v in alive or v in batched or (later is not None and v in later)}
+        for v, x in zip(outs, results):
+            if v in alive or (later is not None and v in later):
+                kept[v] = x
+        self.values = kept
+
+
+def lazy(*tensors: torch.Tensor, batch: int = 0, memory_budget: int | str | None = None) -> Any:
+    """Make ``tensors`` lazy: the rest of the script runs unchanged, staged and chunked to fit.
+
+    **Arguments**
+
+    - ``tensors``: the batch (inputs, labels), each with its batch along dim ``batch``.
+    - ``batch``: the batch dimension.
+    - ``memory_budget``: bytes or a string (``"512MiB"``); default: the device's free memory.
+
+    **Returns** one :class:`LazyTensor`, or a tuple of them.
+    """
+    if not tensors:
+        raise ValueError("stagetorch.lazy needs at least one tensor")
+    size = None
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"stagetorch.lazy: argument {i} is a {type(t).__name__}, not a tensor")
+        ndim = t.ndim
+        if not -ndim <= batch < ndim:
+            raise ValueError(f"stagetorch.lazy: batch={batch} is out of range for argument {i} with shape {tuple(t.shape)}")
+        n = t.shape[batch % ndim]
+        if size is None:
+            size = n
+        elif n != size:
+            sizes = sorted({t.shape[batch % t.ndim] for t in tensors})
+            raise ValueError(f"stagetorch.lazy: the tensors disagree on the batch size along dim {batch}: {sizes}")
+    if size == 0:
+        raise ValueError("stagetorch.lazy: the batch is empty")
+    session = _Session(tensors, batch, memory_budget, size)
+    out, session.lazies = session.lazies, []  # the session keeps no strong reference to a lazy tensor
+    return out[0] if len(out) == 1 else tuple(out)

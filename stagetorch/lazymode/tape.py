@@ -1,0 +1,314 @@
+"""The express tape: the torch-level calls a session made (:class:`_Call`), and the guards that match a
+later step's calls against them (:func:`_compile_guard`: generated straight-line Python).
+"""
+
+from __future__ import annotations
+
+import itertools
+import linecache
+import sys
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from .._tree import flatten
+from ..ir import Var
+from .autograd_graph import _autograd_graph, _Unreadable
+from .recording import _meta
+from .tensor import _MISS, LazyTensor, _make_subclass
+
+if TYPE_CHECKING:
+    from .session import _Session
+
+
+_MAX_LEAVES = 2
+
+@attrs.define(eq=False, frozen=True)
+class _Real:
+    """A real tensor argument in a taped call: the ``slot``-th real tensor the session's calls took. A new
+    one is compared by metadata (and bound to the slot), a ``same`` one by identity with the slot. A 0-d
+    tensor the call read as a Python number (``out[:, t]``: no op reads it later) is compared by ``value``."""
+
+    meta: tuple | None
+    slot: int
+    same: bool
+    graph: _Graph | None = None  # a non-leaf that requires grad (``pos[:, :n]``): its autograd graph
+    value: Any = None  # the number a 0-d tensor stood for, or None
+
+@attrs.define(eq=False, frozen=True)
+class _Graph:
+    """The autograd graph behind a real tensor argument computed from parameters outside the lazy tensors
+    (a slice or lookup of a positional embedding): the node types in walk order, what they saved (as
+    :func:`_saved_state` summarises it), and for each leaf its slot and whether an earlier argument took it.
+    The backward runs through it; a replay walks it again and compares."""
+
+    kinds: tuple
+    saved: tuple
+    leaves: tuple  # (slot, same, metadata of a new one) per leaf, in walk order
+
+@attrs.define(eq=False, frozen=True)
+class _New:
+    """A lazy tensor a taped call returned: the variable it stands for and the metadata it is made with."""
+
+    var: Var
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+@attrs.define(eq=False, frozen=True)
+class _Arg:
+    """A taped call returned one of its own arguments (an in-place op returns ``self``): leaf ``index``."""
+
+    index: int
+
+@attrs.define(eq=False, frozen=True)
+class _Seq:
+    """A tuple, list or named tuple (``torch.return_types.max``) a taped call returned."""
+
+    kind: type
+    items: tuple
+
+@attrs.define(eq=False)
+class _Call:
+    """One call of a torch function (``F.linear``, ``Tensor.__add__``, ``loss.backward``) on lazy tensors,
+    as seen above autograd: what the express replay compares and what it reproduces without running the
+    call. ``key`` is :func:`flat_call` of the arguments with each lazy tensor replaced by its variable and
+    each real tensor by a :class:`_Real`; ``grad`` the grad mode. The call made the recording's steps
+    ``[first, first + nsteps)`` and ``neqns`` equations, bound ``consts`` (variable, leaf index, and the
+    view of that leaf's storage or None for the leaf itself), moved the lazy arguments at ``mutated``
+    (leaf index, new variable) to new values in place, and returned ``out`` (a _New, an _Arg, None, or a
+    _Seq of them). A call ``express`` cannot reproduce (it ran a kernel for real, read a value, ran Python
+    autograd code...) stops the express replay there. A backward is ``func`` Tensor.backward with ``key``
+    (the loss variable,), ``mark`` the index of its _Backward step and ``leaves`` the slots of its leaves."""
+
+    func: Any
+    key: tuple
+    grad: bool
+    first: int
+    nsteps: int
+    neqns: int
+    consts: list = attrs.field(factory=list)
+    mutated: list = attrs.field(factory=list)
+    out: Any = None
+    express: bool = True
+    mark: int = -1
+    leaves: list = attrs.field(factory=list)
+    views: _Views = attrs.field(factory=lambda: _Views())
+    slots_before: int = 0  # how many real tensors the session's earlier calls took
+    guard: Any = None  # the generated match (_compile_guard), made at its first replay
+
+    def compile_guard(self) -> Callable:
+        self.guard = _compile_guard(self)
+        return self.guard
+
+class _Views:
+    """The views of parameters a taped call's constants are (``weight.t()`` in ``linear``), kept from one
+    step to the next while the parameter and its data pointer are the same. Each is dropped with its
+    parameter, so a deleted model's memory is not held."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, tuple] = {}
+
+    def get(self, j: int, base: torch.Tensor, view: tuple) -> torch.Tensor:
+        hit = self.entries.get(j)
+        if hit is not None and hit[0]() is base and hit[1] == base.data_ptr():
+            return hit[2]
+        t = _view(base, view)
+        self.entries[j] = (weakref.ref(base, lambda _, j=j: self.entries.pop(j, None)), base.data_ptr(), t)
+        return t
+
+_APPLY = torch.autograd.Function.apply.__func__.__code__
+
+def _in_custom_function() -> bool:
+    """Whether the call runs inside a Python ``autograd.Function``'s forward: its backward is the
+    Function's, which only the autograd engine runs, so the calls inside it cannot be replayed alone."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _APPLY:
+            return True
+        frame = frame.f_back
+    return False
+
+def _source(t: torch.Tensor, leaves: list) -> tuple[int, tuple | None] | None:
+    """How a constant a call bound derives from its real arguments: (leaf index, None) for an argument
+    itself, (leaf index, (shape, stride, offset)) for a view of one's storage; None otherwise."""
+    for i, x in enumerate(leaves):
+        if x is t:
+            return i, None
+    try:
+        storage = t.untyped_storage()._cdata
+        for i, x in enumerate(leaves):
+            if (
+                isinstance(x, torch.Tensor) and type(x) is not LazyTensor and x.dtype == t.dtype
+                and x.untyped_storage()._cdata == storage
+            ):
+                return i, (tuple(t.shape), t.stride(), t.storage_offset())
+    except (RuntimeError, NotImplementedError):  # no storage (sparse, nested)
+        pass
+    return None
+
+def _view(x: torch.Tensor, view: tuple) -> torch.Tensor:
+    shape, stride, offset = view
+    return x.detach().as_strided(shape, stride, offset)
+
+def _out_spec(out: Any, leaves: list, session: _Session) -> Any:
+    if type(out) is LazyTensor:
+        for i, x in enumerate(leaves):
+            if x is out:
+                return _Arg(i)
+        if out._session is not session:
+            raise _Unreadable
+        with torch._C.DisableTorchFunctionSubclass():
+            return _New(out._var, out.shape, out.stride(), out.dtype, out.device, out.requires_grad)
+    if out is None:
+        return None
+    if isinstance(out, (tuple, list)):
+        return _Seq(type(out), tuple(_out_spec(x, leaves, session) for x in out))
+    raise _Unreadable  # a real tensor or a Python value
+
+def _only_args(spec: Any) -> bool:
+    if type(spec) is _Seq:
+        return bool(spec.items) and all(_only_args(x) for x in spec.items)
+    return type(spec) is _Arg
+
+def _map_out(spec: Any, leaves: list, make: Any) -> Any:
+    kind = type(spec)
+    if kind is _New:
+        return make(spec)
+    if kind is _Arg:
+        return leaves[spec.index]
+    if kind is _Seq:
+        return spec.kind([_map_out(x, leaves, make) for x in spec.items])
+    return spec
+
+_GUARDS = itertools.count()
+
+def _compile_guard(call: _Call) -> Callable:
+    """The taped call's match as straight-line Python, as dynamo compiles its guards: each argument
+    unpacked (nested lists and tuples too) and compared with the taped one in place; then the constants
+    bound, the lazy results made, and the session moved on. Returns the result, or _MISS."""
+    key = call.key
+    env: dict[str, Any] = {
+        "_MISS": _MISS, "LazyTensor": LazyTensor, "Tensor": torch.Tensor, "_weakref": weakref.ref,
+        "_make": _make_subclass, "_map_out": _map_out, "call": call, "views": call.views, "_graph_ok": _graph_ok,
+    }
+
+    def const(x: Any) -> str:
+        name = f"_k{len(env)}"
+        env[name] = x
+        return name
+
+    base = call.slots_before
+    lines = ["def guard(session, args, kwargs):", f"    slots = session.slots\n    if len(slots) != {base}: return _MISS\n    new = []"]
+    pos = 1  # the next element of the key
+
+    def take(source: str) -> None:
+        # The key element at ``pos`` against the argument ``source`` evaluates to; as local x<pos>.
+        nonlocal pos
+        k, x = key[pos], f"x{pos}"
+        pos += 1
+        lines.append(f"    {x} = {source}")
+        kind = type(k)
+        if kind is tuple:  # a nested list or tuple: (type, length), then its items
+            lines.append(f"    if type({x}) is not {const(k[0])} or len({x}) != {k[1]}: return _MISS")
+            for j in range(k[1]):
+                take(f"{x}[{j}]")
+        elif kind is Var:
+            lines.append(
+                f"    if type({x}) is not LazyTensor or {x}._var is not {const(k)} or {x}._session is not session"
+                f" or {x}._shadow is not None: return _MISS"
+            )
+        elif kind is _Real:
+            lines.append(f"    if type({x}) is LazyTensor or not isinstance({x}, Tensor): return _MISS")
+            if k.same:
+                other = f"slots[{k.slot}]" if k.slot < base else f"new[{k.slot - base}]"
+                lines.append(f"    if {x} is not {other}: return _MISS")
+            else:
+                shape, stride, dtype, device, requires_grad = k.meta
+                lines.append(
+                    f"    if {x}.shape != {const(shape)} or {x}.dtype is not {const(dtype)} or {x}.stride() != {stride!r}"
+                    f" or {x}.device != {const(device)} or {x}.requires_grad is not {requires_grad!r}: return _MISS"
+                )
+                lines.append(f"    new.append({x})")
+                if k.graph is not None:
+                    lines.append(f"    if not _graph_ok(session, {x}, {const(k.graph)}, new, {base}, {k.slot}): return _MISS")
+                elif requires_grad:  # a leaf (a parameter)
+                    lines.append(f"    if {x}.grad_fn is not None: return _MISS")
+            if k.value is not None:
+                lines.append(f"    if {x}.item() != {const(k.value)}: return _MISS")
+        elif k is None or kind is bool:
+            lines.append(f"    if {x} is not {k!r}: return _MISS")
+        else:
+            lines.append(f"    if type({x}) is not {const(kind)} or {x} != {const(k)}: return _MISS")
+
+    nargs = key[0]
+    lines.append(f"    if len(args) != {nargs}: return _MISS")
+    for i in range(nargs):
+        take(f"args[{i}]")
+    names = key[pos] if pos < len(key) else ()
+    pos += 1
+    lines.append(f"    if len(kwargs) != {len(names)}: return _MISS")
+    for name in names:
+        take(f"kwargs.get({name!r}, _MISS)")
+    lines.append("    if new: slots.extend(new)")
+    if call.consts:
+        lines.append("    consts = session.consts\n    versions = session.versions")
+    for j, (var, i, view) in enumerate(call.consts):
+        lines.append(f"    consts[{const(var)}] = {f'x{i}' if view is None else f'views.get({j}, x{i}, {const(view)})'}")
+        lines.append(f"    versions[{const(var)}] = x{i}._version")
+    for i, var in call.mutated:
+        lines.append(f"    x{i}._var = {const(var)}\n    session.alive[{const(var)}] = _weakref(x{i})")
+    lines.append(f"    session.cursor += {call.nsteps}\n    session.end += {call.neqns}\n    session.tape_pos += 1")
+    out = call.out
+    if type(out) is _New:
+        lines.append(
+            f"    t = _make(LazyTensor, {const(out.shape)}, strides={out.stride!r}, dtype={const(out.dtype)},"
+            f" device={const(out.device)}, requires_grad={out.requires_grad!r})\n"
+            f"    t._var = {const(out.var)}\n    t._session = session\n    t._express = True\n"
+            f"    session.alive[{const(out.var)}] = _weakref(t)\n    return t"
+        )
+    elif type(out) is _Arg:
+        lines.append(f"    return x{out.index}")
+    else:
+        leaves = ", ".join(f"x{i}" if type(k) is not tuple and i else "None" for i, k in enumerate(key))
+        lines.append(f"    return _map_out(call.out, [{leaves}], session._express_out)")
+    source = "\n".join(lines) + "\n"
+    filename = f"<stagetorch guard {next(_GUARDS)}: {getattr(call.func, '__name__', call.func)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), env)  # noqa: S102 - code generated from the tape
+    return env["guard"]
+
+def _graph_ok(session: _Session, x: torch.Tensor, graph: _Graph, new: list, base: int, slot: int) -> bool:
+    """Whether the autograd graph behind real argument ``x`` is the taped one (node types, saved values,
+    leaves: the same tensor where the tape had one, the same metadata where it took a new one). Its new
+    leaves are appended to ``new``, the slots the guard is about to take."""
+    leaves, kinds, nodes = _autograd_graph([x])
+    if kinds != graph.kinds or len(leaves) != len(graph.leaves) or session._saved_state(nodes)[0] != graph.saved:
+        return False
+    slots = session.slots
+    for leaf, (s, same, meta) in zip(leaves, graph.leaves):
+        if same:
+            if (slots[s] if s < base else new[s - base]) is not leaf:
+                return False
+        elif s != base + len(new) or _meta(leaf) != meta or leaf.grad_fn is not None:
+            return False
+        else:
+            new.append(leaf)
+    session.graph_nodes[slot] = nodes
+    return True
+
+def _refuse_stranded(args: tuple, kwargs: dict) -> None:
+    outputs = kwargs.get("outputs", args[0] if args else ())
+    roots = [t for t in flatten(outputs) if isinstance(t, torch.Tensor)]
+    with torch._C.DisableTorchFunctionSubclass():
+        if any(type(t) is LazyTensor and t._express for t in _autograd_graph(roots)[0]):
+            raise NotImplementedError(
+                "stagetorch.lazy: torch.autograd.grad over a torch.autograd.Function that this step called "
+                "and the step stagetorch recorded did not: call loss.backward() instead, or apply the Function "
+                "in every step"
+            )

@@ -1,0 +1,202 @@
+"""The lazy tensor: a real ``torch.Tensor`` subclass whose operations go to its session.
+
+``LazyTensor.__torch_function__`` sees each torch-level call (``F.linear``, ``loss.backward()``) above
+autograd: metadata is answered from the tensor itself, a value read evaluates it, and every other call goes
+to the session (matched against the express tape first, when the session replays one).
+``__torch_dispatch__`` sees the ATen calls below autograd and hands them to the session to record or replay.
+This module knows nothing of how a session records, replays or runs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._tree import flat_call, map_leaves
+from ..ir import Var
+from .mode import Mode
+
+__all__ = ["LazyTensor"]
+
+if TYPE_CHECKING:
+    from .session import _Session
+
+
+_make_subclass = torch.Tensor._make_wrapper_subclass
+_EXPRESS = Mode.EXPRESS  # a module global: read on every call of an express step
+
+_MISS = object()  # the call is not the tape's next one
+
+_NO_KWARGS: dict = {}  # never written
+
+_grad_enabled = torch.is_grad_enabled
+
+_any_autocast = torch._C._is_any_autocast_enabled
+
+def _session_of(args: tuple, kwargs: dict) -> _Session | None:
+    for x in args:
+        if type(x) is LazyTensor:
+            return x._session
+    for x in flat_call(args, kwargs):
+        if type(x) is LazyTensor:
+            return x._session
+    return None
+
+# Torch functions lazy tensors handle themselves; every other one is a call on lazy tensors (taped, or
+# replayed from a tape).
+_SPECIAL = {
+    # Metadata: the lazy tensor has it; nothing is recorded.
+    **dict.fromkeys([
+        torch.Tensor.shape.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.ndim.__get__,
+        torch.Tensor.dtype.__get__, torch.Tensor.device.__get__, torch.Tensor.layout.__get__, torch.Tensor.__len__,
+        torch.Tensor.requires_grad.__get__, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.stride,
+        torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.is_contiguous,
+        torch.Tensor.element_size, torch.Tensor.is_cuda.__get__, torch.Tensor.is_cpu.__get__,
+        torch.Tensor.is_sparse.__get__, torch.Tensor.is_quantized.__get__, torch.Tensor.is_meta.__get__,
+        torch.Tensor.get_device, torch.Tensor.__hash__, torch.Tensor.ndimension, torch.Tensor.dim_order,
+        torch.Tensor.is_signed, torch.Tensor.is_inference,
+    ], "meta"),
+    **dict.fromkeys([
+        getattr(torch.Tensor, name).__get__ for name in (
+            "is_nested", "is_mkldnn", "is_sparse_csr", "is_xpu", "is_mps", "is_ipu", "is_xla", "is_vulkan",
+            "is_maia", "is_mtia", "itemsize", "nbytes", "_has_symbolic_sizes_strides",
+        ) if hasattr(torch.Tensor, name)  # the list differs between torch versions
+    ], "meta"),
+    # Python-level reads: the tensor is evaluated and the read runs on its real value.
+    **dict.fromkeys([
+        torch.Tensor.__repr__, torch.Tensor.__str__, torch.Tensor.__format__, torch.Tensor.tolist,
+        torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.__float__, torch.Tensor.__int__,
+        torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.item, torch.Tensor.__reduce_ex__,
+    ], "read"),
+    torch.Tensor.backward: "backward",
+    torch.autograd.backward: "backward",
+    # A call like any other, but BatchNorm's forward counted the batch just before it (see count_batch).
+    torch.nn.functional.batch_norm: "batch_norm",
+    **dict.fromkeys([
+        torch.Tensor.register_hook, torch.Tensor.retain_grad, torch.Tensor.grad_fn.__get__,
+        torch.Tensor.register_post_accumulate_grad_hook,
+    ], "autograd"),
+}
+
+class LazyTensor(torch.Tensor):
+    """A ``torch.Tensor`` whose operations are recorded, not run, until a value is needed."""
+
+    _fake: torch.Tensor | None = None
+    _var: Var
+    _session: _Session
+    _express = False  # made by the express replay: no autograd graph behind it
+    _shadow: LazyTensor | None = None  # once the session left the express replay: the same value with one
+
+    def value(self) -> torch.Tensor:
+        """The real tensor, evaluated (chunked where it is per-example) and memoised."""
+        t = self if self._shadow is None else self._shadow
+        s = t._session
+        if t._var not in s.values:
+            s.flush([t._var])
+        return s.values[t._var]
+
+    def __repr__(self, **kwargs: Any) -> str:
+        return repr(self.value())
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kind = _SPECIAL.get(func)
+        kwargs = kwargs or _NO_KWARGS
+        if kind is None or kind == "batch_norm":
+            first = args[0] if args else None
+            session = first._session if type(first) is LazyTensor else _session_of(args, kwargs)
+            if session is not None:
+                if session.mode is _EXPRESS:
+                    # The hot path of a replayed step: the tape's next call, if it is this one, matched by its
+                    # guard (which makes the lazy results). Anything else leaves the express replay.
+                    tape, pos = session.recording.tape, session.tape_pos
+                    if pos < len(tape):
+                        call = tape[pos]
+                        if (
+                            (call.func is func or call.func == func) and call.express
+                            and call.grad is _grad_enabled() and not _any_autocast()
+                        ):
+                            out = (call.guard or call.compile_guard())(session, args, kwargs)
+                            if out is not _MISS:
+                                if kind is not None:
+                                    session.count_batch()
+                                return out
+                mixed = _one_session(args, kwargs)
+                if mixed is not None:
+                    return func(*mixed[0], **mixed[1])
+                if kind is not None:
+                    session.count_batch()
+                if session.mode is _EXPRESS:
+                    session.leave_express()
+                return session.torch_call(func, args, kwargs)
+        elif kind == "meta":
+            if args and type(args[0]) is LazyTensor and args[0]._shadow is not None:
+                args = _unshadow(args)  # autograd state (requires_grad) is the shadow's
+        elif kind == "backward":
+            roots = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            lazies = [t for t in roots if type(t) is LazyTensor]
+            if lazies:
+                lazies[0]._session.backward(func, args, kwargs, roots)
+                return None
+        elif kind == "read":
+            return func(*map_leaves(args, torch.Tensor, _real), **kwargs)
+        else:  # the user reaches into autograd (a hook, a grad_fn): backward must run through the engine
+            for t in flat_call(args, kwargs):
+                if type(t) is LazyTensor:
+                    if t._session.mode is _EXPRESS:
+                        t._session.leave_express()  # the autograd graph is needed
+                    t._session.hooked = True
+            args, kwargs = _unshadow(args), _unshadow(kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        leaves = flat_call(args, kwargs)
+        mixed = _one_session(args, kwargs, leaves)
+        if mixed is not None:
+            args, kwargs = mixed
+            leaves = flat_call(args, kwargs)
+        session = None
+        for t in leaves:
+            if type(t) is LazyTensor:
+                if t._express:
+                    raise RuntimeError(
+                        f"stagetorch.lazy: {func} reached a lazy tensor without its torch function (under "
+                        "torch._C.DisableTorchFunctionSubclass?); call it on the tensor directly"
+                    )
+                session = t._session
+        return session.call(func, args, kwargs, leaves)
+
+def _one_session(args: tuple, kwargs: dict, leaves: list | None = None) -> tuple[tuple, dict] | None:
+    """A call on lazy tensors of several ``lazy(...)`` calls (``total + loss`` across steps): the ones of
+    every session but the newest become their real values, as in eager they already are. None if there is
+    one session."""
+    sessions = {t._session for t in (flat_call(args, kwargs) if leaves is None else leaves) if type(t) is LazyTensor}
+    if len(sessions) < 2:
+        return None
+    newest = max(sessions, key=lambda s: s.serial)
+
+    def real(t: LazyTensor) -> torch.Tensor:
+        return t if t._session is newest else t.value()
+
+    return map_leaves(args, LazyTensor, real), map_leaves(kwargs, LazyTensor, real)
+
+
+def _lazy_tensor(
+    shape: Any, stride: Any, dtype: torch.dtype, device: torch.device, var: Var, session: _Session,
+    fake: torch.Tensor | None = None, requires_grad: bool = False,
+) -> LazyTensor:
+    """A LazyTensor standing for ``var`` of ``session`` (``fake``: its fake tensor while recording)."""
+    out = _make_subclass(LazyTensor, shape, strides=stride, dtype=dtype, device=device, requires_grad=requires_grad)
+    out._fake, out._var, out._session = fake, var, session
+    return out
+
+def _real(t: Any) -> Any:
+    return t.value() if isinstance(t, LazyTensor) else t
+
+def _unshadow(tree: Any) -> Any:
+    """``tree`` with each lazy tensor the express replay made replaced by its shadow."""
+    return map_leaves(tree, LazyTensor, lambda t: t if t._shadow is None else t._shadow)
