@@ -20,10 +20,11 @@ from .batching import Batched, analyze
 from .chunking import Split, run_chunked
 from .costing import MemoryReport, peak_bytes, report, timeline
 from .devices import format_bytes, free_memory
-from .errors import ShapeError
+from .errors import BatchCouplingError, ShapeError
 from .execute import Program, accumulate_grad
 from .ir import Aval, Graph, Var
-from .planning import SAFETY_MARGIN, Plan, plan_chunks
+from .planning import SAFETY_MARGIN, Plan, _chunk_peak, plan_chunks
+from .remat_planning import RematPlan, plan_joint
 from .tracing import State, Traced, arg_names, discover, trace
 
 __all__ = ["make_ir", "eval_shape", "jit", "Staged", "memory", "Executable"]
@@ -90,7 +91,9 @@ class Executable:
     """A staged graph ready to run on real inputs: unchunked when the batch fits, else in exact chunks.
 
     Front ends (``jit``, ``lazy``) build one per staged program and call :meth:`run`. The compiled program,
-    the chunked split and the plan per budget are made on first use and kept.
+    the chunked split and the plan per budget are made on first use and kept. With ``remat``, a step that
+    does not fit whole may recompute forward values in the backward (see :mod:`stagetorch.remat_planning`);
+    such a plan runs through an Executable of the recomputing graph.
     """
 
     graph: Graph
@@ -102,6 +105,8 @@ class Executable:
     plans: dict[int, Plan] = attrs.field(factory=dict)
     _mutated: list[int] | None = None
     _full_peak: int | None = None
+    remat: bool = False
+    _inner: dict[Graph, Executable] = attrs.field(factory=dict)
 
     @property
     def program(self) -> Program:
@@ -123,8 +128,32 @@ class Executable:
         # Chunked plans are kept per budget to about 0.4% (its top 9 bits).
         key = -1 if fits else budget >> max(budget.bit_length() - 9, 0) << max(budget.bit_length() - 9, 0)
         if key not in self.plans:
-            self.plans[key] = plan_chunks(self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak)
+            if self.remat and not fits:
+                self.plans[key] = plan_joint(self.graph, budget, lambda g: self._chunk_plan(g, budget), self._floor)
+                # Keep the executables of the recomputing graphs a plan runs, not of every one considered.
+                chosen = {p.recompute.graph for p in self.plans.values() if isinstance(p, RematPlan) and p.recompute}
+                self._inner = {g: ex for g, ex in self._inner.items() if g in chosen}
+            else:
+                self.plans[key] = plan_chunks(self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak)
         return self.plans[key]
+
+    def _for(self, graph: Graph) -> Executable:
+        """The Executable of a recomputing graph the joint planner made from this one (same inputs)."""
+        if graph not in self._inner:
+            self._inner[graph] = Executable(graph, self.batched, self.batch, self.consts)
+        return self._inner[graph]
+
+    def _chunk_plan(self, graph: Graph, budget: int) -> Plan:
+        if graph is self.graph:
+            return plan_chunks(self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak)
+        return self._for(graph).plan(budget)
+
+    def _floor(self, graph: Graph) -> int:
+        """The fewest bytes ``graph`` runs in: one example per chunk, or the whole batch if it cannot be split."""
+        try:
+            return _chunk_peak(self.split() if graph is self.graph else self._for(graph).split(), 1, peak_bytes)
+        except BatchCouplingError:
+            return peak_bytes(graph)
 
     def run(
         self, inputs: list, budget: int, *, on_chunk: Callable[[int, int], None] | None = None, name: str = "step"
@@ -135,6 +164,8 @@ class Executable:
         If anything fails, inputs the program updates in place (buffers) are restored first.
         """
         plan = self.plan(budget)
+        if isinstance(plan, RematPlan) and plan.recompute is not None:
+            return self._for(plan.recompute.graph).run(inputs, budget, on_chunk=on_chunk, name=name)
         mutated = self._mutated
         if mutated is None:
             mutated = self._mutated = _mutated_inputs(self.graph)
@@ -196,7 +227,11 @@ class Staged:
         static_argnums: Sequence[int] = (),
         memory_budget: int | str | None = None,
         progress: bool = False,
+        remat: str | bool = "auto",
     ):
+        if remat not in ("auto", False):
+            raise ValueError(f"remat must be \"auto\" or False, not {remat!r}")
+        self.remat = remat == "auto"
         self.fn = fn
         self.progress = progress
         self.batch_dim = batch_dim
@@ -220,7 +255,7 @@ class Staged:
             graph = traced.graph
             arg_vars = [v for v, r in zip(graph.invars, graph.roles) if r == "arg"]
             batched = {v: Batched(dim) for v, (is_batched, dim) in zip(arg_vars, batched_leaves) if is_batched}
-            entry = _Entry(traced, Executable(graph, batched, batch, traced.consts))
+            entry = _Entry(traced, Executable(graph, batched, batch, traced.consts, remat=self.remat))
             self._cache[key] = entry
         if argnums is None:
             inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -313,6 +348,7 @@ def jit(
     static_argnums: Sequence[int] = (),
     memory_budget: int | str | None = None,
     progress: bool = False,
+    remat: str | bool = "auto",
 ) -> Any:
     """Stage ``fn`` once per input signature and run the staged program.
 
@@ -327,6 +363,9 @@ def jit(
     - ``memory_budget``: bytes (or ``"512MiB"``) the step may use; default: the device's free memory.
       A batch whose step does not fit runs in chunks, combined exactly (see ``Staged.plan``).
     - ``progress``: show a progress bar over the chunks of a chunked step.
+    - ``remat``: ``"auto"`` (default) lets a step that does not fit whole recompute forward values in the
+      backward instead of keeping them, chosen together with the chunk size for the cheapest step that fits
+      (the result is bit for bit the same); ``False`` only chunks.
 
     **Returns** a :class:`Staged` callable.
     """
@@ -336,6 +375,7 @@ def jit(
         static_argnums=static_argnums,
         memory_budget=memory_budget,
         progress=progress,
+        remat=remat,
     )
     if fn is None:
         return lambda f: Staged(f, **options)

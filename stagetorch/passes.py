@@ -1,0 +1,156 @@
+"""Graph -> Graph passes and what they share: which equations have side effects, where each storage is last
+used, dead-code elimination, and a structural check of a graph that every pass must leave valid.
+
+A pass returns a new Graph and never mutates the one it is given (equations and vars of the input that it
+keeps unchanged are shared). It knows the IR only: no registry, no real tensors, no chunking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+import torch
+
+from .ir import Eqn, Graph, Literal, Var, op_name
+
+__all__ = ["Liveness", "liveness", "writes", "is_random", "has_effect", "dce", "check", "IRError"]
+
+aten = torch.ops.aten
+
+# Ops that update an argument in place although their schema does not say so: BatchNorm in training mode
+# writes its running statistics (arguments 3 and 4). By packet, with the positions written.
+_HIDDEN_WRITES: dict = {
+    aten.native_batch_norm: (3, 4),
+    aten.cudnn_batch_norm: (3, 4),
+    aten.miopen_batch_norm: (3, 4),
+    aten._native_batch_norm_legit: (3, 4),
+}
+
+
+def writes(e: Eqn) -> list[Var]:
+    """The vars whose storage ``e`` writes in place (schema-annotated writes and the hidden ones above)."""
+    out: list[Var] = []
+    schema = getattr(e.prim, "_schema", None)
+    if schema is not None:
+        for a, x in zip(schema.arguments, e.args):
+            if isinstance(x, Var) and a.alias_info is not None and a.alias_info.is_write:
+                out.append(x)
+        for name, x in e.kwargs.items():
+            arg = next((a for a in schema.arguments if a.name == name), None)
+            if isinstance(x, Var) and arg is not None and arg.alias_info is not None and arg.alias_info.is_write:
+                out.append(x)
+    packet = getattr(e.prim, "overloadpacket", None)
+    for i in _HIDDEN_WRITES.get(packet, ()):
+        if i < len(e.args) and isinstance(e.args[i], Var):
+            out.append(e.args[i])
+    return out
+
+
+def is_random(e: Eqn) -> bool:
+    """``e`` draws from a random generator: running it again gives other values and moves the generator."""
+    tags = getattr(e.prim, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def has_effect(e: Eqn) -> bool:
+    """Running ``e`` does something besides computing its outputs: writes an argument, draws random numbers,
+    or is an op outside ATen (a collective, a user's custom op) whose effects stagetorch cannot see."""
+    namespace = getattr(e.prim, "namespace", "aten")
+    return namespace not in ("aten", "prims") or is_random(e) or bool(writes(e))
+
+
+@attrs.frozen
+class Liveness:
+    """Where each storage is used, by root var.
+
+    ``last_use[r]`` is the index of the last equation that reads any var living in storage ``r``
+    (``len(graph.eqns)`` for storage the graph's outputs or gradients keep to the end); a root missing from
+    it is never read. ``defined[r]`` is the index of the equation that first made it (-1 for an input).
+    """
+
+    last_use: dict[Var, int]
+    defined: dict[Var, int]
+
+
+def liveness(graph: Graph) -> Liveness:
+    """First definition and last use of each storage, the schedule the eager interpreter follows: a value
+    is freed after the last use of any var on its storage. The memory interpreter and the executor both
+    follow it."""
+    n = len(graph.eqns)
+    last: dict[Var, int] = {}
+    defined: dict[Var, int] = {v.root: -1 for v in graph.invars}
+    for i, e in enumerate(graph.eqns):
+        for v in e.invars:
+            last[v.root] = i
+        for v in e.outvars:
+            if v is not None:
+                defined.setdefault(v.root, i)
+    for v in graph.outvars:
+        if isinstance(v, Var):
+            last[v.root] = n
+    for _, v in graph.grads:
+        last[v.root] = n
+    return Liveness(last, defined)
+
+
+def dce(graph: Graph) -> Graph:
+    """Drop the equations whose results nobody needs: no output, gradient or live equation reads them, and
+    they have no side effect (:func:`has_effect`)."""
+    needed: set[Var] = {v for v in graph.outvars if isinstance(v, Var)} | {v for _, v in graph.grads}
+    keep: list[bool] = [False] * len(graph.eqns)
+    for i in range(len(graph.eqns) - 1, -1, -1):
+        e = graph.eqns[i]
+        if has_effect(e) or any(v is not None and v in needed for v in e.outvars):
+            keep[i] = True
+            needed.update(e.invars)
+            # A view's storage belongs to its base: keeping the view keeps the equation that made the base.
+            needed.update(v.base for v in e.outvars if v is not None and v.base is not None)
+    eqns = [e for e, k in zip(graph.eqns, keep) if k]
+    if len(eqns) == len(graph.eqns):
+        return graph
+    return attrs.evolve(graph, eqns=eqns)
+
+
+class IRError(AssertionError):
+    """A graph breaks an invariant of the IR (a pass has a bug)."""
+
+
+def check(graph: Graph) -> Graph:
+    """Check that ``graph`` is well formed and return it: every var is defined once, before it is read
+    (inputs first); a view's base is defined before the view; outputs and gradients are defined; ``roles``
+    and ``names`` run parallel to ``invars``. Raises :class:`IRError` naming the equation otherwise."""
+    defined: set[Var] = set()
+
+    def define(v: Var, where: str) -> None:
+        if v in defined:
+            raise IRError(f"{where}: {v} is defined twice")
+        if v.base is not None and v.base not in defined:
+            raise IRError(f"{where}: {v} is a view of a var not defined before it")
+        defined.add(v)
+
+    for k, v in enumerate(graph.invars):
+        define(v, f"input {k}")
+    for i, e in enumerate(graph.eqns):
+        where = f"equation {i} ({op_name(e.prim)})"
+        for v in e.invars:
+            if v not in defined:
+                raise IRError(f"{where} reads {v}, which is not defined before it")
+        for v in e.outvars:
+            if v is not None:
+                define(v, where)
+    for v in _vars(graph.outvars):
+        if v not in defined:
+            raise IRError(f"output {v} is not defined")
+    for k, v in graph.grads:
+        if v not in defined or not 0 <= k < len(graph.invars):
+            raise IRError(f"gradient of input {k}: {v} is not defined (or the input does not exist)")
+    for field in ("roles", "names"):
+        values = getattr(graph, field)
+        if values and len(values) != len(graph.invars):
+            raise IRError(f"graph.{field} has {len(values)} entries for {len(graph.invars)} inputs")
+    return graph
+
+
+def _vars(xs: Iterable[Var | Literal]) -> list[Var]:
+    return [v for v in xs if isinstance(v, Var)]
