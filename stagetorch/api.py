@@ -20,11 +20,11 @@ from .batching import Batched, analyze
 from .chunking import Split, run_chunked
 from .costing import MemoryReport, peak_bytes, report, timeline
 from .devices import format_bytes, free_memory
-from .errors import BatchCouplingError, ShapeError
+from .errors import BatchCouplingError, ShapeError, UnsupportedOpError
 from .execute import Program, accumulate_grad
 from .ir import Aval, Graph, Var
 from .planning import SAFETY_MARGIN, Plan, _chunk_peak, plan_chunks
-from .remat_planning import RematPlan, plan_joint
+from .remat_planning import Recompute, RematPlan, frontier, plan_joint
 from .tracing import State, Traced, arg_names, discover, trace
 
 __all__ = ["make_ir", "eval_shape", "jit", "Staged", "memory", "Executable"]
@@ -107,6 +107,7 @@ class Executable:
     _full_peak: int | None = None
     remat: bool = False
     _inner: dict[Graph, Executable] = attrs.field(factory=dict)
+    _points: list[Recompute] | None = None
 
     @property
     def program(self) -> Program:
@@ -129,13 +130,17 @@ class Executable:
         key = -1 if fits else budget >> max(budget.bit_length() - 9, 0) << max(budget.bit_length() - 9, 0)
         if key not in self.plans:
             if self.remat and not fits:
-                self.plans[key] = plan_joint(self.graph, budget, lambda g: self._chunk_plan(g, budget), self._floor)
-                # Keep the executables of the recomputing graphs a plan runs, not of every one considered.
-                chosen = {p.recompute.graph for p in self.plans.values() if isinstance(p, RematPlan) and p.recompute}
-                self._inner = {g: ex for g, ex in self._inner.items() if g in chosen}
+                self.plans[key] = plan_joint(
+                    self.graph, budget, lambda g: self._chunk_plan(g, budget), self._floor, self._frontier
+                )
             else:
                 self.plans[key] = plan_chunks(self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak)
         return self.plans[key]
+
+    def _frontier(self) -> list[Recompute]:
+        if self._points is None:
+            self._points = frontier(self.graph)
+        return self._points
 
     def _for(self, graph: Graph) -> Executable:
         """The Executable of a recomputing graph the joint planner made from this one (same inputs)."""
@@ -152,7 +157,7 @@ class Executable:
         """The fewest bytes ``graph`` runs in: one example per chunk, or the whole batch if it cannot be split."""
         try:
             return _chunk_peak(self.split() if graph is self.graph else self._for(graph).split(), 1, peak_bytes)
-        except BatchCouplingError:
+        except (BatchCouplingError, UnsupportedOpError):
             return peak_bytes(graph)
 
     def run(

@@ -20,12 +20,15 @@ import attrs
 
 from .costing import peak_bytes
 from .devices import format_bytes
-from .errors import BatchCouplingError, OutOfMemoryError
+from .errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError
 from .flops import eqn_flops, graph_flops
 from .ir import Graph, Var, op_name
 from .planning import SAFETY_MARGIN, Plan
 from .registry import slot
 from .remat import Candidates, candidates, recomputed_eqns, remat
+
+# What the chunk planner raises when a graph cannot run in chunks that fit: then only recomputation can help.
+_CANNOT = (OutOfMemoryError, BatchCouplingError, UnsupportedOpError)
 
 __all__ = ["Recompute", "frontier", "RematPlan", "plan_joint", "CALL_FLOPS"]
 
@@ -133,13 +136,15 @@ def plan_joint(
     budget: int,
     chunk_plan: Callable[[Graph], Plan],
     floor: Callable[[Graph], int],
-    cost: Callable[[Graph], int] = peak_bytes,
+    points: Callable[[], list[Recompute]] | None = None,
 ) -> Plan:
     """Choose the recompute set and the chunk sizes for ``graph`` within ``budget`` bytes.
 
     ``chunk_plan(g)`` is the chunk planner for graph ``g`` (it raises :class:`OutOfMemoryError` when not
-    even one example fits, :class:`BatchCouplingError` when ``g`` cannot be chunked); ``floor(g)`` is the
-    fewest bytes ``g`` can run in (one example per chunk, or the whole batch when it cannot be chunked).
+    even one example fits, :class:`BatchCouplingError` or :class:`UnsupportedOpError` when ``g`` cannot be
+    chunked); ``floor(g)`` is the
+    fewest bytes ``g`` can run in (one example per chunk, or the whole batch when it cannot be chunked);
+    ``points()`` is ``frontier(graph)``, for a caller that keeps it across budgets.
     Returns the plain chunk plan when no recomputation is needed or it is the cheapest; else a
     :class:`RematPlan`. Raises the chunk planner's error, naming the smallest budget some schedule fits,
     when none fits.
@@ -153,9 +158,9 @@ def plan_joint(
         if not plain.chunked:
             return plain
         best = (step_cost(base_flops, len(graph.eqns), len(plain.chunk_sizes)), plain)
-    except (OutOfMemoryError, BatchCouplingError) as e:
+    except _CANNOT as e:
         first_error = e
-    points = frontier(graph, cost)
+    points = frontier(graph) if points is None else points()
     for p in points[1:]:
         flops = base_flops + p.extra_flops
         if best is not None and step_cost(flops, len(p.graph.eqns), 1) >= best[0]:
@@ -165,7 +170,7 @@ def plan_joint(
         else:
             try:
                 plan = chunk_plan(p.graph)
-            except (OutOfMemoryError, BatchCouplingError):
+            except _CANNOT:
                 continue
         score = step_cost(flops, len(p.graph.eqns), len(plan.chunk_sizes))
         if best is None or score < best[0]:
