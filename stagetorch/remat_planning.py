@@ -18,14 +18,15 @@ from collections.abc import Callable
 
 import attrs
 
-from .costing import peak_bytes
+from .costing import _allocated, _effect, peak_bytes
 from .devices import format_bytes
 from .errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError
 from .flops import eqn_flops, graph_flops
 from .ir import Graph, Var, op_name
+from .passes import has_effect
 from .planning import SAFETY_MARGIN, Plan
 from .registry import slot
-from .remat import Candidates, candidates, recomputed_eqns, remat
+from .remat import Candidates, candidates, remat
 
 # What the chunk planner raises when a graph cannot run in chunks that fit: then only recomputation can help.
 _CANNOT = (OutOfMemoryError, BatchCouplingError, UnsupportedOpError)
@@ -37,26 +38,169 @@ __all__ = ["Recompute", "frontier", "RematPlan", "plan_joint", "CALL_FLOPS"]
 CALL_FLOPS = 200_000
 
 
-@attrs.frozen
 class Recompute:
-    """One recompute set: the roots kept (checkpoints), the graph that recomputes the rest, its peak and the
-    FLOPs its recomputation adds."""
+    """One recompute set: the roots kept (checkpoints), its predicted peak and the FLOPs its recomputation
+    adds, and (built on first use) ``graph``, the program that recomputes the rest."""
 
-    keep: frozenset[Var]
-    graph: Graph
-    peak_bytes: int
-    extra_flops: int
-    recomputed: tuple[str, ...]
+    def __init__(self, source: Graph, cands: Candidates, keep: frozenset[Var], peak_bytes: int, extra_flops: int,
+                 recomputed: tuple[str, ...], graph: Graph | None = None):
+        self.source, self.cands, self.keep = source, cands, keep
+        self.peak_bytes, self.extra_flops, self.recomputed = peak_bytes, extra_flops, recomputed
+        self._graph = graph
+
+    @property
+    def graph(self) -> Graph:
+        if self._graph is None:
+            self._graph = remat(self.source, self.keep, self.cands)
+        return self._graph
 
     @property
     def dropped(self) -> int:
         return len(self.recomputed)
 
+    def __repr__(self) -> str:
+        return f"Recompute(keep={len(self.keep)}, peak_bytes={self.peak_bytes}, extra_flops={self.extra_flops})"
 
-def _point(graph: Graph, cands: Candidates, keep: frozenset[Var], cost: Callable[[Graph], int]) -> Recompute:
-    g = remat(graph, keep, cands)
-    extra = recomputed_eqns(g)
-    return Recompute(keep, g, cost(g), graph_flops(extra), tuple(op_name(e.prim) for e in extra))
+
+class _Simulator:
+    """The memory interpreter's walk over ``remat(graph, keep)``, without building that graph: the same
+    schedule (the pass's recompute order, its dead-code elimination, allocation at first definition, free
+    after last use, outputs kept) over per-equation facts computed once, so that a planner can cost many
+    recompute sets of a big graph. Tests hold it equal to ``peak_bytes(remat(graph, keep))``.
+
+    Vars are numbered; a recomputed copy of var ``i`` (or a backward var rebased onto one) is ``i + n``.
+    """
+
+    def __init__(self, graph: Graph, cands: Candidates):
+        self.graph, self.cands = graph, cands
+        index: dict[Var, int] = {}
+        for v in graph.vars():
+            index.setdefault(v, len(index))
+        self.index = index
+        n = self.n = len(index)
+        self.root = [0] * n
+        self.base = [-1] * n
+        for v, i in index.items():
+            self.root[i] = index[v.root]
+            self.base[i] = -1 if v.base is None else index[v.base]
+        self.reads: list[tuple[int, ...]] = []
+        self.outs: list[tuple[int, ...]] = []
+        self.sizes: list[tuple[int, ...]] = []
+        self.workspace: list[int] = []
+        for e in graph.eqns:
+            self.reads.append(tuple(index[v] for v in e.invars))
+            effect = _effect(e)
+            outs = [(j, v) for j, v in enumerate(e.outvars) if v is not None]
+            self.outs.append(tuple(index[v] for _, v in outs))
+            self.sizes.append(tuple(_allocated(effect.outputs.get(j, v.root.owned_nbytes), v.root.aval.device) for j, v in outs))
+            self.workspace.append(effect.workspace)
+        self.effect = [has_effect(e) for e in graph.eqns]
+        self.flops = [eqn_flops(e) for e in graph.eqns]
+        self.producer = [-1] * n
+        for k in range(cands.boundary):
+            for i in self.outs[k]:
+                self.producer[i] = k
+        self.inputs = {index[v.root] for v in graph.invars}
+        self.resident = {index[v.root]: _allocated(v.root.owned_nbytes, v.root.aval.device) for v in graph.invars}
+        self.recomputable = {index[r] for r in cands.recomputable}
+        self.kept = [index[v] for v in graph.outvars if isinstance(v, Var)] + [index[v] for _, v in graph.grads]
+
+    def run(self, keep: frozenset[Var]) -> tuple[int, int, tuple[str, ...]]:
+        """(peak bytes, extra FLOPs, recomputed op names) of ``remat(graph, keep)``."""
+        n, root, base, reads_of, outs_of, producer = self.n, self.root, self.base, self.reads, self.outs, self.producer
+        drop = self.recomputable - {self.index[r] for r in keep}
+        copied = [False] * n
+        # Events: (equation index, recomputed?, vars read, vars defined), vars numbered as above.
+        events: list[tuple[int, bool, tuple[int, ...], tuple[int, ...]]] = [
+            (k, False, reads_of[k], outs_of[k]) for k in range(self.cands.boundary)
+        ]
+
+        def recompute(v: int) -> None:
+            stack = [(producer[v], False)]
+            while stack:
+                k, ready = stack.pop()
+                outs = outs_of[k]
+                if any(copied[o] for o in outs):
+                    continue
+                if ready:
+                    for o in outs:
+                        copied[o] = True
+                    events.append((k, True, tuple(u + n if copied[u] else u for u in reads_of[k]), tuple(o + n for o in outs)))
+                    continue
+                stack.append((k, True))
+                needs = [u for u in reads_of[k] if root[u] in drop and not copied[u]]
+                needs += [base[o] for o in outs if base[o] >= 0 and root[base[o]] in drop and not copied[base[o]]
+                          and producer[base[o]] >= 0]
+                stack.extend((producer[u], False) for u in reversed(needs))
+
+        for k in range(self.cands.boundary, len(reads_of)):
+            for u in reads_of[k]:
+                if root[u] in drop and not copied[u]:
+                    recompute(u)
+            outs = []
+            for o in outs_of[k]:
+                if base[o] >= 0 and copied[base[o]]:
+                    copied[o] = True
+                    outs.append(o + n)
+                else:
+                    outs.append(o)
+            events.append((k, False, tuple(u + n if copied[u] else u for u in reads_of[k]), tuple(outs)))
+        kept = [v + n if copied[v] else v for v in self.kept]
+        # Dead-code elimination, as passes.dce does it.
+        needed = set(kept)
+        live = [False] * len(events)
+        for i in range(len(events) - 1, -1, -1):
+            k, _, reads, outs = events[i]
+            if self.effect[k] or any(o in needed for o in outs):
+                live[i] = True
+                needed.update(reads)
+                for o in outs:
+                    b = base[o % n]
+                    if b >= 0:
+                        needed.add(b + n if o >= n and copied[b] else b)
+        events = [ev for ev, ok in zip(events, live) if ok]
+        extra = [k for k, copy, _, _ in events if copy]
+        names = tuple(op_name(self.graph.eqns[k].prim) for k in extra)
+        return self._peak(events, kept), sum(self.flops[k] for k in extra), names
+
+    def _peak(self, events: list, kept: list[int]) -> int:
+        n, root = self.n, self.root
+        count = len(events)
+
+        def storage(v: int) -> int:
+            return root[v - n] + n if v >= n else root[v]
+
+        last: dict[int, int] = {}
+        for i, (_, _, reads, _) in enumerate(events):
+            for v in reads:
+                last[storage(v)] = i
+        for v in kept:
+            last[storage(v)] = count
+        owned = dict(self.resident)
+        live = sum(owned.values())
+        frees: list[list[int]] = [[] for _ in range(count + 1)]
+        for key, i in last.items():
+            if key not in self.inputs:
+                frees[i].append(key)
+        peak = live
+        for i, (k, _, _, outs) in enumerate(events):
+            for v, size in zip(outs, self.sizes[k]):
+                key = storage(v)
+                if key in owned:
+                    continue
+                owned[key] = size
+                live += size
+                if key not in last:
+                    frees[i].append(key)
+            peak = max(peak, live + self.workspace[k])
+            for key in frees[i]:
+                live -= owned[key]
+        return peak
+
+
+def _point(sim: _Simulator, keep: frozenset[Var]) -> Recompute:
+    peak, extra, names = sim.run(keep)
+    return Recompute(sim.graph, sim.cands, keep, peak, extra, names)
 
 
 def _segments(cands: Candidates, size: float) -> frozenset[Var]:
@@ -81,20 +225,21 @@ def _expensive(graph: Graph, cands: Candidates) -> frozenset[Var]:
     return frozenset(r for r in cands.roots if made.get(r))
 
 
-def frontier(graph: Graph, cost: Callable[[Graph], int] = peak_bytes) -> list[Recompute]:
+def frontier(graph: Graph) -> list[Recompute]:
     """The recompute sets worth considering, by increasing extra FLOPs and decreasing peak; the first keeps
     everything (``graph`` itself)."""
     cands = candidates(graph)
-    full = Recompute(frozenset(cands.roots), graph, cost(graph), 0, ())
+    full = Recompute(graph, cands, frozenset(cands.roots), peak_bytes(graph), 0, (), graph)
     if not cands.roots:
         return [full]
     total = sum(cands.nbytes)
     sizes, size = [], float(total)
-    while size >= min(cands.nbytes) and len(sizes) < 40:
-        size /= 2**0.5
+    while size >= min(cands.nbytes) and len(sizes) < 24:
+        size /= 2
         sizes.append(size)
     keeps = {_segments(cands, s) for s in sizes} | {_expensive(graph, cands)}
-    points = [full] + [_point(graph, cands, k, cost) for k in keeps if k != full.keep]
+    sim = _Simulator(graph, cands)
+    points = [full] + [_point(sim, k) for k in keeps if k != full.keep]
     points.sort(key=lambda p: (p.extra_flops, p.peak_bytes))
     out = [full]
     for p in points[1:]:

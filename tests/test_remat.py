@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import random
 
 import pytest
 import remat_models
@@ -22,12 +23,12 @@ import stagetorch
 from stagetorch.costing import peak_bytes
 from stagetorch.errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError
 from stagetorch.execute import Program
-from stagetorch.flops import eqn_flops
+from stagetorch.flops import eqn_flops, graph_flops
 from stagetorch.ir import Eqn, Var, op_name
 from stagetorch.passes import IRError, check, dce, has_effect, liveness
 from stagetorch.planning import SAFETY_MARGIN
 from stagetorch.remat import candidates, recomputed_eqns, remat
-from stagetorch.remat_planning import RematPlan, frontier
+from stagetorch.remat_planning import RematPlan, _Simulator, frontier
 
 MiB = 2**20
 
@@ -262,6 +263,31 @@ def test_frontier_is_never_worse_than_no_recompute():
         peaks = [p.peak_bytes for p in points]
         assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks)
         assert [p.extra_flops for p in points] == sorted(p.extra_flops for p in points)
+
+
+@pytest.mark.parametrize("name", ["chain", "bn", "dropout", "inplace", *sorted(remat_models.SEEDS)])
+def test_planner_costing_equals_the_memory_interpreter(name):
+    """The planner costs recompute sets without building their graphs: it must agree with the memory
+    interpreter on the graph the pass builds, for random keep sets as well as the frontier's."""
+    model, x = {
+        "chain": lambda: (mlp_chain(8, 32), torch.randn(2, 64, 32)),
+        "bn": lambda: (conv_bn(3), torch.randn(2, 3, 8, 8)),
+        "dropout": lambda: (dropout_chain(4), torch.randn(8, 64)),
+        "inplace": lambda: (inplace_chain(4), torch.randn(8, 64)),
+        **remat_models.SEEDS,
+    }[name]()
+    g = stagetorch.make_ir(step_of(model))(x)
+    cands = candidates(g)
+    sim = _Simulator(g, cands)
+    rng = random.Random(0)
+    keeps = [frozenset(r for r in cands.roots if rng.random() < q) for q in (0.0, 0.2, 0.5, 0.8)]
+    for keep in keeps:
+        peak, extra, names = sim.run(keep)
+        r = remat(g, keep, cands)
+        assert peak == peak_bytes(r)
+        assert extra == graph_flops(recomputed_eqns(r)) and len(names) == len(recomputed_eqns(r))
+    for p in frontier(g):
+        assert p.peak_bytes == peak_bytes(p.graph)
 
 
 def test_batchnorm_state_after_three_steps_equals_eager():
