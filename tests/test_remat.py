@@ -290,6 +290,26 @@ def test_planner_costing_equals_the_memory_interpreter(name):
         assert p.peak_bytes == peak_bytes(p.graph)
 
 
+@pytest.mark.parametrize("name", ["chain", "bn"])
+def test_planner_against_exhaustive_search(name):
+    """On graphs small enough to try every keep set: at each budget both fit, the planner's recomputation
+    costs at most 1.10x the fewest FLOPs any set needs, and its smallest peak is within 1.10x of the least."""
+    model, x = {"chain": (mlp_chain(6, 32), torch.randn(2, 64, 32)), "bn": (conv_bn(3), torch.randn(2, 3, 16, 16))}[name]
+    g = stagetorch.make_ir(step_of(model))(x)
+    cands = candidates(g)
+    assert len(cands.roots) <= 14
+    sim = _Simulator(g, cands)
+    every = [sim.run(frozenset(r for i, r in enumerate(cands.roots) if mask >> i & 1))[:2]
+             for mask in range(2 ** len(cands.roots))]
+    points = frontier(g)
+    least = min(p for p, _ in every)
+    assert min(p.peak_bytes for p in points) <= 1.10 * least
+    for budget in sorted({p for p, _ in every}):
+        ours = [p.extra_flops for p in points if p.peak_bytes <= budget]
+        if ours:
+            assert min(ours) <= 1.10 * min(e for p, e in every if p <= budget), budget
+
+
 def test_batchnorm_state_after_three_steps_equals_eager():
     """BatchNorm couples the batch, so only recomputation can lower the peak; its running statistics and
     num_batches_tracked must be updated once per step, as in eager PyTorch."""
