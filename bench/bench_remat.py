@@ -131,7 +131,7 @@ def _per_block(blocks, x):
 def test_planning_time_5000_equations():
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(312)])
-    x = torch.randn(4, 32)
+    x = torch.randn(64, 256, 32)
     graph = stagetorch.make_ir(step_of(model))(x)
     t = time.perf_counter()
     points = frontier(graph)

@@ -235,7 +235,9 @@ def _greedy(sim: _Simulator, start: Recompute) -> list[Recompute]:
     out, current = [], start
     while True:
         best, best_score = None, 0.0
-        for r in current.keep:
+        for r in sim.cands.roots:  # in graph order, so that ties break the same way every time
+            if r not in current.keep:
+                continue
             p = _point(sim, current.keep - {r})
             gain = current.peak_bytes - p.peak_bytes
             if gain <= 0:
@@ -261,7 +263,7 @@ def frontier(graph: Graph) -> list[Recompute]:
     while size >= min(cands.nbytes) and len(sizes) < 24:
         size /= 2
         sizes.append(size)
-    keeps = {_segments(cands, s) for s in sizes} | {_expensive(graph, cands)}
+    keeps = list(dict.fromkeys([*(_segments(cands, s) for s in sizes), _expensive(graph, cands)]))
     sim = _Simulator(graph, cands)
     points = [full] + [_point(sim, k) for k in keeps if k != full.keep]
     if len(cands.roots) <= _GREEDY_MAX:
@@ -292,8 +294,7 @@ class RematPlan(Plan):
         r = self.recompute
         return (
             f"{super().__str__()} Recomputes {r.dropped} op(s) in the backward ({', '.join(sorted(set(r.recomputed)))}) "
-            f"for {r.extra_flops / max(self.base_flops, 1):.1%} extra FLOPs, keeping {len(r.keep)} checkpoint(s); "
-            f"predicted peak without chunking {format_bytes(r.peak_bytes)}."
+            f"for {r.extra_flops / max(self.base_flops, 1):.1%} extra FLOPs, keeping {len(r.keep)} checkpoint(s)."
         )
 
 
