@@ -28,6 +28,9 @@ from .planning import SAFETY_MARGIN, Plan
 from .registry import slot
 from .remat import Candidates, candidates, remat
 
+# How many recompute sets that do not fit whole the joint planner sizes chunks for (besides the last).
+_CHUNK_TRIES = 4
+
 # What the chunk planner raises when a graph cannot run in chunks that fit: then only recomputation can help.
 _CANNOT = (OutOfMemoryError, BatchCouplingError, UnsupportedOpError)
 
@@ -333,18 +336,24 @@ def plan_joint(
     except _CANNOT as e:
         first_error = e
     points = frontier(graph) if points is None else points()
+    tries = 0
     for p in points[1:]:
-        flops = base_flops + p.extra_flops
-        if best is not None and step_cost(flops, len(p.graph.eqns), 1) >= best[0]:
+        flops, calls = base_flops + p.extra_flops, len(graph.eqns) + p.dropped
+        if best is not None and step_cost(flops, calls, 1) >= best[0]:
             break  # later points add more FLOPs: none can beat the best so far
         if p.peak_bytes <= usable:
             plan = chunk_plan(p.graph)
         else:
+            # Sizing chunks builds and costs the chunked form of the graph: try a few points, and the
+            # last (the least peak), not every one.
+            if tries >= _CHUNK_TRIES and p is not points[-1]:
+                continue
+            tries += 1
             try:
                 plan = chunk_plan(p.graph)
             except _CANNOT:
                 continue
-        score = step_cost(flops, len(p.graph.eqns), len(plan.chunk_sizes))
+        score = step_cost(flops, calls, len(plan.chunk_sizes))
         if best is None or score < best[0]:
             best = (score, RematPlan(**attrs.asdict(plan, recurse=False), recompute=p, base_flops=base_flops))
     if best is not None:
