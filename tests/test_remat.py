@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from memtrack import LivePeak
+from test_chunking import _DEVICE  # importing it registers its op, stagetorch_test::scratch_hungry
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 import stagetorch
@@ -451,3 +452,64 @@ def test_seed_model_budget_sweep(name):
         assert torch.equal(loss, expected)
         assert all(map(torch.equal, grads(model), grads(reference))), (fraction, plan)
         assert fraction < 1.0 or not isinstance(plan, RematPlan)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Out of memory where a recomputing plan said the step fits.
+
+
+class _Deep(nn.Module):
+    """Eight Linear + GELU blocks, then test_chunking's op that runs out of memory above a number of rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.GELU())])
+        self.head = nn.Linear(64, 5)
+
+    def forward(self, x):
+        return self.head(torch.ops.stagetorch_test.scratch_hungry(self.body(x)))
+
+
+@pytest.mark.parametrize("fraction", [0.7, 0.4])  # a whole-batch and a chunked plan that recompute
+def test_an_oom_under_a_recomputing_plan_is_redone_exactly_and_remembered(fraction, caplog):
+    """Three SGD steps against the same eager loop; the device holds 20 rows where the plan runs 64 or 32."""
+    torch.manual_seed(0)
+    model = _Deep()
+    reference = copy.deepcopy(model)
+    batches = [(torch.randn(64, 16, 64), torch.randint(0, 5, (64, 16))) for _ in range(3)]
+
+    def step_of(m):
+        def step(x, y):
+            loss = F.cross_entropy(m(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            return loss
+
+        return step
+
+    staged = stagetorch.jit(step_of(model))
+    staged.memory_budget = int(staged.plan(*batches[0]).full_batch_peak_bytes * fraction)
+    plan = staged.plan(*batches[0])
+    assert isinstance(plan, RematPlan) and plan.recompute is not None and max(plan.chunk_sizes) > 20
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    try:
+        with caplog.at_level("WARNING", logger="stagetorch"):
+            for k, (x, y) in enumerate(batches):
+                _DEVICE.update(limit=20, raised=0)
+                optimizer.zero_grad()
+                loss = staged(x, y)
+                raised = _DEVICE["raised"]
+                _DEVICE["limit"] = 10**9
+                ref_optimizer.zero_grad()
+                expected = step_of(reference)(x, y)
+                torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+                for p, q in zip(model.parameters(), reference.parameters()):
+                    torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+                optimizer.step()
+                ref_optimizer.step()
+                assert (raised > 0) == (k == 0), (k, raised)  # later steps plan with the chunk that ran
+    finally:
+        _DEVICE.update(limit=10**9, raised=0)
+    plan = staged.plan(*batches[0])
+    assert max(plan.chunk_sizes) <= 20, plan
+    assert any("later calls" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
