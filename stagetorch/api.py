@@ -24,7 +24,9 @@ from .devices import format_bytes, free_memory
 from .errors import BatchCouplingError, OutOfMemoryError, ShapeError, UnsupportedOpError
 from .execute import Program, accumulate_grad
 from .ir import Aval, Graph, Var
-from .planning import SAFETY_MARGIN, Plan, plan_chunks
+from .passes import writes
+from .planning import SAFETY_MARGIN, Plan, chunked_peak, plan_chunks
+from .remat_planning import Recompute, RematPlan, frontier, plan_joint
 from .tracing import State, Traced, arg_names, discover, trace
 
 __all__ = ["make_ir", "eval_shape", "jit", "Staged", "memory", "Executable", "clear_caches"]
@@ -95,7 +97,9 @@ class Executable:
     """A staged graph ready to run on real inputs: unchunked when the batch fits, else in exact chunks.
 
     Front ends (``jit``, ``lazy``) build one per staged program and call :meth:`run`. The compiled program,
-    the chunked split and the plan per budget are made on first use and kept.
+    the chunked split and the plan per budget are made on first use and kept. With ``remat``, a step that
+    does not fit whole may recompute forward values in the backward (see :mod:`stagetorch.remat_planning`);
+    such a plan runs through an Executable of the recomputing graph.
     """
 
     graph: Graph
@@ -111,6 +115,10 @@ class Executable:
     cap: int | None = None
     # Bytes the graph counts twice because two of its inputs are views of one storage (known at the first run).
     _overlap: int | None = None
+    remat: bool = False
+    # The Executables of the recomputing graphs the joint planner made from this one, and its frontier.
+    _inner: dict[Graph, Executable] = attrs.field(factory=dict)
+    _points: list[Recompute] | None = None
 
     @property
     def program(self) -> Program:
@@ -121,6 +129,8 @@ class Executable:
     def split(self) -> Split:
         if self._split is None:
             self._split = Split(analyze(self.graph, self.batched, self.batch))
+            if self._overlap:
+                self._split.input_overlap = self._overlap
         return self._split
 
     def plan(self, budget: int) -> Plan:
@@ -132,10 +142,45 @@ class Executable:
         # Chunked plans are kept per budget to about 0.4% (its top 9 bits).
         key = -1 if fits else budget >> max(budget.bit_length() - 9, 0) << max(budget.bit_length() - 9, 0)
         if key not in self.plans:
-            self.plans[key] = plan_chunks(
-                self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak, cap=self.cap
-            )
+            if self.remat and not fits:
+                self.plans[key] = plan_joint(
+                    self.graph, budget, lambda g: self._chunk_plan(g, budget), self._floor, self._frontier
+                )
+            else:
+                self.plans[key] = plan_chunks(
+                    self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak, cap=self.cap
+                )
         return self.plans[key]
+
+    def _frontier(self) -> list[Recompute]:
+        if self._points is None:
+            self._points = frontier(self.graph)
+        return self._points
+
+    def _for(self, graph: Graph) -> Executable:
+        """The Executable of a recomputing graph the joint planner made from this one (same inputs)."""
+        if graph not in self._inner:
+            self._inner[graph] = Executable(
+                graph, self.batched, self.batch, self.consts, cap=self.cap, overlap=self._overlap
+            )
+        return self._inner[graph]
+
+    def _chunk_plan(self, graph: Graph, budget: int) -> Plan:
+        if graph is self.graph:
+            return plan_chunks(self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak, cap=self.cap)
+        inner = self._for(graph)
+        # A chunk that ran out of memory here is not tried for a recomputing graph either (it needs no more).
+        if self.cap is not None and (inner.cap is None or inner.cap > self.cap):
+            inner.cap = self.cap
+            inner.plans.clear()
+        return inner.plan(budget)
+
+    def _floor(self, graph: Graph) -> int:
+        """The fewest bytes ``graph`` runs in: one example per chunk, or the whole batch if it cannot be split."""
+        try:
+            return chunked_peak(self.split() if graph is self.graph else self._for(graph).split(), 1, peak_bytes)
+        except (BatchCouplingError, UnsupportedOpError):
+            return peak_bytes(graph)
 
     def run(
         self, inputs: list, budget: int, *, on_chunk: Callable[[int, int], None] | None = None, name: str = "step"
@@ -150,6 +195,13 @@ class Executable:
         if self._overlap is None:
             self._see_inputs(inputs)
         plan = self.plan(budget)
+        if isinstance(plan, RematPlan) and plan.recompute is not None:
+            inner = self._for(plan.recompute.graph)
+            result = inner.run(inputs, budget, on_chunk=on_chunk, name=name)
+            if inner.cap is not None and inner.cap != self.cap:  # it ran out of memory: plan again with what ran
+                self.cap = inner.cap
+                self.plans.clear()
+            return result
         mutated = self._mutated
         if mutated is None:
             mutated = self._mutated = _mutated_inputs(self.graph)
@@ -188,8 +240,10 @@ class Executable:
         self._overlap = overlap
         if overlap:
             self.plans.clear()
+            self._inner.clear()
             self._full_peak = None
-            self.split().input_overlap = overlap
+            if self._split is not None:
+                self._split.input_overlap = overlap
 
     def _recover(self, inputs: list, saved: list, error: Exception, on_chunk: Any, name: str) -> tuple[list, list]:
         """The whole batch ran out of memory although the plan said it fits: redo it in two halves (and
@@ -240,40 +294,16 @@ def device_of(graph: Graph) -> torch.device:
     return graph.invars[0].aval.device if graph.invars else torch.device("cpu")
 
 
-_aten = torch.ops.aten
-# Ops that write arguments their schema does not mark as written: (the training flag's position, the
-# positions it makes written). Batch norm in training updates running_mean and running_var in place.
-_UNDECLARED_WRITES = {
-    _aten.native_batch_norm.default: (5, (3, 4)),
-    _aten.cudnn_batch_norm.default: (5, (3, 4)),
-    _aten.miopen_batch_norm.default: (5, (3, 4)),
-    _aten.batch_norm.default: (5, (3, 4)),
-}
-
-
 def _mutated_inputs(graph: Graph) -> list[int]:
-    """Positions of inputs that some equation writes in place (a buffer update, an in-place op on an arg),
-    whether its schema says so or :data:`_UNDECLARED_WRITES` does."""
+    """Positions of inputs that some equation writes in place (a buffer update, an in-place op on an arg,
+    BatchNorm's running statistics though its schema does not say so: see :func:`stagetorch.passes.writes`)."""
     roots = {v: i for i, v in enumerate(graph.invars)}
-    out = []
-
-    def written(x: Any) -> None:
-        i = roots.get(x.root) if isinstance(x, Var) else None
-        if i is not None and i not in out:
-            out.append(i)
-
+    out: list[int] = []
     for e in graph.eqns:
-        schema = getattr(e.prim, "_schema", None)
-        if schema is None:
-            continue
-        for a, x in zip(schema.arguments, e.args):
-            if a.alias_info is not None and a.alias_info.is_write:
-                for y in x if isinstance(x, (list, tuple)) else (x,):
-                    written(y)
-        undeclared = _UNDECLARED_WRITES.get(e.prim)
-        if undeclared is not None and len(e.args) > undeclared[0] and e.args[undeclared[0]]:
-            for k in undeclared[1]:
-                written(e.args[k])
+        for x in writes(e):
+            i = roots.get(x.root)
+            if i is not None and i not in out:
+                out.append(i)
     return out
 
 
@@ -294,7 +324,11 @@ class Staged:
         memory_budget: int | str | None = None,
         progress: bool = False,
         process_group: Any = None,
+        remat: str | bool = "auto",
     ):
+        if remat not in ("auto", False):
+            raise ValueError(f"remat must be \"auto\" or False, not {remat!r}")
+        self.remat = remat == "auto"
         self.fn = fn
         self.process_group = process_group
         self.progress = progress
@@ -349,7 +383,10 @@ class Staged:
             arg_vars = [v for v, r in zip(graph.invars, graph.roles) if r == "arg"]
             batched = {v: Batched(dim) for v, (is_batched, dim) in zip(arg_vars, batched_leaves) if is_batched}
             # A chunk size that ran out of memory for another signature of this step is not tried again.
-            entry = _Entry(traced, Executable(graph, batched, batch, traced.consts, cap=self._caps.get(batch)))
+            entry = _Entry(
+                traced,
+                Executable(graph, batched, batch, traced.consts, cap=self._caps.get(batch), remat=self.remat),
+            )
             self._cache[key] = entry
         self._last_key = key
         if argnums is None:
@@ -547,6 +584,7 @@ def jit(
     memory_budget: int | str | None = None,
     progress: bool = False,
     process_group: Any = None,
+    remat: str | bool = "auto",
 ) -> Any:
     """Stage ``fn`` once per input signature and run the staged program.
 
@@ -566,6 +604,10 @@ def jit(
       the call every rank's ``.grad`` and the returned loss are those of the global batch, as one process
       running all shards concatenated in rank order would compute them. Each rank plans for its own
       ``memory_budget``. Per-example outputs are the rank's own examples. See the distributed docs page.
+    - ``remat``: ``"auto"`` (default) lets a step that does not fit whole recompute forward values in the
+      backward instead of keeping them, chosen together with the chunk size for the cheapest step that fits
+      (the result is bit for bit the same); ``False`` only chunks. With a ``process_group`` each rank's shard
+      is only chunked.
 
     **Returns** a :class:`Staged` callable.
     """
@@ -576,6 +618,7 @@ def jit(
         memory_budget=memory_budget,
         progress=progress,
         process_group=process_group,
+        remat=remat,
     )
     if fn is None:
         return lambda f: Staged(f, **options)

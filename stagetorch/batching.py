@@ -30,6 +30,7 @@ import torch
 
 from .errors import BatchCouplingError, UnsupportedOpError
 from .ir import Eqn, Graph, Var, op_name
+from .passes import writes
 from .registry import slot
 
 __all__ = [
@@ -159,21 +160,6 @@ def _rule_for(prim: Any) -> Callable | None:
     return rule
 
 
-def _mutated_args(eqn: Eqn) -> list[Var]:
-    schema = getattr(eqn.prim, "_schema", None)
-    if schema is None:
-        return []
-    out = []
-    for a, x in zip(schema.arguments, eqn.args):
-        if a.alias_info is not None and a.alias_info.is_write:
-            out += [x] if isinstance(x, Var) else [y for y in (x if isinstance(x, (list, tuple)) else ()) if isinstance(y, Var)]
-    for name, x in eqn.kwargs.items():
-        for a in schema.arguments:
-            if a.name == name and a.alias_info is not None and a.alias_info.is_write and isinstance(x, Var):
-                out.append(x)
-    return out
-
-
 def analyze(graph: Graph, inputs: dict[Var, Batched], batch: int) -> BatchAnalysis:
     """Label every value of ``graph`` given the batched inputs (by Var) and the full batch size."""
     labels: dict[Var, Any] = dict(inputs)
@@ -201,7 +187,7 @@ def analyze(graph: Graph, inputs: dict[Var, Batched], batch: int) -> BatchAnalys
             if late:
                 # An in-place op that returns nothing (_foreach_add_ of an optimizer's step) leaves its
                 # arguments' Vars as they were: what reads them after it must run after it too.
-                for v in _mutated_args(e):
+                for v in writes(e):
                     if labels.get(v) is None:
                         labels[v] = _POST
                     updated.add(v)
@@ -227,7 +213,7 @@ def analyze(graph: Graph, inputs: dict[Var, Batched], batch: int) -> BatchAnalys
                 f"batch=stagetorch.ops.per_example()), or run without chunking (a larger memory_budget)."
             )
         decision = rule(e, LabelFn(labels, batch))
-        for v in _mutated_args(e):
+        for v in writes(e):
             if not isinstance(labels.get(v), Batched):
                 raise coupling(
                     e,

@@ -19,14 +19,17 @@ from .devices import format_bytes
 from .ir import Eqn, Graph, SourceInfo, Var, op_name
 from .registry import slot
 
-__all__ = ["CATEGORIES", "MemoryEffect", "Timeline", "timeline", "peak_bytes", "MemoryReport", "report"]
+__all__ = [
+    "CATEGORIES", "MemoryEffect", "effect", "allocated", "Timeline", "timeline", "peak_bytes", "MemoryReport", "report"
+]
 
 CATEGORIES = ("parameters", "buffers", "inputs", "gradients", "activations", "temporaries", "workspace")
 
 _CUDA_BLOCK = 512  # the caching allocator rounds every block up to a multiple of 512 bytes
 
 
-def _allocated(nbytes: int, device: torch.device) -> int:
+def allocated(nbytes: int, device: torch.device) -> int:
+    """The bytes the device's allocator takes for a tensor of ``nbytes`` (CUDA rounds blocks up to 512)."""
     if device.type == "cuda" and nbytes:
         return -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK
     return nbytes
@@ -42,7 +45,8 @@ class MemoryEffect:
     outputs: dict = attrs.field(factory=dict)
 
 
-def _effect(e: Eqn) -> MemoryEffect:
+def effect(e: Eqn) -> MemoryEffect:
+    """The registry's memory rule for ``e``'s op applied to ``e`` (no rule: no effect beyond its outputs)."""
     rule = slot(e.prim, "memory")
     if rule is None:
         return _NO_EFFECT
@@ -89,7 +93,7 @@ def timeline(graph: Graph) -> Timeline:
     for v, role in zip(graph.invars, roles):
         r = v.root
         if r not in owners:
-            size = _allocated(r.owned_nbytes, r.aval.device)
+            size = allocated(r.owned_nbytes, r.aval.device)
             owners[r] = (cat_of_role.get(role, "inputs"), size, -1)
             live[index[owners[r][0]]] += size
     frees: list[list[Var]] = [[] for _ in range(n + 1)]
@@ -101,7 +105,7 @@ def timeline(graph: Graph) -> Timeline:
     alive: set[Var] = set(owners)
     peak_live: list[Var] = list(alive)
     for i, e in enumerate(graph.eqns):
-        effect = _effect(e)
+        eff = effect(e)
         for j, v in enumerate(e.outvars):
             if v is None:
                 continue
@@ -109,13 +113,13 @@ def timeline(graph: Graph) -> Timeline:
             if r in owners:
                 continue
             cat = "gradients" if r in grad_roots else ("temporaries" if e.source.backward else "activations")
-            size = _allocated(effect.outputs.get(j, r.owned_nbytes), r.aval.device)
+            size = allocated(eff.outputs.get(j, r.owned_nbytes), r.aval.device)
             owners[r] = (cat, size, i)
             live[index[cat]] += size
             alive.add(r)
             if r not in last:  # never read, never kept: dies as soon as the op returns
                 frees[i].append(r)
-        ws = effect.workspace
+        ws = eff.workspace
         total = sum(live) + ws
         row = list(live)
         row[index["workspace"]] += ws

@@ -26,6 +26,7 @@ class Rule:
     shape: Callable[..., Any] | None = None
     memory: Callable[..., Any] | None = None
     batch: Callable[..., Any] | None = None
+    flops: Callable[..., Any] | None = None
 
 
 _RULES: dict[Op, Rule] = {}
@@ -46,6 +47,7 @@ def register(
     shape: Callable[..., Any] | None = None,
     memory: Callable[..., Any] | None = None,
     batch: Callable[..., Any] | None = None,
+    flops: Callable[..., Any] | None = None,
 ) -> Rule:
     """Teach stagetorch an op, or override what it knows.
 
@@ -60,6 +62,8 @@ def register(
       op needs while it runs, beyond its outputs.
     - ``batch``: called as ``batch(eqn, label)``; says how the op runs on a chunk of the batch (see
       :mod:`stagetorch.batching`).
+    - ``flops``: called with the :class:`~stagetorch.Eqn`; returns the floating-point operations it does
+      (a multiply-add counts 2, as ``torch.utils.flop_counter`` counts). Default: one per output element.
 
     Each slot is also a decorator: ``@stagetorch.ops.register.memory(torch.ops.mylib.op)``.
 
@@ -67,7 +71,7 @@ def register(
     """
     op = _check_op(op)
     rule = _RULES.setdefault(op, Rule(op))
-    for slot, fn in (("shape", shape), ("memory", memory), ("batch", batch)):
+    for slot, fn in (("shape", shape), ("memory", memory), ("batch", batch), ("flops", flops)):
         if fn is not None:
             setattr(rule, slot, fn)
     return rule
@@ -89,6 +93,7 @@ def _slot_decorator(slot: str) -> Callable[[Op], Callable[[Callable], Callable]]
 register.shape = _slot_decorator("shape")  # type: ignore[attr-defined]
 register.memory = _slot_decorator("memory")  # type: ignore[attr-defined]
 register.batch = _slot_decorator("batch")  # type: ignore[attr-defined]
+register.flops = _slot_decorator("flops")  # type: ignore[attr-defined]
 
 
 def rules() -> dict[Op, Rule]:

@@ -80,7 +80,9 @@ class LivePeak(TorchDispatchMode):
         return out
 
 
-PATHS = ["jit", "chunked", "small_chunks", "no_grad", "lazy", "lazy_chunked"]
+# "remat" is the chunked path's budget with recomputation allowed (jit's default); "chunked" and
+# "small_chunks" turn it off, so that they measure chunking alone.
+PATHS = ["jit", "chunked", "small_chunks", "remat", "no_grad", "lazy", "lazy_chunked"]
 
 
 def smallest_plan_peak(staged: stagetorch.Staged, *args: torch.Tensor) -> int:
@@ -114,7 +116,7 @@ def measure(name, path):
                 staged(x)
         return plan.peak, run.peak, staged.memory_budget, len(plan.chunk_sizes)
     staged = stagetorch.jit(_step_of(name)(copy.deepcopy(model)))
-    budget = {"chunked": 0.4, "small_chunks": 0.05, "lazy_chunked": 0.4}.get(path)
+    budget = {"chunked": 0.4, "small_chunks": 0.05, "remat": 0.4, "lazy_chunked": 0.4}.get(path)
     if budget is not None:
         budget = _budget_between(staged, (x, y), budget)
     if path.startswith("lazy"):
@@ -134,7 +136,7 @@ def measure(name, path):
                 float(_step_of(name)(model)(lx, ly))
         assert planned
         return max(p.peak for p in planned), run.peak, budget, max(len(p.chunk_sizes) for p in planned)
-    staged = stagetorch.jit(_step_of(name)(model), memory_budget=budget)
+    staged = stagetorch.jit(_step_of(name)(model), memory_budget=budget, remat="auto" if path in ("jit", "remat") else False)
     plan = staged.plan(x, y)
     with LivePeak(resident) as run:
         staged(x, y)

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .. import batching
+from .. import batching, flops
 from ..errors import ShapeError
 from ..ir import Aval
 from . import _shape
@@ -61,3 +61,15 @@ BATCH: dict = {
     aten._safe_softmax: batching.softmax(dim_arg=1),
 }
 
+
+# FLOP rules: op -> rule(eqn) -> int (see stagetorch/flops.py)
+FLOPS: dict = {
+    **{op: flops.attention_rule for op in (
+        aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention,
+        aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention,
+    )},
+    **{op: flops.attention_backward_rule for op in (
+        aten._scaled_dot_product_flash_attention_for_cpu_backward, aten._scaled_dot_product_flash_attention_backward,
+        aten._scaled_dot_product_efficient_attention_backward, aten._scaled_dot_product_cudnn_attention_backward,
+    )},
+}

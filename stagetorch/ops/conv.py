@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import batching
+from .. import batching, flops
 from ..errors import ShapeError
 from ..ir import Aval
 
@@ -61,3 +61,9 @@ BATCH: dict = {
     aten.convolution_backward: batching.per_example(outputs=("b", "sum", "sum")),
 }
 
+
+# FLOP rules: op -> rule(eqn) -> int (see stagetorch/flops.py)
+FLOPS: dict = {
+    aten.convolution: flops.conv_rule,
+    aten.convolution_backward: flops.conv_backward_rule,
+}

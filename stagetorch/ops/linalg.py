@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import batching
+from .. import batching, flops
 from . import _shape
 
 aten = torch.ops.aten
@@ -39,3 +39,6 @@ BATCH: dict = {
     )},
 }
 
+
+# FLOP rules: op -> rule(eqn) -> int (see stagetorch/flops.py)
+FLOPS: dict = {op: flops.matmul_rule for op in (aten.mm, aten.addmm, aten.bmm, aten.baddbmm)}

@@ -108,3 +108,17 @@ BATCH: dict = {
     aten.mkldnn_rnn_layer: rnn_layer,
     aten.mkldnn_rnn_layer_backward: rnn_layer_backward,
 }
+
+
+def _rnn_flops(x: Var, w_ih: Var, w_hh: Var) -> int:
+    """Each step of each sequence multiplies its input and its hidden state by the gate weights."""
+    tokens = x.aval.numel // x.aval.shape[-1]
+    return 2 * tokens * (w_ih.aval.numel + w_hh.aval.numel)
+
+
+# FLOP rules: op -> rule(eqn) -> int (see stagetorch/flops.py). The backward does the products twice over:
+# once for the input and state gradients, once for the weight gradients.
+FLOPS: dict = {
+    aten.mkldnn_rnn_layer: lambda e: _rnn_flops(*e.args[:3]),
+    aten.mkldnn_rnn_layer_backward: lambda e: 2 * _rnn_flops(*e.args[:3]),
+}

@@ -1,0 +1,142 @@
+"""Recomputation benchmarks (issue 15).
+
+(a) Budget sweep on the seed models (tests/remat_models.py): for each budget, what the joint planner chose
+    (chunks, recomputed ops, extra FLOPs), its predicted peak and the live-tensor peak measured.
+(b) The issue's example, 24 x (Linear(128,128) + GELU) over 1024 tokens, at budgets down to 1/3 of its peak:
+    step time of stagetorch's plan against the unconstrained staged step, per-block torch.utils.checkpoint,
+    checkpoint_sequential (sqrt(24) ~ 5 segments) and chunking alone, with each one's measured peak.
+(c) Planning time on a chain of 5,000 equations.
+
+Run: python -m pytest bench/bench_remat.py --benchmark-enable -s
+CPU step times vary between runs (see /work/shared/REMAT.md): compare FLOPs and peaks first.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+
+import pytest
+import remat_models
+import torch
+import torch.nn as nn
+from memtrack import LivePeak
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+import stagetorch
+from stagetorch.costing import peak_bytes
+from stagetorch.planning import SAFETY_MARGIN
+from stagetorch.remat_planning import RematPlan, frontier
+
+MiB = 2**20
+
+
+def step_of(model: nn.Module, forward=None):
+    forward = forward or model
+
+    def step(x):
+        loss = forward(x).square().mean()
+        loss.backward()
+        return loss
+
+    return step
+
+
+def _describe(plan) -> str:
+    kind = f"{len(plan.chunk_sizes)} chunk(s)"
+    if isinstance(plan, RematPlan) and plan.recompute is not None:
+        kind += f" + recompute {plan.recompute.dropped} ops (+{plan.extra_flops / plan.base_flops:.0%} FLOPs)"
+    return kind
+
+
+@pytest.mark.parametrize("name", sorted(remat_models.SEEDS))
+def test_seed_sweep(name):
+    torch.manual_seed(0)
+    model, x = remat_models.SEEDS[name]()
+    staged = stagetorch.jit(step_of(model))
+    full = peak_bytes(staged.graph(x))
+    print(f"\n{name}: no-recompute peak {full / MiB:.2f} MiB")
+    for fraction in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2):
+        budget = math.ceil(full * fraction / (1 - SAFETY_MARGIN)) + 1
+        staged.memory_budget = budget
+        try:
+            plan = staged.plan(x)
+        except stagetorch.errors.StagingError as e:
+            print(f"  {fraction:4.2f}: below the floor ({str(e).split('schedule fits is ')[-1]}")
+            continue
+        model.zero_grad(set_to_none=True)
+        with LivePeak([*model.parameters(), *model.buffers(), x]) as tracker:
+            staged(x)
+        predicted = max(plan.peak_bytes)
+        print(
+            f"  {fraction:4.2f}: {_describe(plan):48s} predicted {predicted / MiB:6.2f} MiB, measured "
+            f"{tracker.peak / MiB:6.2f} MiB ({(tracker.peak - predicted) / predicted:+.1%}), "
+            f"{'within' if tracker.peak <= budget else 'OVER'} the budget"
+        )
+
+
+def _chain():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(24)]), torch.randn(2, 1024, 128)
+
+
+def _timed(fn, x, model, repeat: int = 7) -> tuple[float, int]:
+    fn(x)  # stage / warm up
+    times = []
+    for _ in range(repeat):
+        model.zero_grad(set_to_none=True)
+        t = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - t)
+    model.zero_grad(set_to_none=True)
+    with LivePeak([*model.parameters(), x]) as tracker:
+        fn(x)
+    return statistics.median(times), tracker.peak
+
+
+def test_issue_example_step_time():
+    model, x = _chain()
+    full = peak_bytes(stagetorch.make_ir(step_of(model))(x))
+    rows = [("staged, unconstrained", stagetorch.jit(step_of(model), remat=False))]
+    blocks = list(model)
+    rows.append(("torch.utils.checkpoint per block (eager)", step_of(model, lambda x: _per_block(blocks, x))))
+    rows.append(("checkpoint_sequential, 5 segments (eager)",
+                 step_of(model, lambda x: checkpoint_sequential(model, 5, x, use_reentrant=False))))
+    for fraction in (0.6, 1 / 3):
+        budget = int(full * fraction)
+        rows.append((f"stagetorch at {fraction:.2f}x budget", stagetorch.jit(step_of(model), memory_budget=budget)))
+        rows.append((f"chunking alone at {fraction:.2f}x", stagetorch.jit(step_of(model), memory_budget=budget, remat=False)))
+    print(f"\n24 x (Linear(128,128)+GELU), batch 2 x 1024 tokens; no-recompute peak {full / MiB:.1f} MiB")
+    base = None
+    for label, fn in rows:
+        try:
+            plan = fn.plan(x) if isinstance(fn, stagetorch.Staged) else None
+            seconds, peak = _timed(fn, x, model)
+        except stagetorch.errors.StagingError as e:
+            print(f"  {label:44s} fails: {type(e).__name__}")
+            continue
+        base = base or seconds
+        what = _describe(plan) if plan is not None else ""
+        print(f"  {label:44s} {seconds * 1e3:7.1f} ms ({seconds / base:4.2f}x)  peak {peak / MiB:6.1f} MiB  {what}")
+
+
+def _per_block(blocks, x):
+    for b in blocks:
+        x = checkpoint(b, x, use_reentrant=False)
+    return x
+
+
+def test_planning_time_5000_equations():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(312)])
+    x = torch.randn(64, 256, 32)
+    graph = stagetorch.make_ir(step_of(model))(x)
+    t = time.perf_counter()
+    points = frontier(graph)
+    seconds = time.perf_counter() - t
+    print(f"\nfrontier of {len(graph.eqns)} equations: {len(points)} points in {seconds:.2f} s")
+    t = time.perf_counter()
+    plan = stagetorch.jit(step_of(copy.deepcopy(model)), memory_budget=int(points[-1].peak_bytes * 1.5)).plan(x)
+    print(f"jit plan (staging included) {time.perf_counter() - t:.2f} s: {_describe(plan)}")

@@ -1,0 +1,189 @@
+"""Rematerialisation as a Graph -> Graph pass: forward values the backward reads are dropped after their last
+forward use and recomputed just before their first backward use.
+
+Which values may be dropped is decided here, from the graph alone (a pure function of it, so a policy can
+never disagree between the forward and its recomputation): a storage can be recomputed only when every
+equation that made it can run again with the same result and no other effect — no in-place write, no
+random draw (dropout's mask is kept, not redrawn), no op outside ATen, and no read of a storage that is
+written after the read. Which of those to drop is the caller's choice (``keep``); the planner makes it.
+
+The pass emits an ordinary Graph, so the memory interpreter costs it exactly and the eager interpreter and
+the chunked executor run it unchanged. It knows the IR and the passes layer only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import attrs
+
+from .ir import Eqn, Graph, Var
+from .passes import dce, has_effect, writes
+
+__all__ = ["RECOMPUTED", "Candidates", "candidates", "remat", "recomputed_eqns"]
+
+# ``SourceInfo.backward`` of an equation the pass inserted: the memory report files its outputs as
+# temporaries of the backward, and the plan counts them.
+RECOMPUTED = "recomputation"
+
+
+@attrs.frozen
+class Candidates:
+    """What the pass may drop in ``graph``.
+
+    ``roots`` are the storages the forward makes and the backward reads, that can be recomputed, in the
+    order the forward makes them; ``nbytes`` their sizes; ``boundary`` is the index of the first backward
+    equation (``len(graph.eqns)`` when there is no backward). ``pinned`` are the storages the backward
+    reads that must be kept (made by an op with a side effect, or written in place). ``recomputable`` is
+    every forward storage that can be recomputed, read by the backward or not (a value only the
+    recomputation needs is recomputed too, rather than kept).
+    """
+
+    roots: tuple[Var, ...]
+    nbytes: tuple[int, ...]
+    boundary: int
+    pinned: frozenset[Var]
+    recomputable: frozenset[Var]
+
+
+def _boundary(graph: Graph) -> int:
+    for i, e in enumerate(graph.eqns):
+        if e.source.backward:
+            return i
+    return len(graph.eqns)
+
+
+def _replayable(graph: Graph) -> list[bool]:
+    """Per equation: may it run a second time, later in the program, with the same result and no effect?"""
+    last_write: dict[Var, int] = {}
+    for i, e in enumerate(graph.eqns):
+        for v in writes(e):
+            last_write[v.root] = i
+    return [
+        not has_effect(e) and all(last_write.get(v.root, -1) < i for v in e.invars)
+        for i, e in enumerate(graph.eqns)
+    ]
+
+
+def candidates(graph: Graph) -> Candidates:
+    """The storages ``remat`` may drop (see :class:`Candidates`)."""
+    boundary = _boundary(graph)
+    ok = _replayable(graph)
+    made: dict[Var, int] = {}  # root -> equation that first made it, forward only
+    recomputable: dict[Var, bool] = {}
+    inputs = {v.root for v in graph.invars}
+    for i, e in enumerate(graph.eqns[:boundary]):
+        for v in e.outvars:
+            if v is None or v.root in inputs:
+                continue
+            r = v.root
+            made.setdefault(r, i)
+            recomputable[r] = recomputable.get(r, True) and ok[i]
+        for v in writes(e):
+            recomputable[v.root] = False
+    kept_to_end = {v.root for v in graph.outvars if isinstance(v, Var)} | {v.root for _, v in graph.grads}
+    read_late: list[Var] = []
+    seen: set[Var] = set()
+    for e in graph.eqns[boundary:]:
+        for v in e.invars:
+            r = v.root
+            if r in made and r not in seen:
+                seen.add(r)
+                read_late.append(r)
+    roots = sorted((r for r in read_late if recomputable[r] and r not in kept_to_end), key=made.__getitem__)
+    pinned = frozenset(r for r in read_late if not recomputable[r] or r in kept_to_end)
+    every = frozenset(r for r, ok_r in recomputable.items() if ok_r and r not in kept_to_end)
+    return Candidates(tuple(roots), tuple(r.owned_nbytes for r in roots), boundary, pinned, every)
+
+
+def remat(graph: Graph, keep: Collection[Var], cands: Candidates | None = None) -> Graph:
+    """Recompute the recomputable storages not in ``keep`` (root vars) where the backward needs them.
+
+    Each dropped value is recomputed once, just before the first backward equation that reads it (with the
+    dropped values it depends on, recursively, back to kept values and inputs), and then read by every later
+    backward use; the eager schedule frees the original after its last forward use and the copy after its
+    last backward use. ``cands`` is ``candidates(graph)`` when the caller has it.
+    """
+    cands = candidates(graph) if cands is None else cands
+    drop = cands.recomputable - set(keep)
+    if not any(r in drop for r in cands.roots):
+        return graph
+    producer: dict[Var, Eqn] = {}
+    for e in graph.eqns[: cands.boundary]:
+        for v in e.outvars:
+            if v is not None:
+                producer[v] = e
+    sub: dict[Var, Var] = {}  # original var -> the var that stands for it from here on
+    out: list[Eqn] = list(graph.eqns[: cands.boundary])
+
+    def fresh(v: Var) -> Var:
+        base = None if v.base is None else sub.get(v.base, v.base)
+        return Var(v.aval, base, v.storage_nbytes)
+
+    def recompute(v: Var) -> None:
+        # Depth-first over the dropped values ``v`` needs, emitting each producing equation once, inputs first.
+        stack = [(producer[v], False)]
+        while stack:
+            e, ready = stack.pop()
+            if any(o is not None and o in sub for o in e.outvars):
+                continue
+            if ready:
+                outs = tuple(None if o is None else fresh(o) for o in e.outvars)
+                for o, n in zip(e.outvars, outs):
+                    if o is not None:
+                        sub[o] = n
+                out.append(Eqn(e.prim, _subst(e.args, sub), _subst(e.kwargs, sub), outs,
+                               attrs.evolve(e.source, backward=RECOMPUTED)))
+                continue
+            stack.append((e, True))
+            needs = [u for u in e.invars if u.root in drop and u not in sub]
+            # A view's storage comes with its base: recompute the base too, so the copy has one.
+            needs += [o.base for o in e.outvars if o is not None and o.base is not None and o.base.root in drop
+                      and o.base not in sub and o.base in producer]
+            stack.extend((producer[u], False) for u in reversed(needs))
+
+    for e in graph.eqns[cands.boundary:]:
+        for v in e.invars:
+            if v.root in drop and v not in sub:
+                recompute(v)
+        args, kwargs = _subst(e.args, sub), _subst(e.kwargs, sub)
+        outs = tuple(_rebase(o, sub) for o in e.outvars)
+        if args is e.args and kwargs is e.kwargs and all(a is b for a, b in zip(outs, e.outvars)):
+            out.append(e)
+        else:
+            out.append(attrs.evolve(e, args=args, kwargs=kwargs, outvars=outs))
+    outvars = [sub.get(v, v) if isinstance(v, Var) else v for v in graph.outvars]
+    grads = [(i, sub.get(v, v)) for i, v in graph.grads]
+    # Forward values that only the backward read, and that it now recomputes, are left with no reader.
+    return dce(attrs.evolve(graph, eqns=out, outvars=outvars, grads=grads))
+
+
+def _rebase(v: Var | None, sub: dict[Var, Var]) -> Var | None:
+    """A backward value that lives in the storage of a recomputed one gets a var based on the copy."""
+    if v is None or v.base is None or sub.get(v.base, v.base) is v.base:
+        return v
+    n = Var(v.aval, sub[v.base], v.storage_nbytes)
+    sub[v] = n
+    return n
+
+
+def _subst(x: object, sub: dict[Var, Var]) -> object:
+    """``x`` with vars replaced through ``sub``; ``x`` itself when nothing changes."""
+    if isinstance(x, Var):
+        return sub.get(x, x)
+    if isinstance(x, (list, tuple)):
+        items = [_subst(y, sub) for y in x]
+        if all(a is b for a, b in zip(items, x)):
+            return x
+        return items if isinstance(x, list) else tuple(items)
+    if isinstance(x, dict):
+        items = {k: _subst(y, sub) for k, y in x.items()}
+        if all(items[k] is x[k] for k in x):
+            return x
+        return items
+    return x
+
+
+def recomputed_eqns(graph: Graph) -> list[Eqn]:
+    """The equations a remat pass inserted into ``graph``."""
+    return [e for e in graph.eqns if e.source.backward == RECOMPUTED]

@@ -1,0 +1,87 @@
+"""The seed models of the recomputation issue (after pytorch_memonger's examples), small enough for CPU tests:
+a ResNet of bottleneck blocks with BatchNorm, a DenseNet block (concatenation), an LSTM, a VNet-like 3D conv
+net and a stack of transformer blocks. Each factory returns (model, batch of inputs)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, c: int, mid: int):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(c, mid, 1, bias=False), nn.BatchNorm2d(mid), nn.ReLU(),
+            nn.Conv2d(mid, mid, 3, padding=1, bias=False), nn.BatchNorm2d(mid), nn.ReLU(),
+            nn.Conv2d(mid, c, 1, bias=False), nn.BatchNorm2d(c),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + x)
+
+
+def resnet(blocks: int = 6, c: int = 32) -> tuple[nn.Module, torch.Tensor]:
+    model = nn.Sequential(
+        nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(),
+        *[Bottleneck(c, c // 4) for _ in range(blocks)],
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 10),
+    )
+    return model, torch.randn(4, 3, 24, 24)
+
+
+class DenseBlock(nn.Module):
+    def __init__(self, c: int, growth: int, layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.GroupNorm(1, c + i * growth), nn.ReLU(), nn.Conv2d(c + i * growth, growth, 3, padding=1))
+            for i in range(layers)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.cat([x, layer(x)], 1)
+        return x
+
+
+def densenet(layers: int = 8, c: int = 16, growth: int = 8) -> tuple[nn.Module, torch.Tensor]:
+    model = nn.Sequential(
+        nn.Conv2d(3, c, 3, padding=1), DenseBlock(c, growth, layers),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c + layers * growth, 10),
+    )
+    return model, torch.randn(4, 3, 24, 24)
+
+
+class LSTMNet(nn.Module):
+    def __init__(self, d: int = 64, layers: int = 3):
+        super().__init__()
+        self.lstm = nn.LSTM(d, d, layers, batch_first=True)
+        self.head = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0])
+
+
+def lstm() -> tuple[nn.Module, torch.Tensor]:
+    return LSTMNet(), torch.randn(4, 48, 64)
+
+
+def vnet(c: int = 8, depth: int = 3) -> tuple[nn.Module, torch.Tensor]:
+    def stage(cin: int, cout: int) -> nn.Module:
+        return nn.Sequential(nn.Conv3d(cin, cout, 3, padding=1), nn.GroupNorm(2, cout), nn.PReLU(cout))
+
+    layers: list[nn.Module] = [stage(1, c)]
+    for i in range(depth):
+        layers += [stage(c << i, c << i), nn.Conv3d(c << i, c << (i + 1), 2, stride=2)]
+    for i in reversed(range(depth)):
+        layers += [nn.ConvTranspose3d(c << (i + 1), c << i, 2, stride=2), stage(c << i, c << i)]
+    layers.append(nn.Conv3d(c, 2, 1))
+    return nn.Sequential(*layers), torch.randn(2, 1, 16, 16, 16)
+
+
+def transformer(layers: int = 4, d: int = 64) -> tuple[nn.Module, torch.Tensor]:
+    block = nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(block, layers, enable_nested_tensor=False), torch.randn(4, 64, d)
+
+
+SEEDS = {"resnet": resnet, "densenet": densenet, "lstm": lstm, "vnet": vnet, "transformer": transformer}
