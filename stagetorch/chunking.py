@@ -24,7 +24,7 @@ import torch
 from ._tree import map_leaves
 from .batching import BatchAnalysis, Batched, Global, Prepass, Reduced, coupling
 from .execute import Program
-from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var
+from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var, iter_vars
 
 __all__ = ["Split", "run_chunked", "even_chunks", "is_oom", "ChunkOutOfMemory"]
 
@@ -251,7 +251,7 @@ class Split:
         key = ("normaliser", n)
         if key not in self._prepasses:
             extra: list[tuple[Var, Prepass]] = [(v, self.analysis.prepass[v]) for v in self.globals]
-            idx = self._ancestors(self.body_idx, [x for _, p in extra for x in _vars_in(p.args)], "body")
+            idx = self._ancestors(self.body_idx, [x for _, p in extra for x in iter_vars(p.args)], "body")
             # The formula's arguments are cut as the equation that declared it cuts them.
             extra = [(v, attrs.evolve(p, cuts=self._cuts_of(v))) for v, p in extra]
             self._prepasses[key] = self._chunk_graph(n, idx, [], extra, reads_globals=False)
@@ -384,14 +384,6 @@ class Split:
         first = Graph(first_in, _insert_after_last_use(eqns, first_folds), first_outs)
         rest = Graph(rest_in, _insert_after_last_use(eqns, rest_folds), [])
         return BodyGraph(first, rest, first_feeds, rest_feeds, kinds, handed, outs, (cat, acc))
-
-
-def _vars_in(tree: Any) -> list[Var]:
-    if isinstance(tree, Var):
-        return [tree]
-    if isinstance(tree, (list, tuple)):
-        return [v for x in tree for v in _vars_in(x)]
-    return []
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 
 from .errors import StagingError, UnsupportedOpError
 
-__all__ = ["Aval", "Var", "Literal", "SourceInfo", "Eqn", "Graph", "GraphError", "check", "op_name"]
+__all__ = ["Aval", "Var", "Literal", "SourceInfo", "Eqn", "Graph", "GraphError", "check", "op_name", "iter_vars"]
 
 _DTYPE_NAMES = {
     torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
@@ -138,15 +138,16 @@ def op_name(prim: Callable) -> str:
     return getattr(prim, "__name__", repr(prim))
 
 
-def _iter_vars(tree: Any) -> Iterator[Var]:
+def iter_vars(tree: Any) -> Iterator[Var]:
+    """The Vars in an argument tree (nested lists, tuples and dicts), in order."""
     if isinstance(tree, Var):
         yield tree
     elif isinstance(tree, (list, tuple)):
         for x in tree:
-            yield from _iter_vars(x)
+            yield from iter_vars(x)
     elif isinstance(tree, dict):
         for x in tree.values():
-            yield from _iter_vars(x)
+            yield from iter_vars(x)
 
 
 @attrs.define(eq=False)
@@ -165,7 +166,7 @@ class Eqn:
 
     @property
     def invars(self) -> list[Var]:
-        return list(_iter_vars((self.args, self.kwargs)))
+        return list(iter_vars((self.args, self.kwargs)))
 
     @property
     def params(self) -> dict[str, Any]:
@@ -174,7 +175,7 @@ class Eqn:
         names = [a.name for a in schema.arguments] if schema is not None else [f"arg{i}" for i in range(len(self.args))]
         out = {}
         for name, value in itertools.chain(zip(names, self.args), self.kwargs.items()):
-            if not any(True for _ in _iter_vars(value)):
+            if not any(True for _ in iter_vars(value)):
                 out[name] = value
         return out
 

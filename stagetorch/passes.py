@@ -10,7 +10,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from .ir import Eqn, Graph, Var
+from .ir import Eqn, Graph, Var, iter_vars
 
 __all__ = ["Liveness", "liveness", "writes", "is_random", "has_effect", "dce"]
 
@@ -27,14 +27,6 @@ _HIDDEN_WRITES: dict = {
 }
 
 
-def _vars_of(x: object) -> list[Var]:
-    if isinstance(x, Var):
-        return [x]
-    if isinstance(x, (list, tuple)):  # a foreach op writes a list of tensors
-        return [y for y in x if isinstance(y, Var)]
-    return []
-
-
 def writes(e: Eqn) -> list[Var]:
     """The vars whose storage ``e`` writes in place: the schema's written arguments (lists of tensors too, by
     position or keyword) and the hidden writes above. The one account of in-place writes that the batch
@@ -44,11 +36,11 @@ def writes(e: Eqn) -> list[Var]:
     if schema is not None:
         for a, x in zip(schema.arguments, e.args):
             if a.alias_info is not None and a.alias_info.is_write:
-                out += _vars_of(x)
+                out += iter_vars(x)
         for name, x in e.kwargs.items():
             arg = next((a for a in schema.arguments if a.name == name), None)
             if arg is not None and arg.alias_info is not None and arg.alias_info.is_write:
-                out += _vars_of(x)
+                out += iter_vars(x)
     hidden = _HIDDEN_WRITES.get(getattr(e.prim, "overloadpacket", None))
     if hidden is not None and len(e.args) > hidden[0] and e.args[hidden[0]]:
         out += [e.args[i] for i in hidden[1] if isinstance(e.args[i], Var)]
