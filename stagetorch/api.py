@@ -144,7 +144,8 @@ class Executable:
         if key not in self.plans:
             if self.remat and not fits:
                 self.plans[key] = plan_joint(
-                    self.graph, budget, lambda g: self._chunk_plan(g, budget), self._floor, self._frontier
+                    self.graph, budget, lambda g: self._chunk_plan(g, budget), self._floor, self._frontier,
+                    batch=self.batch,
                 )
             else:
                 self.plans[key] = plan_chunks(

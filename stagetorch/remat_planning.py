@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import attrs
+import numpy as np
 
 from .costing import allocated, effect, peak_bytes
 from .devices import format_bytes
@@ -107,16 +108,17 @@ class _Simulator:
         self.resident = {index[v.root]: allocated(v.root.owned_nbytes, v.root.aval.device) for v in graph.invars}
         self.recomputable = {index[r] for r in cands.recomputable}
         self.kept = [index[v] for v in graph.outvars if isinstance(v, Var)] + [index[v] for _, v in graph.grads]
+        self.names = [op_name(e.prim) for e in graph.eqns]
+        self.forward = [(k, False, self.reads[k], self.outs[k]) for k in range(cands.boundary)]
 
     def run(self, keep: frozenset[Var]) -> tuple[int, int, tuple[str, ...]]:
         """(peak bytes, extra FLOPs, recomputed op names) of ``remat(graph, keep)``."""
-        n, root, base, reads_of, outs_of, producer = self.n, self.root, self.base, self.reads, self.outs, self.producer
+        n, base, reads_of, outs_of, producer = self.n, self.base, self.reads, self.outs, self.producer
         drop = self.recomputable - {self.index[r] for r in keep}
+        dropped = [r in drop for r in self.root]  # per var: does its storage get recomputed?
         copied = [False] * n
         # Events: (equation index, recomputed?, vars read, vars defined), vars numbered as above.
-        events: list[tuple[int, bool, tuple[int, ...], tuple[int, ...]]] = [
-            (k, False, reads_of[k], outs_of[k]) for k in range(self.cands.boundary)
-        ]
+        events: list[tuple[int, bool, tuple[int, ...], tuple[int, ...]]] = list(self.forward)
 
         def recompute(v: int) -> None:
             stack = [(producer[v], False)]
@@ -131,30 +133,33 @@ class _Simulator:
                     events.append((k, True, tuple(u + n if copied[u] else u for u in reads_of[k]), tuple(o + n for o in outs)))
                     continue
                 stack.append((k, True))
-                needs = [u for u in reads_of[k] if root[u] in drop and not copied[u]]
-                needs += [base[o] for o in outs if base[o] >= 0 and root[base[o]] in drop and not copied[base[o]]
+                needs = [u for u in reads_of[k] if dropped[u] and not copied[u]]
+                needs += [base[o] for o in outs if base[o] >= 0 and dropped[base[o]] and not copied[base[o]]
                           and producer[base[o]] >= 0]
                 stack.extend((producer[u], False) for u in reversed(needs))
 
         for k in range(self.cands.boundary, len(reads_of)):
-            for u in reads_of[k]:
-                if root[u] in drop and not copied[u]:
+            reads = reads_of[k]
+            for u in reads:
+                if dropped[u] and not copied[u]:
                     recompute(u)
-            outs = []
-            for o in outs_of[k]:
-                if base[o] >= 0 and copied[base[o]]:
-                    copied[o] = True
-                    outs.append(o + n)
-                else:
-                    outs.append(o)
-            events.append((k, False, tuple(u + n if copied[u] else u for u in reads_of[k]), tuple(outs)))
+            outs = outs_of[k]
+            if any(base[o] >= 0 and copied[base[o]] for o in outs):
+                for o in outs:
+                    if base[o] >= 0 and copied[base[o]]:
+                        copied[o] = True
+                outs = tuple(o + n if copied[o] else o for o in outs)
+            if any(copied[u] for u in reads):
+                reads = tuple(u + n if copied[u] else u for u in reads)
+            events.append((k, False, reads, outs))
         kept = [v + n if copied[v] else v for v in self.kept]
         # Dead-code elimination, as passes.dce does it.
         needed = set(kept)
+        effect = self.effect
         live = [False] * len(events)
         for i in range(len(events) - 1, -1, -1):
             k, _, reads, outs = events[i]
-            if self.effect[k] or any(o in needed for o in outs):
+            if effect[k] or any(o in needed for o in outs):
                 live[i] = True
                 needed.update(reads)
                 for o in outs:
@@ -163,40 +168,40 @@ class _Simulator:
                         needed.add(b + n if o >= n and copied[b] else b)
         events = [ev for ev, ok in zip(events, live) if ok]
         extra = [k for k, copy, _, _ in events if copy]
-        names = tuple(op_name(self.graph.eqns[k].prim) for k in extra)
+        names = tuple(self.names[k] for k in extra)
         return self._peak(events, kept), sum(self.flops[k] for k in extra), names
 
     def _peak(self, events: list, kept: list[int]) -> int:
-        n, root = self.n, self.root
+        n, root, sizes, workspace = self.n, self.root, self.sizes, self.workspace
         count = len(events)
-
-        def storage(v: int) -> int:
-            return root[v - n] + n if v >= n else root[v]
-
+        # A var's storage: its root's, or (for a recomputed copy, numbered v + n) its root's copy.
+        store = root + [r + n for r in root]
         last: dict[int, int] = {}
-        for i, (_, _, reads, _) in enumerate(events):
-            for v in reads:
-                last[storage(v)] = i
+        for i, ev in enumerate(events):
+            for v in ev[2]:
+                last[store[v]] = i
         for v in kept:
-            last[storage(v)] = count
+            last[store[v]] = count
         owned = dict(self.resident)
         live = sum(owned.values())
-        frees: list[list[int]] = [[] for _ in range(count + 1)]
+        frees: dict[int, list[int]] = {}
+        inputs = self.inputs
         for key, i in last.items():
-            if key not in self.inputs:
-                frees[i].append(key)
+            if key not in inputs:
+                frees.setdefault(i, []).append(key)
         peak = live
         for i, (k, _, _, outs) in enumerate(events):
-            for v, size in zip(outs, self.sizes[k]):
-                key = storage(v)
+            for v, size in zip(outs, sizes[k]):
+                key = store[v]
                 if key in owned:
                     continue
                 owned[key] = size
                 live += size
                 if key not in last:
-                    frees[i].append(key)
-            peak = max(peak, live + self.workspace[k])
-            for key in frees[i]:
+                    frees.setdefault(i, []).append(key)
+            if live + workspace[k] > peak:
+                peak = live + workspace[k]
+            for key in frees.get(i, ()):
                 live -= owned[key]
         return peak
 
@@ -254,21 +259,157 @@ def _greedy(sim: _Simulator, start: Recompute) -> list[Recompute]:
         current = best
 
 
+def _chain(sim: _Simulator) -> list[tuple[list[Var], list[Var], int, int, int]]:
+    """The forward cut into a chain of segments at its narrow points: where a single storage made by the
+    forward is read by it later (a block's output between residual blocks, a layer's output in a chain).
+
+    Per segment, in forward order: (its candidates, those read by the forward after the segment (its
+    outputs, the checkpoint that ends it), bytes of its candidates, bytes of its outputs, FLOPs of running
+    its forward again).
+    """
+    cands = sim.cands
+    boundary = cands.boundary
+    # Each forward storage's first definition and last forward read; inputs are always resident.
+    made: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for k in range(boundary):
+        for u in sim.reads[k]:
+            r = sim.root[u]
+            if r in made:
+                last[r] = k
+        for o in sim.outs[k]:
+            made.setdefault(sim.root[o], k)
+    # crossing[t]: how many forward storages are made before equation t and read at or after it.
+    delta = [0] * (boundary + 1)
+    for r, k in last.items():
+        delta[made[r] + 1] += 1
+        delta[k + 1] -= 1
+    cuts, live = [], 0
+    for t in range(1, boundary):
+        live += delta[t]
+        if live <= 1 and delta[t + 1] >= 0:
+            cuts.append(t)
+    index = sim.index
+    where = [made[index[r]] for r in cands.roots]
+    segments: list[tuple[list[Var], list[Var], int, int, int]] = []
+    start, pos = 0, 0
+    for end in [*cuts, boundary]:
+        roots, outs = [], []
+        while pos < len(where) and where[pos] < end:
+            r = cands.roots[pos]
+            roots.append(r)
+            if last.get(index[r], -1) >= end:
+                outs.append(r)
+            pos += 1
+        if roots:
+            flops = sum(sim.flops[k] for k in range(start, end) if not sim.effect[k])
+            segments.append((roots, outs, sum(r.owned_nbytes for r in roots), sum(r.owned_nbytes for r in outs), flops))
+            start = end
+    return segments
+
+
+# The dynamic program's resolution: segments (consecutive ones are merged beyond this) and memory steps.
+_DP_SEGMENTS = 32
+_DP_STEPS = 128
+
+
+def _coarsen(segments: list, most: int) -> list:
+    """Merge consecutive segments into at most ``most`` of about equal bytes (the last one's outputs end each)."""
+    if len(segments) <= most:
+        return segments
+    total = sum(s[2] for s in segments)
+    out: list = []
+    group: list = []
+    for s in segments:
+        group.append(s)
+        if sum(g[2] for g in group) * most >= total or s is segments[-1]:
+            out.append(([r for g in group for r in g[0]], s[1], sum(g[2] for g in group), s[3], sum(g[4] for g in group)))
+            group = []
+    return out
+
+
+def _dynamic_program(segments: list, budget: int) -> frozenset[Var] | None:
+    """Rotor's dynamic program over a chain of segments, for checkpoints held until the backward needs them:
+    each segment is kept whole, or recomputed in a run of consecutive segments that starts after a
+    checkpoint and ends with one (the run's last outputs, kept). While the backward goes through a run, the
+    bytes kept before it plus the run's recomputed bytes must fit ``budget``; among the plans that fit,
+    the one that recomputes the fewest FLOPs. Held bytes are counted in steps of ``budget / _DP_STEPS``
+    (rounded). Returns the roots to keep (None when nothing fits)."""
+    n = len(segments)
+    step = max(budget / _DP_STEPS, 1.0)
+    width = _DP_STEPS + 1
+    cost = np.full((n + 1, width), np.inf)
+    cost[0, 0] = 0.0
+    # back[k, h]: where the best plan for the first k segments holding h steps came from: the first
+    # segment j of the last run (or of the kept segment) and the steps held before it; kept[k, h]: whether
+    # that segment was kept whole rather than recomputed.
+    back_j = np.zeros((n + 1, width), dtype=np.int64)
+    back_h = np.zeros((n + 1, width), dtype=np.int64)
+    kept = np.zeros((n + 1, width), dtype=bool)
+    levels = np.arange(width)
+    for j in range(n):
+        row = cost[j]
+        if not np.isfinite(row).any():
+            continue
+        need, flops = 0, 0
+        for k in range(j, n):
+            need += segments[k][2]
+            flops += segments[k][4]
+            top = int((budget - need) // step)  # the most steps held before the run that still fit
+            if top < 0:
+                break
+            choices = [(flops, round(segments[k][3] / step), False)]
+            if k == j:
+                choices.append((0, round(need / step), True))
+            for extra, add, whole in choices:
+                hi = min(top, width - 1 - add)
+                if hi < 0:
+                    continue
+                cand = row[: hi + 1] + extra
+                target = cost[k + 1, add : add + hi + 1]
+                better = cand < target
+                if better.any():
+                    target[better] = cand[better]
+                    back_j[k + 1, add : add + hi + 1][better] = j
+                    back_h[k + 1, add : add + hi + 1][better] = levels[: hi + 1][better]
+                    kept[k + 1, add : add + hi + 1][better] = whole
+    best = int(np.argmin(cost[n]))
+    if not np.isfinite(cost[n, best]):
+        return None
+    keep: set[Var] = set()
+    k, h = n, best
+    while k > 0:
+        j, hj = int(back_j[k, h]), int(back_h[k, h])
+        keep.update(segments[j][0] if kept[k, h] else segments[k - 1][1])
+        k, h = j, hj
+    return frozenset(keep)
+
+
 def frontier(graph: Graph) -> list[Recompute]:
     """The recompute sets worth considering, by increasing extra FLOPs and decreasing peak; the first keeps
     everything (``graph`` itself)."""
     cands = candidates(graph)
-    full = Recompute(graph, cands, frozenset(cands.roots), peak_bytes(graph), 0, (), graph)
     if not cands.roots:
-        return [full]
+        return [Recompute(graph, cands, frozenset(), peak_bytes(graph), 0, (), graph)]
+    sim = _Simulator(graph, cands)
+    everything = frozenset(cands.roots)
+    # Keeping everything is the graph itself: the simulator's walk costs it as the memory interpreter does.
+    full = Recompute(graph, cands, everything, sim.run(everything)[0], 0, (), graph)
     total = sum(cands.nbytes)
+    # Chen's segments of halving sizes (quartering on big graphs, where the dynamic program fills between).
+    small = len(cands.roots) <= _GREEDY_MAX
     sizes, size = [], float(total)
     while size >= min(cands.nbytes) and len(sizes) < 24:
-        size /= 2
+        size /= 2 if small else 4
         sizes.append(size)
-    keeps = list(dict.fromkeys([*(_segments(cands, s) for s in sizes), _expensive(graph, cands)]))
-    sim = _Simulator(graph, cands)
-    points = [full] + [_point(sim, k) for k in keeps if k != full.keep]
+    keeps = [*(_segments(cands, s) for s in sizes), _expensive(graph, cands)]
+    segments = _coarsen(_chain(sim), _DP_SEGMENTS)
+    if len(segments) > 1:
+        least = max(s[2] for s in segments)
+        for i in range(_DP_BUDGETS):
+            keeps.append(_dynamic_program(segments, int(least * (total / least) ** (i / (_DP_BUDGETS - 1)))))
+    keeps = [k for k in dict.fromkeys(keeps) if k is not None and k != full.keep]
+    points = [full] + [_point(sim, k) for k in keeps]
     if len(cands.roots) <= _GREEDY_MAX:
         points += _greedy(sim, full)
     points.sort(key=lambda p: (p.extra_flops, p.peak_bytes))
@@ -277,6 +418,10 @@ def frontier(graph: Graph) -> list[Recompute]:
         if p.peak_bytes < out[-1].peak_bytes:
             out.append(p)
     return out
+
+
+# How many activation budgets the dynamic program is solved for (from one segment's bytes to all of them).
+_DP_BUDGETS = 8
 
 
 @attrs.frozen
@@ -312,6 +457,8 @@ def plan_joint(
     chunk_plan: Callable[[Graph], Plan],
     floor: Callable[[Graph], int],
     points: Callable[[], list[Recompute]] | None = None,
+    *,
+    batch: int | None = None,
 ) -> Plan:
     """Choose the recompute set and the chunk sizes for ``graph`` within ``budget`` bytes.
 
@@ -319,7 +466,9 @@ def plan_joint(
     even one example fits, :class:`BatchCouplingError` or :class:`UnsupportedOpError` when ``g`` cannot be
     chunked); ``floor(g)`` is the
     fewest bytes ``g`` can run in (one example per chunk, or the whole batch when it cannot be chunked);
-    ``points()`` is ``frontier(graph)``, for a caller that keeps it across budgets.
+    ``points()`` is ``frontier(graph)``, for a caller that keeps it across budgets. ``batch``, when given,
+    is the number of examples: with one, no graph can be chunked, and no chunk planning is tried for a
+    recompute set that does not fit whole.
     Returns the plain chunk plan when no recomputation is needed or it is the cheapest; else a
     :class:`RematPlan`. Raises the chunk planner's error, naming the smallest budget some schedule fits,
     when none fits.
@@ -328,14 +477,19 @@ def plan_joint(
     usable = int(budget * (1 - SAFETY_MARGIN))
     best: tuple[float, Plan] | None = None
     first_error: Exception | None = None
-    try:
-        plain = chunk_plan(graph)
-        if not plain.chunked:
-            return plain
-        best = (step_cost(base_flops, len(graph.eqns), len(plain.chunk_sizes)), plain)
-    except _CANNOT as e:
-        first_error = e
     points = frontier(graph) if points is None else points()
+    # One example that does not fit whole cannot be split: the chunk planner is asked only for its error.
+    if batch != 1 or points[0].peak_bytes <= usable:
+        try:
+            plain = chunk_plan(graph)
+            if not plain.chunked:
+                return plain
+            best = (step_cost(base_flops, len(graph.eqns), len(plain.chunk_sizes)), plain)
+        except _CANNOT as e:
+            first_error = e
+    # A graph that cannot be split (one example, or ops coupling the batch) cannot be split once it
+    # recomputes either: then only the sets that fit whole are worth a chunk planner's call.
+    whole_only = batch == 1 or isinstance(first_error, (BatchCouplingError, UnsupportedOpError))
     tries = 0
     for p in points[1:]:
         flops, calls = base_flops + p.extra_flops, len(graph.eqns) + p.dropped
@@ -343,6 +497,8 @@ def plan_joint(
             break  # later points add more FLOPs: none can beat the best so far
         if p.peak_bytes <= usable:
             plan = chunk_plan(p.graph)
+        elif whole_only:
+            continue
         else:
             # Sizing chunks builds and costs the chunked form of the graph: try a few points, and the
             # last (the least peak), not every one.
@@ -358,8 +514,13 @@ def plan_joint(
             best = (score, RematPlan(**attrs.asdict(plan, recurse=False), recompute=p, base_flops=base_flops))
     if best is not None:
         return best[1]
+    if first_error is None:
+        try:
+            chunk_plan(graph)
+        except _CANNOT as e:
+            first_error = e
     assert first_error is not None
-    floors = [floor(p.graph) for p in points]
+    floors = [p.peak_bytes if whole_only else floor(p.graph) for p in points]
     least = min(range(len(points)), key=floors.__getitem__)
     smallest = int(floors[least] / (1 - SAFETY_MARGIN)) + 1
     raise type(first_error)(

@@ -29,7 +29,7 @@ from stagetorch.ir import Eqn, GraphError, Var, op_name
 from stagetorch.passes import dce, has_effect, liveness
 from stagetorch.planning import SAFETY_MARGIN
 from stagetorch.remat import candidates, recomputed_eqns, remat
-from stagetorch.remat_planning import RematPlan, _Simulator, frontier
+from stagetorch.remat_planning import RematPlan, _chain, _dynamic_program, _Simulator, frontier
 from stagetorch.shapes import check
 
 MiB = 2**20
@@ -292,6 +292,47 @@ def test_planner_costing_equals_the_memory_interpreter(name):
         assert extra == graph_flops(recomputed_eqns(r)) and len(names) == len(recomputed_eqns(r))
     for p in frontier(g):
         assert p.peak_bytes == peak_bytes(p.graph)
+
+
+def test_chain_cut_at_narrow_points_and_the_dynamic_program():
+    """A chain of Linear + GELU blocks is cut after each op (one value crosses); the dynamic program
+    recomputes nothing that costs when the budget allows it, recomputes where it does not, and gives up below one segment."""
+    g = stagetorch.make_ir(step_of(mlp_chain(8, 32)))(torch.randn(2, 64, 32))
+    cands = candidates(g)
+    sim = _Simulator(g, cands)
+    segments = _chain(sim)
+    assert len(segments) >= 8 and [r for s in segments for r in s[0]] == list(cands.roots)
+    assert all(len(s[1]) <= 1 for s in segments)  # one value crosses each cut
+    total = sum(s[2] for s in segments)
+    roomy = _dynamic_program(segments, int(total * 1.05))
+    assert roomy is not None and sim.run(roomy)[1] <= 0.001 * graph_flops(g)  # at most a free op recomputed
+    assert _dynamic_program(segments, max(s[2] for s in segments) - 1) is None
+    peaks = []
+    for fraction in (0.8, 0.65, 0.5):  # Chen's bound: 16 values need 2 x sqrt(16) = 8 of them held
+        keep = _dynamic_program(segments, int(total * fraction))
+        assert keep is not None and keep < frozenset(cands.roots)
+        peak, extra, _ = sim.run(keep)
+        assert peak == peak_bytes(remat(g, keep, cands)) and extra > 0
+        peaks.append(peak)
+    assert peaks == sorted(peaks, reverse=True) and peaks[-1] < 0.75 * sim.run(frozenset(cands.roots))[0]
+
+
+def test_a_chain_of_5000_equations_plans():
+    """312 x (Linear + GELU), one example (it cannot be chunked): the frontier goes down to the parameters
+    and their gradients (0.12x) and a little more, its costing equals the memory interpreter's at the
+    smallest point, and jit plans a budget of 0.3x."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(312)])
+    x = torch.randn(1, 128, 16)
+    g = stagetorch.make_ir(step_of(model))(x)
+    assert len(g.eqns) >= 4900
+    points = frontier(g)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert points[-1].peak_bytes < 2 * weights + 0.06 * points[0].peak_bytes
+    assert points[-1].peak_bytes == peak_bytes(points[-1].graph)
+    plan = stagetorch.jit(step_of(model), memory_budget=int(points[0].peak_bytes * 0.3)).plan(x)
+    assert isinstance(plan, RematPlan) and plan.peak <= 0.3 * points[0].peak_bytes
+    assert plan.extra_flops < plan.base_flops  # less than one more forward and backward
 
 
 @pytest.mark.parametrize("name", ["chain", "bn"])
