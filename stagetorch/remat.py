@@ -5,7 +5,8 @@ Which values may be dropped is decided here, from the graph alone (a pure functi
 never disagree between the forward and its recomputation): a storage can be recomputed only when every
 equation that made it can run again with the same result and no other effect — no in-place write, no
 random draw (dropout's mask is kept, not redrawn), no op outside ATen, and no read of a storage that is
-written after the read. Which of those to drop is the caller's choice (``keep``); the planner makes it.
+written after the read. BatchNorm in training mode is recomputed without its running statistics (its
+outputs are the same; the statistics are updated once, in the forward). Which of those to drop is the caller's choice (``keep``); the planner makes it.
 
 The pass emits an ordinary Graph, so the memory interpreter costs it exactly and the eager interpreter and
 the chunked executor run it unchanged. It knows the IR and the passes layer only.
@@ -13,9 +14,10 @@ the chunked executor run it unchanged. It knows the IR and the passes layer only
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 import attrs
+import torch
 
 from .ir import Eqn, Graph, Var
 from .passes import dce, has_effect, writes
@@ -53,16 +55,34 @@ def _boundary(graph: Graph) -> int:
     return len(graph.eqns)
 
 
+def _without_running_stats(e: Eqn) -> Eqn:
+    """BatchNorm in training mode without its running statistics: the same outputs (it normalises with the
+    batch's statistics either way), and no write."""
+    return attrs.evolve(e, args=(*e.args[:3], None, None, *e.args[5:]))
+
+
+# Ops whose only effect has a pure form that computes the same outputs, by packet: recomputation runs that.
+_REPLAY = {torch.ops.aten.native_batch_norm: _without_running_stats}
+
+
+def _replay(e: Eqn) -> Eqn:
+    """The equation recomputation runs for ``e``: ``e`` itself, or its pure form (see ``_REPLAY``)."""
+    pure = _REPLAY.get(getattr(e.prim, "overloadpacket", None))
+    return e if pure is None or not has_effect(e) else pure(e)
+
+
 def _replayable(graph: Graph) -> list[bool]:
-    """Per equation: may it run a second time, later in the program, with the same result and no effect?"""
+    """Per equation: may it (or its pure form) run a second time, later in the program, with the same
+    result and no effect?"""
     last_write: dict[Var, int] = {}
     for i, e in enumerate(graph.eqns):
         for v in writes(e):
             last_write[v.root] = i
-    return [
-        not has_effect(e) and all(last_write.get(v.root, -1) < i for v in e.invars)
-        for i, e in enumerate(graph.eqns)
-    ]
+    out = []
+    for i, e in enumerate(graph.eqns):
+        r = _replay(e)
+        out.append(not has_effect(r) and all(last_write.get(v.root, -1) < i for v in r.invars))
+    return out
 
 
 def candidates(graph: Graph) -> Candidates:
@@ -96,15 +116,22 @@ def candidates(graph: Graph) -> Candidates:
     return Candidates(tuple(roots), tuple(r.owned_nbytes for r in roots), boundary, pinned, every)
 
 
-def remat(graph: Graph, keep: Collection[Var], cands: Candidates | None = None) -> Graph:
+def remat(
+    graph: Graph, keep: Collection[Var], cands: Candidates | None = None, transient: Mapping[Var, int] | None = None
+) -> Graph:
     """Recompute the recomputable storages not in ``keep`` (root vars) where the backward needs them.
 
-    Each dropped value is recomputed once, just before the first backward equation that reads it (with the
+    Each dropped value is recomputed just before the first backward equation that reads it (with the
     dropped values it depends on, recursively, back to kept values and inputs), and then read by every later
     backward use; the eager schedule frees the original after its last forward use and the copy after its
     last backward use. ``cands`` is ``candidates(graph)`` when the caller has it.
+
+    ``transient`` maps dropped roots to a segment number: such a value, recomputed only because a value of
+    another segment needs it, is not held for its own backward use but recomputed again then (a second
+    level of recomputation: more FLOPs, and only one segment's values held at a time).
     """
     cands = candidates(graph) if cands is None else cands
+    transient = transient or {}
     drop = cands.recomputable - set(keep)
     if not any(r in drop for r in cands.roots):
         return graph
@@ -120,7 +147,7 @@ def remat(graph: Graph, keep: Collection[Var], cands: Candidates | None = None) 
         base = None if v.base is None else sub.get(v.base, v.base)
         return Var(v.aval, base, v.storage_nbytes)
 
-    def recompute(v: Var) -> None:
+    def recompute(v: Var, burst: list[Eqn]) -> None:
         # Depth-first over the dropped values ``v`` needs, emitting each producing equation once, inputs first.
         stack = [(producer[v], False)]
         while stack:
@@ -132,8 +159,10 @@ def remat(graph: Graph, keep: Collection[Var], cands: Candidates | None = None) 
                 for o, n in zip(e.outvars, outs):
                     if o is not None:
                         sub[o] = n
-                out.append(Eqn(e.prim, _subst(e.args, sub), _subst(e.kwargs, sub), outs,
+                r = _replay(e)
+                out.append(Eqn(r.prim, _subst(r.args, sub), _subst(r.kwargs, sub), outs,
                                attrs.evolve(e.source, backward=RECOMPUTED)))
+                burst.append(e)
                 continue
             stack.append((e, True))
             needs = [u for u in e.invars if u.root in drop and u not in sub]
@@ -143,9 +172,19 @@ def remat(graph: Graph, keep: Collection[Var], cands: Candidates | None = None) 
             stack.extend((producer[u], False) for u in reversed(needs))
 
     for e in graph.eqns[cands.boundary:]:
-        for v in e.invars:
-            if v.root in drop and v not in sub:
-                recompute(v)
+        targets = [v for v in e.invars if v.root in drop and v not in sub]
+        if targets:
+            burst: list[Eqn] = []
+            for v in targets:
+                if v not in sub:
+                    recompute(v, burst)
+            if transient:
+                # Copies of other segments' transient values made on the way are not held.
+                wanted = {transient.get(v.root, -1) for v in targets} | {-1}
+                for made in burst:
+                    if all(o is None or transient.get(o.root, -1) not in wanted for o in made.outvars):
+                        for o in made.outvars:
+                            sub.pop(o, None)
         args, kwargs = _subst(e.args, sub), _subst(e.kwargs, sub)
         outs = tuple(_rebase(o, sub) for o in e.outvars)
         if args is e.args and kwargs is e.kwargs and all(a is b for a, b in zip(outs, e.outvars)):

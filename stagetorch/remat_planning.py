@@ -14,7 +14,8 @@ it runs nothing, and it builds no executable (the caller passes a function that 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 
 import attrs
 import numpy as np
@@ -29,8 +30,8 @@ from .planning import SAFETY_MARGIN, Plan
 from .registry import slot
 from .remat import Candidates, candidates, remat
 
-# How many recompute sets that do not fit whole the joint planner sizes chunks for (besides the last).
-_CHUNK_TRIES = 4
+# How many recompute sets that do not fit whole the joint planner sizes chunks for (the last among them).
+_CHUNK_TRIES = 5
 
 # What the chunk planner raises when a graph cannot run in chunks that fit: then only recomputation can help.
 _CANNOT = (OutOfMemoryError, BatchCouplingError, UnsupportedOpError)
@@ -43,19 +44,20 @@ CALL_FLOPS = 200_000
 
 
 class Recompute:
-    """One recompute set: the roots kept (checkpoints), its predicted peak and the FLOPs its recomputation
-    adds, and (built on first use) ``graph``, the program that recomputes the rest."""
+    """One recompute set: the roots kept (checkpoints), the dropped roots recomputed a second time rather
+    than held (``transient``, by segment; see :func:`~stagetorch.remat.remat`), its predicted peak and the
+    FLOPs its recomputation adds, and (built on first use) ``graph``, the program that recomputes the rest."""
 
     def __init__(self, source: Graph, cands: Candidates, keep: frozenset[Var], peak_bytes: int, extra_flops: int,
-                 recomputed: tuple[str, ...], graph: Graph | None = None):
-        self.source, self.cands, self.keep = source, cands, keep
+                 recomputed: tuple[str, ...], graph: Graph | None = None, transient: Mapping[Var, int] | None = None):
+        self.source, self.cands, self.keep, self.transient = source, cands, keep, dict(transient or {})
         self.peak_bytes, self.extra_flops, self.recomputed = peak_bytes, extra_flops, recomputed
         self._graph = graph
 
     @property
     def graph(self) -> Graph:
         if self._graph is None:
-            self._graph = remat(self.source, self.keep, self.cands)
+            self._graph = remat(self.source, self.keep, self.cands, self.transient)
         return self._graph
 
     @property
@@ -111,71 +113,95 @@ class _Simulator:
         self.names = [op_name(e.prim) for e in graph.eqns]
         self.forward = [(k, False, self.reads[k], self.outs[k]) for k in range(cands.boundary)]
 
-    def run(self, keep: frozenset[Var]) -> tuple[int, int, tuple[str, ...]]:
-        """(peak bytes, extra FLOPs, recomputed op names) of ``remat(graph, keep)``."""
-        n, base, reads_of, outs_of, producer = self.n, self.base, self.reads, self.outs, self.producer
-        drop = self.recomputable - {self.index[r] for r in keep}
+    def run(self, keep: frozenset[Var], transient: Mapping[Var, int] | None = None) -> tuple[int, int, tuple[str, ...]]:
+        """(peak bytes, extra FLOPs, recomputed op names) of ``remat(graph, keep, transient=transient)``."""
+        base, reads_of, outs_of, producer = self.base, self.reads, self.outs, self.producer
+        index = self.index
+        drop = self.recomputable - {index[r] for r in keep}
         dropped = [r in drop for r in self.root]  # per var: does its storage get recomputed?
-        copied = [False] * n
-        # Events: (equation index, recomputed?, vars read, vars defined), vars numbered as above.
+        segment = {index[r]: s for r, s in transient.items()} if transient else {}
+        seg = [segment.get(r, -1) for r in self.root] if segment else None
+        # Ids: a var's own index for the original, a new id >= n for each copy; per id, the storage it lives
+        # in (a root's id) and the id of its base (-1: none).
+        store, base_id = list(self.root), list(base)
+        sub: dict[int, int] = {}  # var -> the id of its copy that stands for it from here on
+
+        def copy_of(o: int) -> int:
+            b = base[o]
+            b = sub.get(b, b) if b >= 0 else -1
+            new = len(store)
+            store.append(store[b] if b >= 0 else new)
+            base_id.append(b)
+            return new
+
+        # Events: (equation index, recomputed?, ids read, ids defined).
         events: list[tuple[int, bool, tuple[int, ...], tuple[int, ...]]] = list(self.forward)
 
-        def recompute(v: int) -> None:
+        def recompute(v: int, burst: list[int]) -> None:
             stack = [(producer[v], False)]
             while stack:
                 k, ready = stack.pop()
                 outs = outs_of[k]
-                if any(copied[o] for o in outs):
+                if any(o in sub for o in outs):
                     continue
                 if ready:
-                    for o in outs:
-                        copied[o] = True
-                    events.append((k, True, tuple(u + n if copied[u] else u for u in reads_of[k]), tuple(o + n for o in outs)))
+                    new = tuple(copy_of(o) for o in outs)
+                    sub.update(zip(outs, new))
+                    events.append((k, True, tuple(sub.get(u, u) for u in reads_of[k]), new))
+                    burst.append(k)
                     continue
                 stack.append((k, True))
-                needs = [u for u in reads_of[k] if dropped[u] and not copied[u]]
-                needs += [base[o] for o in outs if base[o] >= 0 and dropped[base[o]] and not copied[base[o]]
+                needs = [u for u in reads_of[k] if dropped[u] and u not in sub]
+                needs += [base[o] for o in outs if base[o] >= 0 and dropped[base[o]] and base[o] not in sub
                           and producer[base[o]] >= 0]
                 stack.extend((producer[u], False) for u in reversed(needs))
 
         for k in range(self.cands.boundary, len(reads_of)):
             reads = reads_of[k]
-            for u in reads:
-                if dropped[u] and not copied[u]:
-                    recompute(u)
-            outs = outs_of[k]
-            if any(base[o] >= 0 and copied[base[o]] for o in outs):
-                for o in outs:
-                    if base[o] >= 0 and copied[base[o]]:
-                        copied[o] = True
-                outs = tuple(o + n if copied[o] else o for o in outs)
-            if any(copied[u] for u in reads):
-                reads = tuple(u + n if copied[u] else u for u in reads)
-            events.append((k, False, reads, outs))
-        kept = [v + n if copied[v] else v for v in self.kept]
+            targets = [u for u in reads if dropped[u] and u not in sub]
+            if targets:
+                burst: list[int] = []
+                for u in targets:
+                    if u not in sub:
+                        recompute(u, burst)
+                if seg is not None:
+                    wanted = {seg[u] for u in targets} | {-1}
+                    for j in burst:
+                        if all(seg[o] not in wanted for o in outs_of[j]):
+                            for o in outs_of[j]:
+                                sub.pop(o, None)
+            if sub:
+                reads = tuple(sub.get(u, u) for u in reads)
+                outs = []
+                for o in outs_of[k]:
+                    if base[o] >= 0 and base[o] in sub:
+                        sub[o] = copy_of(o)
+                    outs.append(sub.get(o, o))
+                events.append((k, False, reads, tuple(outs)))
+            else:
+                events.append((k, False, reads, outs_of[k]))
+        kept = [sub.get(v, v) for v in self.kept]
         # Dead-code elimination, as passes.dce does it.
         needed = set(kept)
         effect = self.effect
         live = [False] * len(events)
         for i in range(len(events) - 1, -1, -1):
-            k, _, reads, outs = events[i]
-            if effect[k] or any(o in needed for o in outs):
+            k, copy, reads, outs = events[i]
+            # A recomputation has no effect (BatchNorm's is run without its running statistics).
+            if (effect[k] and not copy) or any(o in needed for o in outs):
                 live[i] = True
                 needed.update(reads)
                 for o in outs:
-                    b = base[o % n]
-                    if b >= 0:
-                        needed.add(b + n if o >= n and copied[b] else b)
+                    if base_id[o] >= 0:
+                        needed.add(base_id[o])
         events = [ev for ev, ok in zip(events, live) if ok]
         extra = [k for k, copy, _, _ in events if copy]
         names = tuple(self.names[k] for k in extra)
-        return self._peak(events, kept), sum(self.flops[k] for k in extra), names
+        return self._peak(events, kept, store), sum(self.flops[k] for k in extra), names
 
-    def _peak(self, events: list, kept: list[int]) -> int:
-        n, root, sizes, workspace = self.n, self.root, self.sizes, self.workspace
+    def _peak(self, events: list, kept: list[int], store: list[int]) -> int:
+        sizes, workspace = self.sizes, self.workspace
         count = len(events)
-        # A var's storage: its root's, or (for a recomputed copy, numbered v + n) its root's copy.
-        store = root + [r + n for r in root]
         last: dict[int, int] = {}
         for i, ev in enumerate(events):
             for v in ev[2]:
@@ -206,9 +232,26 @@ class _Simulator:
         return peak
 
 
-def _point(sim: _Simulator, keep: frozenset[Var]) -> Recompute:
-    peak, extra, names = sim.run(keep)
-    return Recompute(sim.graph, sim.cands, keep, peak, extra, names)
+def _point(sim: _Simulator, keep: frozenset[Var], transient: Mapping[Var, int] | None = None) -> Recompute:
+    peak, extra, names = sim.run(keep, transient)
+    return Recompute(sim.graph, sim.cands, keep, peak, extra, names, transient=transient)
+
+
+def _two_level(segments: list, every: int, deep: bool) -> tuple[frozenset[Var], dict[Var, int]]:
+    """Checkpoints at every ``every``-th segment end; the other segment ends are recomputed once and held
+    (or, ``deep``, recomputed again for their own segment too), and every segment's inner values are
+    recomputed for their own segment only: one segment's values and a few ends held at a time."""
+    keep: set[Var] = set()
+    transient: dict[Var, int] = {}
+    ends = 0
+    for i, (roots, outs, *_) in enumerate(segments):
+        ends += bool(outs)
+        for r in roots:
+            if r in outs and ends % every == 0:
+                keep.add(r)
+            elif r not in outs or deep:
+                transient[r] = i
+    return frozenset(keep), transient
 
 
 def _segments(cands: Candidates, size: float) -> frozenset[Var]:
@@ -237,35 +280,52 @@ def _expensive(graph: Graph, cands: Candidates) -> frozenset[Var]:
 _GREEDY_MAX = 48
 
 
-def _greedy(sim: _Simulator, start: Recompute) -> list[Recompute]:
+# ... and at most this many, also the swaps (drop one candidate, keep another) once no drop helps.
+_SWAP_MAX = 16
+
+
+def _greedy(sim: _Simulator, start: Recompute, per_flop: bool = True) -> list[Recompute]:
     """From keeping everything, drop one more candidate at a time: the one that lowers the peak most per
-    FLOP it adds (a drop that lowers it for free first). Every step is a point."""
+    FLOP it adds (a drop that lowers it for free first), or most (``per_flop`` false); on small graphs,
+    when no drop lowers the peak, a swap may. Every set tried on the way is a point."""
+    roots = sim.cands.roots  # in graph order, so that ties break the same way every time
     out, current = [], start
     while True:
-        best, best_score = None, 0.0
-        for r in sim.cands.roots:  # in graph order, so that ties break the same way every time
-            if r not in current.keep:
-                continue
-            p = _point(sim, current.keep - {r})
-            gain = current.peak_bytes - p.peak_bytes
-            if gain <= 0:
-                continue
-            score = gain / (max(p.extra_flops - current.extra_flops, 0) + 1)
-            if score > best_score:
-                best, best_score = p, score
+        moves = [_point(sim, current.keep - {r}) for r in roots if r in current.keep]
+        best = _best_move(current, moves, per_flop)
+        if best is None and len(roots) <= _SWAP_MAX:
+            dropped = [r for r in roots if r not in current.keep]
+            swaps = [_point(sim, current.keep - {r} | {s}) for r in roots if r in current.keep for s in dropped]
+            moves += swaps
+            best = _best_move(current, moves, False)
+        out += moves
         if best is None:
             return out
-        out.append(best)
         current = best
 
 
-def _chain(sim: _Simulator) -> list[tuple[list[Var], list[Var], int, int, int]]:
+def _best_move(current: Recompute, moves: list[Recompute], per_flop: bool) -> Recompute | None:
+    """The point among ``moves`` that lowers the peak most per FLOP it adds (or most, when not
+    ``per_flop``, the fewest FLOPs breaking ties); None if none lowers it."""
+    best, best_score = None, (0.0, 0)
+    for p in moves:
+        gain = current.peak_bytes - p.peak_bytes
+        if gain <= 0:
+            continue
+        added = max(p.extra_flops - current.extra_flops, 0)
+        score = (gain / (added + 1), 0) if per_flop else (gain, -added)
+        if score > best_score:
+            best, best_score = p, score
+    return best
+
+
+def _chain(sim: _Simulator) -> list[tuple[list[Var], list[Var], int, int, int, int]]:
     """The forward cut into a chain of segments at its narrow points: where a single storage made by the
     forward is read by it later (a block's output between residual blocks, a layer's output in a chain).
 
     Per segment, in forward order: (its candidates, those read by the forward after the segment (its
     outputs, the checkpoint that ends it), bytes of its candidates, bytes of its outputs, FLOPs of running
-    its forward again).
+    its forward again, and of running it but the ops that make its outputs).
     """
     cands = sim.cands
     boundary = cands.boundary
@@ -291,7 +351,7 @@ def _chain(sim: _Simulator) -> list[tuple[list[Var], list[Var], int, int, int]]:
             cuts.append(t)
     index = sim.index
     where = [made[index[r]] for r in cands.roots]
-    segments: list[tuple[list[Var], list[Var], int, int, int]] = []
+    segments: list[tuple[list[Var], list[Var], int, int, int, int]] = []
     start, pos = 0, 0
     for end in [*cuts, boundary]:
         roots, outs = [], []
@@ -302,8 +362,11 @@ def _chain(sim: _Simulator) -> list[tuple[list[Var], list[Var], int, int, int]]:
                 outs.append(r)
             pos += 1
         if roots:
-            flops = sum(sim.flops[k] for k in range(start, end) if not sim.effect[k])
-            segments.append((roots, outs, sum(r.owned_nbytes for r in roots), sum(r.owned_nbytes for r in outs), flops))
+            ends = {index[r] for r in outs}
+            flops = [(sim.flops[k], not ends.isdisjoint(sim.root[o] for o in sim.outs[k]))
+                     for k in range(start, end) if not sim.effect[k]]
+            segments.append((roots, outs, sum(r.owned_nbytes for r in roots), sum(r.owned_nbytes for r in outs),
+                             sum(f for f, _ in flops), sum(f for f, end_op in flops if not end_op)))
             start = end
     return segments
 
@@ -323,7 +386,8 @@ def _coarsen(segments: list, most: int) -> list:
     for s in segments:
         group.append(s)
         if sum(g[2] for g in group) * most >= total or s is segments[-1]:
-            out.append(([r for g in group for r in g[0]], s[1], sum(g[2] for g in group), s[3], sum(g[4] for g in group)))
+            out.append(([r for g in group for r in g[0]], s[1], sum(g[2] for g in group), s[3],
+                        sum(g[4] for g in group), sum(g[4] for g in group[:-1]) + s[5]))
             group = []
     return out
 
@@ -354,11 +418,12 @@ def _dynamic_program(segments: list, budget: int) -> frozenset[Var] | None:
         need, flops = 0, 0
         for k in range(j, n):
             need += segments[k][2]
-            flops += segments[k][4]
             top = int((budget - need) // step)  # the most steps held before the run that still fit
             if top < 0:
                 break
-            choices = [(flops, round(segments[k][3] / step), False)]
+            # The run recomputes its segments but not the ops that make its last outputs (kept).
+            choices = [(flops + segments[k][5], round(segments[k][3] / step), False)]
+            flops += segments[k][4]
             if k == j:
                 choices.append((0, round(need / step), True))
             for extra, add, whole in choices:
@@ -402,16 +467,33 @@ def frontier(graph: Graph) -> list[Recompute]:
     while size >= min(cands.nbytes) and len(sizes) < 24:
         size /= 2 if small else 4
         sizes.append(size)
-    keeps = [*(_segments(cands, s) for s in sizes), _expensive(graph, cands)]
-    segments = _coarsen(_chain(sim), _DP_SEGMENTS)
+    # Keep what matrix products and convolutions make (recompute the cheap ops), or the opposite (their
+    # outputs are recomputed from what the cheap ops kept: where a cheap op cannot be recomputed without
+    # its input, that input is held anyway).
+    expensive = _expensive(graph, cands)
+    keeps = [*(_segments(cands, s) for s in sizes), expensive, everything - expensive]
+    chain = _chain(sim)
+    segments = _coarsen(chain, _DP_SEGMENTS)
     if len(segments) > 1:
         least = max(s[2] for s in segments)
-        for i in range(_DP_BUDGETS):
-            keeps.append(_dynamic_program(segments, int(least * (total / least) ** (i / (_DP_BUDGETS - 1)))))
+        tries = _DP_BUDGETS * (3 if small else 1)
+        for i in range(tries):
+            keeps.append(_dynamic_program(segments, int(least * (total / least) ** (i / (tries - 1)))))
     keeps = [k for k in dict.fromkeys(keeps) if k is not None and k != full.keep]
     points = [full] + [_point(sim, k) for k in keeps]
+    # Two levels of recomputation, for peaks one level cannot reach: checkpoints every 1, 2, 3, 4, 6, 8...
+    # segment ends (fewer tries on big graphs).
+    ends = sum(1 for s in chain if s[1])
+    spacings = sorted({int(1.5 ** i) for i in range(32) if int(1.5 ** i) <= ends})
+    if not small:
+        spacings = spacings[:: max(1, len(spacings) // 5)]
+    for every in spacings:
+        for deep in (False, True) if small else (False,):
+            points.append(_point(sim, *_two_level(chain, every, deep)))
     if len(cands.roots) <= _GREEDY_MAX:
         points += _greedy(sim, full)
+    if len(cands.roots) <= _SWAP_MAX:
+        points += _greedy(sim, full, per_flop=False)
     points.sort(key=lambda p: (p.extra_flops, p.peak_bytes))
     out = [full]
     for p in points[1:]:
@@ -444,6 +526,16 @@ class RematPlan(Plan):
             f"{super().__str__()} Recomputes {r.dropped} op(s) in the backward ({', '.join(sorted(set(r.recomputed)))}) "
             f"for {r.extra_flops / max(self.base_flops, 1):.1%} extra FLOPs, keeping {len(r.keep)} checkpoint(s)."
         )
+
+
+def _displayed_ceiling(n: int) -> int:
+    """``n`` rounded up to what :func:`format_bytes` shows (a tenth of its unit), so that a budget copied
+    from the message is enough."""
+    unit = 1
+    while n >= 1024 * unit and unit < 1024**4:
+        unit *= 1024
+    step = unit / 10 if unit > 1 else 1
+    return int(math.ceil((n + 2) / step) * step)
 
 
 def step_cost(flops: int, calls: int, chunks: int) -> float:
@@ -490,7 +582,10 @@ def plan_joint(
     # A graph that cannot be split (one example, or ops coupling the batch) cannot be split once it
     # recomputes either: then only the sets that fit whole are worth a chunk planner's call.
     whole_only = batch == 1 or isinstance(first_error, (BatchCouplingError, UnsupportedOpError))
-    tries = 0
+    # Sizing chunks builds and costs the chunked form of a graph: of the sets that do not fit whole, try a
+    # few, spread along the frontier, and the last (the least peak), not every one.
+    over = [p for p in points[1:] if p.peak_bytes > usable]
+    tried = {id(over[round(i * (len(over) - 1) / max(_CHUNK_TRIES - 1, 1))]) for i in range(_CHUNK_TRIES)} if over else set()
     for p in points[1:]:
         flops, calls = base_flops + p.extra_flops, len(graph.eqns) + p.dropped
         if best is not None and step_cost(flops, calls, 1) >= best[0]:
@@ -500,11 +595,8 @@ def plan_joint(
         elif whole_only:
             continue
         else:
-            # Sizing chunks builds and costs the chunked form of the graph: try a few points, and the
-            # last (the least peak), not every one.
-            if tries >= _CHUNK_TRIES and p is not points[-1]:
+            if id(p) not in tried:
                 continue
-            tries += 1
             try:
                 plan = chunk_plan(p.graph)
             except _CANNOT:
@@ -522,7 +614,7 @@ def plan_joint(
     assert first_error is not None
     floors = [p.peak_bytes if whole_only else floor(p.graph) for p in points]
     least = min(range(len(points)), key=floors.__getitem__)
-    smallest = int(floors[least] / (1 - SAFETY_MARGIN)) + 1
+    smallest = _displayed_ceiling(int(floors[least] / (1 - SAFETY_MARGIN)) + 1)
     raise type(first_error)(
         f"{first_error} Recomputing forward values in the backward does not fit either: the smallest budget any "
         f"schedule fits is {format_bytes(smallest)} (recomputing {points[least].dropped} op(s))."

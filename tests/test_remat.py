@@ -155,7 +155,8 @@ def test_side_effects_are_never_recomputed():
         assert recomputed_eqns(r)
         for e in recomputed_eqns(r):
             assert not has_effect(e), op_name(e.prim)
-            assert "batch_norm" not in op_name(e.prim)
+            if "batch_norm" in op_name(e.prim):  # recomputed without its running statistics
+                assert e.args[3] is None and e.args[4] is None
 
 
 def test_remat_with_dropout_replays_nothing_and_is_exact():
@@ -285,9 +286,12 @@ def test_planner_costing_equals_the_memory_interpreter(name):
     sim = _Simulator(g, cands)
     rng = random.Random(0)
     keeps = [frozenset(r for r in cands.roots if rng.random() < q) for q in (0.0, 0.2, 0.5, 0.8)]
-    for keep in keeps:
-        peak, extra, names = sim.run(keep)
-        r = remat(g, keep, cands)
+    # Two levels: dropped values recomputed again for their own segment (random segments).
+    transients = [None, None, None, None, {r: rng.randrange(4) for r in cands.roots if rng.random() < 0.6}]
+    keeps.append(frozenset(r for r in cands.roots if rng.random() < 0.3))
+    for keep, transient in zip(keeps, transients):
+        peak, extra, names = sim.run(keep, transient)
+        r = check(remat(g, keep, cands, transient))
         assert peak == peak_bytes(r)
         assert extra == graph_flops(recomputed_eqns(r)) and len(names) == len(recomputed_eqns(r))
     for p in frontier(g):
@@ -337,9 +341,10 @@ def test_a_chain_of_5000_equations_plans():
 
 @pytest.mark.parametrize("name", ["chain", "bn"])
 def test_planner_against_exhaustive_search(name):
-    """On graphs small enough to try every keep set: at each budget both fit, the planner's recomputation
-    costs at most 1.10x the fewest FLOPs any set needs, and its smallest peak is within 1.10x of the least."""
-    model, x = {"chain": (mlp_chain(6, 32), torch.randn(2, 64, 32)), "bn": (conv_bn(3), torch.randn(2, 3, 16, 16))}[name]
+    """On graphs small enough to try every keep set (one level of recomputation): the planner's smallest
+    one-level peak is within 1.10x of the least, at each budget down to it the planner's recomputation
+    costs at most 1.10x the fewest FLOPs any set needs, and with two levels it goes below the least."""
+    model, x = {"chain": (mlp_chain(6, 32), torch.randn(2, 64, 32)), "bn": (conv_bn(2), torch.randn(2, 3, 16, 16))}[name]
     g = stagetorch.make_ir(step_of(model))(x)
     cands = candidates(g)
     assert len(cands.roots) <= 14
@@ -348,11 +353,11 @@ def test_planner_against_exhaustive_search(name):
              for mask in range(2 ** len(cands.roots))]
     points = frontier(g)
     least = min(p for p, _ in every)
-    assert min(p.peak_bytes for p in points) <= 1.10 * least
-    for budget in sorted({p for p, _ in every}):
+    one_level = min(p.peak_bytes for p in points if not p.transient)
+    assert one_level <= 1.10 * least and min(p.peak_bytes for p in points) < least
+    for budget in sorted({p for p, _ in every if p >= one_level}):
         ours = [p.extra_flops for p in points if p.peak_bytes <= budget]
-        if ours:
-            assert min(ours) <= 1.10 * min(e for p, e in every if p <= budget), budget
+        assert min(ours) <= 1.10 * min(e for p, e in every if p <= budget), budget
 
 
 def test_batchnorm_state_after_three_steps_equals_eager():
