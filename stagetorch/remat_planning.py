@@ -237,17 +237,24 @@ def _point(sim: _Simulator, keep: frozenset[Var], transient: Mapping[Var, int] |
     return Recompute(sim.graph, sim.cands, keep, peak, extra, names, transient=transient)
 
 
-def _two_level(segments: list, every: int, deep: bool) -> tuple[frozenset[Var], dict[Var, int]]:
+def _two_level(segments: list, every: int, deep: bool, tail: float = 0.0) -> tuple[frozenset[Var], dict[Var, int]]:
     """Checkpoints at every ``every``-th segment end; the other segment ends are recomputed once and held
     (or, ``deep``, recomputed again for their own segment too), and every segment's inner values are
-    recomputed for their own segment only: one segment's values and a few ends held at a time."""
+    recomputed for their own segment only: one segment's values and a few ends held at a time. The last
+    segments, up to a ``tail`` fraction of the bytes, are kept (the backward needs them first, before the
+    held ends pile up)."""
     keep: set[Var] = set()
     transient: dict[Var, int] = {}
-    ends = 0
+    ends, acc = 0, 0
+    total = sum(s[2] for s in segments)
+    kept_from = len(segments)
+    while kept_from > 0 and acc + segments[kept_from - 1][2] <= tail * total:
+        kept_from -= 1
+        acc += segments[kept_from][2]
     for i, (roots, outs, *_) in enumerate(segments):
         ends += bool(outs)
         for r in roots:
-            if r in outs and ends % every == 0:
+            if i >= kept_from or (r in outs and ends % every == 0):
                 keep.add(r)
             elif r not in outs or deep:
                 transient[r] = i
@@ -489,7 +496,8 @@ def frontier(graph: Graph) -> list[Recompute]:
         spacings = spacings[:: max(1, len(spacings) // 5)]
     for every in spacings:
         for deep in (False, True) if small else (False,):
-            points.append(_point(sim, *_two_level(chain, every, deep)))
+            for tail in (0.0, 0.125, 0.25) if small else (0.0,):
+                points.append(_point(sim, *_two_level(chain, every, deep, tail)))
     if len(cands.roots) <= _GREEDY_MAX:
         points += _greedy(sim, full)
     if len(cands.roots) <= _SWAP_MAX:
@@ -582,10 +590,11 @@ def plan_joint(
     # A graph that cannot be split (one example, or ops coupling the batch) cannot be split once it
     # recomputes either: then only the sets that fit whole are worth a chunk planner's call.
     whole_only = batch == 1 or isinstance(first_error, (BatchCouplingError, UnsupportedOpError))
-    # Sizing chunks builds and costs the chunked form of a graph: of the sets that do not fit whole, try a
-    # few, spread along the frontier, and the last (the least peak), not every one.
+    # Sizing chunks builds and costs the chunked form of a graph: of the sets that do not fit whole, try the
+    # cheapest few, a few spread along the frontier and the last (the least peak), not every one.
     over = [p for p in points[1:] if p.peak_bytes > usable]
-    tried = {id(over[round(i * (len(over) - 1) / max(_CHUNK_TRIES - 1, 1))]) for i in range(_CHUNK_TRIES)} if over else set()
+    spread = [over[round(i * (len(over) - 1) / max(_CHUNK_TRIES - 1, 1))] for i in range(_CHUNK_TRIES)] if over else []
+    tried = {id(p) for p in over[:_CHUNK_TRIES] + spread}
     for p in points[1:]:
         flops, calls = base_flops + p.extra_flops, len(graph.eqns) + p.dropped
         if best is not None and step_cost(flops, calls, 1) >= best[0]:

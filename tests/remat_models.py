@@ -1,11 +1,15 @@
 """The seed models of the recomputation issue (after pytorch_memonger's examples), small enough for CPU tests:
 a ResNet of bottleneck blocks with BatchNorm, a DenseNet block (concatenation), an LSTM, a VNet-like 3D conv
-net and a stack of transformer blocks. Each factory returns (model, batch of inputs)."""
+net and a stack of transformer blocks. Each factory returns (model, batch of inputs). ``per_block`` gives
+each one's forward with ``torch.utils.checkpoint`` around every block, the manual baseline."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 
 class Bottleneck(nn.Module):
@@ -85,3 +89,52 @@ def transformer(layers: int = 4, d: int = 64) -> tuple[nn.Module, torch.Tensor]:
 
 
 SEEDS = {"resnet": resnet, "densenet": densenet, "lstm": lstm, "vnet": vnet, "transformer": transformer}
+
+
+def _ckpt(block: Callable, x: torch.Tensor) -> torch.Tensor:
+    return checkpoint(block, x, use_reentrant=False)
+
+
+def per_block(name: str, model: nn.Module) -> tuple[list[str], Callable[[torch.Tensor], torch.Tensor]]:
+    """(the module paths of the blocks, the model's forward with each block checkpointed) for seed ``name``:
+    ResNet's bottlenecks, DenseNet's layers, the LSTM and the head, every VNet stage, every transformer
+    layer."""
+    if name == "resnet":
+        blocks = [i for i, m in enumerate(model) if isinstance(m, Bottleneck)]
+
+        def forward(x):
+            for i, m in enumerate(model):
+                x = _ckpt(m, x) if i in blocks else m(x)
+            return x
+
+        return [str(i) for i in blocks], forward
+    if name == "densenet":
+        dense = model[1]
+
+        def forward(x):
+            x = model[0](x)
+            for layer in dense.layers:
+                x = torch.cat([x, _ckpt(layer, x)], 1)
+            for m in list(model)[2:]:
+                x = m(x)
+            return x
+
+        return [f"1.layers.{i}" for i in range(len(dense.layers))], forward
+    if name == "lstm":
+        return ["lstm", "head"], lambda x: _ckpt(model.head, _ckpt(lambda t: model.lstm(t)[0], x))
+    if name == "vnet":
+
+        def forward(x):
+            for m in model:
+                x = _ckpt(m, x)
+            return x
+
+        return [str(i) for i in range(len(model))], forward
+    assert name == "transformer"
+
+    def forward(x):
+        for layer in model.layers:
+            x = _ckpt(layer, x)
+        return x
+
+    return [f"layers.{i}" for i in range(len(model.layers))], forward

@@ -477,7 +477,7 @@ def test_seed_model_budget_sweep(name):
     staged = stagetorch.jit(step_of(model))
     full = peak_bytes(staged.graph(x))
     floor_seen = False
-    for fraction in (1.0, 0.8, 0.6, 0.5, 0.45, 0.3, 0.2):
+    for fraction in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.3, 0.2):
         budget = math.ceil(full * fraction / (1 - SAFETY_MARGIN)) + 1
         staged.memory_budget = budget
         model.zero_grad(set_to_none=True)
@@ -498,6 +498,43 @@ def test_seed_model_budget_sweep(name):
         assert torch.equal(loss, expected)
         assert all(map(torch.equal, grads(model), grads(reference))), (fraction, plan)
         assert fraction < 1.0 or not isinstance(plan, RematPlan)
+
+
+def _block_forward_flops(graph, blocks: list[str]) -> int:
+    """FLOPs of the forward equations inside the given modules: what per-block checkpointing recomputes."""
+
+    def inside(module: str) -> bool:
+        path = module.split(".", 1)[1] if "." in module else ""  # drop the step's own name for the model
+        return any(path == b or path.startswith(b + ".") for b in blocks)
+
+    return sum(eqn_flops(e) for e in graph.eqns if not e.source.backward and inside(e.source.module))
+
+
+# Recompute FLOPs against per-block torch.utils.checkpoint's at its measured peak: what each seed model
+# reaches (at most), and why ResNet does not reach 0.6x (see the test's docstring).
+_AGAINST_PER_BLOCK = {"densenet": 0.6, "lstm": 0.6, "vnet": 0.6, "transformer": 0.6, "resnet": 1.0}
+
+
+@pytest.mark.parametrize("name", sorted(remat_models.SEEDS))
+def test_fewer_recompute_flops_than_per_block_checkpoint(name):
+    """Per-block ``torch.utils.checkpoint`` recomputes each block's whole forward; its peak is measured on
+    the real run. The planner's cheapest recompute set whose predicted peak is no higher recomputes at most
+    0.6x those FLOPs (a part of some blocks, or only their cheap ops). ResNet's bottlenecks are the
+    exception: at that peak (0.55x of no recompute) nearly every convolution output must go, and the
+    planner matches per-block checkpointing (0.97x) rather than beating it."""
+    torch.manual_seed(0)
+    model, x = remat_models.SEEDS[name]()
+    graph = stagetorch.make_ir(step_of(model))(x)
+    blocks, forward = remat_models.per_block(name, model)
+    theirs = _block_forward_flops(graph, blocks)
+    assert theirs > 0.2 * graph_flops(graph)  # the blocks are most of the forward
+    with LivePeak([*model.parameters(), *model.buffers(), x]) as tracker:
+        loss = forward(x).square().mean()
+        loss.backward()
+    points = frontier(graph)
+    assert tracker.peak < points[0].peak_bytes
+    ours = min(p.extra_flops for p in points if p.peak_bytes <= tracker.peak)
+    assert ours <= _AGAINST_PER_BLOCK[name] * theirs, (ours / theirs, tracker.peak / points[0].peak_bytes)
 
 
 # ---------------------------------------------------------------------------------------------------------
