@@ -1,12 +1,15 @@
 """The joint planner: which forward values to recompute, and the chunk size, chosen together for a budget.
 
-First the memory -> extra-compute frontier of recompute sets: cut the chain of candidate values (in forward
-order) into segments of a given size and keep each segment's last value (Chen et al.'s scheme, for a range
-of segment sizes), plus "keep only what matrix products, convolutions and attention make" (recompute the
-cheap ops); each set is applied with :func:`~stagetorch.remat.remat` and costed exactly by the memory
-interpreter, and only sets that lower the peak for their extra FLOPs survive. Keeping everything is always
-on the frontier, so a plan is never worse than no recomputation. Then, for each frontier point, the chunk
-planner sizes chunks for the recomputing graph, and the point with the lowest predicted step cost wins.
+First the memory -> extra-compute frontier of recompute sets: the forward is cut into a chain of segments at
+its narrow points, and a Rotor-style dynamic program picks, for a range of budgets, which segments to keep
+and which to recompute from checkpoints; two-level sets recompute a segment's values again for its own
+backward rather than hold them; Chen's segments by bytes, "keep only what matrix products, convolutions
+and attention make" (recompute the cheap ops) and its opposite, and a greedy descent on small graphs fill
+in. Each set is costed exactly by a simulator of the memory interpreter's walk over
+:func:`~stagetorch.remat.remat`'s graph, and only sets that lower the peak for their extra FLOPs survive.
+Keeping everything is always on the frontier, so a plan is never worse than no recomputation. Then, for
+frontier points, the chunk planner sizes chunks for the recomputing graph, and the point with the lowest
+predicted step cost wins.
 
 It knows graphs, the remat pass, the FLOP and memory interpreters and the chunk planner's :class:`Plan`;
 it runs nothing, and it builds no executable (the caller passes a function that plans chunks for a graph).
@@ -74,7 +77,7 @@ class _Simulator:
     after last use, outputs kept) over per-equation facts computed once, so that a planner can cost many
     recompute sets of a big graph. Tests hold it equal to ``peak_bytes(remat(graph, keep))``.
 
-    Vars are numbered; a recomputed copy of var ``i`` (or a backward var rebased onto one) is ``i + n``.
+    Vars are numbered by ``index``; each recomputed copy (or backward var rebased onto one) gets a new id.
     """
 
     def __init__(self, graph: Graph, cands: Candidates):
@@ -381,6 +384,8 @@ def _chain(sim: _Simulator) -> list[tuple[list[Var], list[Var], int, int, int, i
 # The dynamic program's resolution: segments (consecutive ones are merged beyond this) and memory steps.
 _DP_SEGMENTS = 32
 _DP_STEPS = 128
+# How many activation budgets it is solved for (from one segment's bytes to all of them; 3x on small graphs).
+_DP_BUDGETS = 8
 
 
 def _coarsen(segments: list, most: int) -> list:
@@ -493,7 +498,7 @@ def frontier(graph: Graph) -> list[Recompute]:
     ends = sum(1 for s in chain if s[1])
     spacings = sorted({int(1.5 ** i) for i in range(32) if int(1.5 ** i) <= ends})
     if not small:
-        spacings = spacings[:: max(1, len(spacings) // 5)]
+        spacings = spacings[:: max(1, len(spacings) // 3)]
     for every in spacings:
         for deep in (False, True) if small else (False,):
             for tail in (0.0, 0.125, 0.25) if small else (0.0,):
@@ -508,10 +513,6 @@ def frontier(graph: Graph) -> list[Recompute]:
         if p.peak_bytes < out[-1].peak_bytes:
             out.append(p)
     return out
-
-
-# How many activation budgets the dynamic program is solved for (from one segment's bytes to all of them).
-_DP_BUDGETS = 8
 
 
 @attrs.frozen
