@@ -176,11 +176,15 @@ class Executable:
         return inner.plan(budget)
 
     def _floor(self, graph: Graph) -> int:
-        """The fewest bytes ``graph`` runs in: one example per chunk, or the whole batch if it cannot be split."""
+        """The fewest bytes ``graph`` runs in: one example per chunk, or the whole batch if that is less (a
+        batch of one, whose chunked form only adds copies) or if it cannot be split."""
+        whole = peak_bytes(graph) - (self._overlap or 0)
+        if self.batch == 1:
+            return whole
         try:
-            return chunked_peak(self.split() if graph is self.graph else self._for(graph).split(), 1, peak_bytes)
+            return min(whole, chunked_peak(self.split() if graph is self.graph else self._for(graph).split(), 1, peak_bytes))
         except (BatchCouplingError, UnsupportedOpError):
-            return peak_bytes(graph)
+            return whole
 
     def run(
         self, inputs: list, budget: int, *, on_chunk: Callable[[int, int], None] | None = None, name: str = "step"

@@ -94,9 +94,13 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
     tape_pos = 0  # the next call of the tape to replay
     shadowed = False  # the lazy tensors the express replay made have shadows: calls take those instead
 
-    def __init__(self, tensors: tuple[torch.Tensor, ...], batch: int, memory_budget: int | str | None, size: int):
+    def __init__(
+        self, tensors: tuple[torch.Tensor, ...], batch: int, memory_budget: int | str | None, size: int,
+        remat: bool = True,
+    ):
         self.batch = size
         self.memory_budget = memory_budget
+        self.remat = remat
         # The key: grad mode tells a training step from an evaluation step on batches of the same shape (a
         # loop that alternates them would otherwise re-record each time).
         metas = [_meta(t) for t in tensors]
@@ -264,17 +268,18 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
             later, read_later = flushes[later_key]
             wanted.update(read_later)
         outs = tuple(v for v in produced if v in wanted)
-        built = flushes.get((self.done, end, outs))
+        # A flush's executable plans with or without recomputation, as the session that built it asked.
+        built = flushes.get((self.done, end, outs, self.remat))
         if built is None:
             roles = ["arg" if v in self.batched else "const" for v in invars]
             graph = Graph(invars, self.eqns[self.done : end], list(outs), roles, [""] * len(invars))
             batched = {v: b for v, b in self.batched.items() if v in invars}
-            executable = Executable(graph, batched, self.batch)
+            executable = Executable(graph, batched, self.batch, remat=self.remat)
             device = next((v.aval.device for v in executable.batched), torch.device("cpu"))
             # Outputs in storage the flush made (no view of an input): a gradient there is no parameter's.
             made = set(produced)
             fresh = frozenset(v for v in outs if v.root in made)
-            built = flushes[(self.done, end, outs)] = (executable, device, fresh, {v: i for i, v in enumerate(outs)})
+            built = flushes[(self.done, end, outs, self.remat)] = (executable, device, fresh, {v: i for i, v in enumerate(outs)})
         executable, device, fresh, position = built
         consts = self.consts
         try:
@@ -315,7 +320,9 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
         self.values = kept
 
 
-def lazy(*tensors: torch.Tensor, batch: int = 0, memory_budget: int | str | None = None) -> Any:
+def lazy(
+    *tensors: torch.Tensor, batch: int = 0, memory_budget: int | str | None = None, remat: str | bool = "auto"
+) -> Any:
     """Make ``tensors`` lazy: the rest of the script runs unchanged, staged and chunked to fit.
 
     **Arguments**
@@ -323,9 +330,14 @@ def lazy(*tensors: torch.Tensor, batch: int = 0, memory_budget: int | str | None
     - ``tensors``: the batch (inputs, labels), each with its batch along dim ``batch``.
     - ``batch``: the batch dimension.
     - ``memory_budget``: bytes or a string (``"512MiB"``); default: the device's free memory.
+    - ``remat``: ``"auto"`` (default) lets a flush that does not fit whole recompute forward values in the
+      backward, chosen with the chunk size as ``jit`` chooses them (bit for bit the same result); ``False``
+      only chunks.
 
     **Returns** one :class:`LazyTensor`, or a tuple of them.
     """
+    if remat not in ("auto", False):
+        raise ValueError(f"stagetorch.lazy: remat must be \"auto\" or False, not {remat!r}")
     if not tensors:
         raise ValueError("stagetorch.lazy needs at least one tensor")
     size = None
@@ -343,6 +355,6 @@ def lazy(*tensors: torch.Tensor, batch: int = 0, memory_budget: int | str | None
             raise ValueError(f"stagetorch.lazy: the tensors disagree on the batch size along dim {batch}: {sizes}")
     if size == 0:
         raise ValueError("stagetorch.lazy: the batch is empty")
-    session = _Session(tensors, batch, memory_budget, size)
+    session = _Session(tensors, batch, memory_budget, size, remat == "auto")
     out, session.lazies = session.lazies, []  # the session keeps no strong reference to a lazy tensor
     return out[0] if len(out) == 1 else tuple(out)
