@@ -19,13 +19,15 @@ import torch.utils._pytree as pytree
 from . import _caches, distributed, shapes
 from .batching import Batched, analyze
 from .chunking import Split, is_oom, run_chunked
-from .costing import MemoryReport, peak_bytes, report, timeline
+from .costing import MemoryReport, Schedule, peak_bytes, report, timeline
 from .devices import format_bytes, free_memory
 from .errors import BatchCouplingError, OutOfMemoryError, ShapeError, UnsupportedOpError
 from .execute import Program, accumulate_grad
-from .ir import Aval, Graph, Var
+from .flops import graph_flops
+from .ir import Aval, Eqn, Graph, Var
 from .passes import writes
-from .planning import SAFETY_MARGIN, Plan, chunked_peak, plan_chunks
+from .planning import SAFETY_MARGIN, Plan, body_peaks, chunked_peak, plan_chunks
+from .remat import RECOMPUTED, recomputed_eqns
 from .remat_planning import Recompute, RematPlan, frontier, plan_joint
 from .tracing import State, Traced, arg_names, discover, trace
 
@@ -142,7 +144,7 @@ class Executable:
         # Chunked plans are kept per budget to about 0.4% (its top 9 bits).
         key = -1 if fits else budget >> max(budget.bit_length() - 9, 0) << max(budget.bit_length() - 9, 0)
         if key not in self.plans:
-            if self.remat and not fits:
+            if self.remat and not fits and _owns_its_inputs(self.graph):
                 self.plans[key] = plan_joint(
                     self.graph, budget, lambda g: self._chunk_plan(g, budget), self._floor, self._frontier
                 )
@@ -274,6 +276,14 @@ class Executable:
             "stagetorch: %s: out of memory where the plan said a chunk of %d fits; ran in chunks of at most %d, "
             "and later calls will too", name, max(planned), self.cap,
         )
+
+
+def _owns_its_inputs(graph: Graph) -> bool:
+    """Whether every input lives in storage the graph itself names. A lazy flush can read a view of a value
+    an earlier flush made, whose base is not in the graph: the recomputation planner numbers only the
+    graph's own vars (``remat_planning._Simulator``), so such a flush is only chunked."""
+    own = set(graph.vars())
+    return all(v.root in own for v in graph.invars)
 
 
 def _restore(saved: list) -> None:
@@ -643,6 +653,8 @@ def memory(
     batch_dim: int = 0,
     batch_argnums: Sequence[int] | None = None,
     static_argnums: Sequence[int] = (),
+    memory_budget: int | str | None = None,
+    remat: str | bool = "auto",
 ) -> Callable[..., MemoryReport]:
     """Cost ``fn`` before running it: ``stagetorch.memory(fn)(*args, **kwargs) -> MemoryReport``.
 
@@ -651,10 +663,21 @@ def memory(
     arguments repeated: one example is often a program of its own), and at one example. The fixed and
     per-example parts come from the two largest; the third checks that the peak is affine in the batch.
     Nothing is run and no real tensor is touched.
+
+    With a ``memory_budget`` (and ``remat`` as in :func:`jit`), the report's ``schedule`` says how the step
+    would run under it: the chunk sizes, the predicted peak, what is recomputed and what that costs; its
+    plot draws that program's live bytes. When no schedule fits, the error ``jit`` would raise is raised.
     """
 
     def cost(*args: Any, **kwargs: Any) -> MemoryReport:
-        staged = Staged(fn, batch_dim=batch_dim, batch_argnums=batch_argnums, static_argnums=static_argnums)
+        staged = Staged(
+            fn, batch_dim=batch_dim, batch_argnums=batch_argnums, static_argnums=static_argnums,
+            memory_budget=memory_budget, remat=remat,
+        )
+        rep = unbudgeted(staged, args, kwargs)
+        return rep if memory_budget is None else attrs.evolve(rep, schedule=_schedule(staged, args, kwargs))
+
+    def unbudgeted(staged: Staged, args: tuple, kwargs: dict) -> MemoryReport:
         leaves, batch = staged._batch_leaves(args, kwargs)
         graph = staged.graph(*args, **kwargs)
         if not any(b for b, _ in leaves):
@@ -691,6 +714,46 @@ def memory(
         )
 
     return cost
+
+
+def _schedule(staged: Staged, args: tuple, kwargs: dict) -> Schedule:
+    """How ``staged`` would run these arguments under its budget, for the memory report: the plan ``jit``
+    makes, what it recomputes, and the live bytes of the program one chunk runs."""
+    executable = staged._stage(args, kwargs)[0].executable
+    budget = staged._budget(executable)
+    plan = executable.plan(budget)
+    recompute = plan.recompute if isinstance(plan, RematPlan) else None
+    graph = executable.graph if recompute is None else recompute.graph
+    if plan.chunked:
+        split = executable.split() if recompute is None else executable._for(graph).split()
+        body = split.body(max(plan.chunk_sizes)).rest
+        # A later chunk as the run holds it: the chunk planner's peak for it, less the body's own peak,
+        # is what the run holds around the body (inputs, shared values, accumulators).
+        held = body_peaks(split, split.body(max(plan.chunk_sizes)), peak_bytes)[1] - max(
+            peak_bytes(body) - sum(v.aval.nbytes for v in body.invars), 0
+        )
+        inputs = sum(v.aval.nbytes for v in body.invars)
+        live = [held + max(b - inputs, 0) for b in _live_totals(body)]
+        program = body
+    else:
+        live = [b - (executable._overlap or 0) for b in _live_totals(graph)]
+        program = graph
+    recomputed = tuple(recomputed_eqns(graph))
+    # Point i of a timeline is while equation i - 1 runs.
+    marks = tuple(i + 1 for i, e in enumerate(program.eqns) if e.source.backward == RECOMPUTED)
+    if recompute is None:
+        return Schedule(budget, plan.peak, plan.chunk_sizes, (), (), (), (), 0, graph_flops(graph), live, marks, str(plan))
+    made: dict[Var, Eqn] = {}  # root -> the equation that first made its storage
+    for e in executable.graph.eqns:
+        for v in e.outvars:
+            if v is not None:
+                made.setdefault(v.root, e)
+    dropped = tuple(r for r in recompute.cands.roots if r not in recompute.keep)
+    return Schedule(
+        budget, plan.peak, plan.chunk_sizes, recomputed, dropped, tuple(made[r] for r in dropped),
+        tuple(r for r in recompute.cands.roots if r in recompute.keep), plan.extra_flops, plan.base_flops, live,
+        marks, str(plan),
+    )
 
 
 def _map_batched(staged: Any, args: tuple, kwargs: dict, f: Callable[[torch.Tensor, int], Any]) -> tuple[tuple, dict]:
