@@ -219,6 +219,7 @@ def test_nothing_fits_names_the_smallest_budget_and_changes_nothing():
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.lazy_modes("record")
 def test_bad_remat_values_are_refused():
     with pytest.raises(ValueError, match="remat must be"):
         stagetorch.lazy(torch.randn(2, 3), remat=True)
