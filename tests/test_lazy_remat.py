@@ -206,7 +206,7 @@ def test_nothing_fits_names_the_smallest_budget_and_changes_nothing():
     named = str(info.value).split("fits is ")[1].split(" (")[0]
     # ... and that budget runs, within itself. The message rounds to 0.1 MiB (down as often as up).
     smallest = parse_bytes(named.replace(" ", "")) + (MiB // 20 if named.endswith("MiB") else 0)
-    assert smallest < parse_bytes(ONLY_REMAT)
+    assert smallest <= 2 * MiB  # a budget test_one_example_that_does_not_fit_is_bit_exact_against_eager runs in
     with LivePeak([*model.parameters(), x]) as tracker:
         loss = model(stagetorch.lazy(x, memory_budget=smallest)).square().mean()
         loss.backward()
