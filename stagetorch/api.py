@@ -348,6 +348,8 @@ class Staged:
         if old[0] != new[0] or old[1] != new[1]:
             why.append("the arguments (their structure, shapes, dtypes or static values)")
         why += state.changes(old[2], new[2])
+        if old[4] != new[4]:
+            why.append(f"the grad mode (torch.is_grad_enabled() is now {new[4]})")
         name = getattr(self.fn, "__name__", "step")
         log.info("stagetorch: %s: staging again (%d programs now), as these changed: %s", name, len(self._cache) + 1,
                  "; ".join(why) or "nothing nameable")
@@ -365,7 +367,8 @@ class Staged:
         leaves, tree = pytree.tree_flatten((args, kwargs))
         static = set(self.static_argnums)
         argnums = _leaf_argnums(args, kwargs) if static or self.batch_argnums is not None else None
-        key = (tree, _signature(leaves, static, argnums), state_key, global_batch)
+        # The grad mode decides what the tracer records (a forward under no_grad has no backward to stage).
+        key = (tree, _signature(leaves, static, argnums), state_key, global_batch, torch.is_grad_enabled())
         entry = self._cache.get(key)
         if entry is None:
             if self._last_key is not None:

@@ -270,6 +270,31 @@ def test_a_value_that_changes_every_call_warns_after_eight_programs(caplog):
     assert len(warnings) == 1 and "staged 8 times" in warnings[0].message and "model.scale 6.0 -> 7.0" in warnings[0].message
 
 
+
+def test_the_grad_mode_is_part_of_the_key_so_a_training_step_under_no_grad_fails_as_in_eager(caplog):
+    """A program staged with grad enabled holds a backward; replaying it under ``no_grad`` would hand back
+    gradients eager PyTorch refuses to compute. Under ``no_grad`` the step stages again and fails as eager does;
+    a forward-only function gives the same values in both modes, from two programs."""
+    model = _mlp()
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    staged = stagetorch.jit(_loss_step(model))
+    staged(x, y)
+    grads = [p.grad.clone() for p in model.parameters()]
+    with torch.no_grad(), pytest.raises(RuntimeError) as staged_error, caplog.at_level("INFO", logger="stagetorch"):
+        staged(x, y)
+    assert "the grad mode (torch.is_grad_enabled() is now False)" in caplog.text
+    with torch.no_grad(), pytest.raises(RuntimeError) as eager_error:
+        _loss_step(model)(x, y)
+    assert str(staged_error.value) == str(eager_error.value)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+    forward = stagetorch.jit(lambda x: model(x).softmax(-1))
+    with torch.no_grad():
+        torch.testing.assert_close(forward(x), model(x).softmax(-1), rtol=0, atol=0)
+    torch.testing.assert_close(forward(x), model(x).softmax(-1).detach(), rtol=0, atol=0)
+    assert len(forward._cache) == 2
+
+
 # -- optimizers and .grad inside the step ----------------------------------------------------------------------
 
 OPTIMIZERS = {
