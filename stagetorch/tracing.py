@@ -26,6 +26,7 @@ from typing import Any
 
 import attrs
 import torch
+import torch.nn.modules.module as _module_globals
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -159,20 +160,33 @@ class State:
                 tensors.append(t)
         avals = tuple((id(t), t.shape, t.dtype, t.device, t.requires_grad) for t in tensors)
         scalars = tuple([_scalar_items(sub.__dict__) for sub in subs])
+        # A hook's tensor math is staged with the step, so adding or removing one stages again.
+        # (The checks are spelled out: this runs for every module and tensor on every call.)
+        hooks = tuple(
+            [(i, _hook_ids(sub, _MODULE_HOOKS)) for i, sub in enumerate(subs)
+             if (d := sub.__dict__)["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]]
+            + [(-1 - i, _hook_ids(t, _TENSOR_HOOKS)) for i, t in enumerate(tensors)
+               if t._backward_hooks or t._post_accumulate_grad_hooks]
+        )
+        if _module_globals._global_forward_hooks or _module_globals._global_forward_pre_hooks or \
+                _module_globals._global_backward_hooks or _module_globals._global_backward_pre_hooks:
+            hooks += ((None, _hook_ids(_module_globals, tuple(f"_global{store}" for store in _MODULE_HOOKS))),)
         values = list(self.values)
         for cls in dict.fromkeys(type(sub) for sub in subs):
             reads = _CLASS_GLOBALS.get(cls)
             if reads is None:
                 reads = _CLASS_GLOBALS[cls] = _class_globals(cls)
             values += [(name, _as_key(g.get(key))) for name, g, key in reads]
-        return tensors, (avals, scalars, tuple(values))
+        return tensors, (avals, scalars, tuple(values), hooks)
 
     def changes(self, old: tuple, new: tuple) -> list[str]:
         """What differs between two keys of :meth:`tensors_and_key` for the same function, in words."""
-        (old_avals, old_scalars, old_values), (avals, scalars, values) = old, new
+        (old_avals, old_scalars, old_values, old_hooks), (avals, scalars, values, hooks) = old, new
         out = []
         if old_avals != avals:
             out.append("its parameters, buffers or optimizer state (a new tensor, shape, dtype, device or requires_grad)")
+        if old_hooks != hooks:
+            out.append("the hooks on its modules or parameters (one added or removed)")
         names = [_join(prefix, name) if name else prefix for prefix, m in self.modules for name, _ in m.named_modules()]
         if len(old_scalars) != len(scalars):
             out.append("its modules")
@@ -183,6 +197,14 @@ class State:
                     out += _diff(as_dict(was), as_dict(now), f"{name}." if name else "")
         out += _diff(dict(old_values), dict(values), "")
         return out
+
+
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def _hook_ids(x: Any, stores: tuple[str, ...]) -> tuple:
+    return tuple(tuple(getattr(x, store) or ()) for store in stores)
 
 
 def _join(prefix: str, name: str) -> str:
@@ -845,6 +867,13 @@ def trace(
         with fake_mode:
             fake = fake_mode.from_tensor(t, static_shapes=True)
         swapped[id(t)] = fake
+        if t.requires_grad and t.is_leaf:
+            # A hook on a parameter (``p.register_hook(lambda g: g * 3)``) changes the gradient autograd
+            # accumulates: the fake the trace differentiates carries it too, so its math is staged.
+            for hook in (t._backward_hooks or {}).values():
+                fake.register_hook(hook)
+            for hook in (t._post_accumulate_grad_hooks or {}).values():
+                fake.register_post_accumulate_grad_hook(hook)
         rec.add_input(fake, role, name)
         if t.requires_grad and t.is_leaf:
             with_grad.append((len(rec.invars) - 1, name, t))

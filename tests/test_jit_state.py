@@ -295,6 +295,62 @@ def test_the_grad_mode_is_part_of_the_key_so_a_training_step_under_no_grad_fails
     assert len(forward._cache) == 2
 
 
+
+def _normalise_grad(p: torch.Tensor) -> None:
+    p.grad.div_(p.grad.norm())
+
+
+def _add_hooks(model: nn.Module) -> list:
+    """Hooks as training code uses them: nonlinear, so a hook run per chunk (or dropped) gives other numbers."""
+    return [
+        model[0].weight.register_hook(lambda g: g.clamp(-0.01, 0.01)),
+        model[2].weight.register_post_accumulate_grad_hook(_normalise_grad),
+        model[2].register_full_backward_hook(lambda mod, grad_in, grad_out: (grad_in[0].tanh(),)),
+        model[0].register_forward_hook(lambda mod, args, out: out * 2),
+    ]
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])
+def test_hooks_on_parameters_and_modules_are_staged_and_match_eager_over_steps(chunked):
+    model = _mlp().double()
+    twin = copy.deepcopy(model)
+    _add_hooks(model), _add_hooks(twin)
+    staged = stagetorch.jit(_loss_step(model))
+    for call in range(CALLS):  # no zero_grad: the post-accumulate hook sees the gradient accumulated so far
+        x, y = torch.randn(BATCH, 5, dtype=torch.float64), torch.randint(0, 3, (BATCH,))
+        if chunked and call == 0:
+            budget_for(staged, x, y)
+        loss = staged(x, y)
+        expected = _loss_step(twin)(x, y)
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+        for p, q in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+    assert len(staged._cache) == 1
+
+
+def test_a_hook_added_or_removed_after_staging_stages_again(caplog):
+    model = _mlp().double()
+    twin = copy.deepcopy(model)
+    staged = stagetorch.jit(_loss_step(model))
+    x, y = torch.randn(BATCH, 5, dtype=torch.float64), torch.randint(0, 3, (BATCH,))
+    for phase in ("none", "hooked", "removed"):
+        if phase == "hooked":
+            handles = _add_hooks(model) + [torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: o)]
+            twin_handles = _add_hooks(twin)
+        if phase == "removed":
+            for h in handles + twin_handles:
+                h.remove()
+        model.zero_grad(), twin.zero_grad()
+        with caplog.at_level("INFO", logger="stagetorch"):
+            loss = staged(x, y)
+        torch.testing.assert_close(loss, _loss_step(twin)(x, y).detach(), rtol=1e-12, atol=1e-12)
+        for p, q in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+    assert "the hooks on its modules or parameters (one added or removed)" in caplog.text
+    # Three programs: torch leaves ``_is_full_backward_hook = True`` on a module after its hook is removed.
+    assert len(staged._cache) == 3
+
+
 # -- optimizers and .grad inside the step ----------------------------------------------------------------------
 
 OPTIMIZERS = {
