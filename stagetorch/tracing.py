@@ -1099,6 +1099,8 @@ def _steal_accumulated_grads(eqns: list[Eqn], grads: list[tuple[int, Var]], outv
             and copy.source.backward == _ACCUMULATE_GRAD
             and copy.prim is torch.ops.aten.copy_.default
             and g not in returned
+            # A step that reads the new .grad (an optimizer's step() right after backward()) keeps the copy.
+            and not readers.get(g)
         )
         if ok:
             dst, src = copy.args[0], copy.args[1]
