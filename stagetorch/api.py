@@ -380,8 +380,10 @@ class Staged:
                 traced_args, traced_kwargs = _map_batched(
                     self, args, kwargs, lambda x, dim: distributed.global_aval(x, dim, global_batch)
                 )
+            restore = state.snapshot()
             with distributed.staging(state, self.process_group):
                 traced = trace(self.fn, traced_args, traced_kwargs, static_argnums=self.static_argnums, state=state)
+            self._check_unchanged(state, state_key, args, kwargs, restore)
             graph = traced.graph
             arg_vars = [v for v, r in zip(graph.invars, graph.roles) if r == "arg"]
             batched = {v: Batched(dim) for v, (is_batched, dim) in zip(arg_vars, batched_leaves) if is_batched}
@@ -400,6 +402,28 @@ class Staged:
         inputs += [_grad_or_zeros(inputs[i]) for i in entry.traced.grad_params]
         inputs += entry.executable.consts
         return entry, inputs, state
+
+    def _check_unchanged(self, state: State, key: tuple, args: tuple, kwargs: dict, restore: Callable) -> None:
+        """Refuse a function that changes, while it is staged, a Python value its programs are keyed on.
+
+        The trace runs the function's Python once; a later call reuses the program and runs none of it. A
+        ``scheduler.step()`` or ``self.calls += 1`` inside the function would then happen once per trace,
+        not once per call, and move the key it is cached under: silently wrong hyperparameters."""
+        after = discover(self.fn, args, kwargs).tensors_and_key()[1]
+        if after == key:
+            return
+        changed = state.changes(key, after)
+        restore()
+        name = getattr(self.fn, "__name__", "the function")
+        code = getattr(self.fn, "__code__", None)
+        where = f" (defined at {code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+        raise UnsupportedOpError(
+            f"{name}{where} changed Python-side state while stagetorch staged it: {'; '.join(changed) or 'its state'}. "
+            "Python code runs only when a function is staged, not on every call, so such an update (an LR "
+            "scheduler's step(), a counter on a module) would happen once per program instead of once per step. "
+            "What to do: make the update outside the staged function (call scheduler.step() after the step "
+            "returns), or keep the value in a tensor. The values it changed have been put back."
+        )
 
     def _batch_leaves(
         self, args: tuple, kwargs: dict, allow_empty: bool = False

@@ -119,6 +119,8 @@ class State:
     setters: list[list[Callable[[Any], None]]] = attrs.field(factory=list)
     values: list[tuple[str, Any]] = attrs.field(factory=list)
     optimizers: list[tuple[str, torch.optim.Optimizer]] = attrs.field(factory=list)
+    # LR schedulers the function names: not state a trace reads, but Python state a ``step()`` inside it moves.
+    schedulers: list[Any] = attrs.field(factory=list)
 
     def named_state(self) -> Iterator[tuple[str, str, torch.Tensor]]:
         """(role, name, tensor) for every parameter, buffer and tensor, each tensor once."""
@@ -178,6 +180,25 @@ class State:
                 reads = _CLASS_GLOBALS[cls] = _class_globals(cls)
             values += [(name, _as_key(g.get(key))) for name, g, key in reads]
         return tensors, (avals, scalars, tuple(values), hooks)
+
+    def snapshot(self) -> Callable[[], None]:
+        """Record the Python values a trace could change (the scalar attributes of every module, every
+        optimizer's hyperparameters, every LR scheduler's attributes); return what puts them back."""
+        modules = [(sub, {k: x for k, x in sub.__dict__.items() if type(x) in _KEYABLE})
+                   for _, m in self.modules for sub in m.modules()]
+        groups = [(group, {k: x for k, x in group.items() if k != "params"})
+                  for _, opt in self.optimizers for group in opt.param_groups]
+        schedulers = [(sch, dict(vars(sch))) for sch in self.schedulers]
+
+        def restore() -> None:
+            for sub, items in modules:
+                sub.__dict__.update(items)
+            for group, items in groups:
+                group.update(items)
+            for sch, items in schedulers:
+                vars(sch).update(items)
+
+        return restore
 
     def changes(self, old: tuple, new: tuple) -> list[str]:
         """What differs between two keys of :meth:`tensors_and_key` for the same function, in words."""
@@ -319,6 +340,10 @@ def discover(fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> S
         if isinstance(obj, torch.optim.Optimizer):
             seen.add(id(obj))
             visit_optimizer(name, obj)
+            return
+        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            seen.add(id(obj))
+            state.schedulers.append(obj)
             return
         if isinstance(obj, (types.FunctionType, types.MethodType, functools.partial)):
             seen.add(id(obj))

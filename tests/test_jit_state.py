@@ -440,6 +440,45 @@ def test_a_write_to_a_weight_that_needs_no_gradient_runs_after_the_chunks_have_r
         assert_same_state(model, twin, 1e-12)
 
 
+
+class _Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.calls = _mlp(), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.body(x)
+
+
+@pytest.mark.parametrize("update", ["scheduler", "counter"])
+def test_a_step_that_changes_python_state_while_staged_is_refused_and_the_state_put_back(update):
+    """A scheduler.step() inside the function runs at the trace only, and moves the lr the program is keyed
+    on: the next call restaged and stepped it again, a plan() in between stepped it a third time."""
+    model = _Counting() if update == "counter" else _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        if update == "scheduler":
+            sched.step()
+        return loss
+
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(BATCH, 5), torch.randint(0, 3, (BATCH,))
+    with pytest.raises(stagetorch.UnsupportedOpError) as error:
+        stagetorch.jit(step)(x, y)
+    message = str(error.value)
+    assert "changed Python-side state while stagetorch staged it" in message and "test_jit_state.py:" in message
+    assert ("opt.param_groups[0]['lr'] 0.1 -> 0.05" if update == "scheduler" else "model.calls 0 -> 1") in message
+    assert opt.param_groups[0]["lr"] == 0.1 and sched.last_epoch == 0 and getattr(model, "calls", 0) == 0
+    assert all(torch.equal(p, b) and p.grad is None for p, b in zip(model.parameters(), before)) and not opt.state
+
+
 def test_an_optimizer_that_cannot_be_staged_gets_a_named_error_and_changes_nothing():
     model = _mlp()
     opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
