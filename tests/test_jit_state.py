@@ -575,7 +575,10 @@ NORMALISERS = {
     "count_of_valid_examples": lambda per, w: (per * w).sum() / (w > 0).sum(),
     "normalised_weights_first": lambda per, w: (per * (w / w.sum())).sum(),
     "label_smoothing": lambda per, w: per.mean(),  # per is label-smoothed (see below)
+    # torch's mean over class weights looked up by target (a gather of a shared tensor by per-example index)
+    "class_weights_and_smoothing": None,
 }
+CLASS_WEIGHTS = torch.tensor([1.0, 2.0, 0.5])
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])
@@ -586,10 +589,15 @@ def test_batch_wide_normalisers_are_exact_in_chunks(form, chunked):
 
     def make(m):
         def step(x, y, w):
-            per = F.cross_entropy(m(x), y, reduction="none", label_smoothing=0.2 if form == "label_smoothing" else 0.0)
-            loss = NORMALISERS[form](per, w)
+            logits = m(x)
+            if form == "class_weights_and_smoothing":
+                loss = F.cross_entropy(logits, y, weight=CLASS_WEIGHTS, label_smoothing=0.1)
+            else:
+                per = F.cross_entropy(logits, y, reduction="none", label_smoothing=0.2 if form == "label_smoothing" else 0.0)
+                loss = NORMALISERS[form](per, w)
             loss.backward()
-            return loss
+            # What a training loop logs besides the loss: accuracy, through argmax over the classes.
+            return loss, (logits.argmax(-1) == y).float().mean()
 
         return step
 
@@ -603,7 +611,8 @@ def test_batch_wide_normalisers_are_exact_in_chunks(form, chunked):
         loss = staged(x, y, w)
         if chunked:
             assert len(staged.plan(x, y, w).chunk_sizes) >= 3
-        torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(loss[0], expected[0].detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(loss[1], expected[1], rtol=1e-6, atol=1e-7)  # a float32 mean, chunked
         assert_same_state(model, reference)
 
 
