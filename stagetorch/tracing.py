@@ -954,7 +954,7 @@ def trace(
             f"{_code_line(src)}\nRefer to its module directly in the function (a global or closure "
             "variable, an attribute of self, or an argument)."
         )
-    eqns, grads, assign, clear, unused = _settle_grads(rec.eqns, final, grad_inputs)
+    eqns, grads, assign, clear, unused = _settle_grads(rec.eqns, final, grad_inputs, outvars)
     eqns, grads = _steal_accumulated_grads(eqns, grads, outvars)
     keep = [i for i, v in enumerate(rec.invars) if v not in unused]
     index = {old: new for new, old in enumerate(keep)}
@@ -1050,7 +1050,7 @@ _STAGEABLE_OPTIMIZERS = (torch.optim.SGD,)
 
 
 def _settle_grads(
-    eqns: list[Eqn], final: dict[int, Var | None], grad_inputs: dict[int, Var]
+    eqns: list[Eqn], final: dict[int, Var | None], grad_inputs: dict[int, Var], outvars: list
 ) -> tuple[list[Eqn], list[tuple[int, Var]], list[int], list[int], set[Var]]:
     """What the step does to each ``.grad``, given ``final``, the value each parameter's fake ``.grad``
     ended with, and ``grad_inputs``, the inputs that held the real ``.grad`` where it existed.
@@ -1061,6 +1061,9 @@ def _settle_grads(
     that add: the executor accumulates as for a parameter with no ``.grad``, so the program is the same.
     One the program writes in place (accumulated, then clipped) needs nothing after the run."""
     readers: dict[Var, list[Eqn]] = {v: [] for v in grad_inputs.values()}
+    # The accumulated .grad returned (``return loss, p.grad``) must stay in the program (one read again
+    # is a second reader of its storage, below).
+    returned = {v.root for v in outvars if isinstance(v, Var)}
     for e in eqns:
         for v in {v.root for v in e.invars}:
             if v in readers:
@@ -1074,7 +1077,7 @@ def _settle_grads(
                 grads.append((i, fv))
             continue
         users = readers[g]
-        if len(users) == 1 and _only_accumulates(users[0], g, fv):
+        if len(users) == 1 and _only_accumulates(users[0], g, fv) and g not in returned:
             dropped.add(id(users[0]))
             grads.append((i, users[0].args[1]))
             unused.add(g)

@@ -526,6 +526,36 @@ def test_grad_read_inside_the_step_sees_the_accumulated_gradient(zero, chunked):
         assert_same_state(model, reference)
 
 
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])
+def test_a_step_returning_grad_and_outputs_kept_across_steps_match_eager(chunked):
+    """``return loss, logits, p.grad``: the accumulated .grad must stay in the program (it was dropped as a
+    plain accumulation: a raw KeyError), and outputs kept from earlier steps must not change."""
+    model = _mlp().double()
+    twin = copy.deepcopy(model)
+
+    def step_of(model):
+        def step(x, y):
+            logits = model(x)
+            loss = F.cross_entropy(logits, y)
+            loss.backward()
+            return loss, logits, model[0].weight.grad
+
+        return step
+
+    staged, kept = stagetorch.jit(step_of(model)), []
+    for call in range(CALLS):  # no zero_grad: .grad accumulates
+        x, y = torch.randn(BATCH, 5, dtype=torch.float64), torch.randint(0, 3, (BATCH,))
+        if chunked and call == 0:
+            budget_for(staged, x, y)
+        got, expected = staged(x, y), step_of(twin)(x, y)
+        assert got[2] is model[0].weight.grad  # the .grad itself, as eager returns it
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e.detach(), rtol=1e-12, atol=1e-12)
+        kept.append([(g, g.clone()) for g in got[:2]])
+    assert all(torch.equal(g, copy) for step in kept for g, copy in step)
+
+
 def test_a_step_that_only_accumulates_into_grad_stages_one_program_without_grad_inputs():
     model = _mlp()
     x, y = torch.randn(BATCH, 5), torch.randint(0, 3, (BATCH,))
