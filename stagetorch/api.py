@@ -237,7 +237,10 @@ class Executable:
         """The staged program as the ranks of a process group compare it: its ops and their shapes."""
         if self._signature is None:
             g = self.graph
+            made = {v: i for i, e in enumerate(g.eqns) for v in e.outvars if v is not None}
             text = "\n".join(f"{op_name(e.prim)} {[str(v.aval) for v in e.outvars if v is not None]}" for e in g.eqns)
+            # Which values it outputs, too: the merges all-reduce the reductions among them.
+            text += f"\n{[made.get(v, -1) if isinstance(v, Var) else -2 for v in g.outvars]}"
             last = f", the last at {g.eqns[-1].source}" if g.eqns else ""
             self._signature = distributed.Signature(
                 the_staged_program=f"{len(g.eqns)} ops{last} (hash {zlib.crc32(text.encode()):08x}), "
