@@ -468,6 +468,15 @@ def lazy_read_on_one_rank(rank: int) -> dict:
 
 
 @case
+def lazy_data_dependent(rank: int) -> dict:
+    """A shape that depends on the values (x[x > 0]) would be this rank's alone: refused on every rank."""
+    model = make_model()
+    x, y = shards((37, 63))[rank]
+    lx, ly = stagetorch.lazy(x, y, process_group=dist.group.WORLD)
+    return _failed(rank, lambda: model(lx[ly >= 0]).sum().backward())
+
+
+@case
 def lazy_training_loop(rank: int) -> dict:
     """jit's training loop, written as eager code with lazy inputs: the later steps replay the recording."""
     model = make_model()
@@ -827,6 +836,12 @@ def test_a_value_read_on_one_rank_only_makes_every_rank_raise(ranks):
     assert [g["error"] for g in got] == ["RankMismatchError"] * WORLD and got[0]["message"] == got[1]["message"]
     assert "rank 1 of 2 differs from rank 0 in the staged program" in got[0]["message"]
     assert all(g["grads_untouched"] for g in got)
+
+
+def test_a_data_dependent_shape_in_a_lazy_step_is_refused(ranks):
+    for rank in range(WORLD):
+        got = result(ranks, "lazy_data_dependent", rank)
+        assert got["error"] == "UnsupportedOpError" and "torch.where" in got["message"], got
 
 
 def test_a_lazy_training_loop_matches_eager_on_the_global_batch(ranks):
