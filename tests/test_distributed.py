@@ -400,6 +400,19 @@ def lazy_read_mid_step(rank: int) -> dict:
 
 
 @case
+def lazy_two_backwards(rank: int) -> dict:
+    """Two backward() calls in one session (the first retains the graph): two collective flushes, the second
+    adding into the .grad the first left, and reading this rank's rows of the saved activations."""
+    model = make_model()
+    x, y = shards((37, 63))[rank]
+    lx, ly = stagetorch.lazy(x, y, process_group=dist.group.WORLD)
+    loss = mixed_loss(model, lx, ly)[0]
+    loss.backward(retain_graph=True)
+    (0.5 * loss).backward()
+    return {"loss": loss.item(), "grads": [p.grad.numpy() / 1.5 for p in model.parameters()]}
+
+
+@case
 def lazy_accumulate(rank: int) -> dict:
     """Two micro-batches into the same .grad (the second flush adds into a real .grad), then an SGD step."""
     model = make_model()
@@ -801,6 +814,12 @@ def test_a_value_read_before_backward_is_one_more_collective_flush(ranks):
     expected = reference(mixed_loss, (37, 63))
     for rank in range(WORLD):
         assert_global(result(ranks, "lazy_read_mid_step", rank), expected)
+
+
+def test_two_backward_calls_in_a_lazy_step_are_two_exact_flushes(ranks):
+    expected = reference(mixed_loss, (37, 63))
+    for rank in range(WORLD):
+        assert_global(result(ranks, "lazy_two_backwards", rank), expected)
 
 
 def test_lazy_micro_batches_accumulate_the_global_gradients(ranks):
