@@ -7,12 +7,15 @@ keeps unchanged are shared). It knows the IR only: no registry, no real tensors,
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
 import attrs
 import torch
 
 from .ir import Eqn, Graph, Var, iter_vars
 
-__all__ = ["Liveness", "liveness", "writes", "is_random", "has_effect", "dce"]
+__all__ = ["Liveness", "liveness", "writes", "is_random", "has_effect", "dce", "AliasRule", "ALIASES"]
 
 aten = torch.ops.aten
 
@@ -55,49 +58,196 @@ def is_random(e: Eqn) -> bool:
 
 def has_effect(e: Eqn) -> bool:
     """Running ``e`` does something besides computing its outputs: writes an argument, draws random numbers,
-    or is an op outside ATen (a collective, a user's custom op) whose effects stagetorch cannot see."""
-    namespace = getattr(e.prim, "namespace", "aten")
-    return namespace not in ("aten", "prims") or is_random(e) or bool(writes(e))
+    returns nothing (an assertion), or is not an ATen op (a collective, a user's custom op, a Python function
+    a pass inserted) whose effects stagetorch cannot see."""
+    kind = _EFFECT_KIND.get(e.prim)
+    if kind is None:
+        kind = _EFFECT_KIND[e.prim] = _effect_kind(e.prim)
+    return kind == "always" or (kind == "writes" and bool(writes(e)))
+
+
+_EFFECT_KIND: dict = {}
+
+
+def _effect_kind(prim: Any) -> str:
+    """``"always"``, ``"writes"`` (when :func:`writes` finds a var) or ``"never"``: what ``prim``'s schema
+    alone says, remembered per op because passes ask for every equation of every graph they see."""
+    schema = getattr(prim, "_schema", None)
+    if not isinstance(prim, torch._ops.OpOverload) or schema is None or prim.namespace not in ("aten", "prims"):
+        return "always"
+    if torch.Tag.nondeterministic_seeded in prim.tags or not schema.returns:
+        return "always"
+    if prim.overloadpacket in _HIDDEN_WRITES or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return "writes"
+    return "never"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Aliases: equations whose output is, below autograd, a value the program already has.
+
+
+@attrs.frozen
+class AliasRule:
+    """When an op's output is, below autograd, another value with the same sizes and strides.
+
+    ``source(e, made_by)`` returns the vars ``e``'s output stands for, from its argument outward (``[x]``
+    for ``detach(x)``; ``[a, x]`` for ``t(a)`` with ``a = t(x)``), or ``None`` when this call is not such
+    an alias; ``made_by`` maps each var defined so far to its equation. The output then shares the last
+    var's tensor: the executor does not run the equation (nor those of the vars between, which only this
+    chain reads), and the memory interpreter counts its storage as that var's.
+
+    ``exclusive``: the output may stand for the value only when no other equation reads the chain and the
+    value is not kept (else one tensor object would be handed out twice, or shared by two names that an
+    in-place op tells apart). A non-exclusive rule (``detach``) needs that only when its output is kept.
+    """
+
+    source: Callable[[Eqn, Mapping[Var, Eqn]], list[Var] | None]
+    exclusive: bool = True
+
+
+def _detach_source(e: Eqn, made_by: Mapping[Var, Eqn]) -> list[Var] | None:
+    return [e.args[0]] if len(e.args) == 1 else None
+
+
+def _same_view_source(e: Eqn, made_by: Mapping[Var, Eqn]) -> list[Var] | None:
+    # A dim of size 0 or 1 may get another stride from view: only all-large shapes keep every stride.
+    src = e.args[0]
+    shape = src.aval.shape
+    if len(e.args) == 2 and tuple(e.args[1]) == shape and all(type(n) is int and n > 1 for n in shape):
+        return [src]
+    return None
+
+
+def _double_t_source(e: Eqn, made_by: Mapping[Var, Eqn]) -> list[Var] | None:
+    inner = made_by.get(e.args[0])
+    if len(e.args) == 1 and inner is not None and inner.prim is aten.t.default and type(inner.args[0]) is Var:
+        return [e.args[0], inner.args[0]]
+    return None
+
+
+# A staged backward is full of these: autograd detaches what it saves and what it accumulates, and a linear
+# layer's weight gradient is t(t(mm)). Keyed by overload. Add a rule only for an op whose output really is
+# the value (same storage, sizes and strides): the executor hands that value out in its place.
+ALIASES: dict[Any, AliasRule] = {
+    aten.detach.default: AliasRule(_detach_source, exclusive=False),
+    aten.view.default: AliasRule(_same_view_source),
+    aten.t.default: AliasRule(_double_t_source),
+}
+
+
+def _resolve_aliases(
+    graph: Graph, live: list[bool], kept: set[Var], uses: dict[Var, int]
+) -> tuple[dict[Var, Var], set[Var]]:
+    """Apply :data:`ALIASES` to the live equations: each aliased output maps to the var whose tensor it
+    is (never an input: the caller's tensor is not handed back as another value); the set holds the
+    outputs of the equations between (their readers all skipped, they need not run either)."""
+    inputs = set(graph.invars)
+    alias: dict[Var, Var] = {}
+    skipped: set[Var] = set()
+    made_by: dict[Var, Eqn] = {}
+    for i, e in enumerate(graph.eqns):
+        if not live[i]:
+            continue
+        rule = ALIASES.get(e.prim)
+        if rule is not None and len(e.outvars) == 1 and not e.kwargs and e.args and type(e.args[0]) is Var:
+            out = e.outvars[0]
+            chain = rule.source(e, made_by)
+            # (The chain may end at a var whose own equation is skipped: t(t(t(x))) is t(x), not t(skipped).)
+            if chain and chain[-1] not in skipped:
+                root = alias.get(chain[-1], chain[-1])
+                shared = root in kept or any(v in kept or uses.get(v) != 1 for v in chain)
+                if root not in inputs and not (shared and (rule.exclusive or out in kept)):
+                    alias[out] = root
+                    skipped.update(chain[:-1])
+        for v in e.outvars:
+            if v is not None:
+                made_by[v] = e
+    return alias, skipped
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Liveness.
 
 
 @attrs.frozen
 class Liveness:
-    """Where each storage is used, by root var.
+    """The schedule the executor runs and the memory interpreter costs: which equations run, which tensor
+    each var is, and where each storage and each tensor is last used.
 
-    ``last_use[r]`` is the index of the last equation that reads any var living in storage ``r``
-    (``len(graph.eqns)`` for storage the graph's outputs or gradients keep to the end); a root missing from
-    it is never read. ``defined[r]`` is the index of the equation that first made it (-1 for an input).
+    ``last_use[r]`` is the index of the last running equation that reads any var living in storage ``r``
+    (``len(graph.eqns)`` for storage the graph's outputs or gradients keep to the end); a storage missing
+    from it is never read. ``defined[r]`` is the index of the equation that first made it (-1 for an
+    input). Storage is named by its root var: see :meth:`storage`.
+
+    ``runs[i]`` is false for an equation nothing needs (:func:`dce`) and for one whose output is an alias
+    (:data:`ALIASES`); ``alias`` maps such an output to the var whose tensor it is. ``frees[i]`` lists the
+    tensors (by var, never an alias) to drop after equation ``i``: their last reader, or their maker when
+    nobody reads or keeps them. Inputs and kept values are never dropped.
     """
 
     last_use: dict[Var, int]
     defined: dict[Var, int]
+    runs: list[bool] = attrs.field(factory=list)
+    alias: dict[Var, Var] = attrs.field(factory=dict)
+    frees: list[list[Var]] = attrs.field(factory=list)
+
+    def tensor(self, v: Var) -> Var:
+        """The var whose tensor ``v`` is at run time (``v`` itself unless it is an alias)."""
+        return self.alias.get(v, v)
+
+    def storage(self, v: Var) -> Var:
+        """The root var of the storage ``v`` lives in, aliases followed."""
+        return self.alias.get(v, v).root
 
 
-def liveness(graph: Graph) -> Liveness:
-    """First definition and last use of each storage, the schedule the eager interpreter follows: a value
-    is freed after the last use of any var on its storage. The memory interpreter and the executor both
-    follow it."""
+def liveness(graph: Graph, keep: Sequence[Var] = ()) -> Liveness:
+    """The schedule of ``graph``: dead equations dropped (:func:`dce`), aliases resolved (:data:`ALIASES`),
+    and each storage and each tensor freed after its last use, in program order. The memory interpreter and
+    the executor both follow it, so the bytes costed are the bytes run. ``keep``: values the caller reads
+    after the run besides the outputs and gradients."""
     n = len(graph.eqns)
+    kept = {v for v in graph.outvars if isinstance(v, Var)} | {v for _, v in graph.grads} | set(keep)
+    live = _needed(graph, kept)
+    uses: dict[Var, int] = {}
+    for i, e in enumerate(graph.eqns):
+        if live[i]:
+            for v in e.invars:
+                uses[v] = uses.get(v, 0) + 1
+    alias, skipped = _resolve_aliases(graph, live, kept, uses)
+    runs = [
+        k and not (e.outvars and (e.outvars[0] in alias or e.outvars[0] in skipped)) for k, e in zip(live, graph.eqns)
+    ]
     last: dict[Var, int] = {}
+    tensor_last: dict[Var, int] = {}
     defined: dict[Var, int] = {v.root: -1 for v in graph.invars}
     for i, e in enumerate(graph.eqns):
+        if not runs[i]:
+            continue
         for v in e.invars:
-            last[v.root] = i
+            t = alias.get(v, v)
+            tensor_last[t] = i
+            last[t.root] = i
         for v in e.outvars:
             if v is not None:
                 defined.setdefault(v.root, i)
-    for v in graph.outvars:
-        if isinstance(v, Var):
-            last[v.root] = n
-    for _, v in graph.grads:
-        last[v.root] = n
-    return Liveness(last, defined)
+    kept_tensors = {alias.get(v, v) for v in kept}
+    for t in kept_tensors:
+        last[t.root] = n
+    inputs = set(graph.invars)
+    frees: list[list[Var]] = [[] for _ in range(n)]
+    for t, i in tensor_last.items():
+        if t not in kept_tensors and t not in inputs:
+            frees[i].append(t)
+    for i, e in enumerate(graph.eqns):  # a value no equation reads and nobody keeps dies at once
+        if runs[i]:
+            frees[i] += [v for v in e.outvars if v is not None and v not in tensor_last and v not in kept_tensors]
+    return Liveness(last, defined, runs, alias, frees)
 
 
-def dce(graph: Graph) -> Graph:
-    """Drop the equations whose results nobody needs: no output, gradient or live equation reads them, and
-    they have no side effect (:func:`has_effect`)."""
-    needed: set[Var] = {v for v in graph.outvars if isinstance(v, Var)} | {v for _, v in graph.grads}
+def _needed(graph: Graph, kept: set[Var]) -> list[bool]:
+    """Per equation: does anything need it? It has an effect, or a kept value or a needed equation reads
+    what it makes."""
+    needed = set(kept)
     keep: list[bool] = [False] * len(graph.eqns)
     for i in range(len(graph.eqns) - 1, -1, -1):
         e = graph.eqns[i]
@@ -106,6 +256,13 @@ def dce(graph: Graph) -> Graph:
             needed.update(e.invars)
             # A view's storage belongs to its base: keeping the view keeps the equation that made the base.
             needed.update(v.base for v in e.outvars if v is not None and v.base is not None)
+    return keep
+
+
+def dce(graph: Graph) -> Graph:
+    """Drop the equations whose results nobody needs: no output, gradient or live equation reads them, and
+    they have no side effect (:func:`has_effect`)."""
+    keep = _needed(graph, {v for v in graph.outvars if isinstance(v, Var)} | {v for _, v in graph.grads})
     eqns = [e for e, k in zip(graph.eqns, keep) if k]
     if len(eqns) == len(graph.eqns):
         return graph
