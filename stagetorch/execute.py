@@ -18,7 +18,7 @@ import torch
 from . import _gc
 from ._tree import flatten
 from .ir import Eqn, Graph, Literal, Var, op_name
-from .passes import liveness
+from .passes import liveness, scheduled
 
 __all__ = ["Program", "accumulate_grad"]
 
@@ -32,19 +32,14 @@ class Program:
     def __init__(self, graph: Graph, keep: Sequence[Var] = ()):
         self.graph = graph
         live = liveness(graph, keep)
-        # One slot (a local of the generated function) per tensor: an alias shares its value's slot.
-        slot_of: dict[Var, int] = {}
-        nslots = 0
-        for v in graph.vars():
-            t = live.tensor(v)
-            if t not in slot_of:
-                slot_of[t] = nslots
-                nslots += 1
-            slot_of[v] = slot_of[t]
-        steps = [(e, [slot_of[v] for v in free]) for e, runs, free in zip(graph.eqns, live.runs, live.frees) if runs]
-        self.out_slots = [slot_of[v] if isinstance(v, Var) else v for v in graph.outvars]
-        self.grad_slots = [(i, slot_of[v]) for i, v in graph.grads]
-        in_slots = [slot_of[v] for v in graph.invars]
+        run = scheduled(graph, live)  # aliases replaced by their tensors: one slot (a local) per var
+        slot_of = {v: k for k, v in enumerate(run.vars())}
+        frees = [free for free, runs in zip(live.frees, live.runs) if runs]
+        steps = [(e, [slot_of[v] for v in free]) for e, free in zip(run.eqns, frees)]
+        nslots = len(slot_of)
+        self.out_slots = [slot_of[v] if isinstance(v, Var) else v for v in run.outvars]
+        self.grad_slots = [(i, slot_of[v]) for i, v in run.grads]
+        in_slots = [slot_of[v] for v in run.invars]
         self._run = _compile(steps, slot_of, in_slots, nslots, self.out_slots, self.grad_slots)
 
     def run_env(self, inputs: Sequence[torch.Tensor]) -> list:

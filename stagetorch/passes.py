@@ -13,9 +13,10 @@ from typing import Any
 import attrs
 import torch
 
-from .ir import Eqn, Graph, Var, iter_vars
+from ._tree import map_leaves
+from .ir import Eqn, Graph, SourceInfo, Var, iter_vars
 
-__all__ = ["Liveness", "liveness", "writes", "is_random", "has_effect", "dce", "AliasRule", "ALIASES"]
+__all__ = ["Liveness", "liveness", "scheduled", "writes", "is_random", "has_effect", "dce", "AliasRule", "ALIASES", "Folded", "fold_partials"]
 
 aten = torch.ops.aten
 
@@ -244,6 +245,29 @@ def liveness(graph: Graph, keep: Sequence[Var] = ()) -> Liveness:
     return Liveness(last, defined, runs, alias, frees)
 
 
+def scheduled(graph: Graph, live: Liveness | None = None) -> Graph:
+    """The graph the executor runs: only the equations that run (``live.runs``; ``live`` defaults to
+    :func:`liveness` of ``graph``), each alias replaced by the var whose tensor it is, in equations, outputs
+    and gradients alike. Its equations, in order, are the ones ``live.frees`` speaks of."""
+    live = live if live is not None else liveness(graph)
+    alias = live.alias
+    if not alias and all(live.runs):
+        return graph
+
+    def tensor(v: Var) -> Var:
+        return alias.get(v, v)
+
+    eqns = []
+    for e, runs in zip(graph.eqns, live.runs):
+        if not runs:
+            continue
+        if any(v in alias for v in e.invars):
+            e = Eqn(e.prim, map_leaves(e.args, Var, tensor), map_leaves(e.kwargs, Var, tensor), e.outvars, e.source)
+        eqns.append(e)
+    outvars = [tensor(v) if isinstance(v, Var) else v for v in graph.outvars]
+    return attrs.evolve(graph, eqns=eqns, outvars=outvars, grads=[(i, tensor(v)) for i, v in graph.grads])
+
+
 def _needed(graph: Graph, kept: set[Var]) -> list[bool]:
     """Per equation: does anything need it? It has an effect, or a kept value or a needed equation reads
     what it makes."""
@@ -267,3 +291,95 @@ def dce(graph: Graph) -> Graph:
     if len(eqns) == len(graph.eqns):
         return graph
     return attrs.evolve(graph, eqns=eqns)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The chunk split's graph part: one chunk's graph made into the first-chunk and later-chunk graphs.
+
+
+@attrs.frozen
+class Folded:
+    """A chunk's graph with its results folded into accumulators (see :func:`fold_partials`).
+
+    ``first_extra`` and ``rest_extra`` say what each input past the body's own is: ``("into", k)`` the rows
+    of result ``k`` in its full per-example tensor, ``("acc", k)`` the accumulator of result ``k``.
+    ``handed`` lists the result each output of ``first`` stands for. ``acc_bytes``: the bytes held across
+    the chunks by the accumulators and the values handed over as they are (those in storage of their own).
+    """
+
+    first: Graph
+    rest: Graph
+    first_extra: list[tuple[str, int]]
+    rest_extra: list[tuple[str, int]]
+    handed: list[int]
+    acc_bytes: int
+
+
+def fold_partials(body: Graph, kinds: Sequence[str], folds: Mapping[str, Callable]) -> Folded:
+    """Fold each of ``body``'s outputs into its accumulator right after its last reader, so no partial
+    outlives its use.
+
+    ``kinds`` runs parallel to ``body.outvars``: ``"cat"`` (a per-example result: copied into its rows of the
+    full tensor, in both graphs), ``"same"`` (never written: handed over as it is) or a reduction
+    (``"sum"``, ``"max"``, ``"min"``). ``folds[kind](acc, x)`` writes ``x`` into ``acc`` in place and returns
+    it (``folds["cat"]`` copies into the rows). The first chunk hands each reduction's partial over as the
+    accumulator (a copy only for one whose storage it does not own outright); a later chunk reads the
+    accumulators as inputs and folds into them in place.
+    """
+    source = body.eqns[0].source if body.eqns else SourceInfo()
+    outs = list(body.outvars)
+    input_roots = {v.root for v in body.invars}
+    first_in, first_extra, first_folds, first_outs, handed = list(body.invars), [], [], [], []
+    rest_in, rest_extra, rest_folds = list(body.invars), [], []
+    # Storage the accumulators must not take over: what a never-written result lives in.
+    owned = {x.root for x, kind in zip(outs, kinds) if kind == "same"}
+    for k, (x, kind) in enumerate(zip(outs, kinds)):
+        if kind == "cat":
+            for ins, extra, pending in ((first_in, first_extra, first_folds), (rest_in, rest_extra, rest_folds)):
+                rows = Var(x.aval)
+                ins.append(rows)
+                extra.append(("into", k))
+                pending.append((x, Eqn(folds["cat"], (rows, x), {}, (Var(x.aval, base=rows),), source)))
+            continue
+        handed.append(k)
+        if kind == "same":
+            first_outs.append(x)
+            continue
+        r = x.root
+        if r in input_roots or r in owned or r.owned_nbytes != x.aval.nbytes:
+            copy = Var(x.aval)
+            first_folds.append((x, Eqn(aten.clone.default, (x,), {}, (copy,), source)))
+            first_outs.append(copy)
+        else:
+            owned.add(r)
+            first_outs.append(x)
+        acc = Var(x.aval)
+        rest_in.append(acc)
+        rest_extra.append(("acc", k))
+        rest_folds.append((x, Eqn(folds[kind], (acc, x), {}, (Var(x.aval, base=acc),), source)))
+    acc_bytes = sum(x.aval.nbytes for x, kind in zip(outs, kinds) if kind not in ("cat", "same"))
+    kept_roots = {x.root for x, kind in zip(outs, kinds) if kind == "same"} - input_roots
+    acc_bytes += sum(r.owned_nbytes for r in kept_roots)
+    first = Graph(first_in, _after_last_use(body.eqns, first_folds), first_outs)
+    rest = Graph(rest_in, _after_last_use(body.eqns, rest_folds), [])
+    return Folded(first, rest, first_extra, rest_extra, handed, acc_bytes)
+
+
+def _after_last_use(eqns: list[Eqn], folds: list[tuple[Var, Eqn]]) -> list[Eqn]:
+    """``eqns`` with each fold equation placed right after the last equation that reads (or defines) its
+    value, so the value dies there."""
+    last: dict[Var, int] = {}
+    for i, e in enumerate(eqns):
+        for v in e.outvars:
+            if v is not None:
+                last.setdefault(v, i)
+        for v in e.invars:
+            last[v] = i
+    after: dict[int, list[Eqn]] = {}
+    for v, e in folds:
+        after.setdefault(last.get(v, -1), []).append(e)
+    out = list(after.get(-1, []))
+    for i, e in enumerate(eqns):
+        out.append(e)
+        out.extend(after.get(i, []))
+    return out
