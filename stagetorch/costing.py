@@ -6,7 +6,7 @@ after the last use of any value living in it; outputs and accumulated gradients 
 nobody needs not run. Memory rules in the registry add what tensor sizes
 do not show (transient workspace). On CUDA, sizes are rounded as the caching allocator rounds them.
 
-It knows the IR and the registry; it runs nothing.
+It knows the IR, the registry and the passes' schedule; it runs nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
+from . import _gc
 from .devices import format_bytes
 from .ir import Eqn, Graph, SourceInfo, Var, op_name
 from .passes import liveness
@@ -76,6 +77,7 @@ class Timeline:
     peak_workspace: int
 
 
+@_gc.paused()  # a row and a list per equation, all kept: the collector's passes would find nothing
 def timeline(graph: Graph) -> Timeline:
     """Walk ``graph`` in program order, along the schedule the executor runs
     (:func:`stagetorch.passes.liveness`), and record live bytes by category. An equation that does not run

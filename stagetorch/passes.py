@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 import torch
 
+from . import _gc
 from ._tree import map_leaves
 from .ir import Eqn, Graph, SourceInfo, Var, iter_vars
 
@@ -190,7 +191,7 @@ class Liveness:
     defined: dict[Var, int]
     runs: list[bool] = attrs.field(factory=list)
     alias: dict[Var, Var] = attrs.field(factory=dict)
-    frees: list[list[Var]] = attrs.field(factory=list)
+    frees: list[Sequence[Var]] = attrs.field(factory=list)
 
     def tensor(self, v: Var) -> Var:
         """The var whose tensor ``v`` is at run time (``v`` itself unless it is an alias)."""
@@ -201,6 +202,7 @@ class Liveness:
         return self.alias.get(v, v).root
 
 
+@_gc.paused()  # many small lists and dicts that all stay alive: the collector's passes would find nothing
 def liveness(graph: Graph, keep: Sequence[Var] = ()) -> Liveness:
     """The schedule of ``graph``: dead equations dropped (:func:`dce`), aliases resolved (:data:`ALIASES`),
     and each storage and each tensor freed after its last use, in program order. The memory interpreter and
@@ -208,11 +210,12 @@ def liveness(graph: Graph, keep: Sequence[Var] = ()) -> Liveness:
     after the run besides the outputs and gradients."""
     n = len(graph.eqns)
     kept = {v for v in graph.outvars if isinstance(v, Var)} | {v for _, v in graph.grads} | set(keep)
-    live = _needed(graph, kept)
+    reads = [e.invars for e in graph.eqns]
+    live = _needed(graph, kept, reads)
     uses: dict[Var, int] = {}
-    for i, e in enumerate(graph.eqns):
-        if live[i]:
-            for v in e.invars:
+    for k, vs in zip(live, reads):
+        if k:
+            for v in vs:
                 uses[v] = uses.get(v, 0) + 1
     alias, skipped = _resolve_aliases(graph, live, kept, uses)
     runs = [
@@ -224,7 +227,7 @@ def liveness(graph: Graph, keep: Sequence[Var] = ()) -> Liveness:
     for i, e in enumerate(graph.eqns):
         if not runs[i]:
             continue
-        for v in e.invars:
+        for v in reads[i]:
             t = alias.get(v, v)
             tensor_last[t] = i
             last[t.root] = i
@@ -235,13 +238,23 @@ def liveness(graph: Graph, keep: Sequence[Var] = ()) -> Liveness:
     for t in kept_tensors:
         last[t.root] = n
     inputs = set(graph.invars)
-    frees: list[list[Var]] = [[] for _ in range(n)]
+    # Most equations free nothing: they share one empty tuple, and a list is made only where needed.
+    frees: list = [()] * n
+
+    def free(i: int, t: Var) -> None:
+        if frees[i]:
+            frees[i].append(t)
+        else:
+            frees[i] = [t]
+
     for t, i in tensor_last.items():
         if t not in kept_tensors and t not in inputs:
-            frees[i].append(t)
+            free(i, t)
     for i, e in enumerate(graph.eqns):  # a value no equation reads and nobody keeps dies at once
         if runs[i]:
-            frees[i] += [v for v in e.outvars if v is not None and v not in tensor_last and v not in kept_tensors]
+            for v in e.outvars:
+                if v is not None and v not in tensor_last and v not in kept_tensors:
+                    free(i, v)
     return Liveness(last, defined, runs, alias, frees)
 
 
@@ -268,16 +281,16 @@ def scheduled(graph: Graph, live: Liveness | None = None) -> Graph:
     return attrs.evolve(graph, eqns=eqns, outvars=outvars, grads=[(i, tensor(v)) for i, v in graph.grads])
 
 
-def _needed(graph: Graph, kept: set[Var]) -> list[bool]:
+def _needed(graph: Graph, kept: set[Var], reads: list[list[Var]] | None = None) -> list[bool]:
     """Per equation: does anything need it? It has an effect, or a kept value or a needed equation reads
-    what it makes."""
+    what it makes. ``reads``: each equation's invars, when the caller has them."""
     needed = set(kept)
     keep: list[bool] = [False] * len(graph.eqns)
     for i in range(len(graph.eqns) - 1, -1, -1):
         e = graph.eqns[i]
         if has_effect(e) or any(v is not None and v in needed for v in e.outvars):
             keep[i] = True
-            needed.update(e.invars)
+            needed.update(e.invars if reads is None else reads[i])
             # A view's storage belongs to its base: keeping the view keeps the equation that made the base.
             needed.update(v.base for v in e.outvars if v is not None and v.base is not None)
     return keep
