@@ -102,7 +102,12 @@ def _measured(graph, inputs):
     return tracker.peak
 
 
-@pytest.mark.parametrize("name", ["densenet", "transformer", "vnet"])
+@pytest.mark.parametrize("name", [
+    "densenet", "transformer", "vnet",
+    pytest.param("lstm", marks=pytest.mark.xfail(
+        strict=True, reason="two recomputing schedules of the LSTM are costed 1 KiB (one f32[4,64]) under what runs",
+    )),
+])
 def test_the_executor_frees_what_the_costing_counts(name):
     """The live-tensor peak of the compiled program is the memory interpreter's, to the byte, with and
     without recomputation (a recomputing graph is full of views and detaches of recomputed values: before
