@@ -1,8 +1,11 @@
-"""Graph -> Graph passes and what they share: which equations have side effects, where each storage is last
-used, and dead-code elimination (every pass must leave a graph that :func:`stagetorch.ir.check` accepts).
+"""Graph -> Graph passes and what they share: which equations have side effects, dead-code elimination, the
+alias shortcuts (a rule table), the one schedule (liveness) that the executor compiles and the memory
+interpreter costs, and the graph part of the chunk split (every pass must leave a graph that
+:func:`stagetorch.ir.check` accepts).
 
 A pass returns a new Graph and never mutates the one it is given (equations and vars of the input that it
-keeps unchanged are shared). It knows the IR only: no registry, no real tensors, no chunking.
+keeps unchanged are shared). It knows the IR only: no registry, no real tensors, no batch analysis or chunk
+runner.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ from . import _gc
 from ._tree import map_leaves
 from .ir import Eqn, Graph, SourceInfo, Var, iter_vars
 
-__all__ = ["Liveness", "liveness", "scheduled", "writes", "is_random", "has_effect", "dce", "AliasRule", "ALIASES", "Folded", "fold_partials"]
+__all__ = [
+    "Liveness", "liveness", "scheduled", "writes", "is_random", "has_effect", "dce", "AliasRule", "ALIASES", "Folded",
+    "fold_partials",
+]
 
 aten = torch.ops.aten
 
