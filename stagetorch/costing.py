@@ -1,11 +1,12 @@
 """The memory interpreter: how many bytes a Graph holds at each equation, and at its peak.
 
-The schedule is the eager interpreter's: inputs resident; each storage allocated at its first definition
-(views and in-place results share their base's storage) and freed after the last use of any value living
-in it; outputs and accumulated gradients kept to the end. Memory rules in the registry add what tensor sizes
+The schedule is the eager interpreter's, :func:`stagetorch.passes.liveness`: inputs resident; each storage
+allocated at its first definition (views, in-place results and aliases share their base's storage) and freed
+after the last use of any value living in it; outputs and accumulated gradients kept to the end; equations
+nobody needs not run. Memory rules in the registry add what tensor sizes
 do not show (transient workspace). On CUDA, sizes are rounded as the caching allocator rounds them.
 
-It knows the IR and the registry; it runs nothing.
+It knows the IR, the registry and the passes' schedule; it runs nothing.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from typing import Any
 import attrs
 import torch
 
+from . import _gc
 from .devices import format_bytes
 from .ir import Eqn, Graph, SourceInfo, Var, op_name
+from .passes import liveness
 from .registry import slot
 
 __all__ = [
@@ -76,19 +79,18 @@ class Timeline:
     peak_workspace: int
 
 
+@_gc.paused()  # a row and a list per equation, all kept: the collector's passes would find nothing
 def timeline(graph: Graph) -> Timeline:
-    """Walk ``graph`` in program order and record live bytes by category."""
+    """Walk ``graph`` in program order, along the schedule the executor runs
+    (:func:`stagetorch.passes.liveness`), and record live bytes by category. An equation that does not run
+    (dead, or an alias of a value already held) adds nothing; its row repeats the one before."""
     roles = graph.roles or ["arg"] * len(graph.invars)
     cat_of_role = {"param": "parameters", "buffer": "buffers", "arg": "inputs", "const": "inputs"}
-    grad_roots = {v.root for _, v in graph.grads}
-    kept = {v.root for v in graph.outvars if isinstance(v, Var)} | grad_roots
+    schedule = liveness(graph)
+    storage = schedule.storage
+    grad_roots = {storage(v) for _, v in graph.grads}
     n = len(graph.eqns)
-    last: dict[Var, int] = {}
-    for i, e in enumerate(graph.eqns):
-        for v in e.invars:
-            last[v.root] = i
-    for r in kept:
-        last[r] = n
+    last = schedule.last_use
     index = {c: k for k, c in enumerate(CATEGORIES)}
     live = [0] * len(CATEGORIES)
     owners: dict[Var, tuple[str, int, int]] = {}
@@ -107,11 +109,14 @@ def timeline(graph: Graph) -> Timeline:
     alive: set[Var] = set(owners)
     peak_live: list[Var] = list(alive)
     for i, e in enumerate(graph.eqns):
+        if not schedule.runs[i]:
+            rows.append(tuple(live))
+            continue
         eff = effect(e)
         for j, v in enumerate(e.outvars):
             if v is None:
                 continue
-            r = v.root
+            r = storage(v)
             if r in owners:
                 continue
             cat = "gradients" if r in grad_roots else ("temporaries" if e.source.backward else "activations")

@@ -140,14 +140,17 @@ class _Simulator:
             for u in reads_of[k]:
                 if root[u] in drop and not copied[u]:
                     recompute(u)
+            reads = tuple(u + n if copied[u] else u for u in reads_of[k])
+            # As remat's _rebase: onto a copied base only when the equation reads the copy's storage.
+            read_storages = {root[u - n] + n if u >= n else root[u] for u in reads}
             outs = []
             for o in outs_of[k]:
-                if base[o] >= 0 and copied[base[o]]:
+                if base[o] >= 0 and copied[base[o]] and root[base[o]] + n in read_storages:
                     copied[o] = True
                     outs.append(o + n)
                 else:
                     outs.append(o)
-            events.append((k, False, tuple(u + n if copied[u] else u for u in reads_of[k]), tuple(outs)))
+            events.append((k, False, reads, tuple(outs)))
         kept = [v + n if copied[v] else v for v in self.kept]
         # Dead-code elimination, as passes.dce does it.
         needed = set(kept)
