@@ -1,4 +1,5 @@
-"""Per-step communication of ``jit(fn, process_group=)`` against DistributedDataParallel (issue 16).
+"""Per-step communication of ``jit(fn, process_group=)`` and ``lazy(..., process_group=)`` against
+DistributedDataParallel (issue 16).
 
 Two gloo processes on CPU, the same token model and the same uneven shards (37/63 sequences, -100 padding);
 each rank counts the bytes it hands to collectives per step (DDP: its gradient buckets, through a comm
@@ -10,10 +11,12 @@ Run: python -m pytest bench/bench_distributed.py -s   (or: PYTHONPATH=. python b
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -89,10 +92,9 @@ def _ddp(rank: int, x: torch.Tensor, y: torch.Tensor) -> dict:
     return _timed(lambda: loss_of(ddp, x, y).backward(), model, counter)
 
 
-def _staged(rank: int, x: torch.Tensor, y: torch.Tensor, fraction: float | None) -> dict:
-    """A staged step; with ``fraction``, this rank's budget is that fraction of its whole shard's peak."""
-    model = make_model()
-    counter = Counter()
+@contextlib.contextmanager
+def _counting(counter: Counter) -> Iterator[None]:
+    """Count every tensor stagetorch hands to a collective (all-reduce, all-gather)."""
     all_reduce, all_gather = dist.all_reduce, sdist._all_gather
 
     def counted_reduce(t: torch.Tensor, *args, **kwargs):
@@ -102,6 +104,18 @@ def _staged(rank: int, x: torch.Tensor, y: torch.Tensor, fraction: float | None)
     def counted_gather(out: torch.Tensor, t: torch.Tensor, *args, **kwargs):
         counter.add(t)
         return all_gather(out, t, *args, **kwargs)
+
+    dist.all_reduce, sdist._all_gather = counted_reduce, counted_gather
+    try:
+        yield
+    finally:
+        dist.all_reduce, sdist._all_gather = all_reduce, all_gather
+
+
+def _staged(rank: int, x: torch.Tensor, y: torch.Tensor, fraction: float | None) -> dict:
+    """A staged step; with ``fraction``, this rank's budget is that fraction of its whole shard's peak."""
+    model = make_model()
+    counter = Counter()
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = loss_of(model, x, y)
@@ -113,12 +127,28 @@ def _staged(rank: int, x: torch.Tensor, y: torch.Tensor, fraction: float | None)
     if fraction is not None:
         staged.memory_budget = int(plan.peak_bytes[0] * fraction)
     plan = staged.plan(x, y)
-    dist.all_reduce, sdist._all_gather = counted_reduce, counted_gather
-    try:
+    with _counting(counter):
         out = _timed(lambda: staged(x, y), model, counter)
-    finally:
-        dist.all_reduce, sdist._all_gather = all_reduce, all_gather
     out["chunks"] = len(plan.chunk_sizes)
+    out["budget"] = staged.memory_budget
+    return out
+
+
+def _lazy(rank: int, x: torch.Tensor, y: torch.Tensor, budget: int | None) -> dict:
+    """The same step written eagerly on ``stagetorch.lazy`` inputs, within ``budget``."""
+    model = make_model()
+    counter = Counter()
+    chunks = []
+
+    def step() -> None:
+        lx, ly = stagetorch.lazy(x, y, process_group=dist.group.WORLD, memory_budget=budget)
+        loss_of(model, lx, ly).backward()
+        executable = next(v[0] for k, v in lx._session.recording.flushes.items() if len(k) == 3)
+        chunks[:] = [len(p.chunk_sizes) for p in executable.shard_plans.values()]
+
+    with _counting(counter):
+        out = _timed(step, model, counter)
+    out["chunks"] = max(chunks)
     return out
 
 
@@ -130,6 +160,8 @@ def _worker(rank: int, store: str, results: mp.Queue) -> None:
         out = {"ddp": _ddp(rank, x, y), "stagetorch": _staged(rank, x, y, None)}
         # Rank 1 with 40% of what its shard needs at once: chunked, rank 0 not.
         out["stagetorch, rank 1 chunked"] = _staged(rank, x, y, 0.4 if rank == 1 else None)
+        out["lazy"] = _lazy(rank, x, y, None)
+        out["lazy, rank 1 chunked"] = _lazy(rank, x, y, out["stagetorch, rank 1 chunked"]["budget"])
         # The latency of one small collective (a status exchange), what each extra one costs a step.
         group = sdist.ShardGroup(dist.group.WORLD)
         times = []
@@ -178,7 +210,7 @@ def measure() -> list[str]:
             lines.append(
                 f"| {mode} | {rank} | {r.get('chunks', 1)} | {r['bytes']:,.0f} | {r['calls']:.0f} | {r['ms']:.1f} ms | {error:.1e} |"
             )
-    lines.append(f"one status exchange (an all-gather of one int64): median {got[0]['status_us']:.0f} us on rank 0")
+    lines.append(f"one status exchange (an all-gather of 7 int64): median {got[0]['status_us']:.0f} us on rank 0")
     return lines
 
 

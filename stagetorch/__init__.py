@@ -8,6 +8,7 @@ from .errors import (
     ConcretizationError,
     ModifiedInputError,
     OutOfMemoryError,
+    RankMismatchError,
     ShapeError,
     StagingError,
     UnsupportedOpError,
@@ -41,6 +42,7 @@ __all__ = [
     "BatchCouplingError",
     "OutOfMemoryError",
     "ModifiedInputError",
+    "RankMismatchError",
 ]
 
 __version__ = "0.1.0"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,13 +20,15 @@ import torch.utils._pytree as pytree
 from . import _caches, distributed, shapes
 from .batching import Batched, analyze
 from .chunking import Split, is_oom, run_chunked
-from .costing import MemoryReport, peak_bytes, report, timeline
+from .costing import MemoryReport, Schedule, peak_bytes, report, timeline
 from .devices import format_bytes, free_memory
 from .errors import BatchCouplingError, OutOfMemoryError, ShapeError, UnsupportedOpError
 from .execute import Program, accumulate_grad
-from .ir import Aval, Graph, Var
+from .flops import graph_flops
+from .ir import Aval, Eqn, Graph, Var, op_name
 from .passes import writes
-from .planning import SAFETY_MARGIN, Plan, chunked_peak, plan_chunks
+from .planning import SAFETY_MARGIN, Plan, body_peaks, chunked_peak, plan_chunks
+from .remat import RECOMPUTED, recomputed_eqns
 from .remat_planning import Recompute, RematPlan, frontier, plan_joint
 from .tracing import State, Traced, arg_names, discover, trace
 
@@ -119,6 +122,9 @@ class Executable:
     # The Executables of the recomputing graphs the joint planner made from this one, and its frontier.
     _inner: dict[Graph, Executable] = attrs.field(factory=dict)
     _points: list[Recompute] | None = None
+    # With a process group: this rank's plan per (shard size, budget), or the error that says none fits.
+    shard_plans: dict[tuple[int, int], Plan | OutOfMemoryError] = attrs.field(factory=dict)
+    _signature: distributed.Signature | None = None
 
     @property
     def program(self) -> Program:
@@ -142,7 +148,7 @@ class Executable:
         # Chunked plans are kept per budget to about 0.4% (its top 9 bits).
         key = -1 if fits else budget >> max(budget.bit_length() - 9, 0) << max(budget.bit_length() - 9, 0)
         if key not in self.plans:
-            if self.remat and not fits:
+            if self.remat and not fits and _owns_its_inputs(self.graph):
                 self.plans[key] = plan_joint(
                     self.graph, budget, lambda g: self._chunk_plan(g, budget), self._floor, self._frontier,
                     batch=self.batch,
@@ -177,11 +183,15 @@ class Executable:
         return inner.plan(budget)
 
     def _floor(self, graph: Graph) -> int:
-        """The fewest bytes ``graph`` runs in: one example per chunk, or the whole batch if it cannot be split."""
+        """The fewest bytes ``graph`` runs in: one example per chunk, or the whole batch if that is less (a
+        batch of one, whose chunked form only adds copies) or if it cannot be split."""
+        whole = peak_bytes(graph) - (self._overlap or 0)
+        if self.batch == 1:
+            return whole
         try:
-            return chunked_peak(self.split() if graph is self.graph else self._for(graph).split(), 1, peak_bytes)
+            return min(whole, chunked_peak(self.split() if graph is self.graph else self._for(graph).split(), 1, peak_bytes))
         except (BatchCouplingError, UnsupportedOpError):
-            return peak_bytes(graph)
+            return whole
 
     def run(
         self, inputs: list, budget: int, *, on_chunk: Callable[[int, int], None] | None = None, name: str = "step"
@@ -230,6 +240,64 @@ class Executable:
             _restore(saved)
             raise
 
+    def signature(self) -> distributed.Signature:
+        """The staged program as the ranks of a process group compare it: its ops and their shapes."""
+        if self._signature is None:
+            g = self.graph
+            made = {v: i for i, e in enumerate(g.eqns) for v in e.outvars if v is not None}
+            text = "\n".join(f"{op_name(e.prim)} {[str(v.aval) for v in e.outvars if v is not None]}" for e in g.eqns)
+            # Which values it outputs, too: the merges all-reduce the reductions among them.
+            text += f"\n{[made.get(v, -1) if isinstance(v, Var) else -2 for v in g.outvars]}"
+            last = f", the last at {g.eqns[-1].source}" if g.eqns else ""
+            self._signature = distributed.Signature(
+                the_staged_program=f"{len(g.eqns)} ops{last} (hash {zlib.crc32(text.encode()):08x}), "
+                f"{len(g.invars)} inputs, {len(g.outvars)} outputs"
+            )
+        return self._signature
+
+    def shard_plan(self, examples: int, budget: int) -> Plan | OutOfMemoryError:
+        """This rank's plan for its ``examples`` of the global batch the graph is staged for, within its own
+        ``budget``: chunks, and with ``remat`` recomputation where the smallest chunk does not fit (or it is
+        cheaper). **Returns** the ``OutOfMemoryError`` that says none fits (every rank must learn it first)."""
+        # Plans are kept per budget to about 0.4% (its top 9 bits), as plan() keeps them.
+        shift = max(budget.bit_length() - 9, 0)
+        key = (examples, budget >> shift << shift)
+        plan = self.shard_plans.get(key)
+        if plan is None:
+
+            def chunk_plan(graph: Graph) -> Plan:
+                split = self.split() if graph is self.graph else self._for(graph).split()
+                return distributed.plan_shard(split, graph, examples, budget)
+
+            try:
+                if self.remat and _owns_its_inputs(self.graph):
+                    plan = plan_joint(self.graph, budget, chunk_plan, self._floor, self._frontier)
+                else:
+                    plan = chunk_plan(self.graph)
+            except OutOfMemoryError as e:
+                plan = e
+            self.shard_plans[key] = plan
+        return plan
+
+    def run_shard(
+        self, inputs: list, plan: Plan, offset: int, group: distributed.ShardGroup,
+        *, on_chunk: Callable[[int, int], None] | None = None,
+    ) -> tuple[list, list[tuple[int, torch.Tensor]]]:
+        """Run this rank's shard (examples ``[offset, offset + plan.batch)`` of the global batch) as
+        :func:`stagetorch.distributed.run_shard` does, under ``plan`` (recomputing if it says so). **Returns**
+        the outputs and gradients, global; if anything fails, inputs the program updates in place are
+        restored first."""
+        recompute = plan.recompute if isinstance(plan, RematPlan) else None
+        split = self.split() if recompute is None else self._for(recompute.graph).split()
+        if self._mutated is None:
+            self._mutated = _mutated_inputs(self.graph)
+        saved = [(inputs[i], inputs[i].clone()) for i in self._mutated]
+        try:
+            return distributed.run_shard(split, inputs, plan.chunk_sizes, offset, group, on_chunk=on_chunk)
+        except BaseException:
+            _restore(saved)
+            raise
+
     def _see_inputs(self, inputs: list) -> None:
         """Inputs that are views of one storage (a weight and its transpose handed to a lazy flush) are
         separate values in the graph: the plan counts their storage once."""
@@ -273,6 +341,14 @@ class Executable:
         )
 
 
+def _owns_its_inputs(graph: Graph) -> bool:
+    """Whether every input lives in storage the graph itself names. A lazy flush can read a view of a value
+    an earlier flush made, whose base is not in the graph: the recomputation planner numbers only the
+    graph's own vars (``remat_planning._Simulator``), so such a flush is only chunked."""
+    own = set(graph.vars())
+    return all(v.root in own for v in graph.invars)
+
+
 def _restore(saved: list) -> None:
     with torch.no_grad():
         for t, copy in saved:
@@ -283,8 +359,6 @@ def _restore(saved: list) -> None:
 class _Entry:
     traced: Traced
     executable: Executable
-    # With a process group: this rank's plan per (shard size, budget).
-    shard_plans: dict[tuple[int, int], Plan] = attrs.field(factory=dict)
 
 
 def device_of(graph: Graph) -> torch.device:
@@ -349,6 +423,8 @@ class Staged:
         if old[0] != new[0] or old[1] != new[1]:
             why.append("the arguments (their structure, shapes, dtypes or static values)")
         why += state.changes(old[2], new[2])
+        if old[4] != new[4]:
+            why.append(f"the grad mode (torch.is_grad_enabled() is now {new[4]})")
         name = getattr(self.fn, "__name__", "step")
         log.info("stagetorch: %s: staging again (%d programs now), as these changed: %s", name, len(self._cache) + 1,
                  "; ".join(why) or "nothing nameable")
@@ -366,7 +442,8 @@ class Staged:
         leaves, tree = pytree.tree_flatten((args, kwargs))
         static = set(self.static_argnums)
         argnums = _leaf_argnums(args, kwargs) if static or self.batch_argnums is not None else None
-        key = (tree, _signature(leaves, static, argnums), state_key, global_batch)
+        # The grad mode decides what the tracer records (a forward under no_grad has no backward to stage).
+        key = (tree, _signature(leaves, static, argnums), state_key, global_batch, torch.is_grad_enabled())
         entry = self._cache.get(key)
         if entry is None:
             if self._last_key is not None:
@@ -378,8 +455,10 @@ class Staged:
                 traced_args, traced_kwargs = _map_batched(
                     self, args, kwargs, lambda x, dim: distributed.global_aval(x, dim, global_batch)
                 )
+            restore = state.snapshot()
             with distributed.staging(state, self.process_group):
                 traced = trace(self.fn, traced_args, traced_kwargs, static_argnums=self.static_argnums, state=state)
+            self._check_unchanged(state, state_key, args, kwargs, restore)
             graph = traced.graph
             arg_vars = [v for v, r in zip(graph.invars, graph.roles) if r == "arg"]
             batched = {v: Batched(dim) for v, (is_batched, dim) in zip(arg_vars, batched_leaves) if is_batched}
@@ -398,6 +477,28 @@ class Staged:
         inputs += [_grad_or_zeros(inputs[i]) for i in entry.traced.grad_params]
         inputs += entry.executable.consts
         return entry, inputs, state
+
+    def _check_unchanged(self, state: State, key: tuple, args: tuple, kwargs: dict, restore: Callable) -> None:
+        """Refuse a function that changes, while it is staged, a Python value its programs are keyed on.
+
+        The trace runs the function's Python once; a later call reuses the program and runs none of it. A
+        ``scheduler.step()`` or ``self.calls += 1`` inside the function would then happen once per trace,
+        not once per call, and move the key it is cached under: silently wrong hyperparameters."""
+        after = discover(self.fn, args, kwargs).tensors_and_key()[1]
+        if after == key:
+            return
+        changed = state.changes(key, after)
+        restore()
+        name = getattr(self.fn, "__name__", "the function")
+        code = getattr(self.fn, "__code__", None)
+        where = f" (defined at {code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+        raise UnsupportedOpError(
+            f"{name}{where} changed Python-side state while stagetorch staged it: {'; '.join(changed) or 'its state'}. "
+            "Python code runs only when a function is staged, not on every call, so such an update (an LR "
+            "scheduler's step(), a counter on a module) would happen once per program instead of once per step. "
+            "What to do: make the update outside the staged function (call scheduler.step() after the step "
+            "returns), or keep the value in a tensor. The values it changed have been put back."
+        )
 
     def _batch_leaves(
         self, args: tuple, kwargs: dict, allow_empty: bool = False
@@ -492,28 +593,39 @@ class Staged:
         collectives). **Returns** the entry, its real inputs, the plan or the ``OutOfMemoryError`` that
         says none fits, and the shard's offset in the global batch."""
         try:
-            local = self._batch_leaves(args, kwargs, allow_empty=True)[1]
+            leaves, local = self._batch_leaves(args, kwargs, allow_empty=True)
+            signature = self._signature(args, kwargs, leaves)
         except Exception as e:
             group.shard_sizes(e)
             raise
-        sizes = group.shard_sizes(local)
+        sizes = group.shard_sizes(local, signature)
         if sum(sizes) == 0:
             raise ShapeError(f"the global batch is empty: every rank of the process group passed 0 examples ({sizes})")
         # The program is the global batch's, staged on contiguous stand-ins; the shard runs on what it cuts.
         args, kwargs = _map_batched(self, args, kwargs, lambda x, dim: x.contiguous())
         entry, inputs, _ = self._stage(args, kwargs, global_batch=sum(sizes))
-        executable = entry.executable
-        budget = self._budget(executable)
-        # Plans are kept per budget to about 0.4% (its top 9 bits), as Executable.plan keeps them.
-        shift = max(budget.bit_length() - 9, 0)
-        key = (local, budget >> shift << shift)
-        plan: Plan | OutOfMemoryError | None = entry.shard_plans.get(key)
-        if plan is None:
-            try:
-                plan = entry.shard_plans[key] = distributed.plan_shard(executable.split(), executable.graph, local, budget)
-            except OutOfMemoryError as e:
-                plan = e
+        plan = entry.executable.shard_plan(local, self._budget(entry.executable))
         return entry, inputs, plan, sum(sizes[: group.rank])
+
+    def _signature(self, args: tuple, kwargs: dict, leaves: list[tuple[bool, int]]) -> distributed.Signature:
+        """What every rank's call must share: the step, the arguments' structure, their dtypes, and their
+        shapes but the batch dimension (``leaves``: each tensor's (batched, dim), from ``_batch_leaves``)."""
+        flat, tree = pytree.tree_flatten((args, kwargs))
+        static = set(self.static_argnums)
+        argnums = _leaf_argnums(args, kwargs)
+        tensors = [x for x, a in zip(flat, argnums) if isinstance(x, torch.Tensor) and a not in static]
+        shapes = [
+            tuple("N" if batched and d == dim else n for d, n in enumerate(x.shape))
+            for x, (batched, dim) in zip(tensors, leaves)
+        ]
+        code = getattr(self.fn, "__code__", None)
+        where = f" ({code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno})" if code is not None else ""
+        return distributed.Signature(
+            the_step=f"{getattr(self.fn, '__qualname__', type(self.fn).__name__)}{where}",
+            the_argument_structure=f"{tree} with leaves {[type(x).__name__ for x in flat]}",
+            the_argument_dtypes=str([str(x.dtype).removeprefix("torch.") for x in tensors]),
+            the_argument_shapes=str(shapes).replace("'N'", "N"),
+        )
 
     def _call_sharded(self, args: tuple, kwargs: dict) -> Any:
         """One data-parallel step: this rank's shard of a global batch (see ``stagetorch.distributed``)."""
@@ -528,25 +640,14 @@ class Staged:
                 "so they would be this rank's alone. What to do: call clip_grad_norm_, opt.step() and "
                 "opt.zero_grad() after the staged step returns (its .grad is then the global batch's)."
             )
-        group.check(plan if isinstance(plan, OutOfMemoryError) else None)
-        if plan.chunked:
+        executable = entry.executable
+        group.check(plan if isinstance(plan, OutOfMemoryError) else None, executable.signature())
+        if plan.chunked or isinstance(plan, RematPlan):
             log.info("stagetorch: %s (rank %d): %s", getattr(self.fn, "__name__", "step"), group.rank, plan)
-        executable, graph = entry.executable, entry.executable.graph
-        if executable._mutated is None:
-            executable._mutated = _mutated_inputs(graph)
-        saved = [(inputs[i], inputs[i].clone()) for i in executable._mutated]
-        try:
-            outs, grads = distributed.run_shard(
-                executable.split(), inputs, plan.chunk_sizes, offset, group, on_chunk=self._progress(plan)
-            )
-        except BaseException:
-            with torch.no_grad():
-                for t, copy in saved:
-                    t.copy_(copy)
-            raise
+        outs, grads = executable.run_shard(inputs, plan, offset, group, on_chunk=self._progress(plan))
         for i, g in grads:
             accumulate_grad(inputs[i], g)
-        return pytree.tree_unflatten(outs, graph.out_tree)
+        return pytree.tree_unflatten(outs, executable.graph.out_tree)
 
     def _progress(self, plan: Plan) -> Any:
         if not self.progress:
@@ -607,8 +708,8 @@ def jit(
       ``memory_budget``. Per-example outputs are the rank's own examples. See the distributed docs page.
     - ``remat``: ``"auto"`` (default) lets a step that does not fit whole recompute forward values in the
       backward instead of keeping them, chosen together with the chunk size for the cheapest step that fits
-      (the result is bit for bit the same); ``False`` only chunks. With a ``process_group`` each rank's shard
-      is only chunked.
+      (the result is bit for bit the same); ``False`` only chunks. With a ``process_group`` each rank plans
+      its own shard this way (ranks may differ in chunks and in what they recompute).
 
     **Returns** a :class:`Staged` callable.
     """
@@ -640,6 +741,8 @@ def memory(
     batch_dim: int = 0,
     batch_argnums: Sequence[int] | None = None,
     static_argnums: Sequence[int] = (),
+    memory_budget: int | str | None = None,
+    remat: str | bool = "auto",
 ) -> Callable[..., MemoryReport]:
     """Cost ``fn`` before running it: ``stagetorch.memory(fn)(*args, **kwargs) -> MemoryReport``.
 
@@ -648,10 +751,21 @@ def memory(
     arguments repeated: one example is often a program of its own), and at one example. The fixed and
     per-example parts come from the two largest; the third checks that the peak is affine in the batch.
     Nothing is run and no real tensor is touched.
+
+    With a ``memory_budget`` (and ``remat`` as in :func:`jit`), the report's ``schedule`` says how the step
+    would run under it: the chunk sizes, the predicted peak, what is recomputed and what that costs; its
+    plot draws that program's live bytes. When no schedule fits, the error ``jit`` would raise is raised.
     """
 
     def cost(*args: Any, **kwargs: Any) -> MemoryReport:
-        staged = Staged(fn, batch_dim=batch_dim, batch_argnums=batch_argnums, static_argnums=static_argnums)
+        staged = Staged(
+            fn, batch_dim=batch_dim, batch_argnums=batch_argnums, static_argnums=static_argnums,
+            memory_budget=memory_budget, remat=remat,
+        )
+        rep = unbudgeted(staged, args, kwargs)
+        return rep if memory_budget is None else attrs.evolve(rep, schedule=_schedule(staged, args, kwargs))
+
+    def unbudgeted(staged: Staged, args: tuple, kwargs: dict) -> MemoryReport:
         leaves, batch = staged._batch_leaves(args, kwargs)
         graph = staged.graph(*args, **kwargs)
         if not any(b for b, _ in leaves):
@@ -688,6 +802,46 @@ def memory(
         )
 
     return cost
+
+
+def _schedule(staged: Staged, args: tuple, kwargs: dict) -> Schedule:
+    """How ``staged`` would run these arguments under its budget, for the memory report: the plan ``jit``
+    makes, what it recomputes, and the live bytes of the program one chunk runs."""
+    executable = staged._stage(args, kwargs)[0].executable
+    budget = staged._budget(executable)
+    plan = executable.plan(budget)
+    recompute = plan.recompute if isinstance(plan, RematPlan) else None
+    graph = executable.graph if recompute is None else recompute.graph
+    if plan.chunked:
+        split = executable.split() if recompute is None else executable._for(graph).split()
+        body = split.body(max(plan.chunk_sizes)).rest
+        # A later chunk as the run holds it: the chunk planner's peak for it, less the body's own peak,
+        # is what the run holds around the body (inputs, shared values, accumulators).
+        held = body_peaks(split, split.body(max(plan.chunk_sizes)), peak_bytes)[1] - max(
+            peak_bytes(body) - sum(v.aval.nbytes for v in body.invars), 0
+        )
+        inputs = sum(v.aval.nbytes for v in body.invars)
+        live = [held + max(b - inputs, 0) for b in _live_totals(body)]
+        program = body
+    else:
+        live = [b - (executable._overlap or 0) for b in _live_totals(graph)]
+        program = graph
+    recomputed = tuple(recomputed_eqns(graph))
+    # Point i of a timeline is while equation i - 1 runs.
+    marks = tuple(i + 1 for i, e in enumerate(program.eqns) if e.source.backward == RECOMPUTED)
+    if recompute is None:
+        return Schedule(budget, plan.peak, plan.chunk_sizes, (), (), (), (), 0, graph_flops(graph), live, marks, str(plan))
+    made: dict[Var, Eqn] = {}  # root -> the equation that first made its storage
+    for e in executable.graph.eqns:
+        for v in e.outvars:
+            if v is not None:
+                made.setdefault(v.root, e)
+    dropped = tuple(r for r in recompute.cands.roots if r not in recompute.keep)
+    return Schedule(
+        budget, plan.peak, plan.chunk_sizes, recomputed, dropped, tuple(made[r] for r in dropped),
+        tuple(r for r in recompute.cands.roots if r in recompute.keep), plan.extra_flops, plan.base_flops, live,
+        marks, str(plan),
+    )
 
 
 def _map_batched(staged: Any, args: tuple, kwargs: dict, f: Callable[[torch.Tensor, int], Any]) -> tuple[tuple, dict]:

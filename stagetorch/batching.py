@@ -169,6 +169,7 @@ def analyze(graph: Graph, inputs: dict[Var, Batched], batch: int) -> BatchAnalys
     needs_global: list[Var] = []
     prepass: dict[Var, Prepass] = {}
     updated: set[Var] = set()  # written in place after the chunk loop, and what is computed from that
+    read_late: set[Var] = set()  # storage (roots) that body or post equations read
 
     for i, e in enumerate(graph.eqns):
         ins = e.invars
@@ -178,8 +179,14 @@ def analyze(graph: Graph, inputs: dict[Var, Batched], batch: int) -> BatchAnalys
             # ones_like(loss): only the aval of the reduced value matters, so it is shared after all.
             placeholders[i] = {v: v.aval for v in late}
             late = []
+        if not batched and not late and any(w.root in read_late for w in writes(e)):
+            # An in-place write to storage the chunks have read (AdamW's weight decay ``p.mul_(1 - lr * wd)``,
+            # which needs no gradient): run once before the chunks, the chunks would read the written value.
+            late = [w for w in writes(e) if w.root in read_late]
         if not batched:
             phase = "post" if late else "shared"
+            if late:
+                read_late.update(v.root for v in ins)
             phases.append(phase)
             for v in e.outvars:
                 if v is not None:
@@ -195,6 +202,7 @@ def analyze(graph: Graph, inputs: dict[Var, Batched], batch: int) -> BatchAnalys
                     updated.update(v for v in e.outvars if v is not None)
             continue
         phases.append("body")
+        read_late.update(v.root for v in ins)
         if any(v in updated for v in late):
             raise coupling(
                 e,

@@ -24,7 +24,8 @@ import torch
 from ._tree import map_leaves
 from .batching import BatchAnalysis, Batched, Global, Prepass, Reduced, coupling
 from .execute import Program
-from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var, iter_vars
+from .ir import Aval, Eqn, Graph, Literal, Var, iter_vars
+from .passes import fold_partials
 
 __all__ = ["Split", "run_chunked", "even_chunks", "is_oom", "ChunkOutOfMemory"]
 
@@ -99,27 +100,6 @@ def _copy_into(rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 _FOLD = {"sum": _add_into, "max": _max_into, "min": _min_into, "cat": _copy_into}
-_CLONE = torch.ops.aten.clone.default
-
-
-def _insert_after_last_use(eqns: list[Eqn], folds: list[tuple[Var, Eqn]]) -> list[Eqn]:
-    """``eqns`` with each fold equation placed right after the last equation that reads (or defines) its
-    value, so the value dies there."""
-    last: dict[Var, int] = {}
-    for i, e in enumerate(eqns):
-        for v in e.outvars:
-            if v is not None:
-                last.setdefault(v, i)
-        for v in e.invars:
-            last[v] = i
-    after: dict[int, list[Eqn]] = {}
-    for v, e in folds:
-        after.setdefault(last.get(v, -1), []).append(e)
-    out = list(after.get(-1, []))
-    for i, e in enumerate(eqns):
-        out.append(e)
-        out.extend(after.get(i, []))
-    return out
 
 
 def _combine_kind(label: Any) -> str:
@@ -343,47 +323,23 @@ class Split:
     def _fold(
         self, n: int, invars: list[Var], feeds: list[tuple], eqns: list[Eqn], outs: list[Var], kinds: list[tuple[Var, str]]
     ) -> BodyGraph:
-        """The first-chunk and later-chunk graphs: each result folded into its accumulator after its last use."""
+        """The first-chunk and later-chunk graphs (:func:`stagetorch.passes.fold_partials`), with how their
+        extra inputs (rows of per-example results, accumulators) are fed."""
         labels = self.analysis.labels
-        source = eqns[0].source if eqns else SourceInfo()
-        input_roots = {v.root for v in invars}
-        first_in, first_feeds, first_folds, first_outs, handed = list(invars), list(feeds), [], [], []
-        rest_in, rest_feeds, rest_folds = list(invars), list(feeds), []
-        # Storage the accumulators must not take over: what a never-written result lives in.
-        owned = {x.root for x, (_, kind) in zip(outs, kinds) if kind == "same"}
-        for x, (v, kind) in zip(outs, kinds):
-            if kind == "cat":
-                lab = labels[v]
-                for ins, fds, folds in ((first_in, first_feeds, first_folds), (rest_in, rest_feeds, rest_folds)):
-                    rows = Var(x.aval)
-                    ins.append(rows)
-                    fds.append(("into", v, lab))
-                    folds.append((x, Eqn(_copy_into, (rows, x), {}, (Var(x.aval, base=rows),), source)))
-                continue
-            handed.append(v)
-            if kind == "same":  # never written: handed over as it is
-                first_outs.append(x)
-                continue
-            # The first chunk's partial becomes the accumulator itself when it owns its storage outright.
-            r = x.root
-            if r in input_roots or r in owned or r.owned_nbytes != x.aval.nbytes:
-                copy = Var(x.aval)
-                first_folds.append((x, Eqn(_CLONE, (x,), {}, (copy,), source)))
-                first_outs.append(copy)
-            else:
-                owned.add(r)
-                first_outs.append(x)
-            acc = Var(x.aval)
-            rest_in.append(acc)
-            rest_feeds.append(("acc", v))
-            rest_folds.append((x, Eqn(_FOLD[kind], (acc, x), {}, (Var(x.aval, base=acc),), source)))
-        cat = sum(v.aval.nbytes for v, kind in kinds if kind == "cat")
-        acc = sum(x.aval.nbytes for x, (_, kind) in zip(outs, kinds) if kind not in ("cat", "same"))
-        kept_roots = {x.root for x, (_, kind) in zip(outs, kinds) if kind == "same"} - input_roots
-        acc += sum(r.owned_nbytes for r in kept_roots)
-        first = Graph(first_in, _insert_after_last_use(eqns, first_folds), first_outs)
-        rest = Graph(rest_in, _insert_after_last_use(eqns, rest_folds), [])
-        return BodyGraph(first, rest, first_feeds, rest_feeds, kinds, handed, outs, (cat, acc))
+        folded = fold_partials(Graph(invars, eqns, outs), [kind for _, kind in kinds], _FOLD)
+
+        def feeds_of(extra: list[tuple[str, int]]) -> list[tuple]:
+            out = list(feeds)
+            for role, k in extra:
+                v = kinds[k][0]
+                out.append(("into", v, labels[v]) if role == "into" else ("acc", v))
+            return out
+
+        cat = sum(v.aval.nbytes for v, kind in kinds if kind == "cat")  # the full results, not a chunk's
+        return BodyGraph(
+            folded.first, folded.rest, feeds_of(folded.first_extra), feeds_of(folded.rest_extra), kinds,
+            [kinds[k][0] for k in folded.handed], outs, (cat, folded.acc_bytes),
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------

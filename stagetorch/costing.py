@@ -1,26 +1,31 @@
 """The memory interpreter: how many bytes a Graph holds at each equation, and at its peak.
 
-The schedule is the eager interpreter's: inputs resident; each storage allocated at its first definition
-(views and in-place results share their base's storage) and freed after the last use of any value living
-in it; outputs and accumulated gradients kept to the end. Memory rules in the registry add what tensor sizes
+The schedule is the eager interpreter's, :func:`stagetorch.passes.liveness`: inputs resident; each storage
+allocated at its first definition (views, in-place results and aliases share their base's storage) and freed
+after the last use of any value living in it; outputs and accumulated gradients kept to the end; equations
+nobody needs not run. Memory rules in the registry add what tensor sizes
 do not show (transient workspace). On CUDA, sizes are rounded as the caching allocator rounds them.
 
-It knows the IR and the registry; it runs nothing.
+It knows the IR, the registry and the passes' schedule; it runs nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import torch
 
+from . import _gc
 from .devices import format_bytes
 from .ir import Eqn, Graph, SourceInfo, Var, op_name
+from .passes import liveness
 from .registry import slot
 
 __all__ = [
-    "CATEGORIES", "MemoryEffect", "effect", "allocated", "Timeline", "timeline", "peak_bytes", "MemoryReport", "report"
+    "CATEGORIES", "MemoryEffect", "effect", "allocated", "Timeline", "timeline", "peak_bytes", "Schedule",
+    "MemoryReport", "report",
 ]
 
 CATEGORIES = ("parameters", "buffers", "inputs", "gradients", "activations", "temporaries", "workspace")
@@ -74,19 +79,18 @@ class Timeline:
     peak_workspace: int
 
 
+@_gc.paused()  # a row and a list per equation, all kept: the collector's passes would find nothing
 def timeline(graph: Graph) -> Timeline:
-    """Walk ``graph`` in program order and record live bytes by category."""
+    """Walk ``graph`` in program order, along the schedule the executor runs
+    (:func:`stagetorch.passes.liveness`), and record live bytes by category. An equation that does not run
+    (dead, or an alias of a value already held) adds nothing; its row repeats the one before."""
     roles = graph.roles or ["arg"] * len(graph.invars)
     cat_of_role = {"param": "parameters", "buffer": "buffers", "arg": "inputs", "const": "inputs"}
-    grad_roots = {v.root for _, v in graph.grads}
-    kept = {v.root for v in graph.outvars if isinstance(v, Var)} | grad_roots
+    schedule = liveness(graph)
+    storage = schedule.storage
+    grad_roots = {storage(v) for _, v in graph.grads}
     n = len(graph.eqns)
-    last: dict[Var, int] = {}
-    for i, e in enumerate(graph.eqns):
-        for v in e.invars:
-            last[v.root] = i
-    for r in kept:
-        last[r] = n
+    last = schedule.last_use
     index = {c: k for k, c in enumerate(CATEGORIES)}
     live = [0] * len(CATEGORIES)
     owners: dict[Var, tuple[str, int, int]] = {}
@@ -105,11 +109,14 @@ def timeline(graph: Graph) -> Timeline:
     alive: set[Var] = set(owners)
     peak_live: list[Var] = list(alive)
     for i, e in enumerate(graph.eqns):
+        if not schedule.runs[i]:
+            rows.append(tuple(live))
+            continue
         eff = effect(e)
         for j, v in enumerate(e.outvars):
             if v is None:
                 continue
-            r = v.root
+            r = storage(v)
             if r in owners:
                 continue
             cat = "gradients" if r in grad_roots else ("temporaries" if e.source.backward else "activations")
@@ -143,13 +150,65 @@ def peak_bytes(graph: Graph) -> int:
 
 
 @attrs.frozen
+class Schedule:
+    """How a step runs under a memory budget: the plan's chunks and predicted peak, and what it recomputes.
+
+    ``recomputed`` are the equations the recomputing program runs a second time in the backward, ``dropped``
+    the forward values (root vars of the staged graph) it recomputes instead of keeping and ``made_by`` the
+    forward equation that made each, ``kept`` the checkpoints; ``extra_flops`` is what the recomputation adds to the step's ``base_flops``. ``live`` is
+    the live bytes (all categories) at each point of the program one chunk runs, as the run holds them
+    (with the inputs, accumulators and shared values of the whole run), the whole batch when it is not
+    chunked; ``marks`` are the points of ``live`` where a recomputed equation runs. ``plan`` is the plan's
+    own description.
+    """
+
+    budget_bytes: int
+    peak_bytes: int
+    chunk_sizes: tuple[int, ...]
+    recomputed: tuple[Eqn, ...]
+    dropped: tuple[Var, ...]
+    made_by: tuple[Eqn, ...]
+    kept: tuple[Var, ...]
+    extra_flops: int
+    base_flops: int
+    live: list[int]
+    marks: tuple[int, ...]
+    plan: str
+
+    def __str__(self) -> str:
+        sizes = "+".join(map(str, self.chunk_sizes))
+        lines = [
+            f"Under a budget of {format_bytes(self.budget_bytes)}: {len(self.chunk_sizes)} chunk(s) [{sizes}], "
+            f"predicted peak {format_bytes(self.peak_bytes)}."
+        ]
+        if not self.recomputed:
+            lines.append("Nothing is recomputed.")
+            return "\n".join(lines)
+        ops: dict[str, int] = {}
+        for e in self.recomputed:
+            ops[op_name(e.prim)] = ops.get(op_name(e.prim), 0) + 1
+        listed = ", ".join(f"{n} x {op}" for op, n in sorted(ops.items(), key=lambda kv: -kv[1]))
+        lines.append(
+            f"Recomputes {len(self.recomputed)} op(s) in the backward ({listed}): {self.extra_flops / 1e6:.1f} "
+            f"MFLOP more than the step's {self.base_flops / 1e6:.1f} ({self.extra_flops / max(self.base_flops, 1):.1%}); "
+            f"{len(self.dropped)} forward value(s) recomputed, {len(self.kept)} checkpoint(s) kept."
+        )
+        lines.append("Recomputed values:")
+        lines += [f"  {op_name(e.prim)} -> {v.aval}  # {e.source}" for v, e in zip(self.dropped[:10], self.made_by)]
+        if len(self.dropped) > 10:
+            lines.append(f"  ... and {len(self.dropped) - 10} more")
+        return "\n".join(lines)
+
+
+@attrs.frozen
 class MemoryReport:
     """What a staged step needs: its peak, how that grows with the batch, and where the bytes go.
 
     ``peak_bytes = fixed_bytes + per_example_bytes * batch``: the line through the peaks at the two largest
     batches costed (exact at those when ``linear``). ``by_category``, ``by_op`` and ``by_module`` break down
     the bytes live at the peak; ``peak_source`` is the user's line of the equation at which the peak occurs.
-    ``probes`` holds the peak at every batch size that was costed.
+    ``probes`` holds the peak at every batch size that was costed. ``schedule``, when the report was asked
+    for a memory budget, is how the step runs under it (chunks, recomputation, predicted peak).
     """
 
     peak_bytes: int
@@ -171,6 +230,7 @@ class MemoryReport:
     # Costs the step at another batch size; kept (with the arguments it stages from) only when the peak is
     # not affine in the batch, where no line predicts it.
     cost_at: Callable[[int], int] | None = attrs.field(default=None, eq=False, repr=False)
+    schedule: Schedule | None = None
 
     def predict(self, batch: int) -> int:
         """The peak for another batch size: exact at a batch that was costed, and at any batch when the
@@ -199,18 +259,32 @@ class MemoryReport:
             width = max((len(k) for k, _ in rows), default=8)
             lines.append(f"\nLive at the peak, by {title}:")
             lines += [f"  {k:<{width}}  {format_bytes(v):>10}  {100 * v / max(self.peak_bytes, 1):5.1f}%" for k, v in rows]
+        if self.schedule is not None:
+            lines.append("\n" + str(self.schedule))
         return "\n".join(lines)
 
     def plot(self, path: str) -> str:
-        """Save a stacked plot of live bytes across the program, by category, with the peak marked."""
+        """Save a stacked plot of live bytes across the program, by category, with the peak marked; with a
+        ``schedule``, a second panel draws the live bytes of the program that runs under the budget (one
+        chunk, recomputing) over those of the whole batch without recomputation, recomputed equations marked."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        rows = 1 if self.schedule is None else 2
+        fig, axes = plt.subplots(rows, 1, figsize=(10, 4.5 * rows), squeeze=False)
+        self._plot_categories(axes[0][0])
+        if self.schedule is not None:
+            self._plot_schedule(axes[1][0], self.schedule)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120 if rows == 1 else 90)
+        plt.close(fig)
+        return path
+
+    def _plot_categories(self, ax: Any) -> None:
         xs = list(range(len(self.live)))
         series = [[row[c] / 2**20 for row in self.live] for c in range(len(CATEGORIES))]
-        fig, ax = plt.subplots(figsize=(10, 4.5))
         ax.stackplot(xs, series, labels=CATEGORIES, step="post")
         ax.axvline(self.peak_index, color="black", linestyle="--", linewidth=1)
         ax.annotate(
@@ -224,10 +298,26 @@ class MemoryReport:
         ax.set_ylabel("live MiB")
         ax.set_title(f"stagetorch memory: batch {self.batch}")
         ax.legend(loc="upper left", fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        return path
+
+    def _plot_schedule(self, ax: Any, s: Schedule) -> None:
+        mib = 2**20
+        ax.step(range(len(self.live)), [sum(row) / mib for row in self.live], where="post", color="0.55",
+                label=f"batch {self.batch} at once, no recomputation (peak {format_bytes(self.peak_bytes)})")
+        chunk = max(s.chunk_sizes)
+        what = f"one chunk of {chunk}" if len(s.chunk_sizes) > 1 else f"batch {self.batch} at once"
+        ax.step(range(len(s.live)), [b / mib for b in s.live], where="post", color="tab:blue",
+                label=f"{what}, {'recomputing' if s.recomputed else 'no recomputation'} (peak {format_bytes(max(s.live))})")
+        if s.marks:
+            ax.plot(list(s.marks), [s.live[i] / mib for i in s.marks], "|", color="tab:red", markersize=9,
+                    label=f"recomputed equation ({len(s.marks)})")
+        ax.axhline(s.budget_bytes / mib, color="black", linestyle="--", linewidth=1,
+                   label=f"budget {format_bytes(s.budget_bytes)}")
+        ax.set_xlabel("equation (program order, forward then backward)")
+        ax.set_ylabel("live MiB")
+        extra = f", +{s.extra_flops / max(s.base_flops, 1):.1%} FLOPs" if s.recomputed else ""
+        ax.set_title(f"under the budget: {len(s.chunk_sizes)} chunk(s), predicted peak {format_bytes(s.peak_bytes)}{extra}")
+        ax.set_ylim(bottom=0)
+        ax.legend(loc="upper left", fontsize=8)
 
 
 def _totals(t: Timeline) -> list[int]:

@@ -22,6 +22,7 @@ front ends that call it.
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -30,17 +31,39 @@ import torch.distributed as dist
 
 from .chunking import Split, run_chunked
 from .costing import peak_bytes
-from .errors import BatchCouplingError, OutOfMemoryError, StagingError, UnsupportedOpError
+from .errors import BatchCouplingError, OutOfMemoryError, RankMismatchError, StagingError, UnsupportedOpError
 from .ir import Aval, Graph, Var
 from .planning import Plan, chunked_peak, plan_chunks
 from .tracing import State
 
-__all__ = ["ShardGroup", "plan_shard", "run_shard", "global_aval", "staging"]
+__all__ = ["ShardGroup", "Signature", "plan_shard", "run_shard", "global_aval", "staging"]
 
 # Gradients are all-reduced in buckets of this many bytes, DDP's default.
 BUCKET_BYTES = 25 * 2**20
 
 _OK, _OOM, _FAILED = 0, 1, 2
+
+# The exchanges of a step, in order (a status record says which one a rank is at).
+_SIZES, _PLAN, _MERGE = 1, 2, 3
+_PHASES = {_SIZES: "the exchange of shard sizes", _PLAN: "the agreement on plans", _MERGE: "a merge of partials"}
+_HASHES = 4  # a signature's hashes in a status record
+
+
+class Signature:
+    """What must be the same on every rank, by aspect (``"the argument dtypes"``: a description); sent as
+    a few hashes in a status exchange, and described in full only when they differ."""
+
+    def __init__(self, **parts: str):
+        assert len(parts) <= _HASHES
+        self.parts = {k.replace("_", " "): v for k, v in parts.items()}
+        self._hashes: list[int] | None = None
+
+    def hashes(self) -> list[int]:
+        # zlib's CRC, not hash(): Python salts str hashes per process.
+        if self._hashes is None:
+            values = [zlib.crc32(v.encode()) for v in self.parts.values()]
+            self._hashes = values + [0] * (_HASHES - len(values))
+        return self._hashes
 
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
@@ -65,21 +88,40 @@ class ShardGroup:
         _all_gather(every, mine, group=self.group)
         return every.view(self.size, len(values)).tolist()
 
-    def shard_sizes(self, local: int | BaseException) -> list[int]:
-        """Every rank's number of examples (one all-gather). ``local`` is an error when this rank could not
-        tell its own: then every rank raises."""
-        rows = self._gather_ints([-1 if isinstance(local, BaseException) else local])
-        sizes = [r[0] for r in rows]
-        if -1 in sizes:
-            self._raise(local if isinstance(local, BaseException) else None, [_FAILED if n < 0 else _OK for n in sizes])
-        return sizes
-
-    def check(self, error: BaseException | None) -> None:
-        """Agree that every rank may go on (one all-gather): if any rank failed, every rank raises."""
+    def _exchange(
+        self, phase: int, error: BaseException | None, examples: int = 0, signature: Signature | None = None
+    ) -> list[int]:
+        """One status exchange (an all-gather of a record of the same width at every exchange, so that ranks
+        at different exchanges see it rather than wait): where this rank is, whether it failed, its number
+        of examples and the hashes of what must agree. **Returns** every rank's ``examples``."""
         code = _OK if error is None else _OOM if isinstance(error, (OutOfMemoryError, torch.OutOfMemoryError)) else _FAILED
-        codes = [r[0] for r in self._gather_ints([code])]
+        hashes = signature.hashes() if signature is not None else [0] * _HASHES
+        rows = self._gather_ints([phase, code, examples, *hashes])
+        codes = [r[1] for r in rows]
         if any(codes):
             self._raise(error, codes)
+        if len({r[0] for r in rows}) > 1:
+            where = ", ".join(f"rank {r} at {_PHASES[row[0]]}" for r, row in enumerate(rows))
+            raise StagingError(
+                f"the ranks of the process group are out of step ({where}): one ran a step (or a lazy "
+                "flush) the others did not.\nWhat to do: make every rank run the same steps, in the same order."
+            ) from error
+        if any(r[3:] != rows[0][3:] for r in rows):
+            self._mismatch(signature)
+        return [r[2] for r in rows]
+
+    def shard_sizes(self, local: int | BaseException, signature: Signature | None = None) -> list[int]:
+        """Every rank's number of examples (one all-gather). ``local`` is an error when this rank could not
+        tell its own: then every rank raises. ``signature`` (the arguments' structure, dtypes and non-batch
+        shapes, the step's identity) must be the same on every rank, or every rank raises
+        :class:`~stagetorch.errors.RankMismatchError`."""
+        error = local if isinstance(local, BaseException) else None
+        return self._exchange(_SIZES, error, 0 if error is not None else local, signature)
+
+    def check(self, error: BaseException | None, signature: Signature | None = None) -> None:
+        """Agree that every rank may go on (one all-gather): if any rank failed, every rank raises; if the
+        ``signature`` (the staged program's) differs, every rank raises ``RankMismatchError``."""
+        self._exchange(_PLAN, error, 0, signature)
 
     def _raise(self, error: BaseException | None, codes: list[int]) -> None:
         # Every rank knows someone failed, so all take part in sharing the messages, and all raise the same.
@@ -96,11 +138,29 @@ class ShardGroup:
             f"the step failed on {text}.\nEvery rank stopped before changing parameters or .grad."
         ) from error
 
+    def _mismatch(self, signature: Signature | None) -> None:
+        # Every rank saw the hashes differ: all share their descriptions (rare, so the object collective's
+        # cost does not matter) and raise the same error, naming the first rank that differs from rank 0.
+        every: list[Any] = [None] * self.size
+        dist.all_gather_object(every, None if signature is None else signature.parts, group=self.group)
+        first = every[0] or {}
+        for r, parts in enumerate(every[1:], 1):
+            for aspect, text in (parts or {}).items():
+                if first.get(aspect) != text:
+                    raise RankMismatchError(
+                        f"rank {r} of {self.size} differs from rank 0 in {aspect}: rank 0 has {first.get(aspect)}, "
+                        f"rank {r} has {text}.\nEvery rank stopped before changing parameters or .grad. What to "
+                        "do: call the step on every rank with arguments of the same structure, dtypes and shapes "
+                        "but the batch dimension (and the same Python values), so that every rank stages the "
+                        "same program."
+                    )
+        raise RankMismatchError(f"the ranks of the process group staged different programs ({every}).")
+
     def merge(self, values: dict[Var, torch.Tensor], kinds: dict[Var, str]) -> None:
         """All-reduce, in place, every reduction partial in ``values`` (by its kind: sum, max, min), in
         buckets of at most ``BUCKET_BYTES`` per dtype, all in flight at once. ``values`` must be in the
         same order on every rank."""
-        self.check(None)
+        self._exchange(_MERGE, None)
         groups: dict[tuple, list[torch.Tensor]] = {}
         for v, x in values.items():
             kind = kinds.get(v)

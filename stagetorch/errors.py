@@ -10,6 +10,7 @@ __all__ = [
     "BatchCouplingError",
     "OutOfMemoryError",
     "ModifiedInputError",
+    "RankMismatchError",
 ]
 
 
@@ -39,3 +40,8 @@ class OutOfMemoryError(StagingError, MemoryError):
 
 class ModifiedInputError(StagingError, RuntimeError):
     """A real tensor that a lazy op read was changed in place before that op ran (``stagetorch.lazy``)."""
+
+
+class RankMismatchError(StagingError):
+    """The ranks of a process group called a staged step with different arguments (structure, dtypes,
+    non-batch shapes) or staged different programs, so their collectives would not match."""

@@ -1,7 +1,8 @@
-"""The eager interpreter: runs a Graph on real tensors, freeing each value after its last use.
+"""The eager interpreter: compiles a Graph into a program that runs it on real tensors.
 
-Its schedule (program order, free after last use) is the one the memory interpreter costs. It knows the IR
-only; chunking builds graphs for it to run, and the staged callable gives it the real inputs.
+It only compiles: which equations run, which var is which tensor and where each tensor dies is the schedule
+of :func:`stagetorch.passes.liveness`, the one the memory interpreter costs. It knows the IR and that
+schedule; chunking builds graphs for it to run, and the staged callable gives it the real inputs.
 """
 
 from __future__ import annotations
@@ -17,51 +18,29 @@ import torch
 from . import _gc
 from ._tree import flatten
 from .ir import Eqn, Graph, Literal, Var, op_name
+from .passes import liveness, scheduled
 
 __all__ = ["Program", "accumulate_grad"]
 
-_DETACH = torch.ops.aten.detach.default
-_T = torch.ops.aten.t.default
-_VIEW = torch.ops.aten.view.default
-
 
 class Program:
-    """A Graph compiled for repeated execution: straight-line Python, one call per equation, each value
-    dropped after its last use."""
+    """A Graph compiled for repeated execution: straight-line Python, one call per equation that runs, each
+    value dropped after its last use. What runs and what is dropped where is :func:`stagetorch.passes.liveness`'s
+    schedule, the one the memory interpreter costs; this class only turns it into code."""
 
     @_gc.paused()  # building a big program allocates many objects that all stay alive, as tracing does
     def __init__(self, graph: Graph, keep: Sequence[Var] = ()):
         self.graph = graph
-        kept = {v for v in graph.outvars if isinstance(v, Var)} | set(keep) | {v for _, v in graph.grads}
-        inputs = set(graph.invars)
-        alias, skipped = _aliases(graph, kept, inputs)
-        eqns = [e for e in graph.eqns if not (e.outvars and (e.outvars[0] in alias or e.outvars[0] in skipped))]
-        slot_of: dict[Var, int] = {}
-        nslots = 0
-        for v in graph.vars():
-            root = alias.get(v, v)
-            if root not in slot_of:
-                slot_of[root] = nslots
-                nslots += 1
-            slot_of[v] = slot_of[root]
-        kept_roots = {alias.get(v, v) for v in kept}
-        last_use: dict[Var, int] = {}
-        for i, e in enumerate(eqns):
-            for v in e.invars:
-                last_use[alias.get(v, v)] = i
-        frees: list[list[int]] = [[] for _ in eqns]
-        for v, i in last_use.items():
-            if v not in kept_roots and v not in inputs:
-                frees[i].append(slot_of[v])
-        # A value no equation reads and nobody keeps dies at once.
-        for i, e in enumerate(eqns):
-            for v in e.outvars:
-                if v is not None and v not in last_use and v not in kept_roots:
-                    frees[i].append(slot_of[v])
-        self.out_slots = [slot_of[v] if isinstance(v, Var) else v for v in graph.outvars]
-        self.grad_slots = [(i, slot_of[v]) for i, v in graph.grads]
-        in_slots = [slot_of[v] for v in graph.invars]
-        self._run = _compile(eqns, frees, slot_of, in_slots, nslots, self.out_slots, self.grad_slots)
+        live = liveness(graph, keep)
+        run = scheduled(graph, live)  # aliases replaced by their tensors: one slot (a local) per var
+        slot_of = {v: k for k, v in enumerate(run.vars())}
+        frees = [free for free, runs in zip(live.frees, live.runs) if runs]
+        steps = [(e, [slot_of[v] for v in free]) for e, free in zip(run.eqns, frees)]
+        nslots = len(slot_of)
+        self.out_slots = [slot_of[v] if isinstance(v, Var) else v for v in run.outvars]
+        self.grad_slots = [(i, slot_of[v]) for i, v in run.grads]
+        in_slots = [slot_of[v] for v in run.invars]
+        self._run = _compile(steps, slot_of, in_slots, nslots, self.out_slots, self.grad_slots)
 
     def run_env(self, inputs: Sequence[torch.Tensor]) -> list:
         """Run on real inputs (parallel to the graph's invars); returns the environment of the slots the
@@ -79,56 +58,6 @@ class Program:
         with torch._C._AutoDispatchBelowAutograd():  # as run_env (a step's hot path: one call less)
             env = self._run(inputs)
         return self.outputs(env), [(i, env[s]) for i, s in self.grad_slots]
-
-
-def _aliases(graph: Graph, kept: set[Var], inputs: set[Var]) -> tuple[dict[Var, Var], set[Var]]:
-    """Equations whose output is, below autograd, another value with the same sizes and strides: each
-    such output maps to that value, whose slot it shares, and its equation costs no call; so does the
-    equation of each output returned in the set (the inner ``t`` of a pair, which only the pair read). A
-    staged backward is full of them: autograd detaches what it saves and what it accumulates, and a linear
-    layer's weight gradient is ``t(t(mm))``.
-
-    - ``detach(x)``;
-    - ``view(x, shape)`` with ``shape`` that of ``x`` and no dim of size 0 or 1 (a size-1 dim may get
-      another stride);
-    - ``t(t(x))``, where the inner ``t`` has no other reader.
-
-    The value stood for is never an input (the caller's tensor is not handed back as another value). Unless
-    the equation is a detach whose output is not kept, that value must have no reader but this chain and
-    not be kept itself: no tensor object is handed out twice or shared by two names an in-place op tells
-    apart."""
-    uses: dict[Var, int] = {}
-    for e in graph.eqns:
-        for v in e.invars:
-            uses[v] = uses.get(v, 0) + 1
-    alias: dict[Var, Var] = {}
-    skipped: set[Var] = set()  # outputs of equations that need not run, being read by none that runs
-    transposed: dict[Var, Var] = {}  # output of a t -> its argument
-    for e in graph.eqns:
-        if len(e.outvars) != 1 or e.kwargs or not e.args or type(e.args[0]) is not Var:
-            continue
-        out, src = e.outvars[0], e.args[0]
-        same_view = e.prim is _VIEW and len(e.args) == 2 and tuple(e.args[1]) == src.aval.shape
-        if (e.prim is _DETACH and len(e.args) == 1) or (same_view and all(type(n) is int and n > 1 for n in src.aval.shape)):
-            chain = [src]
-        elif e.prim is _T and len(e.args) == 1:
-            inner = transposed.get(src)
-            transposed[out] = src
-            # (An inner t that is itself the middle of an earlier pair never runs: t(t(t(x))) is t(x).)
-            if inner is None or uses.get(src) != 1 or src in kept or inner in skipped:
-                continue
-            chain = [src, inner]
-        else:
-            continue
-        root = alias.get(chain[-1], chain[-1])
-        if root in inputs:
-            continue
-        if (out in kept or e.prim is not _DETACH) and (root in kept or any(uses.get(v) != 1 for v in chain)):
-            continue
-        alias[out] = root
-        if len(chain) == 2:
-            skipped.add(chain[0])  # the inner t: only this chain read it, so it need not run either
-    return alias, skipped
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, fresh: bool = False) -> None:
@@ -157,7 +86,7 @@ def _has_var(tree: Any) -> bool:
 
 
 def _compile(
-    eqns: list[Eqn], frees: list[list[int]], slot_of: dict[Var, int], in_slots: list[int], nslots: int,
+    steps: list[tuple[Eqn, list[int]]], slot_of: dict[Var, int], in_slots: list[int], nslots: int,
     out_slots: list, grad_slots: list[tuple[int, int]],
 ) -> Callable[[Sequence[torch.Tensor]], list]:
     """Generate the program as one Python function, as torch.fx does: a local per slot, each equation a
@@ -185,7 +114,7 @@ def _compile(
     lines = ["def program(inputs):"]
     for k, slot in enumerate(in_slots):
         lines.append(f"    s{slot} = inputs[{k}]")
-    for n, (e, free) in enumerate(zip(eqns, frees)):
+    for n, (e, free) in enumerate(steps):
         op = f"_p{n}"
         names[op] = getattr(e.prim, "_op", e.prim)  # the overload's C++ entry point
         args = [expr(a) for a in e.args]

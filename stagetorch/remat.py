@@ -19,7 +19,7 @@ from collections.abc import Collection, Mapping
 import attrs
 import torch
 
-from .ir import Eqn, Graph, Var
+from .ir import Eqn, Graph, Var, iter_vars
 from .passes import dce, has_effect, writes
 
 __all__ = ["RECOMPUTED", "Candidates", "candidates", "remat", "recomputed_eqns"]
@@ -186,7 +186,8 @@ def remat(
                         for o in made.outvars:
                             sub.pop(o, None)
         args, kwargs = _subst(e.args, sub), _subst(e.kwargs, sub)
-        outs = tuple(_rebase(o, sub) for o in e.outvars)
+        reads = {v.root for v in iter_vars((args, kwargs))}
+        outs = tuple(_rebase(o, sub, reads) for o in e.outvars)
         if args is e.args and kwargs is e.kwargs and all(a is b for a, b in zip(outs, e.outvars)):
             out.append(e)
         else:
@@ -197,9 +198,11 @@ def remat(
     return dce(attrs.evolve(graph, eqns=out, outvars=outvars, grads=grads))
 
 
-def _rebase(v: Var | None, sub: dict[Var, Var]) -> Var | None:
-    """A backward value that lives in the storage of a recomputed one gets a var based on the copy."""
-    if v is None or v.base is None or sub.get(v.base, v.base) is v.base:
+def _rebase(v: Var | None, sub: dict[Var, Var], reads: set[Var]) -> Var | None:
+    """A backward value that lives in the storage of a recomputed one gets a var based on the copy, when its
+    equation reads the copy's storage (``reads``: the roots it reads). One that reads a kept forward view of
+    the original (a value recomputed only beside another output of its op) stays in the original's storage."""
+    if v is None or v.base is None or sub.get(v.base, v.base) is v.base or sub[v.base].root not in reads:
         return v
     n = Var(v.aval, sub[v.base], v.storage_nbytes)
     sub[v] = n

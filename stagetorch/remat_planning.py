@@ -175,9 +175,11 @@ class _Simulator:
                                 sub.pop(o, None)
             if sub:
                 reads = tuple(sub.get(u, u) for u in reads)
+                # As remat's _rebase: onto a copied base only when the equation reads the copy's storage.
+                read_storages = {store[u] for u in reads}
                 outs = []
                 for o in outs_of[k]:
-                    if base[o] >= 0 and base[o] in sub:
+                    if base[o] >= 0 and base[o] in sub and store[sub[base[o]]] in read_storages:
                         sub[o] = copy_of(o)
                     outs.append(sub.get(o, o))
                 events.append((k, False, reads, tuple(outs)))

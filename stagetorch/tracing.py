@@ -26,6 +26,7 @@ from typing import Any
 
 import attrs
 import torch
+import torch.nn.modules.module as _module_globals
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -118,6 +119,8 @@ class State:
     setters: list[list[Callable[[Any], None]]] = attrs.field(factory=list)
     values: list[tuple[str, Any]] = attrs.field(factory=list)
     optimizers: list[tuple[str, torch.optim.Optimizer]] = attrs.field(factory=list)
+    # LR schedulers the function names: not state a trace reads, but Python state a ``step()`` inside it moves.
+    schedulers: list[Any] = attrs.field(factory=list)
 
     def named_state(self) -> Iterator[tuple[str, str, torch.Tensor]]:
         """(role, name, tensor) for every parameter, buffer and tensor, each tensor once."""
@@ -159,20 +162,52 @@ class State:
                 tensors.append(t)
         avals = tuple((id(t), t.shape, t.dtype, t.device, t.requires_grad) for t in tensors)
         scalars = tuple([_scalar_items(sub.__dict__) for sub in subs])
+        # A hook's tensor math is staged with the step, so adding or removing one stages again.
+        # (The checks are spelled out: this runs for every module and tensor on every call.)
+        hooks = tuple(
+            [(i, _hook_ids(sub, _MODULE_HOOKS)) for i, sub in enumerate(subs)
+             if (d := sub.__dict__)["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]]
+            + [(-1 - i, _hook_ids(t, _TENSOR_HOOKS)) for i, t in enumerate(tensors)
+               if t._backward_hooks or t._post_accumulate_grad_hooks]
+        )
+        if _module_globals._global_forward_hooks or _module_globals._global_forward_pre_hooks or \
+                _module_globals._global_backward_hooks or _module_globals._global_backward_pre_hooks:
+            hooks += ((None, _hook_ids(_module_globals, tuple(f"_global{store}" for store in _MODULE_HOOKS))),)
         values = list(self.values)
         for cls in dict.fromkeys(type(sub) for sub in subs):
             reads = _CLASS_GLOBALS.get(cls)
             if reads is None:
                 reads = _CLASS_GLOBALS[cls] = _class_globals(cls)
             values += [(name, _as_key(g.get(key))) for name, g, key in reads]
-        return tensors, (avals, scalars, tuple(values))
+        return tensors, (avals, scalars, tuple(values), hooks)
+
+    def snapshot(self) -> Callable[[], None]:
+        """Record the Python values a trace could change (the scalar attributes of every module, every
+        optimizer's hyperparameters, every LR scheduler's attributes); return what puts them back."""
+        modules = [(sub, {k: x for k, x in sub.__dict__.items() if type(x) in _KEYABLE})
+                   for _, m in self.modules for sub in m.modules()]
+        groups = [(group, {k: x for k, x in group.items() if k != "params"})
+                  for _, opt in self.optimizers for group in opt.param_groups]
+        schedulers = [(sch, dict(vars(sch))) for sch in self.schedulers]
+
+        def restore() -> None:
+            for sub, items in modules:
+                sub.__dict__.update(items)
+            for group, items in groups:
+                group.update(items)
+            for sch, items in schedulers:
+                vars(sch).update(items)
+
+        return restore
 
     def changes(self, old: tuple, new: tuple) -> list[str]:
         """What differs between two keys of :meth:`tensors_and_key` for the same function, in words."""
-        (old_avals, old_scalars, old_values), (avals, scalars, values) = old, new
+        (old_avals, old_scalars, old_values, old_hooks), (avals, scalars, values, hooks) = old, new
         out = []
         if old_avals != avals:
             out.append("its parameters, buffers or optimizer state (a new tensor, shape, dtype, device or requires_grad)")
+        if old_hooks != hooks:
+            out.append("the hooks on its modules or parameters (one added or removed)")
         names = [_join(prefix, name) if name else prefix for prefix, m in self.modules for name, _ in m.named_modules()]
         if len(old_scalars) != len(scalars):
             out.append("its modules")
@@ -183,6 +218,14 @@ class State:
                     out += _diff(as_dict(was), as_dict(now), f"{name}." if name else "")
         out += _diff(dict(old_values), dict(values), "")
         return out
+
+
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def _hook_ids(x: Any, stores: tuple[str, ...]) -> tuple:
+    return tuple(tuple(getattr(x, store) or ()) for store in stores)
 
 
 def _join(prefix: str, name: str) -> str:
@@ -297,6 +340,10 @@ def discover(fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> S
         if isinstance(obj, torch.optim.Optimizer):
             seen.add(id(obj))
             visit_optimizer(name, obj)
+            return
+        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            seen.add(id(obj))
+            state.schedulers.append(obj)
             return
         if isinstance(obj, (types.FunctionType, types.MethodType, functools.partial)):
             seen.add(id(obj))
@@ -845,6 +892,13 @@ def trace(
         with fake_mode:
             fake = fake_mode.from_tensor(t, static_shapes=True)
         swapped[id(t)] = fake
+        if t.requires_grad and t.is_leaf:
+            # A hook on a parameter (``p.register_hook(lambda g: g * 3)``) changes the gradient autograd
+            # accumulates: the fake the trace differentiates carries it too, so its math is staged.
+            for hook in (t._backward_hooks or {}).values():
+                fake.register_hook(hook)
+            for hook in (t._post_accumulate_grad_hooks or {}).values():
+                fake.register_post_accumulate_grad_hook(hook)
         rec.add_input(fake, role, name)
         if t.requires_grad and t.is_leaf:
             with_grad.append((len(rec.invars) - 1, name, t))
@@ -900,7 +954,7 @@ def trace(
             f"{_code_line(src)}\nRefer to its module directly in the function (a global or closure "
             "variable, an attribute of self, or an argument)."
         )
-    eqns, grads, assign, clear, unused = _settle_grads(rec.eqns, final, grad_inputs)
+    eqns, grads, assign, clear, unused = _settle_grads(rec.eqns, final, grad_inputs, outvars)
     eqns, grads = _steal_accumulated_grads(eqns, grads, outvars)
     keep = [i for i, v in enumerate(rec.invars) if v not in unused]
     index = {old: new for new, old in enumerate(keep)}
@@ -996,7 +1050,7 @@ _STAGEABLE_OPTIMIZERS = (torch.optim.SGD,)
 
 
 def _settle_grads(
-    eqns: list[Eqn], final: dict[int, Var | None], grad_inputs: dict[int, Var]
+    eqns: list[Eqn], final: dict[int, Var | None], grad_inputs: dict[int, Var], outvars: list
 ) -> tuple[list[Eqn], list[tuple[int, Var]], list[int], list[int], set[Var]]:
     """What the step does to each ``.grad``, given ``final``, the value each parameter's fake ``.grad``
     ended with, and ``grad_inputs``, the inputs that held the real ``.grad`` where it existed.
@@ -1007,6 +1061,9 @@ def _settle_grads(
     that add: the executor accumulates as for a parameter with no ``.grad``, so the program is the same.
     One the program writes in place (accumulated, then clipped) needs nothing after the run."""
     readers: dict[Var, list[Eqn]] = {v: [] for v in grad_inputs.values()}
+    # The accumulated .grad returned (``return loss, p.grad``) must stay in the program (one read again
+    # is a second reader of its storage, below).
+    returned = {v.root for v in outvars if isinstance(v, Var)}
     for e in eqns:
         for v in {v.root for v in e.invars}:
             if v in readers:
@@ -1020,7 +1077,7 @@ def _settle_grads(
                 grads.append((i, fv))
             continue
         users = readers[g]
-        if len(users) == 1 and _only_accumulates(users[0], g, fv):
+        if len(users) == 1 and _only_accumulates(users[0], g, fv) and g not in returned:
             dropped.add(id(users[0]))
             grads.append((i, users[0].args[1]))
             unused.add(g)
@@ -1070,6 +1127,8 @@ def _steal_accumulated_grads(eqns: list[Eqn], grads: list[tuple[int, Var]], outv
             and copy.source.backward == _ACCUMULATE_GRAD
             and copy.prim is torch.ops.aten.copy_.default
             and g not in returned
+            # A step that reads the new .grad (an optimizer's step() right after backward()) keeps the copy.
+            and not readers.get(g)
         )
         if ok:
             dst, src = copy.args[0], copy.args[1]

@@ -81,8 +81,8 @@ class LivePeak(TorchDispatchMode):
 
 
 # "remat" is the chunked path's budget with recomputation allowed (jit's default); "chunked" and
-# "small_chunks" turn it off, so that they measure chunking alone.
-PATHS = ["jit", "chunked", "small_chunks", "remat", "no_grad", "lazy", "lazy_chunked"]
+# "small_chunks" turn it off, so that they measure chunking alone. The same for "lazy_remat" and "lazy_chunked".
+PATHS = ["jit", "chunked", "small_chunks", "remat", "no_grad", "lazy", "lazy_chunked", "lazy_remat"]
 
 
 def smallest_plan_peak(staged: stagetorch.Staged, *args: torch.Tensor) -> int:
@@ -116,7 +116,7 @@ def measure(name, path):
                 staged(x)
         return plan.peak, run.peak, staged.memory_budget, len(plan.chunk_sizes)
     staged = stagetorch.jit(_step_of(name)(copy.deepcopy(model)))
-    budget = {"chunked": 0.4, "small_chunks": 0.05, "remat": 0.4, "lazy_chunked": 0.4}.get(path)
+    budget = {"chunked": 0.4, "small_chunks": 0.05, "remat": 0.4, "lazy_chunked": 0.4, "lazy_remat": 0.4}.get(path)
     if budget is not None:
         budget = _budget_between(staged, (x, y), budget)
     if path.startswith("lazy"):
@@ -132,7 +132,7 @@ def measure(name, path):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(Executable, "run", recorded)
             with LivePeak(resident) as run:
-                lx, ly = stagetorch.lazy(x, y, batch=0, memory_budget=budget)
+                lx, ly = stagetorch.lazy(x, y, batch=0, memory_budget=budget, remat=False if path == "lazy_chunked" else "auto")
                 float(_step_of(name)(model)(lx, ly))
         assert planned
         return max(p.peak for p in planned), run.peak, budget, max(len(p.chunk_sizes) for p in planned)

@@ -7,6 +7,8 @@ concatenated: the loss, every parameter's .grad, per-example outputs, and the ch
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import queue
 from datetime import timedelta
 
@@ -22,7 +24,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import stagetorch
 from stagetorch import distributed as sdist
+from stagetorch.api import Executable
 from stagetorch.chunking import even_chunks
+from stagetorch.costing import peak_bytes
+from stagetorch.planning import chunked_peak
 from stagetorch.shapes import check as check_with_rules
 
 V, T, D, C = 20, 6, 8, 5
@@ -92,7 +97,8 @@ class CountCalls(TorchDispatchMode):
         self.op, self.fail_at, self.error, self.calls = op, fail_at, error, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is self.op and not any(isinstance(a, FakeTensor) for a in args):  # not the trace's
+        # Not the trace's (fake) calls, nor a lazy call being recorded: the kernels that ran.
+        if func is self.op and not any(isinstance(a, (FakeTensor, stagetorch.LazyTensor)) for a in args):
             self.calls += 1
             if self.calls == self.fail_at:
                 raise self.error
@@ -102,11 +108,15 @@ class CountCalls(TorchDispatchMode):
 def shard_budget(staged, x, y, global_batch: int, chunks: int) -> int:
     """The largest budget (in 3% steps) that splits this rank's shard into at least ``chunks`` chunks."""
     entry, _, _ = staged._stage((x, y), {}, global_batch=global_batch)
-    split, graph = entry.executable.split(), entry.executable.graph
-    budget = sdist.plan_shard(split, graph, x.shape[0], 2**40).peak_bytes[0] * 2
+    return budget_for(entry.executable, x.shape[0], chunks)
+
+
+def budget_for(executable, examples: int, chunks: int) -> int:
+    split, graph = executable.split(), executable.graph
+    budget = sdist.plan_shard(split, graph, examples, 2**40).peak_bytes[0] * 2
     while budget > 1024:
         try:
-            if len(sdist.plan_shard(split, graph, x.shape[0], budget).chunk_sizes) >= chunks:
+            if len(sdist.plan_shard(split, graph, examples, budget).chunk_sizes) >= chunks:
                 return budget
         except stagetorch.OutOfMemoryError:
             break
@@ -118,6 +128,8 @@ def run_step(rank: int, sizes: tuple[int, ...], loss_fn=token_loss, chunks: tupl
     """One staged step of this rank's shard; its loss, grads, own logits and the chunks the kernels saw."""
     model = make_model()
     x, y = shards(sizes)[rank]
+    # Chunks only (unless asked): the budgets are chosen for chunk counts, which recomputing could undercut.
+    options.setdefault("remat", False)
     staged = stagetorch.jit(lambda x, y: _step(model, loss_fn, x, y), process_group=dist.group.WORLD, **options)
     if chunks[rank] > 1:
         staged.memory_budget = shard_budget(staged, x, y, sum(sizes), chunks[rank])
@@ -296,6 +308,276 @@ def training_loop(rank: int) -> dict:
         losses.append(staged(x, y)[0].item())
         opt.step()
     return {"losses": losses, "params": [p.detach().numpy() for p in model.parameters()]}
+
+
+# --- lazy(process_group=): the same guarantees as jit's, the step written as eager code -----------------
+
+
+def _lazy_executable(x: torch.Tensor):
+    """The executable of the flush that ran a lazy session's step (its backward)."""
+    return next(v[0] for v in x._session.recording.flushes.values() if isinstance(v[0], Executable))
+
+
+class Plans(logging.Handler):
+    """The plans the flushes of lazy steps logged (chunked or recomputing ones), as chunk counts."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.chunks: list[int] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "lazy (rank" in record.getMessage():
+            self.chunks.append(int(record.getMessage().split(" chunk(s)")[0].rsplit(" ", 1)[1]))
+
+    def __enter__(self) -> Plans:
+        logger = logging.getLogger("stagetorch")
+        self.level = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logger = logging.getLogger("stagetorch")
+        logger.removeHandler(self)
+        logger.setLevel(self.level)
+
+
+def lazy_step(rank: int, sizes: tuple[int, ...], loss_fn=token_loss, chunks: tuple[int, ...] = (1, 1)) -> dict:
+    """A lazy step per rank, twice: the first finds the budget that gives this rank its chunks. The kernels'
+    calls are counted for the token loss (a dispatch mode cannot run under mixed_loss's saved scalars)."""
+    model = make_model()
+    x, y = shards(sizes)[rank]
+
+    def step(budget: int | None) -> tuple:
+        # Chunks alone: the budget is found for this rank's chunk count (recomputation could meet it otherwise).
+        lx, ly = stagetorch.lazy(x, y, process_group=dist.group.WORLD, memory_budget=budget, remat=False)
+        loss, logits = loss_fn(model, lx, ly)
+        loss.backward()
+        return lx, loss, logits
+
+    budget = None
+    if any(c > 1 for c in chunks):
+        lx, _, _ = step(None)
+        budget = budget_for(_lazy_executable(lx), x.shape[0], chunks[rank]) if chunks[rank] > 1 else None
+        model.zero_grad()
+    counting = loss_fn is token_loss
+    with Plans() as plans, CountCalls(torch.ops.aten.embedding.default) if counting else contextlib.nullcontext() as seen:
+        lx, loss, logits = step(budget)
+    return {
+        "loss": loss.item(),
+        "grads": [p.grad.numpy() for p in model.parameters()],
+        "logits": logits.detach().numpy(),
+        "chunks": seen.calls if counting else None,
+        "plans": plans.chunks,
+        "batch": (lx.shape[0], len(x)),
+    }
+
+
+@case
+def lazy_uneven_budgets(rank: int) -> dict:
+    return lazy_step(rank, (37, 63), chunks=(2, 4))
+
+
+@case
+def lazy_mixed_normalisers(rank: int) -> dict:
+    return lazy_step(rank, (37, 63), mixed_loss, chunks=(3, 1))
+
+
+@case
+def lazy_empty_rank(rank: int) -> dict:
+    return lazy_step(rank, (0, 50), chunks=(1, 3))
+
+
+@case
+def lazy_read_mid_step(rank: int) -> dict:
+    """loss.item() before backward() on every rank: two flushes, each a collective; the backward reads this
+    rank's rows of the activations the first kept."""
+    model = make_model()
+    x, y = shards((37, 63))[rank]
+    lx, ly = stagetorch.lazy(x, y, process_group=dist.group.WORLD)
+    loss, logits = mixed_loss(model, lx, ly)
+    before = loss.item()
+    loss.backward()
+    return {"loss": before, "grads": [p.grad.numpy() for p in model.parameters()], "logits": logits.detach().numpy()}
+
+
+@case
+def lazy_two_backwards(rank: int) -> dict:
+    """Two backward() calls in one session (the first retains the graph): two collective flushes, the second
+    adding into the .grad the first left, and reading this rank's rows of the saved activations."""
+    model = make_model()
+    x, y = shards((37, 63))[rank]
+    lx, ly = stagetorch.lazy(x, y, process_group=dist.group.WORLD)
+    loss = mixed_loss(model, lx, ly)[0]
+    loss.backward(retain_graph=True)
+    (0.5 * loss).backward()
+    return {"loss": loss.item(), "grads": [p.grad.numpy() / 1.5 for p in model.parameters()]}
+
+
+@case
+def lazy_accumulate(rank: int) -> dict:
+    """Two micro-batches into the same .grad (the second flush adds into a real .grad), then an SGD step."""
+    model = make_model()
+    for seed in (1, 2):
+        x, y = shards((37, 63), seed)[rank]
+        lx, ly = stagetorch.lazy(x, y, process_group=dist.group.WORLD)
+        token_loss(model, lx, ly)[0].backward()
+    return {"grads": [p.grad.numpy() for p in model.parameters()]}
+
+
+@case
+def lazy_injected_oom(rank: int) -> dict:
+    model = make_model()
+    x, y = shards((37, 63))[rank]
+    oom = torch.OutOfMemoryError("CUDA out of memory (injected)")
+    with CountCalls(torch.ops.aten.embedding.default, fail_at=1 if rank == 0 else None, error=oom) as seen:
+        lx, ly = stagetorch.lazy(x, y, process_group=dist.group.WORLD)
+        loss = token_loss(model, lx, ly)[0]
+        loss.backward()
+    return {"loss": loss.item(), "grads": [p.grad.numpy() for p in model.parameters()], "chunks": seen.calls}
+
+
+@case
+def lazy_infeasible_rank(rank: int) -> dict:
+    model = make_model()
+    x, y = shards((37, 63))[rank]
+    lx, ly = stagetorch.lazy(x, y, process_group=dist.group.WORLD, memory_budget=2**30 if rank == 0 else 4096)
+    out = _failed(rank, lambda: token_loss(model, lx, ly)[0].backward())
+    out["grads_untouched"] = all(p.grad is None for p in model.parameters())
+    return out
+
+
+@case
+def lazy_failure_mid_step(rank: int) -> dict:
+    model = make_model()
+    x, y = shards((37, 63))[rank]
+    lx, ly = stagetorch.lazy(x, y, process_group=dist.group.WORLD)
+
+    def run() -> None:
+        error = RuntimeError("a kernel failed (injected)")
+        with CountCalls(torch.ops.aten.tanh.default, fail_at=1 if rank == 1 else None, error=error):
+            token_loss(model, lx, ly)[0].backward()
+
+    out = _failed(rank, run)
+    out["grads_untouched"] = all(p.grad is None for p in model.parameters())
+    return out
+
+
+@case
+def lazy_read_on_one_rank(rank: int) -> dict:
+    """A value read before backward() on rank 1 only: rank 0's first flush is the whole step, rank 1's the
+    forward: every rank raises, naming the difference, instead of waiting in mismatched collectives."""
+    model = make_model()
+    x, y = shards((37, 63))[rank]
+    lx, ly = stagetorch.lazy(x, y, process_group=dist.group.WORLD)
+
+    def run() -> None:
+        loss = token_loss(model, lx, ly)[0]
+        if rank == 1:
+            loss.item()
+        loss.backward()
+
+    out = _failed(rank, run)
+    out["grads_untouched"] = all(p.grad is None for p in model.parameters())
+    return out
+
+
+@case
+def lazy_data_dependent(rank: int) -> dict:
+    """A shape that depends on the values (x[x > 0]) would be this rank's alone: refused on every rank."""
+    model = make_model()
+    x, y = shards((37, 63))[rank]
+    lx, ly = stagetorch.lazy(x, y, process_group=dist.group.WORLD)
+    return _failed(rank, lambda: model(lx[ly >= 0]).sum().backward())
+
+
+@case
+def lazy_training_loop(rank: int) -> dict:
+    """jit's training loop, written as eager code with lazy inputs: the later steps replay the recording."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for i, (sizes, lr) in enumerate(STEPS):
+        x, y = shards(sizes, seed=i)[rank]
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.zero_grad()
+        lx, ly = stagetorch.lazy(x, y, process_group=dist.group.WORLD, memory_budget=2**20 if rank == 1 else None)
+        loss = mixed_loss(model, lx, ly)[0]
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+    return {"losses": losses, "params": [p.detach().numpy() for p in model.parameters()]}
+
+
+# --- every rank must call the step alike ---------------------------------------------------------------
+
+
+@case
+def mismatched_arguments(rank: int) -> dict:
+    """A rank whose call differs (the targets' dtype; a non-batch shape; another step) makes every rank
+    raise RankMismatchError in the first collective, jit and lazy alike."""
+    model = make_model()
+    x, y = shards((37, 63))[rank]
+    staged = stagetorch.jit(lambda x, y: _step(model, token_loss, x, y), process_group=dist.group.WORLD)
+    other = stagetorch.jit(lambda x, y: _step(model, mixed_loss, x, y), process_group=dist.group.WORLD)
+    out = {
+        "dtype": _failed(rank, lambda: staged(x, y.int() if rank == 1 else y)),
+        "shape": _failed(rank, lambda: staged(x[:, :-1] if rank == 1 else x, y)),
+        "step": _failed(rank, lambda: (other if rank == 1 else staged)(x, y)),
+        "lazy": _failed(rank, lambda: stagetorch.lazy(x, y.double() if rank == 0 else y, process_group=dist.group.WORLD)),
+    }
+    out["after"] = staged(x, y)[0].item()  # nothing is left half-done: the next step runs
+    out["grads"] = [p.grad.numpy() for p in model.parameters()]
+    return out
+
+
+# --- recomputation under a process group --------------------------------------------------------------
+
+L, S, H = 6, 64, 32  # layers, tokens per example, width of the recomputation model
+
+
+def remat_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(H, H), nn.GELU()) for _ in range(L)]).double()
+
+
+def remat_batch(sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    return list(torch.randn(sum(sizes), S, H, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).split(list(sizes)))
+
+
+def remat_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).square().mean()
+
+
+@case
+def remat_rank(rank: int) -> dict:
+    """Rank 1's budget is below its smallest chunk: it recomputes; rank 0 runs its shard whole."""
+    sizes = (3, 5)
+    model = remat_model()
+    x = remat_batch(sizes)[rank]
+
+    def step(x):
+        loss = remat_loss(model, x)
+        loss.backward()
+        return loss.detach()
+
+    staged = stagetorch.jit(step, process_group=dist.group.WORLD)
+    budget = None
+    if rank == 1:
+        executable = staged._stage((x,), {}, global_batch=sum(sizes))[0].executable
+        floor = chunked_peak(executable.split(), 1, peak_bytes)
+        budget = int(floor * 0.95)
+        # The budget is below one example chunked without recomputing.
+        executable.remat = False
+        assert isinstance(executable.shard_plan(x.shape[0], budget), stagetorch.OutOfMemoryError)
+        executable.remat = True
+        executable.shard_plans.clear()
+    staged.memory_budget = budget
+    plan = staged.plan(x)
+    loss = staged(x)
+    return {"loss": loss.item(), "grads": [p.grad.numpy() for p in model.parameters()], "plan": str(plan),
+            "recomputes": type(plan).__name__ == "RematPlan"}
 
 
 def _worker(rank: int, store: str, results: mp.Queue, names: list[str]) -> None:
@@ -501,3 +783,135 @@ def test_averaging_per_rank_means_would_be_wrong():
 
 
 
+
+
+# --- lazy(process_group=) -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, sizes, loss_fn, chunks",
+    [
+        ("lazy_uneven_budgets", (37, 63), token_loss, (2, 4)),
+        ("lazy_mixed_normalisers", (37, 63), mixed_loss, (3, 1)),
+        ("lazy_empty_rank", (0, 50), token_loss, (1, 3)),
+    ],
+)
+def test_a_lazy_step_gives_every_rank_the_global_batch_gradient(ranks, name, sizes, loss_fn, chunks):
+    expected = reference(loss_fn, sizes)
+    offsets = np.cumsum((0, *sizes))
+    for rank in range(WORLD):
+        got = result(ranks, name, rank)
+        assert_global(got, expected)
+        # A lazy tensor has the global batch's shape; a per-example value read is this rank's rows.
+        assert got["batch"] == (sum(sizes), sizes[rank])
+        own = expected["logits"][offsets[rank] : offsets[rank + 1]].numpy()
+        np.testing.assert_allclose(got["logits"], own, rtol=1e-12, atol=1e-14)
+        # Each rank planned for its own budget (a whole shard logs no plan), and the kernels ran its chunks.
+        assert (max(got["plans"]) if got["plans"] else 1) >= chunks[rank]
+        if got["chunks"] is not None:
+            assert got["chunks"] == max(got["plans"] or [1])
+
+
+def test_a_value_read_before_backward_is_one_more_collective_flush(ranks):
+    expected = reference(mixed_loss, (37, 63))
+    for rank in range(WORLD):
+        assert_global(result(ranks, "lazy_read_mid_step", rank), expected)
+
+
+def test_two_backward_calls_in_a_lazy_step_are_two_exact_flushes(ranks):
+    expected = reference(mixed_loss, (37, 63))
+    for rank in range(WORLD):
+        assert_global(result(ranks, "lazy_two_backwards", rank), expected)
+
+
+def test_lazy_micro_batches_accumulate_the_global_gradients(ranks):
+    model = make_model()
+    for seed in (1, 2):
+        x, y = make_batch(100, seed)
+        token_loss(model, x, y)[0].backward()
+    for rank in range(WORLD):
+        for g, e in zip(result(ranks, "lazy_accumulate", rank)["grads"], model.parameters(), strict=True):
+            assert rel(g, e.grad.numpy()) <= 1e-10
+
+
+def test_a_lazy_local_out_of_memory_retry_stays_exact(ranks):
+    expected = reference(token_loss, (37, 63))
+    assert_global(result(ranks, "lazy_injected_oom", 0), expected)
+    assert_global(result(ranks, "lazy_injected_oom", 1), expected)
+    assert result(ranks, "lazy_injected_oom", 0)["chunks"] == 1 + len(even_chunks(37, 18))
+    assert result(ranks, "lazy_injected_oom", 1)["chunks"] == 1
+
+
+def test_a_lazy_infeasible_or_failing_rank_makes_every_rank_raise(ranks):
+    got = [result(ranks, "lazy_infeasible_rank", r) for r in range(WORLD)]
+    assert [g["error"] for g in got] == ["OutOfMemoryError"] * WORLD and got[0]["message"] == got[1]["message"]
+    assert "rank 1 of 2" in got[0]["message"] and "rank 0" not in got[0]["message"]
+    got += [result(ranks, "lazy_failure_mid_step", r) for r in range(WORLD)]
+    assert [g["error"] for g in got[2:]] == ["StagingError"] * WORLD and got[2]["message"] == got[3]["message"]
+    assert "rank 1 of 2: RuntimeError: a kernel failed (injected)" in got[2]["message"]
+    assert all(g["grads_untouched"] for g in got)
+
+
+def test_a_value_read_on_one_rank_only_makes_every_rank_raise(ranks):
+    got = [result(ranks, "lazy_read_on_one_rank", r) for r in range(WORLD)]
+    assert [g["error"] for g in got] == ["RankMismatchError"] * WORLD and got[0]["message"] == got[1]["message"]
+    assert "rank 1 of 2 differs from rank 0 in the staged program" in got[0]["message"]
+    assert all(g["grads_untouched"] for g in got)
+
+
+def test_a_data_dependent_shape_in_a_lazy_step_is_refused(ranks):
+    for rank in range(WORLD):
+        got = result(ranks, "lazy_data_dependent", rank)
+        assert got["error"] == "UnsupportedOpError" and "torch.where" in got["message"], got
+
+
+def test_a_lazy_training_loop_matches_eager_on_the_global_batch(ranks):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for i, (sizes, lr) in enumerate(STEPS):
+        x, y = make_batch(sum(sizes), seed=i)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.zero_grad()
+        loss, _ = mixed_loss(model, x, y)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+    for rank in range(WORLD):
+        got = result(ranks, "lazy_training_loop", rank)
+        np.testing.assert_allclose(got["losses"], losses, rtol=1e-10)
+        for p, e in zip(got["params"], model.parameters(), strict=True):
+            assert rel(p, e.detach().numpy()) <= 1e-10
+
+
+def test_ranks_called_differently_all_raise_the_same_named_error(ranks):
+    expected = reference(token_loss, (37, 63))
+    for rank in range(WORLD):
+        got = result(ranks, "mismatched_arguments", rank)
+        for what, text in [
+            ("dtype", "rank 1 of 2 differs from rank 0 in the argument dtypes: rank 0 has ['int64', 'int64'], "
+             "rank 1 has ['int64', 'int32']"),
+            ("shape", "rank 1 of 2 differs from rank 0 in the argument shapes: rank 0 has [(N, 6), (N, 6)], "
+             "rank 1 has [(N, 5), (N, 6)]"),
+            ("step", "rank 1 of 2 differs from rank 0 in the step: rank 0 has mismatched_arguments.<locals>.<lambda>"),
+            ("lazy", "rank 1 of 2 differs from rank 0 in the argument dtypes: rank 0 has ['int64', 'float64']"),
+        ]:
+            assert got[what]["error"] == "RankMismatchError" and text in got[what]["message"], what
+        # Nothing ran for the refused calls: the next step's gradient is the global batch's alone.
+        assert abs(got["after"] - expected["loss"]) <= 1e-10 * expected["loss"]
+        for g, e in zip(got["grads"], expected["grads"], strict=True):
+            assert rel(g, e) <= 1e-10
+
+
+def test_a_rank_below_its_smallest_chunk_recomputes_and_stays_exact(ranks):
+    model = remat_model()
+    x = torch.cat(remat_batch((3, 5)))
+    loss = remat_loss(model, x)
+    loss.backward()
+    got = [result(ranks, "remat_rank", r) for r in range(WORLD)]
+    assert [g["recomputes"] for g in got] == [False, True], [g["plan"] for g in got]
+    for g in got:
+        assert abs(g["loss"] - loss.item()) <= 1e-10 * loss.item()
+        for mine, p in zip(g["grads"], model.parameters(), strict=True):
+            assert rel(mine, p.grad.numpy()) <= 1e-10

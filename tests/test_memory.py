@@ -92,7 +92,7 @@ def test_a_report_at_any_batch_predicts_every_batch_up_to_four_times_it(name):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_measured_peak_is_the_predicted_peak_under_the_budget(name, path):
     predicted, measured, budget, chunks = measure(name, path)
-    if path != "remat":  # recomputation may fit the budget without chunks
+    if path not in ("remat", "lazy_remat"):  # recomputation may fit the budget without chunks
         assert (chunks > 1) == (path not in ("jit", "lazy")), chunks
     assert abs(measured - predicted) <= 0.02 * predicted, (predicted, measured, chunks)
     if budget is not None:

@@ -134,7 +134,8 @@ class BackwardSkip:
         remark = None  # the replayed marker to bring up to date if the engine replays its steps as recorded
         # Skipping the engine leaves the forward's autograd graph in place, holding what it saved (the engine
         # frees it): the flush must then keep all of it, which a budget may not allow. The engine runs instead.
-        skippable = plain and self.memory_budget is None
+        # Under a process group the same holds, and every rank must flush the same outputs whatever its budget.
+        skippable = plain and self.memory_budget is None and self.shard is None
         if self.mode is not Mode.RECORD:
             steps = self.recording.steps
             step = steps[self.cursor] if self.cursor < len(steps) else None

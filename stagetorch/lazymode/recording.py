@@ -16,8 +16,9 @@ import torch
 
 from .. import _caches
 from .._tree import map_leaves
-from ..errors import ConcretizationError
+from ..errors import ConcretizationError, UnsupportedOpError
 from ..ir import Eqn, Var
+from ..tracing import user_frame
 from .autograd_graph import _Unreadable
 from .mode import Mode
 from .tensor import LazyTensor, _lazy_tensor, _real
@@ -148,6 +149,15 @@ class RecordingSteps:
         try:
             return self._record(func, args, kwargs, leaves)
         except ConcretizationError:
+            if self.shard is not None:
+                caller = user_frame()
+                where = f" at {caller.f_code.co_filename}:{caller.f_lineno}" if caller is not None else ""
+                raise UnsupportedOpError(
+                    f"stagetorch.lazy(process_group=): {func}{where} needs the values of its input to know its result's "
+                    "shape (x[x > 0], nonzero); each rank holds only its own examples, so it would run on this "
+                    "rank's rows, not the global batch's.\nWhat to do: keep the shape with torch.where or a mask "
+                    "(loss * mask), or run this part outside the lazy step."
+                ) from None
             # A data-dependent shape (x[x > 0], nonzero): evaluate the inputs and run this op for real.
             return self._run_real(func, args, kwargs, leaves)
 

@@ -107,4 +107,6 @@ class SlowReplay:
         self.alive = {new_of[v]: ref for v, ref in self.alive.items() if ref() is not None}
         self.values = {new_of[v]: x for v, x in self.values.items()}
         self.batched = {new_of[v]: b for v, b in self.batched.items()}
+        if self.shard is not None:
+            self.shard.labels = {new_of[v]: b for v, b in self.shard.labels.items() if v in new_of}
         self.eqns = rec.eqns

@@ -21,11 +21,13 @@ from ..errors import ConcretizationError, ModifiedInputError
 from ..execute import accumulate_grad
 from ..ir import Graph, Var, op_name
 from ..tracing import Recorder
+from . import shard
 from .backward import BackwardSkip
 from .express import ExpressReplay
 from .mode import Mode, cap
 from .recording import _MAX_RECORDINGS, _RECORDINGS, RecordingSteps, _meta, _Recording
 from .replay import SlowReplay
+from .shard import LazyShard
 from .tape import _Call
 from .tensor import LazyTensor, _make_subclass
 
@@ -94,13 +96,21 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
     tape_pos = 0  # the next call of the tape to replay
     shadowed = False  # the lazy tensors the express replay made have shadows: calls take those instead
 
-    def __init__(self, tensors: tuple[torch.Tensor, ...], batch: int, memory_budget: int | str | None, size: int):
+    def __init__(
+        self, tensors: tuple[torch.Tensor, ...], batch: int, memory_budget: int | str | None, size: int,
+        shard: LazyShard | None = None, remat: bool = True,
+    ):
         self.batch = size
         self.memory_budget = memory_budget
+        self.remat = remat
+        # With a process group the lazy tensors stand for the global batch; the real values are the shard's.
+        self.shard = shard
+        metas = self.metas = [_meta(t) for t in tensors] if shard is None else shard.metas(tensors, batch)
         # The key: grad mode tells a training step from an evaluation step on batches of the same shape (a
         # loop that alternates them would otherwise re-record each time).
-        metas = [_meta(t) for t in tensors]
-        self.key = (batch, torch.is_grad_enabled(), tuple(metas), tuple([get() for get in _KERNEL_SWITCHES]))
+        self.key = (
+            batch, torch.is_grad_enabled(), tuple(metas), tuple([get() for get in _KERNEL_SWITCHES]), shard is None
+        )
         self.values: dict[Var, torch.Tensor] = {}  # real values of vars, inputs included
         self.consts: dict[Var, torch.Tensor] = {}  # the real tensors recorded calls read
         # The version counter of each constant when a call that has not run yet bound it: an in-place change
@@ -116,7 +126,8 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
         limit = cap()
         replaying = _RECORDINGS.get(self.key) if limit >= Mode.REPLAY else None
         # Inputs that require grad have an autograd graph the tape cannot reproduce: never express.
-        taping = limit >= Mode.EXPRESS and not any(m[4] for m in metas)
+        # The express replay makes lazy tensors from the real inputs' metadata, a shard's not the global batch's.
+        taping = limit >= Mode.EXPRESS and not any(m[4] for m in metas) and shard is None
         if replaying is not None:
             self.mode = Mode.REPLAY
             self.recording = replaying
@@ -157,7 +168,11 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
     def _add_input(self, i: int, real: torch.Tensor) -> tuple[Var, torch.Tensor]:
         rec = self.recorder
         with rec.fake_mode:
-            fake = rec.fake_mode.from_tensor(real, static_shapes=True)
+            if self.shard is None:
+                fake = rec.fake_mode.from_tensor(real, static_shapes=True)
+            else:  # the global batch's input
+                shape, stride, dtype, device, _ = self.metas[i]
+                fake = torch.empty_strided(shape, stride, dtype=dtype, device=device)
         var = rec.add_input(fake, "arg", f"lazy{i}")
         self.recording.inputs.append(var)
         return var, fake
@@ -264,17 +279,20 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
             later, read_later = flushes[later_key]
             wanted.update(read_later)
         outs = tuple(v for v in produced if v in wanted)
-        built = flushes.get((self.done, end, outs))
+        # A flush's executable plans with or without recomputation, as the session that built it asked.
+        built = flushes.get((self.done, end, outs, self.remat))
         if built is None:
-            roles = ["arg" if v in self.batched else "const" for v in invars]
+            # Under a process group, per-example values earlier flushes made are batched too (this rank's rows).
+            labels = self.batched if self.shard is None else {**self.batched, **self.shard.labels}
+            roles = ["arg" if v in labels else "const" for v in invars]
             graph = Graph(invars, self.eqns[self.done : end], list(outs), roles, [""] * len(invars))
-            batched = {v: b for v, b in self.batched.items() if v in invars}
-            executable = Executable(graph, batched, self.batch)
+            batched = {v: b for v, b in labels.items() if v in invars}
+            executable = Executable(graph, batched, self.batch, remat=self.remat)
             device = next((v.aval.device for v in executable.batched), torch.device("cpu"))
             # Outputs in storage the flush made (no view of an input): a gradient there is no parameter's.
             made = set(produced)
             fresh = frozenset(v for v in outs if v.root in made)
-            built = flushes[(self.done, end, outs)] = (executable, device, fresh, {v: i for i, v in enumerate(outs)})
+            built = flushes[(self.done, end, outs, self.remat)] = (executable, device, fresh, {v: i for i, v in enumerate(outs)})
         executable, device, fresh, position = built
         consts = self.consts
         try:
@@ -286,7 +304,11 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
         try:
             if self.versions:
                 self._check_versions(invars)
-            results, _ = executable.run(inputs, free_memory(device, self.memory_budget), name="lazy")
+            budget = free_memory(device, self.memory_budget)
+            if self.shard is None:
+                results, _ = executable.run(inputs, budget, name="lazy")
+            else:
+                results = shard.run(self.shard, executable, inputs, budget)
         except BaseException:
             if self.counted:
                 self._take_back()
@@ -315,7 +337,10 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
         self.values = kept
 
 
-def lazy(*tensors: torch.Tensor, batch: int = 0, memory_budget: int | str | None = None) -> Any:
+def lazy(
+    *tensors: torch.Tensor, batch: int = 0, memory_budget: int | str | None = None, process_group: Any = None,
+    remat: str | bool = "auto",
+) -> Any:
     """Make ``tensors`` lazy: the rest of the script runs unchanged, staged and chunked to fit.
 
     **Arguments**
@@ -323,11 +348,31 @@ def lazy(*tensors: torch.Tensor, batch: int = 0, memory_budget: int | str | None
     - ``tensors``: the batch (inputs, labels), each with its batch along dim ``batch``.
     - ``batch``: the batch dimension.
     - ``memory_budget``: bytes or a string (``"512MiB"``); default: the device's free memory.
+    - ``process_group``: a ``torch.distributed`` group. Each rank passes its own shard of a global batch
+      (shards may differ in size, or be empty); the lazy tensors have the global batch's shape, and after
+      ``loss.backward()`` every rank's ``.grad`` and the loss are those of the global batch, as with
+      ``jit(process_group=)``. A per-example value read holds this rank's examples. The step runs once, at
+      ``backward()`` (or the first value read): see the distributed docs page.
+    - ``remat``: ``"auto"`` (default) lets a flush that does not fit whole recompute forward values in the
+      backward, chosen with the chunk size as ``jit`` chooses them (bit for bit the same result); ``False``
+      only chunks.
 
     **Returns** one :class:`LazyTensor`, or a tuple of them.
     """
+    if remat not in ("auto", False):
+        raise ValueError(f"stagetorch.lazy: remat must be \"auto\" or False, not {remat!r}")
     if not tensors:
         raise ValueError("stagetorch.lazy needs at least one tensor")
+    if process_group is not None:
+        sharded = shard.start(tensors, batch, process_group, lambda: _batch_size(tensors, batch))
+        return _lazies(_Session(tensors, batch, memory_budget, sharded.batch, sharded, remat == "auto"))
+    size = _batch_size(tensors, batch)
+    if size == 0:
+        raise ValueError("stagetorch.lazy: the batch is empty")
+    return _lazies(_Session(tensors, batch, memory_budget, size, remat=remat == "auto"))
+
+
+def _batch_size(tensors: tuple[torch.Tensor, ...], batch: int) -> int:
     size = None
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
@@ -341,8 +386,9 @@ def lazy(*tensors: torch.Tensor, batch: int = 0, memory_budget: int | str | None
         elif n != size:
             sizes = sorted({t.shape[batch % t.ndim] for t in tensors})
             raise ValueError(f"stagetorch.lazy: the tensors disagree on the batch size along dim {batch}: {sizes}")
-    if size == 0:
-        raise ValueError("stagetorch.lazy: the batch is empty")
-    session = _Session(tensors, batch, memory_budget, size)
+    return size
+
+
+def _lazies(session: _Session) -> Any:
     out, session.lazies = session.lazies, []  # the session keeps no strong reference to a lazy tensor
     return out[0] if len(out) == 1 else tuple(out)

@@ -32,6 +32,8 @@ BATCH: dict = {
     aten.min.default: batching.reduction("min", dims_arg=None, keepdim_arg=None),
     # Reductions and scans along a dim other than the batch's.
     aten.max.dim: batching.along(1, keepdim=2, reduces=True),
+    aten.argmax: batching.along(1, keepdim=2, reduces=True),
+    aten.argmin: batching.along(1, keepdim=2, reduces=True),
     aten.min.dim: batching.along(1, keepdim=2, reduces=True),
     aten.median.dim: batching.along(1, keepdim=2, reduces=True),
     aten.nanmedian.dim: batching.along(1, keepdim=2, reduces=True),

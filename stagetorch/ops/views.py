@@ -14,6 +14,19 @@ aten = torch.ops.aten
 
 # Batch rules for this family's ops (see stagetorch/batching.py).
 
+_gather_along = batching.along(1)
+
+
+def _gather(eqn: Eqn, label: LabelFn) -> Chunked:
+    """``gather(input, dim, index)``. With a shared input (class weights looked up by per-example
+    targets) each row of the output reads the input where the same row of the index points: exact per
+    chunk of the index, whatever ``dim`` is."""
+    index = eqn.args[2]
+    if label(eqn.args[0]) is None and (lab := label(index)) is not None:
+        return Chunked((lab,))
+    return _gather_along(eqn, label)
+
+
 def _select_backward_label(eqn: Eqn, label: LabelFn) -> Batched:
     grad, dim = eqn.args[0], eqn.args[2] % len(eqn.args[1])
     lab = label(grad)
@@ -96,7 +109,7 @@ BATCH: dict = {
     aten.roll: batching.along(2),
     aten.tril: batching.along(None, last=2),
     aten.triu: batching.along(None, last=2),
-    aten.gather: batching.along(1),
+    aten.gather: _gather,
     aten.scatter: batching.along(1),
     aten.scatter_add: batching.along(1),
     aten.scatter_reduce: batching.along(1),

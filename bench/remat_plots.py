@@ -1,0 +1,107 @@
+"""The plots of the Recomputation docs page (docs/remat.md), made from stagetorch's own reports and plans.
+
+- docs/img/remat-resnet.png: the ResNet seed model (BatchNorm: it cannot be chunked) at 0.6x of its peak,
+  ``stagetorch.memory(step, memory_budget=...)(x).plot(...)``: the live bytes with and without recomputation.
+- docs/img/remat-mlp.png: the issue's example (24 x (Linear(128,128)+GELU), 2 x 1024 tokens) under 16 MiB:
+  chunks of one example and recomputation.
+- docs/img/remat-sweep.png: every seed model from 1.0x down to 0.2x of its no-recompute peak: the plan's
+  predicted peak, the peak measured by tests/memtrack.py while the step runs, and the extra FLOPs.
+
+Run: PYTHONPATH=. python bench/remat_plots.py   (about a minute on the 2-core CPU VM)
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests"))
+import remat_models  # noqa: E402
+from memtrack import LivePeak  # noqa: E402
+
+import stagetorch  # noqa: E402
+from stagetorch.costing import peak_bytes  # noqa: E402
+from stagetorch.errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError  # noqa: E402
+from stagetorch.planning import SAFETY_MARGIN  # noqa: E402
+from stagetorch.remat_planning import RematPlan  # noqa: E402
+
+OUT = pathlib.Path(__file__).parent.parent / "docs" / "img"
+FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2)
+
+
+def step_of(model: nn.Module):
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    return step
+
+
+def timelines() -> None:
+    torch.manual_seed(0)
+    model, x = remat_models.resnet()
+    full = peak_bytes(stagetorch.make_ir(step_of(model))(x))
+    report = stagetorch.memory(step_of(model), memory_budget=math.ceil(0.6 * full / (1 - SAFETY_MARGIN)))(x)
+    report.plot(str(OUT / "remat-resnet.png"))
+    print(report.schedule, "\n")
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(24)])
+    report = stagetorch.memory(step_of(model), memory_budget="16MiB")(torch.randn(2, 1024, 128))
+    report.plot(str(OUT / "remat-mlp.png"))
+    print(report.schedule, "\n")
+
+
+def sweep() -> None:
+    fig, (peaks, flops) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in sorted(remat_models.SEEDS):
+        torch.manual_seed(0)
+        model, x = remat_models.SEEDS[name]()
+        staged = stagetorch.jit(step_of(model))
+        full = peak_bytes(staged.graph(x))
+        rows = []
+        for fraction in FRACTIONS:
+            staged.memory_budget = math.ceil(full * fraction / (1 - SAFETY_MARGIN)) + 1
+            try:
+                plan = staged.plan(x)
+            except (OutOfMemoryError, BatchCouplingError, UnsupportedOpError):
+                break  # below the floor: the named error (every smaller budget fails too)
+            model.zero_grad(set_to_none=True)
+            with LivePeak([*model.parameters(), *model.buffers(), x]) as tracker:
+                staged(x)
+            extra = plan.extra_flops / plan.base_flops if isinstance(plan, RematPlan) else 0.0
+            rows.append((fraction, plan.peak / full, tracker.peak / full, 100 * extra, len(plan.chunk_sizes)))
+            print(f"{name:12} {fraction:4.2f}x: predicted {plan.peak / full:.3f}x measured {tracker.peak / full:.3f}x "
+                  f"+{100 * extra:.1f}% FLOPs, {len(plan.chunk_sizes)} chunk(s)")
+        xs = [r[0] for r in rows]
+        (line,) = peaks.plot(xs, [r[1] for r in rows], "-", label=name)
+        peaks.plot(xs, [r[2] for r in rows], "x", color=line.get_color())
+        flops.plot(xs, [r[3] for r in rows], "o-", color=line.get_color(), markersize=4, label=name)
+    peaks.plot(FRACTIONS, FRACTIONS, "k--", linewidth=1, label="budget less the 10% margin")
+    peaks.set_xlabel("budget (x the peak without recomputation)")
+    peaks.set_ylabel("peak (x the peak without recomputation)")
+    peaks.set_title("predicted peak (line), measured (x)")
+    flops.set_xlabel("budget (x the peak without recomputation)")
+    flops.set_ylabel("extra FLOPs (%)")
+    flops.set_title("recomputation's cost")
+    for ax in (peaks, flops):
+        ax.invert_xaxis()
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(OUT / "remat-sweep.png", dpi=80)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    OUT.mkdir(exist_ok=True)
+    timelines()
+    sweep()
+    for path in sorted(OUT.glob("remat-*.png")):
+        print(path, path.stat().st_size, "bytes")
