@@ -127,6 +127,7 @@ def plan_chunks(
     split even when the estimate says it fits.
     """
     usable = int(budget * (1 - SAFETY_MARGIN))
+    cost = _once_per_graph(cost)
     full = cost(graph) if full is None else full
     if (full <= usable and (cap is None or cap >= batch)) or batch == 1:
         why = "The whole batch fits." if full <= usable else "A single example cannot be split further."
@@ -154,6 +155,20 @@ def plan_chunks(
     if cap is not None and cap < batch:
         why += f" Chunks are at most {cap} examples: a larger one ran out of memory in an earlier call."
     return Plan(batch, tuple(sizes), peaks, budget, full, why, phases)
+
+
+def _once_per_graph(cost: Callable[[Graph], int]) -> Callable[[Graph], int]:
+    """``cost`` remembered per graph for one planning: the search costs the same chunk bodies (built once
+    per size by the split) several times, and a 5,000-equation body takes ~0.1 s to cost."""
+    seen: dict[int, tuple[Graph, int]] = {}
+
+    def once(graph: Graph) -> int:
+        hit = seen.get(id(graph))
+        if hit is None:
+            hit = seen[id(graph)] = (graph, cost(graph))  # the graph is held, so its id is not reused
+        return hit[1]
+
+    return once
 
 
 def _too_big(graph: Graph, split: Split, budget: int, cost: Callable[[Graph], int]) -> OutOfMemoryError:
