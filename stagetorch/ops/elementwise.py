@@ -76,6 +76,9 @@ BATCH: dict = {
         aten.new_empty_strided, aten.new_empty, aten.new_zeros, aten.new_ones, aten.new_full,
     )},
     aten.hardswish: batching.elementwise,
+    # PReLU: the weight broadcasts over the channels; the backward's weight gradient is per element, summed after.
+    aten._prelu_kernel: batching.elementwise,
+    aten._prelu_kernel_backward: batching.elementwise,
     aten.log_sigmoid_forward: batching.elementwise,
     aten.fill: batching.elementwise,
 }
