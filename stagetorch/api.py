@@ -592,15 +592,12 @@ class Staged:
         """Stage this rank's shard as part of the global batch and plan it for this rank's budget (two
         collectives). **Returns** the entry, its real inputs, the plan or the ``OutOfMemoryError`` that
         says none fits, and the shard's offset in the global batch."""
-        try:
+        def describe() -> tuple[int, distributed.Signature]:
             leaves, local = self._batch_leaves(args, kwargs, allow_empty=True)
-            signature = self._signature(args, kwargs, leaves)
-        except Exception as e:
-            group.shard_sizes(e)
-            raise
-        sizes = group.shard_sizes(local, signature)
-        if sum(sizes) == 0:
-            raise ShapeError(f"the global batch is empty: every rank of the process group passed 0 examples ({sizes})")
+            return local, self._signature(args, kwargs, leaves)
+
+        sizes = group.global_sizes(describe, getattr(self.fn, "__name__", "the step"))
+        local = sizes[group.rank]
         # The program is the global batch's, staged on contiguous stand-ins; the shard runs on what it cuts.
         args, kwargs = _map_batched(self, args, kwargs, lambda x, dim: x.contiguous())
         entry, inputs, _ = self._stage(args, kwargs, global_batch=sum(sizes))

@@ -31,7 +31,14 @@ import torch.distributed as dist
 
 from .chunking import Split, run_chunked
 from .costing import peak_bytes
-from .errors import BatchCouplingError, OutOfMemoryError, RankMismatchError, StagingError, UnsupportedOpError
+from .errors import (
+    BatchCouplingError,
+    OutOfMemoryError,
+    RankMismatchError,
+    ShapeError,
+    StagingError,
+    UnsupportedOpError,
+)
 from .ir import Aval, Graph, Var
 from .planning import Plan, chunked_peak, plan_chunks
 from .tracing import State
@@ -117,6 +124,20 @@ class ShardGroup:
         :class:`~stagetorch.errors.RankMismatchError`."""
         error = local if isinstance(local, BaseException) else None
         return self._exchange(_SIZES, error, 0 if error is not None else local, signature)
+
+    def global_sizes(self, describe: Callable[[], tuple[int, Signature]], what: str) -> list[int]:
+        """Every rank's number of examples. ``describe()`` checks this rank's arguments and returns its
+        example count and the call's signature; if it raises on any rank, the signatures differ or the global
+        batch is empty, every rank raises (``what`` names the caller in the last message)."""
+        try:
+            local, signature = describe()
+        except Exception as e:
+            self.shard_sizes(e)
+            raise
+        sizes = self.shard_sizes(local, signature)
+        if sum(sizes) == 0:
+            raise ShapeError(f"{what}: the global batch is empty: every rank of the process group passed 0 examples ({sizes})")
+        return sizes
 
     def check(self, error: BaseException | None, signature: Signature | None = None) -> None:
         """Agree that every rank may go on (one all-gather): if any rank failed, every rank raises; if the

@@ -728,7 +728,8 @@ def test_batch_norm_in_training_is_refused(ranks):
         assert got["BatchNorm1d"]["error"] == "BatchCouplingError" and "BatchNorm" in got["BatchNorm1d"]["message"]
 
 
-def test_a_training_loop_matches_eager_on_the_global_batch(ranks):
+@pytest.mark.parametrize("mode", ["training_loop", "lazy_training_loop"], ids=["jit", "lazy"])
+def test_a_training_loop_matches_eager_on_the_global_batch(ranks, mode):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
@@ -742,7 +743,7 @@ def test_a_training_loop_matches_eager_on_the_global_batch(ranks):
         losses.append(loss.item())
         opt.step()
     for rank in range(WORLD):
-        got = result(ranks, "training_loop", rank)
+        got = result(ranks, mode, rank)
         np.testing.assert_allclose(got["losses"], losses, rtol=1e-10)
         for p, e in zip(got["params"], model.parameters(), strict=True):
             assert rel(p, e.detach().numpy()) <= 1e-10
@@ -863,26 +864,6 @@ def test_a_data_dependent_shape_in_a_lazy_step_is_refused(ranks):
     for rank in range(WORLD):
         got = result(ranks, "lazy_data_dependent", rank)
         assert got["error"] == "UnsupportedOpError" and "torch.where" in got["message"], got
-
-
-def test_a_lazy_training_loop_matches_eager_on_the_global_batch(ranks):
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for i, (sizes, lr) in enumerate(STEPS):
-        x, y = make_batch(sum(sizes), seed=i)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        opt.zero_grad()
-        loss, _ = mixed_loss(model, x, y)
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-    for rank in range(WORLD):
-        got = result(ranks, "lazy_training_loop", rank)
-        np.testing.assert_allclose(got["losses"], losses, rtol=1e-10)
-        for p, e in zip(got["params"], model.parameters(), strict=True):
-            assert rel(p, e.detach().numpy()) <= 1e-10
 
 
 def test_ranks_called_differently_all_raise_the_same_named_error(ranks):

@@ -25,7 +25,7 @@ import torch
 from ..api import Executable
 from ..batching import Batched
 from ..distributed import ShardGroup, Signature
-from ..errors import OutOfMemoryError, ShapeError, UnsupportedOpError
+from ..errors import OutOfMemoryError, UnsupportedOpError
 from ..ir import Var
 from ..planning import Plan
 from ..remat_planning import RematPlan
@@ -64,7 +64,7 @@ def start(tensors: Sequence[torch.Tensor], dim: int, process_group: Any, local: 
     group = ShardGroup(process_group)
     caller = user_frame(2)
     where = f"{caller.f_code.co_filename.rsplit('/', 1)[-1]}:{caller.f_lineno}" if caller is not None else "?"
-    try:
+    def describe() -> tuple[int, Signature]:
         n = local()
         for i, t in enumerate(tensors):
             if t.requires_grad:
@@ -73,18 +73,15 @@ def start(tensors: Sequence[torch.Tensor], dim: int, process_group: Any, local: 
                     "must be data (detach them, or make the differentiated tensor after lazy())."
                 )
         shapes = [tuple("N" if d == dim % t.ndim else s for d, s in enumerate(t.shape)) for t in tensors]
-        signature = Signature(
+        return n, Signature(
             the_call=f"stagetorch.lazy at {where}",
             the_argument_structure=f"{len(tensors)} tensors, batch={dim}",
             the_argument_dtypes=str([str(t.dtype).removeprefix("torch.") for t in tensors]),
             the_argument_shapes=str(shapes).replace("'N'", "N"),
         )
-    except Exception as e:
-        group.shard_sizes(e)
-        raise
-    sizes = group.shard_sizes(n, signature)
-    if sum(sizes) == 0:
-        raise ShapeError(f"stagetorch.lazy: the global batch is empty: every rank passed 0 examples ({sizes})")
+
+    sizes = group.global_sizes(describe, "stagetorch.lazy")
+    n = sizes[group.rank]
     return LazyShard(group, n, sum(sizes[: group.rank]), sum(sizes))
 
 
