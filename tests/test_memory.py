@@ -8,6 +8,7 @@ import statistics
 import models
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from memtrack import PATHS, LivePeak, measure, measured_peak, smallest_plan_peak
 
@@ -181,3 +182,35 @@ def test_costing_never_touches_real_state():
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("budget", [None, 2_500_000, 2_000_000], ids=["whole", "2-chunks", "5-chunks"])
+def test_an_optimizer_step_inside_jit_stays_within_its_budget_under_the_tracker(budget):
+    """The call holds, beside the program, a copy of every input the step updates in place (to restore it
+    if the step fails) and the .grad that zero_grad() inside the step replaces: the budget must cover them.
+    Before, this step measured 22-35% over its plan and over a 1.3 MB budget."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).double()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    x, y = torch.randn(256, 64, dtype=torch.float64), torch.randint(0, 10, (256,))
+    staged = stagetorch.jit(step, remat=False)
+    staged(x, y)  # the first step creates the moments
+    staged.memory_budget = budget
+    plan = staged.plan(x, y)
+    params = [*model.parameters()]
+    moments = [t for st in opt.state.values() for t in st.values() if t.numel() > 1]
+    held = sum(t.untyped_storage().nbytes() for t in [*params, *moments, *(p.grad for p in params)])
+    with LivePeak([*params, x, y, *(p.grad for p in params), *(t for st in opt.state.values() for t in st.values())]) as run:
+        staged(x, y)
+    assert len(plan.chunk_sizes) == {None: 1, 2_500_000: 2, 2_000_000: 5}[budget]
+    assert abs(run.peak - (plan.peak + held)) <= 0.02 * run.peak
+    if budget is not None:
+        assert run.peak <= budget
