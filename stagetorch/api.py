@@ -112,7 +112,7 @@ class Executable:
     _program: Program | None = None
     _split: Split | None = None
     plans: dict[int, Plan] = attrs.field(factory=dict)
-    _mutated: list[int] | None = None
+    _mutated: list[int] | None = None  # see the ``mutated`` property
     _full_peak: int | None = None
     # The largest chunk known to run: set when a larger one ran out of memory, so later calls plan with it.
     cap: int | None = None
@@ -125,6 +125,13 @@ class Executable:
     # With a process group: this rank's plan per (shard size, budget), or the error that says none fits.
     shard_plans: dict[tuple[int, int], Plan | OutOfMemoryError] = attrs.field(factory=dict)
     _signature: distributed.Signature | None = None
+
+    @property
+    def mutated(self) -> list[int]:
+        """Positions of the inputs the program updates in place (copied before a run, to restore on failure)."""
+        if self._mutated is None:
+            self._mutated = _mutated_inputs(self.graph)
+        return self._mutated
 
     @property
     def program(self) -> Program:
@@ -213,9 +220,7 @@ class Executable:
                 self.cap = inner.cap
                 self.plans.clear()
             return result
-        mutated = self._mutated
-        if mutated is None:
-            mutated = self._mutated = _mutated_inputs(self.graph)
+        mutated = self.mutated
         if not mutated and len(plan.chunk_sizes) == 1:  # one call, nothing to restore if it fails
             try:
                 return self.program.run(inputs)
@@ -289,9 +294,7 @@ class Executable:
         restored first."""
         recompute = plan.recompute if isinstance(plan, RematPlan) else None
         split = self.split() if recompute is None else self._for(recompute.graph).split()
-        if self._mutated is None:
-            self._mutated = _mutated_inputs(self.graph)
-        saved = [(inputs[i], inputs[i].clone()) for i in self._mutated]
+        saved = [(inputs[i], inputs[i].clone()) for i in self.mutated]
         try:
             return distributed.run_shard(split, inputs, plan.chunk_sizes, offset, group, on_chunk=on_chunk)
         except BaseException:
@@ -568,9 +571,7 @@ class Staged:
         parameters and moments) and each ``.grad`` the step replaces or clears (the old one lives until the
         program has run). Without this an optimizer step inside ``jit`` ran up to 35% over its plan."""
         executable, traced = entry.executable, entry.traced
-        if executable._mutated is None:
-            executable._mutated = _mutated_inputs(executable.graph)
-        held = {inputs[i].untyped_storage().data_ptr(): inputs[i].untyped_storage().nbytes() for i in executable._mutated}
+        held = {inputs[i].untyped_storage().data_ptr(): inputs[i].untyped_storage().nbytes() for i in executable.mutated}
         for i in (*traced.assign_grads, *traced.clear_grads):
             g = inputs[i].grad
             if g is not None:
