@@ -3,9 +3,9 @@
 First the memory -> extra-compute frontier of recompute sets: the forward is cut into a chain of segments at
 its narrow points, and a Rotor-style dynamic program picks, for a range of budgets, which segments to keep
 and which to recompute from checkpoints; two-level sets recompute a segment's values again for its own
-backward rather than hold them; Chen's segments by bytes, "keep only what matrix products, convolutions
-and attention make" (recompute the cheap ops) and its opposite, and a greedy descent on small graphs fill
-in. Each set is costed exactly by a simulator of the memory interpreter's walk over
+backward rather than hold them, and hold beside their checkpoints what is dear to recompute for its
+bytes; Chen's segments by bytes, "keep only what matrix products, convolutions and attention make"
+(recompute the cheap ops) and its opposite, and a greedy descent on small graphs fill in. Each set is costed exactly by a simulator of the memory interpreter's walk over
 :func:`~stagetorch.remat.remat`'s graph, and only sets that lower the peak for their extra FLOPs survive.
 Keeping everything is always on the frontier, so a plan is never worse than no recomputation. Then, for
 frontier points, the chunk planner sizes chunks for the recomputing graph, and the point with the lowest
@@ -288,6 +288,24 @@ def _expensive(graph: Graph, cands: Candidates) -> frozenset[Var]:
     return frozenset(r for r in cands.roots if made.get(r))
 
 
+# How many "dear to recompute" sets the two-level tries hold beside their checkpoints.
+_DEAR_LEVELS = 6
+
+
+def _dear(sim: _Simulator, levels: int) -> list[frozenset[Var]]:
+    """Sets of candidates that are dear to recompute for the bytes they hold: the empty set, then those
+    whose op does more than a threshold of FLOPs per byte it makes, for up to ``levels`` thresholds spread
+    over the distinct costs (the dearest first)."""
+    cands = sim.cands
+    density = {r: sim.flops[sim.producer[sim.index[r]]] / max(n, 1) for r, n in zip(cands.roots, cands.nbytes)}
+    costs = sorted(set(density.values()))[:-1]  # above the dearest cost nothing is held
+    picks = [costs[round(i * (len(costs) - 1) / max(levels - 1, 1))] for i in range(levels)] if costs else []
+    out = [frozenset()]
+    for tau in sorted(set(picks), reverse=True):
+        out.append(frozenset(r for r in cands.roots if density[r] > tau))
+    return out
+
+
 # Graphs with at most this many candidates also get the greedy descent (its cost grows as the square).
 _GREEDY_MAX = 48
 
@@ -496,15 +514,19 @@ def frontier(graph: Graph) -> list[Recompute]:
     keeps = [k for k in dict.fromkeys(keeps) if k is not None and k != full.keep]
     points = [full] + [_point(sim, k) for k in keeps]
     # Two levels of recomputation, for peaks one level cannot reach: checkpoints every 1, 2, 3, 4, 6, 8...
-    # segment ends (fewer tries on big graphs).
+    # segment ends (fewer tries on big graphs); besides them, hold what is dear to recompute for its bytes
+    # (a bottleneck's narrow convolution output: its block is then rebuilt from it for a 1x1 convolution
+    # and pointwise ops, not from the block's input).
     ends = sum(1 for s in chain if s[1])
     spacings = sorted({int(1.5 ** i) for i in range(32) if int(1.5 ** i) <= ends})
     if not small:
         spacings = spacings[:: max(1, len(spacings) // 3)]
-    for every in spacings:
-        for deep in (False, True) if small else (False,):
-            for tail in (0.0, 0.125, 0.25) if small else (0.0,):
-                points.append(_point(sim, *_two_level(chain, every, deep, tail)))
+    for dear in _dear(sim, _DEAR_LEVELS):
+        for every in spacings:
+            for deep in (False, True) if small else (False,):
+                for tail in (0.0, 0.125, 0.25) if small and not dear else (0.0,):
+                    keep, transient = _two_level(chain, every, deep, tail)
+                    points.append(_point(sim, keep | dear, {r: s for r, s in transient.items() if r not in dear}))
     if len(cands.roots) <= _GREEDY_MAX:
         points += _greedy(sim, full)
     if len(cands.roots) <= _SWAP_MAX:

@@ -539,18 +539,13 @@ def _block_forward_flops(graph, blocks: list[str]) -> int:
     return sum(eqn_flops(e) for e in graph.eqns if not e.source.backward and inside(e.source.module))
 
 
-# Recompute FLOPs against per-block torch.utils.checkpoint's at its measured peak: what each seed model
-# reaches (at most), and why ResNet does not reach 0.6x (see the test's docstring).
-_AGAINST_PER_BLOCK = {"densenet": 0.6, "lstm": 0.6, "vnet": 0.6, "transformer": 0.6, "resnet": 1.0}
-
-
 @pytest.mark.parametrize("name", sorted(remat_models.SEEDS))
 def test_fewer_recompute_flops_than_per_block_checkpoint(name):
     """Per-block ``torch.utils.checkpoint`` recomputes each block's whole forward; its peak is measured on
     the real run. The planner's cheapest recompute set whose predicted peak is no higher recomputes at most
-    0.6x those FLOPs (a part of some blocks, or only their cheap ops). ResNet's bottlenecks are the
-    exception: at that peak (0.55x of no recompute) nearly every convolution output must go, and the
-    planner matches per-block checkpointing (0.97x) rather than beating it."""
+    0.6x those FLOPs (a part of some blocks, or only their cheap ops). ResNet's bottlenecks need the
+    two-level sets that hold each block's narrow convolution outputs beside every other block's output
+    (0.37x): without them the planner only matched per-block checkpointing (0.97x)."""
     torch.manual_seed(0)
     model, x = remat_models.SEEDS[name]()
     graph = stagetorch.make_ir(step_of(model))(x)
@@ -563,7 +558,7 @@ def test_fewer_recompute_flops_than_per_block_checkpoint(name):
     points = frontier(graph)
     assert tracker.peak < points[0].peak_bytes
     ours = min(p.extra_flops for p in points if p.peak_bytes <= tracker.peak)
-    assert ours <= _AGAINST_PER_BLOCK[name] * theirs, (ours / theirs, tracker.peak / points[0].peak_bytes)
+    assert ours <= 0.6 * theirs, (ours / theirs, tracker.peak / points[0].peak_bytes)
 
 
 # ---------------------------------------------------------------------------------------------------------
