@@ -5,8 +5,9 @@ its narrow points, and a Rotor-style dynamic program picks, for a range of budge
 and which to recompute from checkpoints; two-level sets recompute a segment's values again for its own
 backward rather than hold them, and hold beside their checkpoints what is dear to recompute for its
 bytes; Chen's segments by bytes, "keep only what matrix products, convolutions and attention make"
-(recompute the cheap ops) and its opposite, and a greedy descent on small graphs fill in. Each set is costed exactly by a simulator of the memory interpreter's walk over
-:func:`~stagetorch.remat.remat`'s graph, and only sets that lower the peak for their extra FLOPs survive.
+(recompute the cheap ops) and its opposite, and a greedy descent on small graphs fill in. Each set is
+costed exactly by a simulator of the memory interpreter's walk over :func:`~stagetorch.remat.remat`'s
+graph, and only sets that lower the peak for their extra FLOPs survive.
 Keeping everything is always on the frontier, so a plan is never worse than no recomputation. Then, for
 frontier points, the chunk planner sizes chunks for the recomputing graph, and the point with the lowest
 predicted step cost wins.
