@@ -34,9 +34,6 @@ from .planning import SAFETY_MARGIN, Plan
 from .registry import slot
 from .remat import Candidates, candidates, remat
 
-# How many recompute sets that do not fit whole the joint planner sizes chunks for (the last among them).
-_CHUNK_TRIES = 5
-
 # What the chunk planner raises when a graph cannot run in chunks that fit: then only recomputation can help.
 _CANNOT = (OutOfMemoryError, BatchCouplingError, UnsupportedOpError)
 
@@ -293,12 +290,18 @@ def _expensive(graph: Graph, cands: Candidates) -> frozenset[Var]:
 _DEAR_LEVELS = 6
 
 
+def _density(sim: _Simulator) -> dict[Var, float]:
+    """Per candidate: the FLOPs of the op that makes it, per byte it holds."""
+    cands = sim.cands
+    return {r: sim.flops[sim.producer[sim.index[r]]] / max(n, 1) for r, n in zip(cands.roots, cands.nbytes)}
+
+
 def _dear(sim: _Simulator, levels: int) -> list[frozenset[Var]]:
     """Sets of candidates that are dear to recompute for the bytes they hold: the empty set, then those
     whose op does more than a threshold of FLOPs per byte it makes, for up to ``levels`` thresholds spread
     over the distinct costs (the dearest first)."""
     cands = sim.cands
-    density = {r: sim.flops[sim.producer[sim.index[r]]] / max(n, 1) for r, n in zip(cands.roots, cands.nbytes)}
+    density = _density(sim)
     costs = sorted(set(density.values()))[:-1]  # above the dearest cost nothing is held
     picks = [costs[round(i * (len(costs) - 1) / max(levels - 1, 1))] for i in range(levels)] if costs else []
     out = [frozenset()]
@@ -532,11 +535,49 @@ def frontier(graph: Graph) -> list[Recompute]:
         points += _greedy(sim, full)
     if len(cands.roots) <= _SWAP_MAX:
         points += _greedy(sim, full, per_flop=False)
-    points.sort(key=lambda p: (p.extra_flops, p.peak_bytes))
+    out = _pareto(full, points)
+    return _pareto(full, out + _bridges(sim, out))
+
+
+def _pareto(full: Recompute, points: list[Recompute]) -> list[Recompute]:
+    """``full`` and the points that lower the peak below every cheaper one, by increasing extra FLOPs."""
     out = [full]
-    for p in points[1:]:
-        if p.peak_bytes < out[-1].peak_bytes:
+    for p in sorted(points, key=lambda p: (p.extra_flops, p.peak_bytes)):
+        if p is not full and p.peak_bytes < out[-1].peak_bytes:
             out.append(p)
+    return out
+
+
+# Neighbours on the frontier further apart than this fraction of the no-recompute peak get sets between them,
+# in this many steps.
+_GAP = 0.02
+_BRIDGE_STEPS = 8
+
+
+def _bridges(sim: _Simulator, points: list[Recompute]) -> list[Recompute]:
+    """Sets between neighbours of the frontier far apart in peak: the cheaper one, with a growing part of
+    what only the dearer one drops also dropped, cheapest to recompute for its bytes first. (The frontier's
+    families jump: a chain that keeps every matrix product's output, then one that drops a third of them;
+    a budget between gets the first at 2x the chunks, or the second at +20% FLOPs, when dropping two would
+    do.)"""
+    cands = sim.cands
+    density = _density(sim)
+    order = {r: i for i, r in enumerate(cands.roots)}
+    out = []
+    for a, b in zip(points, points[1:]):
+        if a.peak_bytes - b.peak_bytes <= _GAP * points[0].peak_bytes:
+            continue
+        more = sorted(a.keep - b.keep, key=lambda r: (density[r], -order[r]))
+        sizes = [r.owned_nbytes for r in more]
+        total, acc, cut = sum(sizes), 0, []
+        for i, size in enumerate(sizes):
+            acc += size
+            if len(cut) < _BRIDGE_STEPS - 1 and acc * _BRIDGE_STEPS >= total * (len(cut) + 1):
+                cut.append(i + 1)
+        merged = {**a.transient, **b.transient}
+        for i in cut:
+            keep = a.keep - frozenset(more[:i])
+            out.append(_point(sim, keep, {r: s for r, s in merged.items() if r not in keep}))
     return out
 
 
@@ -616,11 +657,42 @@ def plan_joint(
     # A graph that cannot be split (one example, or ops coupling the batch) cannot be split once it
     # recomputes either: then only the sets that fit whole are worth a chunk planner's call.
     whole_only = batch == 1 or isinstance(first_error, (BatchCouplingError, UnsupportedOpError))
-    # Sizing chunks builds and costs the chunked form of a graph: of the sets that do not fit whole, try the
-    # cheapest few, a few spread along the frontier and the last (the least peak), not every one.
+    # Sizing chunks builds and costs the chunked form of a graph: of the sets that do not fit whole (the
+    # cheapest in FLOPs first), size only the cheapest of each run of sets that split into as many chunks;
+    # the runs' ends are found by bisection (a lower whole peak splits into as few chunks or fewer), until a
+    # set's FLOPs alone cost more than the best plan so far.
     over = [p for p in points[1:] if p.peak_bytes > usable]
-    spread = [over[round(i * (len(over) - 1) / max(_CHUNK_TRIES - 1, 1))] for i in range(_CHUNK_TRIES)] if over else []
-    tried = {id(p) for p in over[:_CHUNK_TRIES] + spread}
+    sized: dict[int, Plan | None] = {}
+
+    def sized_plan(p: Recompute) -> Plan | None:
+        if id(p) not in sized:
+            try:
+                sized[id(p)] = chunk_plan(p.graph)
+            except _CANNOT:
+                sized[id(p)] = None
+        return sized[id(p)]
+
+    def chunks(i: int) -> float:
+        plan = sized_plan(over[i])
+        return math.inf if plan is None else len(plan.chunk_sizes)
+
+    def first_below(lo: int, count: float) -> int:
+        hi = len(over)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if chunks(mid) < count else (mid + 1, hi)
+        return lo
+
+    def cost(p: Recompute, count: float) -> float:
+        return step_cost(base_flops + p.extra_flops, len(graph.eqns) + p.dropped, count)
+
+    tried: set[int] = set()
+    i = len(over) if whole_only else first_below(0, math.inf)
+    while i < len(over) and (best is None or cost(over[i], 1) < best[0]):
+        count = chunks(i)
+        end = first_below(i + 1, count)
+        tried.add(id(min(over[i:end], key=lambda p: cost(p, count))))
+        i = end
     for p in points[1:]:
         flops, calls = base_flops + p.extra_flops, len(graph.eqns) + p.dropped
         if best is not None and step_cost(flops, calls, 1) >= best[0]:
@@ -630,12 +702,9 @@ def plan_joint(
         elif whole_only:
             continue
         else:
-            if id(p) not in tried:
+            if id(p) not in tried or (chunked := sized_plan(p)) is None:
                 continue
-            try:
-                plan = chunk_plan(p.graph)
-            except _CANNOT:
-                continue
+            plan = chunked
         score = step_cost(flops, calls, len(plan.chunk_sizes))
         if best is None or score < best[0]:
             best = (score, RematPlan(**attrs.asdict(plan, recurse=False), recompute=p, base_flops=base_flops))

@@ -30,7 +30,15 @@ from stagetorch.ir import Eqn, GraphError, Var, op_name
 from stagetorch.passes import dce, has_effect, liveness
 from stagetorch.planning import SAFETY_MARGIN
 from stagetorch.remat import candidates, recomputed_eqns, remat
-from stagetorch.remat_planning import RematPlan, _chain, _dynamic_program, _Simulator, frontier
+from stagetorch.remat_planning import (
+    RematPlan,
+    _chain,
+    _dynamic_program,
+    _Simulator,
+    frontier,
+    plan_joint,
+    step_cost,
+)
 from stagetorch.shapes import check
 
 MiB = 2**20
@@ -295,6 +303,44 @@ def test_frontier_is_never_worse_than_no_recompute():
         peaks = [p.peak_bytes for p in points]
         assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks)
         assert [p.extra_flops for p in points] == sorted(p.extra_flops for p in points)
+
+
+@pytest.mark.parametrize("case", ["chain-0.3", "chain-0.45", "transformer-0.33", "transformer-0.5", "densenet-0.33"])
+def test_joint_plan_is_the_cheapest_of_every_frontier_point(case, monkeypatch):
+    """The joint planner sizes chunks for only a few recompute sets (the cheapest at each number of
+    chunks); sizing chunks for every point of the frontier finds no cheaper plan."""
+    name, fraction = case.rsplit("-", 1)
+    torch.manual_seed(0)
+    if name == "chain":
+        model, x = mlp_chain(12, 64), torch.randn(8, 256, 64)
+    else:
+        model, x = remat_models.SEEDS[name]()
+        x = x.repeat(2, *[1] * (x.dim() - 1))
+    seen = {}
+
+    def recording(graph, budget, chunk_plan, floor, points=None, **kwargs):
+        seen.update(graph=graph, chunk_plan=chunk_plan, points=points)
+        return plan_joint(graph, budget, chunk_plan, floor, points, **kwargs)
+
+    monkeypatch.setattr(stagetorch.api, "plan_joint", recording)
+    staged = stagetorch.jit(step_of(model))
+    full = peak_bytes(staged.graph(x))
+    staged.memory_budget = int(full * float(fraction))
+    plan = staged.plan(x)
+    graph, base = seen["graph"], graph_flops(seen["graph"])
+
+    def cost(p, chunk_plan):
+        return step_cost(base + p.extra_flops, len(graph.eqns) + p.dropped, len(chunk_plan.chunk_sizes))
+
+    scores = []
+    for p in seen["points"]():
+        try:
+            scores.append(cost(p, seen["chunk_plan"](p.graph)))
+        except (OutOfMemoryError, BatchCouplingError, UnsupportedOpError):
+            continue
+    chosen = plan.recompute if isinstance(plan, RematPlan) and plan.recompute else seen["points"]()[0]
+    assert cost(chosen, plan) == min(scores), (plan, sorted(scores)[:3])
+    assert isinstance(plan, RematPlan) or plan.chunked  # the budget needs one or the other
 
 
 @pytest.mark.parametrize("name", ["chain", "bn", "dropout", "inplace", *sorted(remat_models.SEEDS)])
