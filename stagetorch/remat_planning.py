@@ -549,9 +549,12 @@ def _pareto(full: Recompute, points: list[Recompute]) -> list[Recompute]:
 
 
 # Neighbours on the frontier further apart than this fraction of the no-recompute peak get sets between them,
-# in this many steps.
+# in this many steps (the widest gaps first; on graphs of over _BIG equations, where each set costs tens of
+# milliseconds, half the steps and at most _BRIDGE_SETS sets).
 _GAP = 0.02
 _BRIDGE_STEPS = 8
+_BRIDGE_SETS = 6
+_BIG = 1000
 
 
 def _bridges(sim: _Simulator, points: list[Recompute]) -> list[Recompute]:
@@ -561,21 +564,25 @@ def _bridges(sim: _Simulator, points: list[Recompute]) -> list[Recompute]:
     a budget between gets the first at 2x the chunks, or the second at +20% FLOPs, when dropping two would
     do.)"""
     cands = sim.cands
+    big = len(sim.reads) > _BIG
+    steps, most = (_BRIDGE_STEPS // 2, _BRIDGE_SETS) if big else (_BRIDGE_STEPS, math.inf)
     density = _density(sim)
     order = {r: i for i, r in enumerate(cands.roots)}
-    out = []
-    for a, b in zip(points, points[1:]):
-        if a.peak_bytes - b.peak_bytes <= _GAP * points[0].peak_bytes:
-            continue
+    gaps = [(a, b) for a, b in zip(points, points[1:]) if a.peak_bytes - b.peak_bytes > _GAP * points[0].peak_bytes]
+    gaps.sort(key=lambda ab: ab[1].peak_bytes - ab[0].peak_bytes)
+    out: list[Recompute] = []
+    for a, b in gaps:
         more = sorted(a.keep - b.keep, key=lambda r: (density[r], -order[r]))
         sizes = [r.owned_nbytes for r in more]
         total, acc, cut = sum(sizes), 0, []
         for i, size in enumerate(sizes):
             acc += size
-            if len(cut) < _BRIDGE_STEPS - 1 and acc * _BRIDGE_STEPS >= total * (len(cut) + 1):
+            if len(cut) < steps - 1 and acc * steps >= total * (len(cut) + 1):
                 cut.append(i + 1)
         merged = {**a.transient, **b.transient}
         for i in cut:
+            if len(out) >= most:
+                return out
             keep = a.keep - frozenset(more[:i])
             out.append(_point(sim, keep, {r: s for r, s in merged.items() if r not in keep}))
     return out
@@ -676,8 +683,34 @@ def plan_joint(
         plan = sized_plan(over[i])
         return math.inf if plan is None else len(plan.chunk_sizes)
 
+    # Where to start each search: chunk counts estimated from one chunked plan (recomputation changes what
+    # one example holds, not what the run holds whatever the chunk: parameters, inputs, accumulators).
+    guess: list[float] = []
+
+    def estimate(known: Plan) -> None:
+        n, b = known.chunk_sizes[0], known.batch
+        per_example = max((known.full_batch_peak_bytes - known.peak_bytes[0]) / (b - n), 1.0)
+        fixed = known.peak_bytes[0] - n * per_example
+        for p in over:
+            largest = (usable - fixed) // max((p.peak_bytes - fixed) / b, 1.0)
+            guess.append(math.ceil(b / min(largest, b)) if largest >= 1 else math.inf)
+
     def first_below(lo: int, count: float) -> int:
+        """The first index from ``lo`` whose set splits into fewer than ``count`` chunks (``len(over)`` if
+        none): from the estimate, gallop to a bracket, then bisect."""
         hi = len(over)
+        if lo >= hi:
+            return hi
+        at = min(next((i for i in range(lo, hi) if guess and guess[i] < count), hi - 1), hi - 1)
+        step = 1
+        if chunks(at) < count:  # the answer is at or before ``at``
+            while at - step >= lo and chunks(at - step) < count:
+                at, step = at - step, step * 2
+            lo, hi = max(lo, at - step + 1), at
+        else:  # after it
+            while at + step < hi and chunks(at + step) >= count:
+                at, step = at + step, step * 2
+            lo, hi = at + 1, min(at + step, hi)
         while lo < hi:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if chunks(mid) < count else (mid + 1, hi)
@@ -687,6 +720,10 @@ def plan_joint(
         return step_cost(base_flops + p.extra_flops, len(graph.eqns) + p.dropped, count)
 
     tried: set[int] = set()
+    if over and not whole_only:
+        known = best[1] if best is not None else sized_plan(over[-1])
+        if known is not None and known.chunked:
+            estimate(known)
     i = len(over) if whole_only else first_below(0, math.inf)
     while i < len(over) and (best is None or cost(over[i], 1) < best[0]):
         count = chunks(i)
