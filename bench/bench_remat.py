@@ -10,6 +10,8 @@
     blocks' forwards cost, against the planner's cheapest set that fits the same peak), predicted step cost
     at 1/3 of the no-recompute peak, and measured step times of the unconstrained staged step, per-block
     checkpoint, stagetorch at the checkpoint's peak, and chunking alone there.
+(e) 1/3 of the no-recompute peak where activations dominate (the seed models at 4x their test batch, and a
+    transformer of width 128): the plan, its predicted step cost, and the measured step time and peak.
 
 Run: python -m pytest bench/bench_remat.py --benchmark-enable -s
 CPU step times vary between runs (see /work/shared/REMAT.md): compare FLOPs and peaks first.
@@ -209,3 +211,41 @@ def test_seed_against_per_block_checkpoint(name):
         base_time = base_time or seconds
         print(f"  {label:40s} {seconds * 1e3:7.1f} ms ({seconds / base_time:4.2f}x)  peak {peak / MiB:6.2f} MiB  "
               f"{_describe(plan) if plan is not None else ''}")
+
+
+_ACTIVATION_DOMINATED = {
+    "resnet x4": lambda: remat_models.resnet(),
+    "densenet x4": lambda: remat_models.densenet(),
+    "lstm x4": lambda: remat_models.lstm(),
+    "vnet x4": lambda: remat_models.vnet(),
+    "transformer x4": lambda: remat_models.transformer(),
+    "transformer d128 x4": lambda: remat_models.transformer(4, 128),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ACTIVATION_DOMINATED))
+def test_one_third_budget(name):
+    torch.manual_seed(0)
+    model, x = _ACTIVATION_DOMINATED[name]()
+    x = x.repeat(4, *[1] * (x.dim() - 1))
+    staged = stagetorch.jit(step_of(model), remat=False)
+    graph = staged.graph(x)
+    full, base = peak_bytes(graph), graph_flops(graph)
+    held = 2 * sum(p.untyped_storage().nbytes() for p in model.parameters())
+    print(f"\n{name} (input {tuple(x.shape)}): no-recompute peak {full / MiB:.2f} MiB, parameters + gradients "
+          f"{held / full:.0%} of it")
+    budget = math.ceil(full / 3)
+    constrained = stagetorch.jit(step_of(model), memory_budget=budget)
+    try:
+        plan = constrained.plan(x)
+    except stagetorch.errors.StagingError as e:
+        print(f"  at 1/3: below the floor ({str(e).split('schedule fits is ')[-1]}")
+        return
+    extra = plan.extra_flops if isinstance(plan, RematPlan) else 0
+    calls = len(graph.eqns) + (plan.recompute.dropped if isinstance(plan, RematPlan) and plan.recompute else 0)
+    predicted = step_cost(base + extra, calls, len(plan.chunk_sizes)) / step_cost(base, len(graph.eqns), 1)
+    base_time, _ = _timed(staged, x, model, resident=[*model.buffers()])
+    seconds, peak = _timed(constrained, x, model, resident=[*model.buffers()])
+    print(f"  at 1/3 ({budget / MiB:.2f} MiB): {_describe(plan)}; predicted step cost {predicted:.3f}x; measured "
+          f"{seconds * 1e3:.1f} ms against {base_time * 1e3:.1f} ms unconstrained ({seconds / base_time:.2f}x), "
+          f"peak {peak / MiB:.2f} MiB ({'within' if peak <= budget else 'OVER'} the budget)")
