@@ -113,10 +113,11 @@ class _Simulator:
         self.kept = [index[v] for v in graph.outvars if isinstance(v, Var)] + [index[v] for _, v in graph.grads]
         self.names = [op_name(e.prim) for e in graph.eqns]
         self.forward = [(k, False, self.reads[k], self.outs[k]) for k in range(cands.boundary)]
+        self.out_bases = [tuple(self.base[o] for o in outs if self.base[o] >= 0) for outs in self.outs]
 
     def run(self, keep: frozenset[Var], transient: Mapping[Var, int] | None = None) -> tuple[int, int, tuple[str, ...]]:
         """(peak bytes, extra FLOPs, recomputed op names) of ``remat(graph, keep, transient=transient)``."""
-        base, reads_of, outs_of, producer = self.base, self.reads, self.outs, self.producer
+        base, reads_of, outs_of, producer, out_bases = self.base, self.reads, self.outs, self.producer, self.out_bases
         index = self.index
         drop = self.recomputable - {index[r] for r in keep}
         dropped = [r in drop for r in self.root]  # per var: does its storage get recomputed?
@@ -171,7 +172,8 @@ class _Simulator:
                         if all(seg[o] not in wanted for o in outs_of[j]):
                             for o in outs_of[j]:
                                 sub.pop(o, None)
-            if sub:
+            # An equation that reads no copy and makes no view of one is as it was (most of them).
+            if sub and (any(u in sub for u in reads) or any(b in sub for b in out_bases[k])):
                 reads = tuple(sub.get(u, u) for u in reads)
                 # As remat's _rebase: onto a copied base only when the equation reads the copy's storage.
                 read_storages = {store[u] for u in reads}
