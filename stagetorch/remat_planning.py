@@ -622,6 +622,10 @@ def _displayed_ceiling(n: int) -> int:
     return int(math.ceil((n + 2) / step) * step)
 
 
+# On graphs of over _BIG equations, how many recompute sets that do not fit whole the joint planner sizes.
+_SIZED = 3
+
+
 def step_cost(flops: int, calls: int, chunks: int) -> float:
     """Predicted step cost in FLOP-equivalents: the arithmetic, plus the calls of every chunk."""
     return flops + CALL_FLOPS * calls * chunks
@@ -726,7 +730,17 @@ def plan_joint(
         known = best[1] if best is not None else sized_plan(over[-1])
         if known is not None and known.chunked:
             estimate(known)
-    i = len(over) if whole_only else first_below(0, math.inf)
+    i = len(over)
+    if guess and len(graph.eqns) > _BIG:
+        # A big graph: each sizing costs seconds, so only the estimate's cheapest set per number of
+        # chunks is sized, for the few numbers with the lowest estimated cost (not shown to be the cheapest).
+        cheapest: dict[float, Recompute] = {}
+        for p, n in zip(over, guess):
+            if n < math.inf and (n not in cheapest or cost(p, n) < cost(cheapest[n], n)):
+                cheapest[n] = p
+        tried = {id(p) for n, p in sorted(cheapest.items(), key=lambda np: cost(np[1], np[0]))[:_SIZED]}
+    elif not whole_only:
+        i = first_below(0, math.inf)
     while i < len(over) and (best is None or cost(over[i], 1) < best[0]):
         count = chunks(i)
         end = first_below(i + 1, count)
