@@ -305,14 +305,20 @@ def test_frontier_is_never_worse_than_no_recompute():
         assert [p.extra_flops for p in points] == sorted(p.extra_flops for p in points)
 
 
-@pytest.mark.parametrize("case", ["chain-0.3", "chain-0.45", "transformer-0.33", "transformer-0.5", "densenet-0.33"])
+@pytest.mark.parametrize(
+    "case", ["chain-0.3", "chain-0.45", "transformer-0.33", "transformer-0.5", "densenet-0.33", "big-0.3"]
+)
 def test_joint_plan_is_the_cheapest_of_every_frontier_point(case, monkeypatch):
     """The joint planner sizes chunks for only a few recompute sets (the cheapest at each number of
-    chunks); sizing chunks for every point of the frontier finds no cheaper plan."""
+    chunks); sizing chunks for every point of the frontier finds no cheaper plan. On a graph of over
+    1,000 equations it sizes only the estimate's best three, and is within 5% of the cheapest; the plan
+    runs within its budget there, and its loss is the eager step's."""
     name, fraction = case.rsplit("-", 1)
     torch.manual_seed(0)
     if name == "chain":
         model, x = mlp_chain(12, 64), torch.randn(8, 256, 64)
+    elif name == "big":
+        model, x = mlp_chain(80, 32), torch.randn(16, 64, 32)
     else:
         model, x = remat_models.SEEDS[name]()
         x = x.repeat(2, *[1] * (x.dim() - 1))
@@ -339,8 +345,16 @@ def test_joint_plan_is_the_cheapest_of_every_frontier_point(case, monkeypatch):
         except (OutOfMemoryError, BatchCouplingError, UnsupportedOpError):
             continue
     chosen = plan.recompute if isinstance(plan, RematPlan) and plan.recompute else seen["points"]()[0]
-    assert cost(chosen, plan) == min(scores), (plan, sorted(scores)[:3])
     assert isinstance(plan, RematPlan) or plan.chunked  # the budget needs one or the other
+    if name != "big":
+        assert cost(chosen, plan) == min(scores), (plan, sorted(scores)[:3])
+        return
+    assert len(graph.eqns) > 1000 and cost(chosen, plan) <= 1.05 * min(scores), (plan, sorted(scores)[:3])
+    expected = step_of(copy.deepcopy(model))(x)
+    with LivePeak([*model.parameters(), x]) as tracker:
+        loss = staged(x)
+    assert tracker.peak <= staged.memory_budget
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["chain", "bn", "dropout", "inplace", *sorted(remat_models.SEEDS)])
