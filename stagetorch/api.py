@@ -21,8 +21,8 @@ from . import _caches, distributed, shapes
 from .batching import Batched, analyze
 from .chunking import Split, is_oom, run_chunked
 from .costing import MemoryReport, Schedule, peak_bytes, report, timeline
-from .devices import format_bytes, free_memory
-from .errors import BatchCouplingError, OutOfMemoryError, ShapeError, UnsupportedOpError
+from .devices import bytes_ceiling, format_bytes, free_memory
+from .errors import BatchCouplingError, OutOfMemoryError, ShapeError, StagingError, UnsupportedOpError
 from .execute import Program, accumulate_grad
 from .flops import graph_flops
 from .ir import Aval, Eqn, Graph, Var, op_name
@@ -560,32 +560,49 @@ class Staged:
                 raise plan
             return plan
         entry, inputs, _ = self._stage(args, kwargs)
-        return entry.executable.plan(self._step_budget(entry, inputs))
+        return self._step_plan(entry, inputs)[1]
 
     def _budget(self, executable: Executable) -> int:
         return free_memory(device_of(executable.graph), self.memory_budget)
 
-    def _step_budget(self, entry: _Entry, inputs: list) -> int:
-        """The budget the program is planned in: the step's, less what the call holds beside the program —
-        the copies of the inputs it updates in place (kept to restore them if the step fails: an optimizer's
-        parameters and moments) and each ``.grad`` the step replaces or clears (the old one lives until the
-        program has run). Without this an optimizer step inside ``jit`` ran up to 35% over its plan."""
+    def _step_plan(self, entry: _Entry, inputs: list) -> tuple[int, Plan]:
+        """The budget the program is planned in, and its plan. The budget is the step's less what the call
+        holds beside the program: the copies of the inputs it updates in place (kept to restore them if the
+        step fails: an optimizer's parameters and moments) and each ``.grad`` the step replaces or clears
+        (the old one lives until the program has run); without this an optimizer step inside ``jit`` ran up
+        to 35% over its plan. An error about the budget then says what ``memory_budget`` would fit."""
         executable, traced = entry.executable, entry.traced
-        held = {inputs[i].untyped_storage().data_ptr(): inputs[i].untyped_storage().nbytes() for i in executable.mutated}
+        copies = {inputs[i].untyped_storage().data_ptr(): inputs[i].untyped_storage().nbytes() for i in executable.mutated}
+        old = {}
         for i in (*traced.assign_grads, *traced.clear_grads):
             g = inputs[i].grad
             if g is not None:
-                held[g.untyped_storage().data_ptr()] = g.untyped_storage().nbytes()
-        return max(self._budget(executable) - sum(held.values()), 0)
+                old[g.untyped_storage().data_ptr()] = g.untyped_storage().nbytes()
+        held = sum({**copies, **old}.values())
+        budget = max(self._budget(executable) - held, 0)
+        try:
+            return budget, executable.plan(budget)
+        except StagingError as e:
+            if not held or e.smallest_budget is None:
+                raise
+            why = [f"copies of the {len(copies)} input(s) the step updates in place, to restore them if it fails"] if copies else []
+            why += [f"the old .grad of {len(old)} parameter(s), which the step replaces"] if old else []
+            error = type(e)(
+                f"{e} Besides the program, this call holds {format_bytes(held)} ({'; '.join(why)}), which the "
+                f"budgets above leave out: the smallest memory_budget this call fits in is "
+                f"{format_bytes(bytes_ceiling(e.smallest_budget + held))}."
+            )
+            error.smallest_budget = e.smallest_budget + held
+            raise error from e
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.process_group is not None:
             return self._call_sharded(args, kwargs)
         entry, inputs, _ = self._stage(args, kwargs)
         executable = entry.executable
-        budget = self._step_budget(entry, inputs)
+        budget, plan = self._step_plan(entry, inputs)
         name = getattr(self.fn, "__name__", "step")
-        outs, grads = executable.run(inputs, budget, on_chunk=self._progress(executable.plan(budget)), name=name)
+        outs, grads = executable.run(inputs, budget, on_chunk=self._progress(plan), name=name)
         if executable.cap is not None:
             self._caps[executable.batch] = executable.cap
         traced = entry.traced

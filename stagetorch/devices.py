@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import time
@@ -39,6 +40,16 @@ def format_bytes(n: float) -> str:
             return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def bytes_ceiling(n: int) -> int:
+    """``n`` rounded up to what :func:`format_bytes` shows (a tenth of its unit), so that a budget copied
+    from a message is enough."""
+    unit = 1
+    while n >= 1024 * unit and unit < 1024**4:
+        unit *= 1024
+    step = unit / 10 if unit > 1 else 1
+    return int(math.ceil((n + 2) / step) * step)
 
 
 def free_memory(device: torch.device, budget: int | str | None = None) -> int:

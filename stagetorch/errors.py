@@ -15,7 +15,13 @@ __all__ = [
 
 
 class StagingError(Exception):
-    """Base class of every error stagetorch raises on purpose."""
+    """Base class of every error stagetorch raises on purpose.
+
+    ``smallest_budget``: on an error that a budget too small caused, the fewest bytes some plan fits in
+    (None where not known or not about a budget).
+    """
+
+    smallest_budget: int | None = None
 
 
 class ShapeError(StagingError, ValueError):

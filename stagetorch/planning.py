@@ -191,8 +191,10 @@ def _too_big(graph: Graph, split: Split, budget: int, cost: Callable[[Graph], in
     ]
     listed = ", ".join(f"{name} {format_bytes(n)}" for name, n in parts if n)
     needs = max(first, rest, phases)
-    return OutOfMemoryError(
+    error = OutOfMemoryError(
         f"not even one example fits: a chunk of 1 needs {format_bytes(needs)} against a budget of {format_bytes(budget)} "
         f"(less a {SAFETY_MARGIN:.0%} margin). At a later chunk's peak: {listed}. What to do: raise memory_budget, "
         "use a smaller model or lower precision, or move the batch off the device."
     )
+    error.smallest_budget = int(needs / (1 - SAFETY_MARGIN)) + 1
+    return error

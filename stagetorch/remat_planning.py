@@ -25,7 +25,7 @@ import attrs
 import numpy as np
 
 from .costing import allocated, effect, peak_bytes
-from .devices import format_bytes
+from .devices import bytes_ceiling, format_bytes
 from .errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError
 from .flops import eqn_flops, graph_flops
 from .ir import Graph, Var, op_name
@@ -612,16 +612,6 @@ class RematPlan(Plan):
         )
 
 
-def _displayed_ceiling(n: int) -> int:
-    """``n`` rounded up to what :func:`format_bytes` shows (a tenth of its unit), so that a budget copied
-    from the message is enough."""
-    unit = 1
-    while n >= 1024 * unit and unit < 1024**4:
-        unit *= 1024
-    step = unit / 10 if unit > 1 else 1
-    return int(math.ceil((n + 2) / step) * step)
-
-
 # On graphs of over _BIG equations, how many recompute sets that do not fit whole the joint planner sizes.
 _SIZED = 3
 
@@ -771,8 +761,10 @@ def plan_joint(
     assert first_error is not None
     floors = [p.peak_bytes if whole_only else floor(p.graph) for p in points]
     least = min(range(len(points)), key=floors.__getitem__)
-    smallest = _displayed_ceiling(int(floors[least] / (1 - SAFETY_MARGIN)) + 1)
-    raise type(first_error)(
+    smallest = int(floors[least] / (1 - SAFETY_MARGIN)) + 1
+    error = type(first_error)(
         f"{first_error} Recomputing forward values in the backward does not fit either: the smallest budget any "
-        f"schedule fits is {format_bytes(smallest)} (recomputing {points[least].dropped} op(s))."
-    ) from first_error
+        f"schedule fits is {format_bytes(bytes_ceiling(smallest))} (recomputing {points[least].dropped} op(s))."
+    )
+    error.smallest_budget = smallest
+    raise error from first_error

@@ -14,7 +14,8 @@ from memtrack import PATHS, LivePeak, measure, measured_peak, smallest_plan_peak
 
 import stagetorch
 from stagetorch.costing import MemoryEffect, peak_bytes
-from stagetorch.devices import parse_bytes
+from stagetorch.devices import bytes_ceiling, format_bytes, parse_bytes
+from stagetorch.errors import OutOfMemoryError
 
 MODELS = {**models.CLASSIFIERS, "gpt2": models.gpt2}
 
@@ -214,3 +215,39 @@ def test_an_optimizer_step_inside_jit_stays_within_its_budget_under_the_tracker(
     assert abs(run.peak - (plan.peak + held)) <= 0.02 * run.peak
     if budget is not None:
         assert run.peak <= budget
+
+
+@pytest.mark.parametrize("remat", ["auto", False])
+def test_a_budget_the_held_bytes_push_below_the_floor_names_the_memory_budget_that_fits(remat):
+    """The error's smallest budget is the program's; the call also holds the old .grad and the restore
+    copies beside it, so the error names the memory_budget that covers both, and that one runs (under the
+    tracker, within itself)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    x, y = torch.randn(256, 64, dtype=torch.float64), torch.randint(0, 10, (256,))
+    staged = stagetorch.jit(step, remat=remat)
+    staged(x, y)  # the first step creates the momentum buffers and the .grad
+    params = [*model.parameters()]
+    before = [t.clone() for t in [*params, *(p.grad for p in params)]]
+    staged.memory_budget = 600_000
+    with pytest.raises(OutOfMemoryError, match="the smallest memory_budget this call fits in is") as info:
+        staged(x, y)
+    assert all(map(torch.equal, before, [*params, *(p.grad for p in params)]))  # the failed call changed nothing
+    message = str(info.value)
+    assert "the old .grad of 4 parameter(s)" in message and "copies of the 8 input(s)" in message, message
+    smallest = info.value.smallest_budget
+    assert f"fits in is {format_bytes(bytes_ceiling(smallest))}." in message
+    staged.memory_budget = bytes_ceiling(smallest)
+    moments = [t for st in opt.state.values() for t in st.values()]
+    with LivePeak([*params, x, y, *(p.grad for p in params), *moments]) as run:
+        staged(x, y)
+    assert run.peak <= staged.memory_budget
