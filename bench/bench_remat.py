@@ -148,9 +148,15 @@ def test_planning_time_5000_equations():
         times.append(time.perf_counter() - t)
     print(f"\nfrontier of {len(graph.eqns)} equations: {len(points)} points in {min(times):.2f} s (best of 3; "
           f"median {statistics.median(times):.2f} s); least peak {points[-1].peak_bytes / points[0].peak_bytes:.3f}x")
+    # Staging (the trace) and planning are timed apart: the target (issue 15) is about planning.
+    staged = stagetorch.jit(step_of(copy.deepcopy(model)), memory_budget=int(points[-1].peak_bytes * 1.5))
     t = time.perf_counter()
-    plan = stagetorch.jit(step_of(copy.deepcopy(model)), memory_budget=int(points[-1].peak_bytes * 1.5)).plan(x)
-    print(f"jit plan, batch 64 (staging included) {time.perf_counter() - t:.2f} s: {_describe(plan)}")
+    staged.graph(x)
+    staging = time.perf_counter() - t
+    t = time.perf_counter()
+    plan = staged.plan(x)
+    print(f"jit plan, batch 64: staging {staging:.2f} s, then planning {time.perf_counter() - t:.2f} s: {_describe(plan)} "
+          f"[{'+'.join(map(str, plan.chunk_sizes))}]")
     one = torch.randn(1, 256, 32)
     staged = stagetorch.jit(step_of(copy.deepcopy(model)))
     full = peak_bytes(staged.graph(one))
