@@ -17,7 +17,7 @@ import attrs
 import torch
 import torch.utils._pytree as pytree
 
-from . import _caches, distributed, shapes
+from . import _caches, _gc, distributed, shapes
 from .batching import Batched, analyze
 from .chunking import Split, is_oom, run_chunked
 from .costing import MemoryReport, Schedule, peak_bytes, report, timeline
@@ -146,6 +146,7 @@ class Executable:
                 self._split.input_overlap = self._overlap
         return self._split
 
+    @_gc.paused()  # the planner builds recomputing graphs and chunk graphs: many objects that all stay alive
     def plan(self, budget: int) -> Plan:
         # The device's free memory moves a little between calls: re-plan only when the answer can change.
         # The whole graph is costed once; a budget it fits in reuses one plan.

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from . import _gc
@@ -24,7 +25,7 @@ from .passes import liveness
 from .registry import slot
 
 __all__ = [
-    "CATEGORIES", "MemoryEffect", "effect", "allocated", "Timeline", "timeline", "peak_bytes", "Schedule",
+    "CATEGORIES", "MemoryEffect", "effect", "allocated", "Lifetimes", "Timeline", "timeline", "peak_bytes", "Schedule",
     "MemoryReport", "report",
 ]
 
@@ -63,12 +64,43 @@ _NO_EFFECT = MemoryEffect()
 
 
 @attrs.frozen
+class Lifetimes:
+    """When each storage a run allocates is live, so that the peak can be summed again for other sizes of
+    the same storages (the planner's chunk graphs for another chunk size: same schedule, other shapes).
+
+    Parallel lists, one entry per root in order of allocation (inputs first): ``nbytes`` as the tensor sizes
+    say (before the allocator's rounding), ``rounded`` whether the device's allocator rounds it, ``start``
+    and ``end`` the first and last timeline row it is live in. ``rows``: the rows the peak is taken over
+    (before the first equation, and each equation that runs). ``ruled``: a memory rule added bytes that
+    sizes alone do not give (workspace, an output's true size), so :meth:`peak` does not apply.
+    """
+
+    nbytes: list[int]
+    rounded: list[bool]
+    start: list[int]
+    end: list[int]
+    rows: list[int]
+    ruled: bool
+
+    def peak(self, nbytes: np.ndarray) -> int:
+        """The timeline's peak with each root holding ``nbytes`` (parallel to :attr:`nbytes`, before rounding)."""
+        assert not self.ruled
+        nbytes = np.asarray(nbytes, dtype=np.int64)
+        sizes = np.where(self.rounded, -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK, nbytes)
+        end = np.asarray(self.end, dtype=np.int64)
+        delta = np.zeros(max(int(end.max(initial=0)), self.rows[-1]) + 2, dtype=np.int64)
+        np.add.at(delta, self.start, sizes)
+        np.add.at(delta, end + 1, -sizes)
+        return int(np.cumsum(delta)[self.rows].max())
+
+
+@attrs.frozen
 class Timeline:
     """Live bytes by category after each equation (index 0 is before the first), and where the peak is.
 
     ``live[i][c]`` is the bytes of category ``CATEGORIES[c]`` live while equation ``i - 1`` runs (its
     inputs, outputs and workspace all held). ``owners`` maps each root var to (category, bytes, equation
-    that made it); ``peak_live`` lists the roots live at the peak.
+    that made it); ``peak_live`` lists the roots live at the peak; ``lifetimes`` when each root is live.
     """
 
     live: list[tuple[int, ...]]
@@ -77,6 +109,7 @@ class Timeline:
     peak_live: list[Var]
     owners: dict[Var, tuple[str, int, int]]
     peak_workspace: int
+    lifetimes: Lifetimes
 
 
 @_gc.paused()  # a row and a list per equation, all kept: the collector's passes would find nothing
@@ -94,17 +127,25 @@ def timeline(graph: Graph) -> Timeline:
     index = {c: k for k, c in enumerate(CATEGORIES)}
     live = [0] * len(CATEGORIES)
     owners: dict[Var, tuple[str, int, int]] = {}
+    # Per root, in order of allocation: its bytes before rounding, and the rows it is live in (ended as freed).
+    raw: list[int] = []
+    start: list[int] = []
+    ended: dict[Var, int] = {}
+    ruled = False
     for v, role in zip(graph.invars, roles):
         r = v.root
         if r not in owners:
             size = allocated(r.owned_nbytes, r.aval.device)
             owners[r] = (cat_of_role.get(role, "inputs"), size, -1)
             live[index[owners[r][0]]] += size
+            raw.append(r.owned_nbytes)
+            start.append(0)
     frees: list[list[Var]] = [[] for _ in range(n + 1)]
     for r, i in last.items():
         if owners.get(r, ("", 0, 0))[2] != -1:
             frees[i].append(r)
     rows = [tuple(live)]
+    ran = [0]
     peak, peak_index, peak_ws = sum(live), 0, 0
     alive: set[Var] = set(owners)
     peak_live: list[Var] = list(alive)
@@ -113,6 +154,8 @@ def timeline(graph: Graph) -> Timeline:
             rows.append(tuple(live))
             continue
         eff = effect(e)
+        ruled = ruled or eff is not _NO_EFFECT
+        ran.append(i + 1)
         for j, v in enumerate(e.outvars):
             if v is None:
                 continue
@@ -120,7 +163,10 @@ def timeline(graph: Graph) -> Timeline:
             if r in owners:
                 continue
             cat = "gradients" if r in grad_roots else ("temporaries" if e.source.backward else "activations")
-            size = allocated(eff.outputs.get(j, r.owned_nbytes), r.aval.device)
+            nbytes = eff.outputs.get(j, r.owned_nbytes)
+            size = allocated(nbytes, r.aval.device)
+            raw.append(nbytes)
+            start.append(i + 1)
             owners[r] = (cat, size, i)
             live[index[cat]] += size
             alive.add(r)
@@ -137,7 +183,11 @@ def timeline(graph: Graph) -> Timeline:
             cat, size, _ = owners[r]
             live[index[cat]] -= size
             alive.discard(r)
-    return Timeline(rows, peak, peak_index, peak_live, owners, peak_ws)
+            ended[r] = i + 1
+    lifetimes = Lifetimes(
+        raw, [r.aval.device.type == "cuda" for r in owners], start, [ended.get(r, n) for r in owners], ran, ruled
+    )
+    return Timeline(rows, peak, peak_index, peak_live, owners, peak_ws, lifetimes)
 
 
 def peak_bytes(graph: Graph) -> int:

@@ -6,13 +6,14 @@ and post graphs), so a plan's predicted peak is the peak of what runs. It runs n
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import attrs
+import numpy as np
 
+from . import _gc
 from .chunking import BodyGraph, Split, even_chunks
-from .costing import timeline
+from .costing import Lifetimes, peak_bytes, timeline
 from .devices import format_bytes
 from .errors import OutOfMemoryError
 from .ir import Graph, Var
@@ -81,35 +82,166 @@ def _own_peak(graph: Graph, cost: Callable[[Graph], int]) -> int:
 def body_peaks(split: Split, body: BodyGraph, cost: Callable[[Graph], int]) -> tuple[int, int]:
     """Predicted peak of the run while ``body``'s first chunk runs, and while any later chunk does. The
     first chunk's partials become the accumulators, so they are counted in its own peak."""
+    return _peaks(split, _parts(body, cost))
+
+
+def _parts(body: BodyGraph, cost: Callable[[Graph], int]) -> tuple[int, int, int, int]:
+    """What a chunk's peak is made of: the own peaks of ``body``'s first and later graphs, and its held
+    bytes (full per-example results, accumulators)."""
+    return (_own_peak(body.first, cost), _own_peak(body.rest, cost), *body.held_bytes)
+
+
+def _peaks(split: Split, parts: tuple[int, int, int, int]) -> tuple[int, int]:
+    first, rest, cat, acc = parts
     base = _base(split)
-    cat, acc = body.held_bytes
-    return base + cat + _own_peak(body.first, cost), base + cat + acc + _own_peak(body.rest, cost)
+    return base + cat + first, base + cat + acc + rest
 
 
 def _chunk_peaks(split: Split, n: int, cost: Callable[[Graph], int]) -> tuple[int, int]:
     """(first, later) chunk peaks for chunks of ``n``: the body's, or a pre-pass's where that is larger."""
-    first, rest = body_peaks(split, split.body(n), cost)
-    for make, wanted in ((split.normaliser_pass, split.globals), (split.reduction_pass, split.reduced_for_globals)):
-        if wanted:
-            f, r = body_peaks(split, make(n), cost)
-            first, rest = max(first, f), max(rest, r)
-    return first, rest
+    return _Sizes(split, cost).chunk_peaks(n)
 
 
 def _phase_peak(split: Split, n: int, cost: Callable[[Graph], int]) -> int:
     """Peak of the phases that run once: the shared phase before the chunks, the post phase after them
     (with the accumulators and full results held)."""
-    base = _base(split)
-    cat, acc = split.body(n).held_bytes
-    post = cost(split.post) - _bytes(split.post.invars) if split.post.eqns else 0
-    return max(cost(split.shared) - split.input_overlap, base + cat + acc + max(post, 0))
+    return _Sizes(split, cost).phase_peak(n)
 
 
 def chunked_peak(split: Split, n: int, cost: Callable[[Graph], int]) -> int:
     """The predicted peak of a chunked run in chunks of ``n``: its chunks' and its once-only phases'."""
-    return max(*_chunk_peaks(split, n, cost), _phase_peak(split, n, cost))
+    return _Sizes(split, cost).chunked_peak(n)
 
 
+class _Memo:
+    """``cost`` remembered per graph for one planning: the search costs the same graphs several times, and a
+    5,000-equation chunk body takes ~0.06 s to cost. When ``cost`` is the memory interpreter, the
+    :class:`~stagetorch.costing.Lifetimes` of each graph are kept too (see :class:`_Sizes`)."""
+
+    def __init__(self, cost: Callable[[Graph], int]):
+        self.cost = cost
+        self.seen: dict[int, tuple[Graph, int, Lifetimes | None]] = {}
+
+    def __call__(self, graph: Graph) -> int:
+        return self._get(graph)[1]
+
+    def lifetimes(self, graph: Graph) -> Lifetimes | None:
+        return self._get(graph)[2]
+
+    def _get(self, graph: Graph) -> tuple[Graph, int, Lifetimes | None]:
+        hit = self.seen.get(id(graph))
+        if hit is None:
+            if self.cost is peak_bytes:
+                t = timeline(graph)
+                hit = (graph, t.peak_bytes, t.lifetimes)
+            else:
+                hit = (graph, self.cost(graph), None)
+            self.seen[id(graph)] = hit  # the graph is held, so its id is not reused
+        return hit
+
+
+def _linear(small: Sequence[int], large: Sequence[int], a: int, b: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Sizes measured for ``a`` and ``b`` examples as (fixed, per example) arrays: each the same at both, or
+    the same multiple of each; None when one is neither."""
+    x, y = np.asarray(small, dtype=np.int64), np.asarray(large, dtype=np.int64)
+    if x.shape != y.shape:
+        return None
+    fixed = x == y
+    if not (fixed | ((x * b == y * a) & (x % a == 0))).all():
+        return None
+    return np.where(fixed, x, 0), np.where(fixed, 0, x // a)
+
+
+class _Sizes:
+    """A split's chunk costs for any chunk size: the pieces of :func:`chunked_peak`, with chunk graphs built
+    and costed for two sizes only (``samples``; none: every size is built and costed).
+
+    A split's chunk graphs for ``n`` examples are the same equations for every ``n``: the batch rules only
+    cut the batched dims, so each storage and each input holds either fixed bytes or a multiple of ``n``
+    (a tensor whose batch dim is the chunk), and the schedule does not change. With the memory interpreter's
+    :class:`~stagetorch.costing.Lifetimes` of the graphs for both samples, the peak for another ``n`` is the
+    same lifetimes summed with each storage's bytes for ``n``, exactly what building and costing that
+    graph gives. A size is built and costed as it is where that does not hold: below 2 examples (a batch dim
+    of 1 may change what a view aliases), with a memory rule in the graph (workspace that sizes do not
+    show), or when the two samples' schedules or sizes do not agree with it. The planner's search then costs
+    two chunk bodies per split instead of one per size it tries.
+    """
+
+    def __init__(self, split: Split, cost: Callable[[Graph], int], samples: tuple[int, int] | None = None):
+        self.split = split
+        self.cost = cost if isinstance(cost, _Memo) else _Memo(cost)
+        self.samples = samples if samples is not None and min(samples) >= 2 and samples[0] != samples[1] else None
+        self._models: dict[str, Callable[[int], tuple[int, int, int, int]] | None] = {}
+
+    def _make(self, kind: str) -> Callable[[int], BodyGraph]:
+        return {"body": self.split.body, "normaliser": self.split.normaliser_pass,
+                "reduction": self.split.reduction_pass}[kind]
+
+    def parts(self, kind: str, n: int) -> tuple[int, int, int, int]:
+        """:func:`_parts` of the ``kind`` chunk graph (body, or a pre-pass) for chunks of ``n``."""
+        if self.samples is not None and n not in self.samples and n >= 2:
+            if kind not in self._models:
+                self._models[kind] = self._model(kind)
+            model = self._models[kind]
+            if model is not None:
+                return model(n)
+        return _parts(self._make(kind)(n), self.cost)
+
+    def _model(self, kind: str) -> Callable[[int], tuple[int, int, int, int]] | None:
+        """The ``kind`` chunk graph's parts as a function of the chunk size, from the two samples."""
+        assert self.samples is not None
+        a, b = self.samples
+        small, large = self._make(kind)(a), self._make(kind)(b)
+        held = _linear(small.held_bytes, large.held_bytes, a, b)
+        graphs = []
+        for x, y in ((small.first, large.first), (small.rest, large.rest)):
+            lx, ly = self.cost.lifetimes(x), self.cost.lifetimes(y)
+            if lx is None or ly is None or lx.ruled or ly.ruled:
+                return None
+            if (lx.start, lx.end, lx.rows, lx.rounded) != (ly.start, ly.end, ly.rows, ly.rounded):
+                return None
+            roots = _linear(lx.nbytes, ly.nbytes, a, b)
+            inputs = _linear([v.aval.nbytes for v in x.invars], [v.aval.nbytes for v in y.invars], a, b)
+            if roots is None or inputs is None:
+                return None
+            graphs.append((lx, roots, inputs))
+        if held is None:
+            return None
+
+        def own(n: int, lifetimes: Lifetimes, roots: tuple, inputs: tuple) -> int:
+            return max(lifetimes.peak(roots[0] + roots[1] * n) - int((inputs[0] + inputs[1] * n).sum()), 0)
+
+        def parts(n: int) -> tuple[int, int, int, int]:
+            cat, acc = (int(v) for v in held[0] + held[1] * n)
+            return own(n, *graphs[0]), own(n, *graphs[1]), cat, acc
+
+        return parts
+
+    def chunk_peaks(self, n: int) -> tuple[int, int]:
+        """(first, later) chunk peaks for chunks of ``n``: the body's, or a pre-pass's where that is larger."""
+        split = self.split
+        first, rest = _peaks(split, self.parts("body", n))
+        for kind, wanted in (("normaliser", split.globals), ("reduction", split.reduced_for_globals)):
+            if wanted:
+                f, r = _peaks(split, self.parts(kind, n))
+                first, rest = max(first, f), max(rest, r)
+        return first, rest
+
+    def phase_peak(self, n: int) -> int:
+        """Peak of the phases that run once: the shared phase before the chunks, the post phase after them
+        (with the accumulators and full results held)."""
+        split, cost = self.split, self.cost
+        base = _base(split)
+        cat, acc = self.parts("body", n)[2:]
+        post = cost(split.post) - _bytes(split.post.invars) if split.post.eqns else 0
+        return max(cost(split.shared) - split.input_overlap, base + cat + acc + max(post, 0))
+
+    def chunked_peak(self, n: int) -> int:
+        """The predicted peak of a chunked run in chunks of ``n``: its chunks' and its once-only phases'."""
+        return max(*self.chunk_peaks(n), self.phase_peak(n))
+
+
+@_gc.paused()  # chunk graphs and their schedules, many small objects that all stay alive while it plans
 def plan_chunks(
     graph: Graph,
     split: Callable[[], Split],
@@ -127,7 +259,7 @@ def plan_chunks(
     split even when the estimate says it fits.
     """
     usable = int(budget * (1 - SAFETY_MARGIN))
-    cost = _once_per_graph(cost)
+    cost = _Memo(cost)
     full = cost(graph) if full is None else full
     if (full <= usable and (cap is None or cap >= batch)) or batch == 1:
         why = "The whole batch fits." if full <= usable else "A single example cannot be split further."
@@ -135,8 +267,9 @@ def plan_chunks(
             raise _too_big(graph, split(), budget, cost)
         return Plan(batch, (batch,), (full,), budget, full, why)
     s = split()
-    peak = functools.partial(chunked_peak, s, cost=cost)
     small, large = (1, 2) if batch < 4 else (2, 4)
+    sizes_of = _Sizes(s, cost, (small, large))
+    peak = sizes_of.chunked_peak
     p_small, p_large = peak(small), peak(large)
     per_example = max((p_large - p_small) / (large - small), 1)
     fixed = p_small - per_example * small
@@ -146,8 +279,8 @@ def plan_chunks(
     if largest < 1:
         raise _too_big(graph, s, budget, cost)
     sizes = even_chunks(batch, largest)
-    peaks = tuple(_chunk_peaks(s, n, cost)[k > 0] for k, n in enumerate(sizes))
-    phases = _phase_peak(s, sizes[0], cost)
+    peaks = tuple(sizes_of.chunk_peaks(n)[k > 0] for k, n in enumerate(sizes))
+    phases = sizes_of.phase_peak(sizes[0])
     why = (
         f"The whole batch needs {format_bytes(full)}; fixed {format_bytes(fixed)} + {format_bytes(per_example)} per example allows "
         f"chunks of up to {largest}."
@@ -155,20 +288,6 @@ def plan_chunks(
     if cap is not None and cap < batch:
         why += f" Chunks are at most {cap} examples: a larger one ran out of memory in an earlier call."
     return Plan(batch, tuple(sizes), peaks, budget, full, why, phases)
-
-
-def _once_per_graph(cost: Callable[[Graph], int]) -> Callable[[Graph], int]:
-    """``cost`` remembered per graph for one planning: the search costs the same chunk bodies (built once
-    per size by the split) several times, and a 5,000-equation body takes ~0.1 s to cost."""
-    seen: dict[int, tuple[Graph, int]] = {}
-
-    def once(graph: Graph) -> int:
-        hit = seen.get(id(graph))
-        if hit is None:
-            hit = seen[id(graph)] = (graph, cost(graph))  # the graph is held, so its id is not reused
-        return hit[1]
-
-    return once
 
 
 def _too_big(graph: Graph, split: Split, budget: int, cost: Callable[[Graph], int]) -> OutOfMemoryError:
