@@ -161,8 +161,6 @@ class Split:
         )
         self.shared = self._shared_graph(shared_idx, body_reads | post_reads | set(final))
         self.post = self._post_graph(post_idx, final)
-        self.shared_program = Program(self.shared)
-        self.post_program = Program(self.post)
         self._bodies: dict[int, BodyGraph] = {}
         self._prepasses: dict[tuple[str, int], BodyGraph] = {}
         self.batched_inputs = [v for v in graph.invars if isinstance(labels.get(v), Batched)]
@@ -170,6 +168,15 @@ class Split:
         self.input_overlap = 0
 
     # -- shared and post graphs ------------------------------------------------------------------------
+
+    # Compiled on first run: a planner that costs a split it then does not choose never compiles them.
+    @functools.cached_property
+    def shared_program(self) -> Program:
+        return Program(self.shared)
+
+    @functools.cached_property
+    def post_program(self) -> Program:
+        return Program(self.post)
 
     def _shared_graph(self, idx: list[int], needed: set[Var]) -> Graph:
         g, an = self.graph, self.analysis

@@ -51,9 +51,15 @@ class MemoryEffect:
     outputs: dict = attrs.field(factory=dict)
 
 
-def effect(e: Eqn) -> MemoryEffect:
-    """The registry's memory rule for ``e``'s op applied to ``e`` (no rule: no effect beyond its outputs)."""
-    rule = slot(e.prim, "memory")
+def effect(e: Eqn, rules: dict | None = None) -> MemoryEffect:
+    """The registry's memory rule for ``e``'s op applied to ``e`` (no rule: no effect beyond its outputs).
+    ``rules``: the rules looked up so far, by op (a caller's memo over one graph)."""
+    if rules is None:
+        rule = slot(e.prim, "memory")
+    elif e.prim in rules:
+        rule = rules[e.prim]
+    else:
+        rule = rules[e.prim] = slot(e.prim, "memory")
     if rule is None:
         return _NO_EFFECT
     out = rule(e)
@@ -146,6 +152,7 @@ def timeline(graph: Graph) -> Timeline:
             frees[i].append(r)
     rows = [tuple(live)]
     ran = [0]
+    rules: dict = {}
     peak, peak_index, peak_ws = sum(live), 0, 0
     alive: set[Var] = set(owners)
     peak_live: list[Var] = list(alive)
@@ -153,7 +160,7 @@ def timeline(graph: Graph) -> Timeline:
         if not schedule.runs[i]:
             rows.append(tuple(live))
             continue
-        eff = effect(e)
+        eff = effect(e, rules)
         ruled = ruled or eff is not _NO_EFFECT
         ran.append(i + 1)
         for j, v in enumerate(e.outvars):

@@ -1,0 +1,186 @@
+"""What makes planning a 5,000-equation step fast must not change what is planned (issue 15, planning time).
+
+The chunk planner costs a split's chunk graphs for two sizes and derives the others (planning._Sizes): the
+derived chunk peaks must equal those of the graphs built and costed for each size, and the plans the same as
+when every size is built and costed. No wall-clock time is asserted here (see bench/bench_remat.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import remat_models
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import stagetorch
+from stagetorch.costing import peak_bytes, timeline
+from stagetorch.planning import (
+    SAFETY_MARGIN,
+    _chunk_peaks,
+    _Memo,
+    _phase_peak,
+    _Sizes,
+    chunked_peak,
+    plan_chunks,
+)
+from stagetorch.remat_planning import RematPlan
+
+
+def _chain(layers: int, d: int = 32) -> nn.Module:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.GELU()) for _ in range(layers)])
+
+
+def _square_mean(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).square().mean()
+
+
+def _centred(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # Per-example work reads a sum over the whole batch: the split adds a reduction pre-pass.
+    out = model(x)
+    return (out.square() / out.detach().square().sum()).sum()
+
+
+_WEIGHT = torch.rand(5)
+
+
+class _Tokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Embedding(11, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _weighted_tokens(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # A weighted mean with ignored targets: its normaliser (the total weight) is a pre-pass over the batch.
+    return F.cross_entropy(model(x).reshape(-1, 5), y.reshape(-1), weight=_WEIGHT, ignore_index=-100)
+
+
+def _tokens() -> tuple[nn.Module, tuple]:
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 5, (12, 8), generator=g)
+    y[torch.rand(12, 8, generator=g) < 0.3] = -100
+    return _Tokens(), (torch.randint(0, 11, (12, 8), generator=g), y)
+
+
+def _one(make):
+    def made():
+        model, x = make()
+        return model, (x,)
+
+    return made
+
+
+def _seed(name: str, batch: int):
+    def make():
+        model, x = remat_models.SEEDS[name]()
+        return model, (x[:1].repeat(batch, *[1] * (x.dim() - 1)),)
+
+    return make
+
+
+# name: (model and inputs, loss, whether the sizes are derived: a memory rule (the LSTM's) means they are not)
+MODELS = {
+    "chain": (lambda: (_chain(12), (torch.randn(12, 16, 32),)), _square_mean, True),
+    "centred": (lambda: (_chain(6), (torch.randn(10, 8, 32),)), _centred, True),
+    "tokens": (_tokens, _weighted_tokens, True),
+    "densenet": (_seed("densenet", 8), _square_mean, True),
+    "transformer": (_seed("transformer", 8), _square_mean, True),
+    "vnet": (_seed("vnet", 6), _square_mean, True),
+    "lstm": (_seed("lstm", 8), _square_mean, False),
+}
+
+
+def _executable(name: str, **options):
+    torch.manual_seed(0)
+    make, loss, _ = MODELS[name]
+    model, args = make()
+
+    def step(*args):
+        value = loss(model, *args)
+        value.backward()
+        return value
+
+    staged = stagetorch.jit(step, **options)
+    entry, _, _ = staged._stage(args, {})
+    return staged, entry.executable, args
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_derived_chunk_peaks_equal_the_built_graphs_costs(name):
+    _, exe, _ = _executable(name)
+    split = exe.split()
+    sizes = _Sizes(split, peak_bytes, (2, 4))
+    for n in range(1, exe.batch):
+        assert sizes.chunk_peaks(n) == _chunk_peaks(split, n, peak_bytes), n
+        assert sizes.phase_peak(n) == _phase_peak(split, n, peak_bytes), n
+    derived = MODELS[name][2]
+    # The derivation was used (else the comparison above would compare built graphs with themselves), or,
+    # with a memory rule in the body, refused.
+    assert (sizes._models["body"] is not None) == derived
+    if name == "centred":
+        assert split.reduced_for_globals and sizes._models["reduction"] is not None
+    if name == "tokens":
+        assert split.globals and sizes._models["normaliser"] is not None
+
+
+@pytest.mark.parametrize("name", ["chain", "tokens", "transformer", "lstm"])
+def test_the_chunk_planner_plans_what_it_planned_costing_every_size(name):
+    """With a cost that is not the memory interpreter itself, nothing is derived: every size is built and
+    costed, as before. Both plans must be the same, at budgets from the smallest chunk's to the whole batch's."""
+    _, exe, _ = _executable(name)
+    split = exe.split()
+    full = peak_bytes(exe.graph)
+    least = chunked_peak(split, 1, peak_bytes)
+    for k in range(1, 8):
+        budget = int((least + k / 8 * (full - least)) / (1 - SAFETY_MARGIN)) + 1
+        fast = plan_chunks(exe.graph, exe.split, exe.batch, budget, peak_bytes)
+        slow = plan_chunks(exe.graph, exe.split, exe.batch, budget, lambda g: peak_bytes(g))
+        assert fast == slow, budget
+
+
+def test_the_memo_costs_each_graph_once_and_keeps_lifetimes_of_the_memory_interpreter_only():
+    _, exe, _ = _executable("chain")
+    calls = []
+
+    def cost(g):
+        calls.append(g)
+        return peak_bytes(g)
+
+    memo = _Memo(cost)
+    body = exe.split().body(3)
+    assert memo(body.first) == memo(body.first) == peak_bytes(body.first)
+    assert calls == [body.first] and memo.lifetimes(body.first) is None
+    exact = _Memo(peak_bytes)
+    lifetimes = exact.lifetimes(body.rest)
+    assert lifetimes is not None and not lifetimes.ruled
+    assert lifetimes.peak(lifetimes.nbytes) == exact(body.rest) == peak_bytes(body.rest)
+    assert timeline(_executable("lstm")[1].graph).lifetimes.ruled  # the mkldnn RNN's memory rule
+
+
+def test_a_5000_equation_step_at_batch_64_plans_recomputation_and_chunks():
+    """The bench's step (bench_remat.py: 312 x (Linear(32, 32) + GELU)) at 1.5x its least recomputing peak:
+    it chunks and recomputes, and each chunk's predicted peak is what its graph built and costed gives."""
+    torch.manual_seed(0)
+    model = _chain(312)
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    staged = stagetorch.jit(step)
+    x = torch.randn(64, 256, 32)
+    entry, _, _ = staged._stage((x,), {})
+    exe = entry.executable
+    assert len(exe.graph.eqns) >= 4900
+    budget = int(exe._frontier()[-1].peak_bytes * 1.5)
+    exe.remat = True
+    plan = exe.plan(budget)
+    assert isinstance(plan, RematPlan) and plan.recompute is not None
+    assert plan.chunked and sum(plan.chunk_sizes) == 64 and plan.peak <= budget * (1 - SAFETY_MARGIN)
+    split = exe._for(plan.recompute.graph).split()
+    for k, n in enumerate(plan.chunk_sizes):
+        assert plan.peak_bytes[k] == _chunk_peaks(split, n, peak_bytes)[k > 0]
