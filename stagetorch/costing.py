@@ -154,8 +154,6 @@ def timeline(graph: Graph) -> Timeline:
     ran = [0]
     rules: dict = {}
     peak, peak_index, peak_ws = sum(live), 0, 0
-    alive: set[Var] = set(owners)
-    peak_live: list[Var] = list(alive)
     for i, e in enumerate(graph.eqns):
         if not schedule.runs[i]:
             rows.append(tuple(live))
@@ -176,7 +174,6 @@ def timeline(graph: Graph) -> Timeline:
             start.append(i + 1)
             owners[r] = (cat, size, i)
             live[index[cat]] += size
-            alive.add(r)
             if r not in last:  # never read, never kept: dies as soon as the op returns
                 frees[i].append(r)
         ws = eff.workspace
@@ -185,15 +182,16 @@ def timeline(graph: Graph) -> Timeline:
         row[index["workspace"]] += ws
         rows.append(tuple(row))
         if total > peak:
-            peak, peak_index, peak_ws, peak_live = total, i + 1, ws, list(alive)
+            peak, peak_index, peak_ws = total, i + 1, ws
         for r in frees[i]:
             cat, size, _ = owners[r]
             live[index[cat]] -= size
-            alive.discard(r)
             ended[r] = i + 1
-    lifetimes = Lifetimes(
-        raw, [r.aval.device.type == "cuda" for r in owners], start, [ended.get(r, n) for r in owners], ran, ruled
-    )
+    end = [ended.get(r, n) for r in owners]
+    lifetimes = Lifetimes(raw, [r.aval.device.type == "cuda" for r in owners], start, end, ran, ruled)
+    # The roots live at the peak, from their lifetimes (a copy of the live set at each new peak would cost
+    # the square of a forward pass's length).
+    peak_live = [r for r, a, b in zip(owners, start, end) if a <= peak_index <= b]
     return Timeline(rows, peak, peak_index, peak_live, owners, peak_ws, lifetimes)
 
 
