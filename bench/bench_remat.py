@@ -5,7 +5,8 @@
 (b) The issue's example, 24 x (Linear(128,128) + GELU) over 1024 tokens, at budgets down to 1/3 of its peak:
     step time of stagetorch's plan against the unconstrained staged step, per-block torch.utils.checkpoint,
     checkpoint_sequential (sqrt(24) ~ 5 segments) and chunking alone, with each one's measured peak.
-(c) Planning time on a chain of 5,000 equations (frontier, and jit's whole plan with one example).
+(c) Planning time on a chain of 5,000 equations: the frontier, and jit's plan at batch 64 (staging and planning
+    timed apart) and with one example.
 (d) The seed models against per-block torch.utils.checkpoint at its measured peak: recompute FLOPs (what the
     blocks' forwards cost, against the planner's cheapest set that fits the same peak), predicted step cost
     at 1/3 of the no-recompute peak, and measured step times of the unconstrained staged step, per-block
