@@ -736,6 +736,7 @@ def plan_joint(
         end = first_below(i + 1, count)
         tried.add(id(min(over[i:end], key=lambda p: cost(p, count))))
         i = end
+    inputs = sum({v.root: v.root.owned_nbytes for v in graph.invars}.values())
     for p in points[1:]:
         flops, calls = base_flops + p.extra_flops, len(graph.eqns) + p.dropped
         if best is not None and step_cost(flops, calls, 1) >= best[0]:
@@ -745,7 +746,12 @@ def plan_joint(
         elif whole_only:
             continue
         else:
-            if id(p) not in tried or (chunked := sized_plan(p)) is None:
+            if id(p) not in tried:
+                continue
+            fewest = _fewest_chunks(p.peak_bytes - inputs, usable, batch)
+            if fewest is None or (best is not None and step_cost(flops, calls, fewest) >= best[0]):
+                continue  # its chunked form cannot fit, or cannot beat the best so far: not built
+            if (chunked := sized_plan(p)) is None:
                 continue
             plan = chunked
         score = step_cost(flops, calls, len(plan.chunk_sizes))
@@ -768,3 +774,16 @@ def plan_joint(
     )
     error.smallest_budget = smallest
     raise error from first_error
+
+
+def _fewest_chunks(held: int, usable: int, batch: int | None) -> int | None:
+    """The fewest chunks a graph that holds ``held`` bytes beyond its inputs at its peak over the whole
+    ``batch`` can run in within ``usable`` bytes (None: not even one example fits), without building its
+    chunked form. A chunk of ``n`` examples holds at least ``n / batch`` of that: it runs the same equations,
+    so the same per-example values are live together, beside accumulators and full results at least as large
+    as what the whole batch holds of them (tests/test_planning_time.py holds the bound on the seed models).
+    An unknown batch, or one that may fit whole (the caller's overlap of inputs is not known here): 1."""
+    if batch is None or held <= usable:
+        return 1
+    largest = min(batch - 1, usable * batch // held)
+    return -(-batch // largest) if largest >= 1 else None

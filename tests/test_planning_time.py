@@ -2,7 +2,9 @@
 
 The chunk planner costs a split's chunk graphs for two sizes and derives the others (planning._Sizes): the
 derived chunk peaks must equal those of the graphs built and costed for each size, and the plans the same as
-when every size is built and costed. No wall-clock time is asserted here (see bench/bench_remat.py).
+when every size is built and costed. The joint planner skips sizing a recompute set whose lower bound on its
+chunked peak shows it cannot beat the best plan so far: the bound must hold. No wall-clock time is asserted
+here (see bench/bench_remat.py).
 """
 
 from __future__ import annotations
@@ -139,6 +141,21 @@ def test_the_chunk_planner_plans_what_it_planned_costing_every_size(name):
         fast = plan_chunks(exe.graph, exe.split, exe.batch, budget, peak_bytes)
         slow = plan_chunks(exe.graph, exe.split, exe.batch, budget, lambda g: peak_bytes(g))
         assert fast == slow, budget
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_chunk_holds_at_least_its_share_of_the_whole_batchs_peak(name):
+    """The joint planner's bound (remat_planning._fewest_chunks): a chunk of n examples of a batch of B holds
+    at least n / B of what the whole batch holds beyond its inputs, for the graph and its recomputing ones."""
+    _, exe, _ = _executable(name, remat="auto")
+    inputs = sum({v.root: v.root.owned_nbytes for v in exe.graph.invars}.values())
+    points = exe._frontier()
+    for p in [points[0], points[len(points) // 2], points[-1]]:
+        graph = exe.graph if p is points[0] else p.graph
+        split = exe.split() if p is points[0] else exe._for(graph).split()
+        held = peak_bytes(graph) - inputs
+        for n in range(1, exe.batch):
+            assert chunked_peak(split, n, peak_bytes) >= n * held / exe.batch, (n, p)
 
 
 def test_the_memo_costs_each_graph_once_and_keeps_lifetimes_of_the_memory_interpreter_only():
