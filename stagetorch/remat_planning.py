@@ -612,10 +612,6 @@ class RematPlan(Plan):
         )
 
 
-# On graphs of over _BIG equations, how many recompute sets that do not fit whole the joint planner sizes.
-_SIZED = 3
-
-
 def step_cost(flops: int, calls: int, chunks: int) -> float:
     """Predicted step cost in FLOP-equivalents: the arithmetic, plus the calls of every chunk."""
     return flops + CALL_FLOPS * calls * chunks
@@ -645,120 +641,50 @@ def plan_joint(
     """
     base_flops = graph_flops(graph)
     usable = int(budget * (1 - SAFETY_MARGIN))
-    best: tuple[float, Plan] | None = None
     first_error: Exception | None = None
     points = frontier(graph) if points is None else points()
-    # One example that does not fit whole cannot be split: the chunk planner is asked only for its error.
-    if batch != 1 or points[0].peak_bytes <= usable:
-        try:
-            plain = chunk_plan(graph)
-            if not plain.chunked:
-                return plain
-            best = (step_cost(base_flops, len(graph.eqns), len(plain.chunk_sizes)), plain)
-        except _CANNOT as e:
-            first_error = e
-    # A graph that cannot be split (one example, or ops coupling the batch) cannot be split once it
-    # recomputes either: then only the sets that fit whole are worth a chunk planner's call.
-    whole_only = batch == 1 or isinstance(first_error, (BatchCouplingError, UnsupportedOpError))
-    # Sizing chunks builds and costs the chunked form of a graph: of the sets that do not fit whole (the
-    # cheapest in FLOPs first), size only the cheapest of each run of sets that split into as many chunks;
-    # the runs' ends are found by bisection (a lower whole peak splits into as few chunks or fewer), until a
-    # set's FLOPs alone cost more than the best plan so far.
-    over = [p for p in points[1:] if p.peak_bytes > usable]
-    sized: dict[int, Plan | None] = {}
-
-    def sized_plan(p: Recompute) -> Plan | None:
-        if id(p) not in sized:
-            try:
-                sized[id(p)] = chunk_plan(p.graph)
-            except _CANNOT:
-                sized[id(p)] = None
-        return sized[id(p)]
-
-    def chunks(i: int) -> float:
-        plan = sized_plan(over[i])
-        return math.inf if plan is None else len(plan.chunk_sizes)
-
-    # Where to start each search: chunk counts estimated from one chunked plan (recomputation changes what
-    # one example holds, not what the run holds whatever the chunk: parameters, inputs, accumulators).
-    guess: list[float] = []
-
-    def estimate(known: Plan) -> None:
-        n, b = known.chunk_sizes[0], known.batch
-        per_example = max((known.full_batch_peak_bytes - known.peak_bytes[0]) / (b - n), 1.0)
-        fixed = known.peak_bytes[0] - n * per_example
-        for p in over:
-            largest = (usable - fixed) // max((p.peak_bytes - fixed) / b, 1.0)
-            guess.append(math.ceil(b / min(largest, b)) if largest >= 1 else math.inf)
-
-    def first_below(lo: int, count: float) -> int:
-        """The first index from ``lo`` whose set splits into fewer than ``count`` chunks (``len(over)`` if
-        none): from the estimate, gallop to a bracket, then bisect."""
-        hi = len(over)
-        if lo >= hi:
-            return hi
-        at = min(next((i for i in range(lo, hi) if guess and guess[i] < count), hi - 1), hi - 1)
-        step = 1
-        if chunks(at) < count:  # the answer is at or before ``at``
-            while at - step >= lo and chunks(at - step) < count:
-                at, step = at - step, step * 2
-            lo, hi = max(lo, at - step + 1), at
-        else:  # after it
-            while at + step < hi and chunks(at + step) >= count:
-                at, step = at + step, step * 2
-            lo, hi = at + 1, min(at + step, hi)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if chunks(mid) < count else (mid + 1, hi)
-        return lo
-
-    def cost(p: Recompute, count: float) -> float:
-        return step_cost(base_flops + p.extra_flops, len(graph.eqns) + p.dropped, count)
-
-    tried: set[int] = set()
-    if over and not whole_only:
-        known = best[1] if best is not None else sized_plan(over[-1])
-        if known is not None and known.chunked:
-            estimate(known)
-    i = len(over)
-    if guess and len(graph.eqns) > _BIG:
-        # A big graph: each sizing costs seconds, so only the estimate's cheapest set per number of
-        # chunks is sized, for the few numbers with the lowest estimated cost (not shown to be the cheapest).
-        cheapest: dict[float, Recompute] = {}
-        for p, n in zip(over, guess):
-            if n < math.inf and (n not in cheapest or cost(p, n) < cost(cheapest[n], n)):
-                cheapest[n] = p
-        tried = {id(p) for n, p in sorted(cheapest.items(), key=lambda np: cost(np[1], np[0]))[:_SIZED]}
-    elif not whole_only:
-        i = first_below(0, math.inf)
-    while i < len(over) and (best is None or cost(over[i], 1) < best[0]):
-        count = chunks(i)
-        end = first_below(i + 1, count)
-        tried.add(id(min(over[i:end], key=lambda p: cost(p, count))))
-        i = end
+    # A graph that cannot be split (one example, or ops coupling the batch: found when the chunk planner
+    # says so) cannot be split once it recomputes either: then only the sets that fit whole are planned.
+    whole_only = batch == 1
+    # Each candidate (the plain graph, then every recompute set) has a least step cost it can plan to: in
+    # the fewest chunks its whole-batch peak allows (``_fewest_chunks``). Candidates are planned in the order
+    # of that bound, and the search ends where no bound left can beat the cheapest plan found (the first in
+    # frontier order among equal ones): the chunked forms of sets that cannot win (a split and its chunk
+    # bodies costed) are never built, and the plan is the cheapest of all, as if every one were sized.
     inputs = sum({v.root: v.root.owned_nbytes for v in graph.invars}.values())
-    for p in points[1:]:
-        flops, calls = base_flops + p.extra_flops, len(graph.eqns) + p.dropped
-        if best is not None and step_cost(flops, calls, 1) >= best[0]:
-            break  # later points add more FLOPs: none can beat the best so far
-        if p.peak_bytes <= usable:
-            plan = chunk_plan(p.graph)
-        elif whole_only:
+    candidates: list[tuple[float, int, Recompute]] = []
+    for index, p in enumerate(points):
+        if index == 0 and batch == 1 and p.peak_bytes > usable:
+            continue  # one example that does not fit whole cannot be split: asked only for its error, below
+        fewest = _fewest_chunks(p.peak_bytes - inputs, usable, batch)
+        if fewest is not None or index == 0:  # the plain graph's planner is asked for its error, too
+            calls = len(graph.eqns) + p.dropped
+            candidates.append((step_cost(base_flops + p.extra_flops, calls, fewest or 1), index, p))
+    candidates.sort(key=lambda c: c[:2])
+    best: tuple[float, int, Plan] | None = None
+    for bound, index, p in candidates:
+        if best is not None and (bound, index) >= best[:2]:
+            break  # no candidate left can plan cheaper than the best so far
+        if index > 0 and whole_only and p.peak_bytes > usable:
             continue
-        else:
-            if id(p) not in tried:
-                continue
-            fewest = _fewest_chunks(p.peak_bytes - inputs, usable, batch)
-            if fewest is None or (best is not None and step_cost(flops, calls, fewest) >= best[0]):
-                continue  # its chunked form cannot fit, or cannot beat the best so far: not built
-            if (chunked := sized_plan(p)) is None:
-                continue
-            plan = chunked
-        score = step_cost(flops, calls, len(plan.chunk_sizes))
-        if best is None or score < best[0]:
-            best = (score, RematPlan(**attrs.asdict(plan, recurse=False), recompute=p, base_flops=base_flops))
+        try:
+            plan = chunk_plan(graph if index == 0 else p.graph)
+        except _CANNOT as e:
+            if index == 0:
+                first_error = e
+            elif p.peak_bytes <= usable:
+                raise
+            whole_only = whole_only or isinstance(e, (BatchCouplingError, UnsupportedOpError))
+            continue
+        if index == 0 and not plan.chunked:
+            return plan
+        score = step_cost(base_flops + p.extra_flops, len(graph.eqns) + p.dropped, len(plan.chunk_sizes))
+        if best is None or (score, index) < best[:2]:
+            if index > 0:
+                plan = RematPlan(**attrs.asdict(plan, recurse=False), recompute=p, base_flops=base_flops)
+            best = (score, index, plan)
     if best is not None:
-        return best[1]
+        return best[2]
     if first_error is None:
         try:
             chunk_plan(graph)

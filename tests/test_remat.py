@@ -309,10 +309,10 @@ def test_frontier_is_never_worse_than_no_recompute():
     "case", ["chain-0.3", "chain-0.45", "transformer-0.33", "transformer-0.5", "densenet-0.33", "big-0.3"]
 )
 def test_joint_plan_is_the_cheapest_of_every_frontier_point(case, monkeypatch):
-    """The joint planner sizes chunks for only a few recompute sets (the cheapest at each number of
-    chunks); sizing chunks for every point of the frontier finds no cheaper plan. On a graph of over
-    1,000 equations it sizes only the estimate's best three, and is within 5% of the cheapest; the plan
-    runs within its budget there, and its loss is the eager step's."""
+    """The joint planner sizes chunks for only the recompute sets whose lower bound (the fewest chunks their
+    whole-batch peak allows) can beat the best plan so far; sizing chunks for every point of the frontier
+    finds no cheaper plan. On a graph of over 1,000 equations the plan also runs within its budget, and its
+    loss is the eager step's."""
     name, fraction = case.rsplit("-", 1)
     torch.manual_seed(0)
     if name == "chain":
@@ -346,10 +346,10 @@ def test_joint_plan_is_the_cheapest_of_every_frontier_point(case, monkeypatch):
             continue
     chosen = plan.recompute if isinstance(plan, RematPlan) and plan.recompute else seen["points"]()[0]
     assert isinstance(plan, RematPlan) or plan.chunked  # the budget needs one or the other
+    assert cost(chosen, plan) == min(scores), (plan, sorted(scores)[:3])
     if name != "big":
-        assert cost(chosen, plan) == min(scores), (plan, sorted(scores)[:3])
         return
-    assert len(graph.eqns) > 1000 and cost(chosen, plan) <= 1.05 * min(scores), (plan, sorted(scores)[:3])
+    assert len(graph.eqns) > 1000
     expected = step_of(copy.deepcopy(model))(x)
     with LivePeak([*model.parameters(), x]) as tracker:
         loss = staged(x)
