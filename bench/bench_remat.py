@@ -150,7 +150,7 @@ def test_planning_time_5000_equations():
     print(f"\nfrontier of {len(graph.eqns)} equations: {len(points)} points in {min(times):.2f} s (best of 3; "
           f"median {statistics.median(times):.2f} s); least peak {points[-1].peak_bytes / points[0].peak_bytes:.3f}x")
     # Staging (the trace) and planning are timed apart: the target (issue 15) is about planning.
-    staged = stagetorch.jit(step_of(copy.deepcopy(model)), memory_budget=int(points[-1].peak_bytes * 1.5))
+    staged = stagetorch.jit(step_of(copy.deepcopy(model)), memory_budget=int(points[-1].peak_bytes * 0.8))
     t = time.perf_counter()
     staged.graph(x)
     staging = time.perf_counter() - t

@@ -365,14 +365,6 @@ class _Entry:
     executable: Executable
 
 
-def device_of(graph: Graph) -> torch.device:
-    """The device a graph's batch lives on: that of its first argument, else of its first input."""
-    for v, role in zip(graph.invars, graph.roles or ["arg"] * len(graph.invars)):
-        if role == "arg":
-            return v.aval.device
-    return graph.invars[0].aval.device if graph.invars else torch.device("cpu")
-
-
 def _mutated_inputs(graph: Graph) -> list[int]:
     """Positions of inputs that some equation writes in place (a buffer update, an in-place op on an arg,
     BatchNorm's running statistics though its schema does not say so: see :func:`stagetorch.passes.writes`)."""
@@ -564,7 +556,7 @@ class Staged:
         return self._step_plan(entry, inputs)[1]
 
     def _budget(self, executable: Executable) -> int:
-        return free_memory(device_of(executable.graph), self.memory_budget)
+        return free_memory(executable.graph.device, self.memory_budget)
 
     def _step_plan(self, entry: _Entry, inputs: list) -> tuple[int, Plan]:
         """The budget the program is planned in, and its plan. The budget is the step's less what the call

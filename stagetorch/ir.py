@@ -206,6 +206,14 @@ class Graph:
         for e in self.eqns:
             yield from (v for v in e.outvars if v is not None)
 
+    @property
+    def device(self) -> torch.device:
+        """The device the batch lives on: that of the first argument, else of the first input."""
+        for v, role in zip(self.invars, self.roles or ["arg"] * len(self.invars)):
+            if role == "arg":
+                return v.aval.device
+        return self.invars[0].aval.device if self.invars else torch.device("cpu")
+
 
 def _letters() -> Iterator[str]:
     for size in itertools.count(1):

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 
 import attrs
 import numpy as np
+import torch
 
 from .costing import allocated, effect, peak_bytes
 from .devices import bytes_ceiling, format_bytes
@@ -37,11 +38,14 @@ from .remat import Candidates, candidates, remat
 # What the chunk planner raises when a graph cannot run in chunks that fit: then only recomputation can help.
 _CANNOT = (OutOfMemoryError, BatchCouplingError, UnsupportedOpError)
 
-__all__ = ["Recompute", "frontier", "RematPlan", "plan_joint", "CALL_FLOPS"]
+__all__ = ["Recompute", "frontier", "RematPlan", "plan_joint", "CALL_FLOPS", "step_cost"]
 
-# What one op call costs beyond its arithmetic, in FLOP-equivalents (a few microseconds of dispatch at tens
-# of GFLOP/s): the price of running the body once more per extra chunk.
-CALL_FLOPS = 200_000
+# What one op call costs beyond its arithmetic, in FLOP-equivalents, by device type: the price of running the
+# body once more per extra chunk. CPU: measured on a 2-core VM (bench/RESULTS.md, "1/3 of the no-recompute
+# peak"), a chunk added 8-70 us per op call at ~50 GFLOP/s, as small-batch convolutions and an LSTM's
+# per-step work do not shrink with the chunk (200,000 before: the planner chose 4-6 chunks where fewer with
+# recomputation ran faster). CUDA: a kernel launch, ~5 us, at ~50 TFLOP/s; not measured yet.
+CALL_FLOPS = {"cpu": 1_000_000, "cuda": 250_000_000}
 
 
 class Recompute:
@@ -612,9 +616,10 @@ class RematPlan(Plan):
         )
 
 
-def step_cost(flops: int, calls: int, chunks: int) -> float:
-    """Predicted step cost in FLOP-equivalents: the arithmetic, plus the calls of every chunk."""
-    return flops + CALL_FLOPS * calls * chunks
+def step_cost(flops: int, calls: int, chunks: int, device: torch.device | str = "cpu") -> float:
+    """Predicted step cost in FLOP-equivalents on ``device``: the arithmetic, plus the calls of every chunk."""
+    per_call = CALL_FLOPS.get(torch.device(device).type, CALL_FLOPS["cpu"])
+    return flops + per_call * calls * chunks
 
 
 def plan_joint(
@@ -639,7 +644,7 @@ def plan_joint(
     :class:`RematPlan`. Raises the chunk planner's error, naming the smallest budget some schedule fits,
     when none fits.
     """
-    base_flops = graph_flops(graph)
+    base_flops, device = graph_flops(graph), graph.device
     usable = int(budget * (1 - SAFETY_MARGIN))
     first_error: Exception | None = None
     points = frontier(graph) if points is None else points()
@@ -659,7 +664,7 @@ def plan_joint(
         fewest = _fewest_chunks(p.peak_bytes - inputs, usable, batch)
         if fewest is not None or index == 0:  # the plain graph's planner is asked for its error, too
             calls = len(graph.eqns) + p.dropped
-            candidates.append((step_cost(base_flops + p.extra_flops, calls, fewest or 1), index, p))
+            candidates.append((step_cost(base_flops + p.extra_flops, calls, fewest or 1, device), index, p))
     candidates.sort(key=lambda c: c[:2])
     best: tuple[float, int, Plan] | None = None
     for bound, index, p in candidates:
@@ -678,7 +683,7 @@ def plan_joint(
             continue
         if index == 0 and not plan.chunked:
             return plan
-        score = step_cost(base_flops + p.extra_flops, len(graph.eqns) + p.dropped, len(plan.chunk_sizes))
+        score = step_cost(base_flops + p.extra_flops, len(graph.eqns) + p.dropped, len(plan.chunk_sizes), device)
         if best is None or (score, index) < best[:2]:
             if index > 0:
                 plan = RematPlan(**attrs.asdict(plan, recurse=False), recompute=p, base_flops=base_flops)

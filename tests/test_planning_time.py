@@ -178,7 +178,7 @@ def test_the_memo_costs_each_graph_once_and_keeps_lifetimes_of_the_memory_interp
 
 
 def test_a_5000_equation_step_at_batch_64_plans_recomputation_and_chunks():
-    """The bench's step (bench_remat.py: 312 x (Linear(32, 32) + GELU)) at 1.5x its least recomputing peak:
+    """The bench's step (bench_remat.py: 312 x (Linear(32, 32) + GELU)) at 0.8x its least recomputing peak:
     it chunks and recomputes, and each chunk's predicted peak is what its graph built and costed gives."""
     torch.manual_seed(0)
     model = _chain(312)
@@ -193,7 +193,7 @@ def test_a_5000_equation_step_at_batch_64_plans_recomputation_and_chunks():
     entry, _, _ = staged._stage((x,), {})
     exe = entry.executable
     assert len(exe.graph.eqns) >= 4900
-    budget = int(exe._frontier()[-1].peak_bytes * 1.5)
+    budget = int(exe._frontier()[-1].peak_bytes * 0.8)
     exe.remat = True
     plan = exe.plan(budget)
     assert isinstance(plan, RematPlan) and plan.recompute is not None

@@ -683,3 +683,14 @@ def test_an_oom_under_a_recomputing_plan_is_redone_exactly_and_remembered(fracti
     plan = staged.plan(*batches[0])
     assert max(plan.chunk_sizes) <= 20, plan
     assert any("later calls" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+
+
+def test_step_cost_prices_each_op_call_by_device():
+    """A chunk more costs every op call once more, at the device's price: a CUDA launch is worth far more
+    arithmetic than a CPU dispatch, so on CUDA the planner prefers recomputation to chunks sooner."""
+    from stagetorch.remat_planning import CALL_FLOPS
+
+    assert step_cost(1000, 10, 1) == 1000 + 10 * CALL_FLOPS["cpu"]
+    assert step_cost(1000, 10, 3, torch.device("cuda", 0)) == 1000 + 30 * CALL_FLOPS["cuda"]
+    assert step_cost(1000, 10, 3, "mps") == 1000 + 30 * CALL_FLOPS["cpu"]  # unknown device types price as CPU
+    assert CALL_FLOPS["cuda"] > 100 * CALL_FLOPS["cpu"]
