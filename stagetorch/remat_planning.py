@@ -556,7 +556,7 @@ def _pareto(full: Recompute, points: list[Recompute]) -> list[Recompute]:
 
 # Neighbours on the frontier further apart than this fraction of the no-recompute peak get sets between them,
 # in this many steps (the widest gaps first; on graphs of over _BIG equations, where each set costs tens of
-# milliseconds, half the steps and at most _BRIDGE_SETS sets).
+# milliseconds or more, half the steps, at most _BRIDGE_SETS sets, and only from sets that drop little).
 _GAP = 0.02
 _BRIDGE_STEPS = 8
 _BRIDGE_SETS = 6
@@ -575,6 +575,8 @@ def _bridges(sim: _Simulator, points: list[Recompute]) -> list[Recompute]:
     density = _density(sim)
     order = {r: i for i, r in enumerate(cands.roots)}
     gaps = [(a, b) for a, b in zip(points, points[1:]) if a.peak_bytes - b.peak_bytes > _GAP * points[0].peak_bytes]
+    if big:  # simulating a set costs with what it recomputes: only bridges from sets that drop a third or less
+        gaps = [(a, b) for a, b in gaps if 3 * (len(cands.roots) - len(a.keep)) <= len(cands.roots)]
     gaps.sort(key=lambda ab: ab[1].peak_bytes - ab[0].peak_bytes)
     out: list[Recompute] = []
     for a, b in gaps:
