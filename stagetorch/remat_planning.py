@@ -118,6 +118,8 @@ class _Simulator:
         self.names = [op_name(e.prim) for e in graph.eqns]
         self.forward = [(k, False, self.reads[k], self.outs[k]) for k in range(cands.boundary)]
         self.out_bases = [tuple(self.base[o] for o in outs if self.base[o] >= 0) for outs in self.outs]
+        # Per candidate: the FLOPs of the op that makes it, per byte it holds (how dear it is to recompute).
+        self.density = {r: self.flops[self.producer[index[r]]] / max(n, 1) for r, n in zip(cands.roots, cands.nbytes)}
 
     def run(self, keep: frozenset[Var], transient: Mapping[Var, int] | None = None) -> tuple[int, int, tuple[str, ...]]:
         """(peak bytes, extra FLOPs, recomputed op names) of ``remat(graph, keep, transient=transient)``."""
@@ -296,18 +298,11 @@ def _expensive(graph: Graph, cands: Candidates) -> frozenset[Var]:
 _DEAR_LEVELS = 6
 
 
-def _density(sim: _Simulator) -> dict[Var, float]:
-    """Per candidate: the FLOPs of the op that makes it, per byte it holds."""
-    cands = sim.cands
-    return {r: sim.flops[sim.producer[sim.index[r]]] / max(n, 1) for r, n in zip(cands.roots, cands.nbytes)}
-
-
 def _dear(sim: _Simulator, levels: int) -> list[frozenset[Var]]:
     """Sets of candidates that are dear to recompute for the bytes they hold: the empty set, then those
     whose op does more than a threshold of FLOPs per byte it makes, for up to ``levels`` thresholds spread
     over the distinct costs (the dearest first)."""
-    cands = sim.cands
-    density = _density(sim)
+    cands, density = sim.cands, sim.density
     costs = sorted(set(density.values()))[:-1]  # above the dearest cost nothing is held
     picks = [costs[round(i * (len(costs) - 1) / max(levels - 1, 1))] for i in range(levels)] if costs else []
     out = [frozenset()]
@@ -572,7 +567,7 @@ def _bridges(sim: _Simulator, points: list[Recompute]) -> list[Recompute]:
     cands = sim.cands
     big = len(sim.reads) > _BIG
     steps, most = (_BRIDGE_STEPS // 2, _BRIDGE_SETS) if big else (_BRIDGE_STEPS, math.inf)
-    density = _density(sim)
+    density = sim.density
     order = {r: i for i, r in enumerate(cands.roots)}
     gaps = [(a, b) for a, b in zip(points, points[1:]) if a.peak_bytes - b.peak_bytes > _GAP * points[0].peak_bytes]
     if big:  # simulating a set costs with what it recomputes: only bridges from sets that drop a third or less

@@ -1,7 +1,8 @@
 """The seed models of the recomputation issue (after pytorch_memonger's examples), small enough for CPU tests:
 a ResNet of bottleneck blocks with BatchNorm, a DenseNet block (concatenation), an LSTM, a VNet-like 3D conv
 net and a stack of transformer blocks. Each factory returns (model, batch of inputs). ``per_block`` gives
-each one's forward with ``torch.utils.checkpoint`` around every block, the manual baseline."""
+each one's forward with ``torch.utils.checkpoint`` around every block, the manual baseline. ``mlp_chain``
+is the issue's deep stack, smaller, and ``step_of`` the training step the recomputation tests stage."""
 
 from __future__ import annotations
 
@@ -10,6 +11,22 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
+
+
+def mlp_chain(n: int = 12, d: int = 64) -> nn.Module:
+    """The issue's deep stack, smaller: ``n`` x (Linear(d, d) + GELU)."""
+    return nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.GELU()) for _ in range(n)])
+
+
+def step_of(model: nn.Module, loss: Callable = lambda out: out.square().mean()) -> Callable:
+    """A training step for ``model``: the loss of its output, backward, the loss returned."""
+
+    def step(x):
+        out = loss(model(x))
+        out.backward()
+        return out
+
+    return step
 
 
 class Bottleneck(nn.Module):

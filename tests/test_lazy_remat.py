@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 from memtrack import LivePeak
+from remat_models import mlp_chain
 
 import stagetorch
 from stagetorch.api import Executable
@@ -23,11 +24,6 @@ from stagetorch.remat_planning import RematPlan
 pytestmark = pytest.mark.usefixtures("lazy_mode")
 
 MiB = 2**20
-
-
-def mlp_chain(n: int = 12, d: int = 64) -> nn.Module:
-    """The issue's deep stack, smaller: ``n`` x (Linear(d, d) + GELU)."""
-    return nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.GELU()) for _ in range(n)])
 
 
 # For mlp_chain() over [2, 512, 64]: the whole step needs 6.9 MiB, one example at a time 4.1 MiB; with

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from memtrack import LivePeak
+from remat_models import mlp_chain, step_of
 from test_chunking import _DEVICE  # importing it registers its op, stagetorch_test::scratch_hungry
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
@@ -42,19 +43,6 @@ from stagetorch.remat_planning import (
 from stagetorch.shapes import check
 
 MiB = 2**20
-
-
-def step_of(model: nn.Module, loss=lambda out: out.square().mean()):
-    def step(x):
-        out = loss(model(x))
-        out.backward()
-        return out
-
-    return step
-
-
-def mlp_chain(n: int = 24, d: int = 128) -> nn.Module:
-    return nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.GELU()) for _ in range(n)])
 
 
 def conv_bn(n: int = 6, c: int = 8) -> nn.Module:
@@ -236,7 +224,7 @@ def _run(model, x, **options):
 def test_the_issue_example_fits_where_no_chunk_size_does():
     """24 x (Linear(128,128) + GELU) over 1024 tokens, batch 2, under 16 MiB."""
     torch.manual_seed(0)
-    model = mlp_chain()
+    model = mlp_chain(24, 128)
     x = torch.randn(2, 1024, 128)
     with pytest.raises(OutOfMemoryError, match="not even one example fits"):
         stagetorch.jit(step_of(model), memory_budget="16MiB", remat=False).plan(x)

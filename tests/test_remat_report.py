@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 from memtrack import LivePeak
+from remat_models import mlp_chain, step_of
 
 import stagetorch
 from stagetorch.costing import peak_bytes
@@ -14,19 +14,6 @@ from stagetorch.errors import OutOfMemoryError
 from stagetorch.ir import op_name
 from stagetorch.remat import recomputed_eqns
 from stagetorch.remat_planning import RematPlan
-
-
-def mlp_chain(n: int = 12, d: int = 64) -> nn.Module:
-    return nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.GELU()) for _ in range(n)])
-
-
-def step_of(model):
-    def step(x):
-        loss = model(x).square().mean()
-        loss.backward()
-        return loss
-
-    return step
 
 
 def _ops(eqns):
