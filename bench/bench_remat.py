@@ -11,8 +11,9 @@
     blocks' forwards cost, against the planner's cheapest set that fits the same peak), predicted step cost
     at 1/3 of the no-recompute peak, and measured step times of the unconstrained staged step, per-block
     checkpoint, stagetorch at the checkpoint's peak, and chunking alone there.
-(e) 1/3 of the no-recompute peak where activations dominate (the seed models at 4x their test batch, and a
-    transformer of width 128): the plan, its predicted step cost, and the measured step time and peak.
+(e) 1/3 of the no-recompute peak where activations dominate (the seed models at 4x their test batch, a
+    transformer of width 128, and the seed models at training sizes): the plan, its predicted step cost, the
+    measured step time and peak, and per-block checkpoint and chunking alone beside them.
 
 Run: python -m pytest bench/bench_remat.py --benchmark-enable -s
 CPU step times vary between runs (see /work/shared/REMAT.md): compare FLOPs and peaks first.
@@ -220,27 +221,32 @@ def test_seed_against_per_block_checkpoint(name):
               f"{_describe(plan) if plan is not None else ''}")
 
 
+def _times4(factory):
+    model, x = factory()
+    return model, x.repeat(4, *[1] * (x.dim() - 1))
+
+
+# (seed name, factory of the model and its batch): the seed models at 4x their test batch, a transformer of
+# width 128, and the seed models at training sizes (tests/remat_models.py's TRAINING).
 _ACTIVATION_DOMINATED = {
-    "resnet x4": lambda: remat_models.resnet(),
-    "densenet x4": lambda: remat_models.densenet(),
-    "lstm x4": lambda: remat_models.lstm(),
-    "vnet x4": lambda: remat_models.vnet(),
-    "transformer x4": lambda: remat_models.transformer(),
-    "transformer d128 x4": lambda: remat_models.transformer(4, 128),
+    **{f"{name} x4": (name, lambda f=f: _times4(f)) for name, f in remat_models.SEEDS.items()},
+    "transformer d128 x4": ("transformer", lambda: _times4(lambda: remat_models.transformer(4, 128))),
+    **{f"{name} training": (name, f) for name, f in remat_models.TRAINING.items()},
 }
 
 
 @pytest.mark.parametrize("name", sorted(_ACTIVATION_DOMINATED))
 def test_one_third_budget(name):
     torch.manual_seed(0)
-    model, x = _ACTIVATION_DOMINATED[name]()
-    x = x.repeat(4, *[1] * (x.dim() - 1))
+    seed, factory = _ACTIVATION_DOMINATED[name]
+    model, x = factory()
+    repeat = 3 if name.endswith("training") else 7
     staged = stagetorch.jit(step_of(model), remat=False)
     graph = staged.graph(x)
     full, base = peak_bytes(graph), graph_flops(graph)
     held = 2 * sum(p.untyped_storage().nbytes() for p in model.parameters())
-    print(f"\n{name} (input {tuple(x.shape)}): no-recompute peak {full / MiB:.2f} MiB, parameters + gradients "
-          f"{held / full:.0%} of it")
+    print(f"\n{name} (input {tuple(x.shape)}, {base / 1e9:.1f} GFLOP): no-recompute peak {full / MiB:.2f} MiB, "
+          f"parameters + gradients {held / full:.0%} of it")
     budget = math.ceil(full / 3)
     constrained = stagetorch.jit(step_of(model), memory_budget=budget)
     try:
@@ -251,8 +257,21 @@ def test_one_third_budget(name):
     extra = plan.extra_flops if isinstance(plan, RematPlan) else 0
     calls = len(graph.eqns) + (plan.recompute.dropped if isinstance(plan, RematPlan) and plan.recompute else 0)
     predicted = step_cost(base + extra, calls, len(plan.chunk_sizes)) / step_cost(base, len(graph.eqns), 1)
-    base_time, _ = _timed(staged, x, model, resident=[*model.buffers()])
-    seconds, peak = _timed(constrained, x, model, resident=[*model.buffers()])
+    resident = [*model.buffers()]
+    base_time, _ = _timed(staged, x, model, repeat, resident)
+    seconds, peak = _timed(constrained, x, model, repeat, resident)
     print(f"  at 1/3 ({budget / MiB:.2f} MiB): {_describe(plan)}; predicted step cost {predicted:.3f}x; measured "
           f"{seconds * 1e3:.1f} ms against {base_time * 1e3:.1f} ms unconstrained ({seconds / base_time:.2f}x), "
           f"peak {peak / MiB:.2f} MiB ({'within' if peak <= budget else 'OVER'} the budget)")
+    _, forward = remat_models.per_block(seed, model)
+    ckpt_time, ckpt_peak = _timed(step_of(model, forward), x, model, repeat, resident)
+    print(f"  per-block checkpoint (eager): {ckpt_time * 1e3:.1f} ms ({ckpt_time / base_time:.2f}x), peak "
+          f"{ckpt_peak / MiB:.2f} MiB ({ckpt_peak / full:.2f}x the no-recompute peak)")
+    alone = stagetorch.jit(step_of(model), memory_budget=budget, remat=False)
+    try:
+        alone_time, alone_peak = _timed(alone, x, model, repeat, resident)
+    except stagetorch.errors.StagingError as e:
+        print(f"  chunking alone at 1/3: {type(e).__name__}")
+    else:
+        print(f"  chunking alone at 1/3: {_describe(alone.plan(x))}, {alone_time * 1e3:.1f} ms "
+              f"({alone_time / base_time:.2f}x), peak {alone_peak / MiB:.2f} MiB")

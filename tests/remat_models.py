@@ -1,8 +1,8 @@
 """The seed models of the recomputation issue (after pytorch_memonger's examples), small enough for CPU tests:
 a ResNet of bottleneck blocks with BatchNorm, a DenseNet block (concatenation), an LSTM, a VNet-like 3D conv
 net and a stack of transformer blocks. Each factory returns (model, batch of inputs). ``per_block`` gives
-each one's forward with ``torch.utils.checkpoint`` around every block, the manual baseline. ``mlp_chain``
-is the issue's deep stack, smaller, and ``step_of`` the training step the recomputation tests stage."""
+each one's forward with ``torch.utils.checkpoint`` around every block, the manual baseline. ``TRAINING`` has
+the same models at training sizes. ``mlp_chain`` is the issue's deep stack, smaller, and ``step_of`` the training step the recomputation tests stage."""
 
 from __future__ import annotations
 
@@ -106,6 +106,17 @@ def transformer(layers: int = 4, d: int = 64) -> tuple[nn.Module, torch.Tensor]:
 
 
 SEEDS = {"resnet": resnet, "densenet": densenet, "lstm": lstm, "vnet": vnet, "transformer": transformer}
+
+# The same models at sizes where a step does real work (10-42 GFLOP): activations, not parameters or the
+# price of an op call, make the peak and the time. Planning needs no data; running them on a CPU takes 0.5-2 s
+# a step.
+TRAINING = {
+    "resnet": lambda: (resnet(12, 64)[0], torch.randn(32, 3, 32, 32)),
+    "densenet": lambda: (densenet(12, 32, 16)[0], torch.randn(32, 3, 32, 32)),
+    "lstm": lambda: (LSTMNet(256, 3), torch.randn(32, 64, 256)),
+    "vnet": lambda: (vnet(16)[0], torch.randn(2, 1, 48, 48, 48)),
+    "transformer": lambda: (transformer(4, 256)[0], torch.randn(16, 128, 256)),
+}
 
 
 def _ckpt(block: Callable, x: torch.Tensor) -> torch.Tensor:
