@@ -653,12 +653,12 @@ def plan_joint(
     # of that bound, and the search ends where no bound left can beat the cheapest plan found (the first in
     # frontier order among equal ones): the chunked forms of sets that cannot win (a split and its chunk
     # bodies costed) are never built, and the plan is the cheapest of all, as if every one were sized.
-    inputs = sum({v.root: v.root.owned_nbytes for v in graph.invars}.values())
+    fixed = _held_by_every_chunk(graph)
     candidates: list[tuple[float, int, Recompute]] = []
     for index, p in enumerate(points):
         if index == 0 and batch == 1 and p.peak_bytes > usable:
             continue  # one example that does not fit whole cannot be split: asked only for its error, below
-        fewest = _fewest_chunks(p.peak_bytes - inputs, usable, batch)
+        fewest = _fewest_chunks(p.peak_bytes - fixed, usable - fixed, batch)
         if fewest is not None or index == 0:  # the plain graph's planner is asked for its error, too
             calls = len(graph.eqns) + p.dropped
             candidates.append((step_cost(base_flops + p.extra_flops, calls, fewest or 1, device), index, p))
@@ -704,13 +704,23 @@ def plan_joint(
     raise error from first_error
 
 
+def _held_by_every_chunk(graph: Graph) -> int:
+    """Bytes a chunk of any size holds at its peak: the graph's inputs (they stay resident: parameters, the
+    whole batch it is sliced from) and the gradients of its parameters, buffers and constants (accumulated
+    across the chunks, so held whole while every chunk after the first runs)."""
+    inputs = {v.root: v.root.owned_nbytes for v in graph.invars}
+    grads = {v.root: v.root.owned_nbytes for i, v in graph.grads if graph.roles[i] != "arg"}
+    return sum(inputs.values()) + sum(grads.values())
+
+
 def _fewest_chunks(held: int, usable: int, batch: int | None) -> int | None:
-    """The fewest chunks a graph that holds ``held`` bytes beyond its inputs at its peak over the whole
-    ``batch`` can run in within ``usable`` bytes (None: not even one example fits), without building its
-    chunked form. A chunk of ``n`` examples holds at least ``n / batch`` of that: it runs the same equations,
-    so the same per-example values are live together, beside accumulators and full results at least as large
-    as what the whole batch holds of them (tests/test_planning_time.py holds the bound on the seed models).
-    An unknown batch, or one that may fit whole (the caller's overlap of inputs is not known here): 1."""
+    """The fewest chunks a graph can run in, without building its chunked form: at its peak over the whole
+    ``batch`` it holds ``held`` bytes beyond what every chunk holds (:func:`_held_by_every_chunk`), and a
+    chunk has ``usable`` bytes beside that (None: not even one example fits). A chunk of ``n`` examples holds
+    at least ``n / batch`` of ``held``: it runs the same equations, so the same per-example values are live
+    together, beside full results at least as large as what the whole batch holds of them
+    (tests/test_planning_time.py holds the bound on the seed models). An unknown batch, or one that fits
+    whole: 1."""
     if batch is None or held <= usable:
         return 1
     largest = min(batch - 1, usable * batch // held)

@@ -26,7 +26,7 @@ from stagetorch.planning import (
     chunked_peak,
     plan_chunks,
 )
-from stagetorch.remat_planning import RematPlan
+from stagetorch.remat_planning import RematPlan, _held_by_every_chunk
 
 
 def _chain(layers: int, d: int = 32) -> nn.Module:
@@ -146,16 +146,18 @@ def test_the_chunk_planner_plans_what_it_planned_costing_every_size(name):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_a_chunk_holds_at_least_its_share_of_the_whole_batchs_peak(name):
     """The joint planner's bound (remat_planning._fewest_chunks): a chunk of n examples of a batch of B holds
-    at least n / B of what the whole batch holds beyond its inputs, for the graph and its recomputing ones."""
+    its inputs and its parameters' gradients, and at least n / B of what the whole batch holds beyond them,
+    for the graph and its recomputing ones."""
     _, exe, _ = _executable(name, remat="auto")
-    inputs = sum({v.root: v.root.owned_nbytes for v in exe.graph.invars}.values())
+    fixed = _held_by_every_chunk(exe.graph)
+    assert fixed > sum({v.root: v.root.owned_nbytes for v in exe.graph.invars}.values())
     points = exe._frontier()
     for p in [points[0], points[len(points) // 2], points[-1]]:
         graph = exe.graph if p is points[0] else p.graph
         split = exe.split() if p is points[0] else exe._for(graph).split()
-        held = peak_bytes(graph) - inputs
+        held = peak_bytes(graph) - fixed
         for n in range(1, exe.batch):
-            assert chunked_peak(split, n, peak_bytes) >= n * held / exe.batch, (n, p)
+            assert chunked_peak(split, n, peak_bytes) >= fixed + n * held / exe.batch, (n, p)
 
 
 def test_the_memo_costs_each_graph_once_and_keeps_lifetimes_of_the_memory_interpreter_only():
