@@ -37,7 +37,7 @@ import stagetorch
 from stagetorch.costing import peak_bytes
 from stagetorch.flops import eqn_flops, graph_flops
 from stagetorch.planning import SAFETY_MARGIN
-from stagetorch.remat_planning import RematPlan, frontier, step_cost
+from stagetorch.remat_planning import RematPlan, frontier, predicted_cost
 
 MiB = 2**20
 
@@ -196,12 +196,10 @@ def test_seed_against_per_block_checkpoint(name):
     staged = stagetorch.jit(step_of(model))
     staged.graph(x)
     staged.memory_budget = full // 3
-    un = step_cost(base, len(graph.eqns), 1)
     try:
         plan = staged.plan(x)
-        extra = plan.extra_flops if isinstance(plan, RematPlan) else 0
-        calls = len(graph.eqns) + (plan.recompute.dropped if isinstance(plan, RematPlan) and plan.recompute else 0)
-        print(f"  at 1/3 budget: {_describe(plan)}, predicted step cost {step_cost(base + extra, calls, len(plan.chunk_sizes)) / un:.3f}x")
+        print(f"  at 1/3 budget: {_describe(plan)}, predicted step cost "
+              f"{predicted_cost(graph, plan) / predicted_cost(graph):.3f}x")
     except stagetorch.errors.StagingError as e:
         print(f"  at 1/3 budget: below the floor ({str(e).split('schedule fits is ')[-1]}")
     budget = math.ceil(ckpt_peak / (1 - SAFETY_MARGIN)) + 1
@@ -254,9 +252,7 @@ def test_one_third_budget(name):
     except stagetorch.errors.StagingError as e:
         print(f"  at 1/3: below the floor ({str(e).split('schedule fits is ')[-1]}")
         return
-    extra = plan.extra_flops if isinstance(plan, RematPlan) else 0
-    calls = len(graph.eqns) + (plan.recompute.dropped if isinstance(plan, RematPlan) and plan.recompute else 0)
-    predicted = step_cost(base + extra, calls, len(plan.chunk_sizes)) / step_cost(base, len(graph.eqns), 1)
+    predicted = predicted_cost(graph, plan) / predicted_cost(graph)
     resident = [*model.buffers()]
     base_time, _ = _timed(staged, x, model, repeat, resident)
     seconds, peak = _timed(constrained, x, model, repeat, resident)

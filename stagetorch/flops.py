@@ -1,9 +1,11 @@
-"""The FLOP interpreter: how many floating-point operations each equation of a Graph does.
+"""The FLOP interpreter: how many floating-point operations each equation of a Graph does, and how many
+kernels it runs.
 
 An op's ``flops`` rule in the registry answers for it (matrix products, convolutions and attention have
 rules in their family files, counted as ``torch.utils.flop_counter`` counts: a multiply-add is 2). Any
 other op costs one operation per element it writes; ops that only make a view or a new var on an input's
-storage cost nothing. It knows the IR and the registry; it runs nothing.
+storage cost nothing. An op runs one kernel unless its ``calls`` rule says more (a recurrent layer: one
+per time step). It knows the IR and the registry; it runs nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Iterable
 from .ir import Eqn, Graph, Var
 from .registry import slot
 
-__all__ = ["eqn_flops", "graph_flops", "conv_flops", "attention_flops"]
+__all__ = ["eqn_flops", "graph_flops", "eqn_calls", "graph_calls", "conv_flops", "attention_flops"]
 
 
 def eqn_flops(e: Eqn) -> int:
@@ -30,6 +32,18 @@ def graph_flops(graph: Graph | Iterable[Eqn]) -> int:
     """The floating-point operations of a graph (or of some of its equations)."""
     eqns = graph.eqns if isinstance(graph, Graph) else graph
     return sum(eqn_flops(e) for e in eqns)
+
+
+def eqn_calls(e: Eqn) -> int:
+    """The kernels one equation runs."""
+    rule = slot(e.prim, "calls")
+    return 1 if rule is None else int(rule(e))
+
+
+def graph_calls(graph: Graph | Iterable[Eqn]) -> int:
+    """The kernels a graph (or some of its equations) runs."""
+    eqns = graph.eqns if isinstance(graph, Graph) else graph
+    return sum(eqn_calls(e) for e in eqns)
 
 
 def _shape(x: object) -> tuple[int, ...]:

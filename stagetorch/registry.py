@@ -27,6 +27,7 @@ class Rule:
     memory: Callable[..., Any] | None = None
     batch: Callable[..., Any] | None = None
     flops: Callable[..., Any] | None = None
+    calls: Callable[..., Any] | None = None
 
 
 _RULES: dict[Op, Rule] = {}
@@ -48,6 +49,7 @@ def register(
     memory: Callable[..., Any] | None = None,
     batch: Callable[..., Any] | None = None,
     flops: Callable[..., Any] | None = None,
+    calls: Callable[..., Any] | None = None,
 ) -> Rule:
     """Teach stagetorch an op, or override what it knows.
 
@@ -64,6 +66,9 @@ def register(
       :mod:`stagetorch.batching`).
     - ``flops``: called with the :class:`~stagetorch.Eqn`; returns the floating-point operations it does
       (a multiply-add counts 2, as ``torch.utils.flop_counter`` counts). Default: one per output element.
+    - ``calls``: called with the :class:`~stagetorch.Eqn`; returns how many kernels it runs, each of which
+      costs the device's fixed price again in every extra chunk. Default: one. (A recurrent layer runs
+      one per time step.)
 
     Each slot is also a decorator: ``@stagetorch.ops.register.memory(torch.ops.mylib.op)``.
 
@@ -71,7 +76,7 @@ def register(
     """
     op = _check_op(op)
     rule = _RULES.setdefault(op, Rule(op))
-    for slot, fn in (("shape", shape), ("memory", memory), ("batch", batch), ("flops", flops)):
+    for slot, fn in (("shape", shape), ("memory", memory), ("batch", batch), ("flops", flops), ("calls", calls)):
         if fn is not None:
             setattr(rule, slot, fn)
     return rule
@@ -94,6 +99,7 @@ register.shape = _slot_decorator("shape")  # type: ignore[attr-defined]
 register.memory = _slot_decorator("memory")  # type: ignore[attr-defined]
 register.batch = _slot_decorator("batch")  # type: ignore[attr-defined]
 register.flops = _slot_decorator("flops")  # type: ignore[attr-defined]
+register.calls = _slot_decorator("calls")  # type: ignore[attr-defined]
 
 
 def rules() -> dict[Op, Rule]:

@@ -28,7 +28,7 @@ import torch
 from .costing import allocated, effect, peak_bytes
 from .devices import bytes_ceiling, format_bytes
 from .errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError
-from .flops import eqn_flops, graph_flops
+from .flops import eqn_calls, eqn_flops, graph_calls, graph_flops
 from .ir import Graph, Var, op_name
 from .passes import has_effect
 from .planning import SAFETY_MARGIN, Plan
@@ -38,25 +38,29 @@ from .remat import Candidates, candidates, remat
 # What the chunk planner raises when a graph cannot run in chunks that fit: then only recomputation can help.
 _CANNOT = (OutOfMemoryError, BatchCouplingError, UnsupportedOpError)
 
-__all__ = ["Recompute", "frontier", "RematPlan", "plan_joint", "CALL_FLOPS", "step_cost"]
+__all__ = ["Recompute", "frontier", "RematPlan", "plan_joint", "CALL_FLOPS", "step_cost", "predicted_cost"]
 
 # What one op call costs beyond its arithmetic, in FLOP-equivalents, by device type: the price of running the
 # body once more per extra chunk. CPU: measured on a 2-core VM (bench/RESULTS.md, "1/3 of the no-recompute
 # peak"), a chunk added 8-70 us per op call at ~50 GFLOP/s, as small-batch convolutions and an LSTM's
 # per-step work do not shrink with the chunk (200,000 before: the planner chose 4-6 chunks where fewer with
-# recomputation ran faster). CUDA: a kernel launch, ~5 us, at ~50 TFLOP/s; not measured yet.
+# recomputation ran faster). An op's ``calls`` rule says how many kernels it runs (an LSTM layer: one per
+# time step). CUDA: a kernel launch, ~5 us, at ~50 TFLOP/s; not measured yet.
 CALL_FLOPS = {"cpu": 1_000_000, "cuda": 250_000_000}
 
 
 class Recompute:
     """One recompute set: the roots kept (checkpoints), the dropped roots recomputed a second time rather
     than held (``transient``, by segment; see :func:`~stagetorch.remat.remat`), its predicted peak and the
-    FLOPs its recomputation adds, and (built on first use) ``graph``, the program that recomputes the rest."""
+    FLOPs and kernel calls its recomputation adds, and (built on first use) ``graph``, the program that
+    recomputes the rest."""
 
     def __init__(self, source: Graph, cands: Candidates, keep: frozenset[Var], peak_bytes: int, extra_flops: int,
-                 recomputed: tuple[str, ...], graph: Graph | None = None, transient: Mapping[Var, int] | None = None):
+                 recomputed: tuple[str, ...], graph: Graph | None = None, transient: Mapping[Var, int] | None = None,
+                 extra_calls: int = 0):
         self.source, self.cands, self.keep, self.transient = source, cands, keep, dict(transient or {})
         self.peak_bytes, self.extra_flops, self.recomputed = peak_bytes, extra_flops, recomputed
+        self.extra_calls = extra_calls
         self._graph = graph
 
     @property
@@ -107,6 +111,7 @@ class _Simulator:
             self.workspace.append(eff.workspace)
         self.effect = [has_effect(e) for e in graph.eqns]
         self.flops = [eqn_flops(e) for e in graph.eqns]
+        self.calls = [eqn_calls(e) for e in graph.eqns]
         self.producer = [-1] * n
         for k in range(cands.boundary):
             for i in self.outs[k]:
@@ -121,8 +126,9 @@ class _Simulator:
         # Per candidate: the FLOPs of the op that makes it, per byte it holds (how dear it is to recompute).
         self.density = {r: self.flops[self.producer[index[r]]] / max(n, 1) for r, n in zip(cands.roots, cands.nbytes)}
 
-    def run(self, keep: frozenset[Var], transient: Mapping[Var, int] | None = None) -> tuple[int, int, tuple[str, ...]]:
-        """(peak bytes, extra FLOPs, recomputed op names) of ``remat(graph, keep, transient=transient)``."""
+    def run(self, keep: frozenset[Var], transient: Mapping[Var, int] | None = None) -> tuple[int, int, tuple[str, ...], int]:
+        """(peak bytes, extra FLOPs, recomputed op names, extra kernel calls) of ``remat(graph, keep,
+        transient=transient)``."""
         base, reads_of, outs_of, producer, out_bases = self.base, self.reads, self.outs, self.producer, self.out_bases
         index = self.index
         drop = self.recomputable - {index[r] for r in keep}
@@ -208,7 +214,7 @@ class _Simulator:
         events = [ev for ev, ok in zip(events, live) if ok]
         extra = [k for k, copy, _, _ in events if copy]
         names = tuple(self.names[k] for k in extra)
-        return self._peak(events, kept, store), sum(self.flops[k] for k in extra), names
+        return self._peak(events, kept, store), sum(self.flops[k] for k in extra), names, sum(self.calls[k] for k in extra)
 
     def _peak(self, events: list, kept: list[int], store: list[int]) -> int:
         sizes, workspace = self.sizes, self.workspace
@@ -244,8 +250,8 @@ class _Simulator:
 
 
 def _point(sim: _Simulator, keep: frozenset[Var], transient: Mapping[Var, int] | None = None) -> Recompute:
-    peak, extra, names = sim.run(keep, transient)
-    return Recompute(sim.graph, sim.cands, keep, peak, extra, names, transient=transient)
+    peak, extra, names, calls = sim.run(keep, transient)
+    return Recompute(sim.graph, sim.cands, keep, peak, extra, names, transient=transient, extra_calls=calls)
 
 
 def _two_level(segments: list, every: int, deep: bool, tail: float = 0.0) -> tuple[frozenset[Var], dict[Var, int]]:
@@ -614,9 +620,19 @@ class RematPlan(Plan):
 
 
 def step_cost(flops: int, calls: int, chunks: int, device: torch.device | str = "cpu") -> float:
-    """Predicted step cost in FLOP-equivalents on ``device``: the arithmetic, plus the calls of every chunk."""
+    """Predicted step cost in FLOP-equivalents on ``device``: the arithmetic, plus the kernel calls of every
+    chunk."""
     per_call = CALL_FLOPS.get(torch.device(device).type, CALL_FLOPS["cpu"])
     return flops + per_call * calls * chunks
+
+
+def predicted_cost(graph: Graph, plan: Plan | None = None) -> float:
+    """The step cost :func:`plan_joint` predicts for running ``graph`` by ``plan`` (None: whole, nothing
+    recomputed), in FLOP-equivalents on the graph's device."""
+    recompute = plan.recompute if isinstance(plan, RematPlan) else None
+    flops = graph_flops(graph) + (recompute.extra_flops if recompute else 0)
+    calls = graph_calls(graph) + (recompute.extra_calls if recompute else 0)
+    return step_cost(flops, calls, len(plan.chunk_sizes) if plan else 1, graph.device)
 
 
 def plan_joint(
@@ -641,7 +657,7 @@ def plan_joint(
     :class:`RematPlan`. Raises the chunk planner's error, naming the smallest budget some schedule fits,
     when none fits.
     """
-    base_flops, device = graph_flops(graph), graph.device
+    base_flops, base_calls, device = graph_flops(graph), graph_calls(graph), graph.device
     usable = int(budget * (1 - SAFETY_MARGIN))
     first_error: Exception | None = None
     points = frontier(graph) if points is None else points()
@@ -660,7 +676,7 @@ def plan_joint(
             continue  # one example that does not fit whole cannot be split: asked only for its error, below
         fewest = _fewest_chunks(p.peak_bytes - fixed, usable - fixed, batch)
         if fewest is not None or index == 0:  # the plain graph's planner is asked for its error, too
-            calls = len(graph.eqns) + p.dropped
+            calls = base_calls + p.extra_calls
             candidates.append((step_cost(base_flops + p.extra_flops, calls, fewest or 1, device), index, p))
     candidates.sort(key=lambda c: c[:2])
     best: tuple[float, int, Plan] | None = None
@@ -680,7 +696,7 @@ def plan_joint(
             continue
         if index == 0 and not plan.chunked:
             return plan
-        score = step_cost(base_flops + p.extra_flops, len(graph.eqns) + p.dropped, len(plan.chunk_sizes), device)
+        score = step_cost(base_flops + p.extra_flops, base_calls + p.extra_calls, len(plan.chunk_sizes), device)
         if best is None or (score, index) < best[:2]:
             if index > 0:
                 plan = RematPlan(**attrs.asdict(plan, recurse=False), recompute=p, base_flops=base_flops)

@@ -26,7 +26,7 @@ import stagetorch
 from stagetorch.costing import peak_bytes
 from stagetorch.errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError
 from stagetorch.execute import Program
-from stagetorch.flops import eqn_flops, graph_flops
+from stagetorch.flops import eqn_flops, graph_calls, graph_flops
 from stagetorch.ir import Eqn, GraphError, Var, op_name
 from stagetorch.passes import dce, has_effect, liveness
 from stagetorch.planning import SAFETY_MARGIN
@@ -38,6 +38,7 @@ from stagetorch.remat_planning import (
     _Simulator,
     frontier,
     plan_joint,
+    predicted_cost,
     step_cost,
 )
 from stagetorch.shapes import check
@@ -321,10 +322,10 @@ def test_joint_plan_is_the_cheapest_of_every_frontier_point(case, monkeypatch):
     full = peak_bytes(staged.graph(x))
     staged.memory_budget = int(full * float(fraction))
     plan = staged.plan(x)
-    graph, base = seen["graph"], graph_flops(seen["graph"])
+    graph, base, calls = seen["graph"], graph_flops(seen["graph"]), graph_calls(seen["graph"])
 
     def cost(p, chunk_plan):
-        return step_cost(base + p.extra_flops, len(graph.eqns) + p.dropped, len(chunk_plan.chunk_sizes))
+        return step_cost(base + p.extra_flops, calls + p.extra_calls, len(chunk_plan.chunk_sizes))
 
     scores = []
     for p in seen["points"]():
@@ -365,10 +366,11 @@ def test_planner_costing_equals_the_memory_interpreter(name):
     transients = [None, None, None, None, {r: rng.randrange(4) for r in cands.roots if rng.random() < 0.6}]
     keeps.append(frozenset(r for r in cands.roots if rng.random() < 0.3))
     for keep, transient in zip(keeps, transients):
-        peak, extra, names = sim.run(keep, transient)
+        peak, extra, names, calls = sim.run(keep, transient)
         r = check(remat(g, keep, cands, transient))
         assert peak == peak_bytes(r)
         assert extra == graph_flops(recomputed_eqns(r)) and len(names) == len(recomputed_eqns(r))
+        assert calls == graph_calls(recomputed_eqns(r))
     for p in frontier(g):
         assert p.peak_bytes == peak_bytes(p.graph)
 
@@ -390,7 +392,7 @@ def test_chain_cut_at_narrow_points_and_the_dynamic_program():
     for fraction in (0.8, 0.65, 0.5):  # Chen's bound: 16 values need 2 x sqrt(16) = 8 of them held
         keep = _dynamic_program(segments, int(total * fraction))
         assert keep is not None and keep < frozenset(cands.roots)
-        peak, extra, _ = sim.run(keep)
+        peak, extra, *_ = sim.run(keep)
         assert peak == peak_bytes(remat(g, keep, cands)) and extra > 0
         peaks.append(peak)
     assert peaks == sorted(peaks, reverse=True) and peaks[-1] < 0.75 * sim.run(frozenset(cands.roots))[0]
@@ -628,13 +630,10 @@ def test_one_third_of_the_peak_at_training_sizes(name):
     model, x = remat_models.TRAINING[name]()
     staged = stagetorch.jit(step_of(model), remat=False)
     graph = staged.graph(x)
-    full, base = peak_bytes(graph), graph_flops(graph)
+    full = peak_bytes(graph)
     plan = stagetorch.jit(step_of(model), memory_budget=math.ceil(full / 3)).plan(x)
     assert plan.peak <= full / 3
-    recompute = plan.recompute if isinstance(plan, RematPlan) else None  # None: chunks alone fit
-    flops, calls = (recompute.extra_flops, recompute.dropped) if recompute else (0, 0)
-    cost = step_cost(base + flops, len(graph.eqns) + calls, len(plan.chunk_sizes))
-    assert cost <= _AT_ONE_THIRD[name] * step_cost(base, len(graph.eqns), 1)
+    assert predicted_cost(graph, plan) <= _AT_ONE_THIRD[name] * predicted_cost(graph)
     assert (len(plan.chunk_sizes) == 1) == (name == "resnet")
 
 
@@ -708,3 +707,15 @@ def test_step_cost_prices_each_op_call_by_device():
     assert step_cost(1000, 10, 3, torch.device("cuda", 0)) == 1000 + 30 * CALL_FLOPS["cuda"]
     assert step_cost(1000, 10, 3, "mps") == 1000 + 30 * CALL_FLOPS["cpu"]  # unknown device types price as CPU
     assert CALL_FLOPS["cuda"] > 100 * CALL_FLOPS["cpu"]
+
+
+def test_an_lstm_layer_runs_a_kernel_per_time_step():
+    """The ``calls`` rule: a CPU LSTM layer multiplies each step's hidden state apart, so chunking it costs
+    the fixed price per call once per time step (twice in the backward); every other op runs one kernel."""
+    torch.manual_seed(0)
+    model, _ = remat_models.lstm()  # 3 layers
+    for steps in (48, 96):
+        graph = stagetorch.make_ir(step_of(model))(torch.randn(4, steps, 64))
+        layers = [e for e in graph.eqns if op_name(e.prim).startswith("aten.mkldnn_rnn_layer")]
+        assert len(layers) == 6  # a forward and a backward per layer
+        assert graph_calls(graph) == len(graph.eqns) - 6 + 3 * steps + 3 * 2 * steps

@@ -122,3 +122,11 @@ FLOPS: dict = {
     aten.mkldnn_rnn_layer: lambda e: _rnn_flops(*e.args[:3]),
     aten.mkldnn_rnn_layer_backward: lambda e: 2 * _rnn_flops(*e.args[:3]),
 }
+
+# Kernel calls: op -> rule(eqn) -> int. A layer multiplies each step's hidden state apart (the input's
+# product runs once for every step), and its backward does that twice over: its fixed price per call,
+# paid again in each extra chunk, grows with the sequence.
+CALLS: dict = {
+    aten.mkldnn_rnn_layer: lambda e: e.args[0].aval.shape[0],
+    aten.mkldnn_rnn_layer_backward: lambda e: 2 * e.args[0].aval.shape[0],
+}
