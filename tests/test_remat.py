@@ -638,6 +638,73 @@ def test_one_third_of_the_peak_at_training_sizes(name):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Training loops as users write them, under a recomputing plan, against the same loop in eager PyTorch.
+
+
+def _training_step(model: nn.Module, opt: torch.optim.Optimizer, weights: dict):
+    """An optimizer step inside the step, a loss weight read from a dict the loop changes, a clipped norm."""
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = weights["ce"] * F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss
+
+    return step
+
+
+def _budget_that_recomputes(staged: stagetorch.Staged, chunked: bool, *args) -> RematPlan:
+    """Set the largest budget (in 3% steps down from the whole batch's peak) whose plan recomputes, in chunks
+    or whole; its plan."""
+    staged.memory_budget = None
+    budget = staged.plan(*args).full_batch_peak_bytes
+    while budget > 1024:
+        staged.memory_budget = budget
+        plan = staged.plan(*args)
+        if isinstance(plan, RematPlan) and plan.recompute is not None and plan.chunked == chunked:
+            return plan
+        budget = int(budget * 0.97)
+    raise AssertionError("no budget gives such a plan")
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunks-and-recompute", "recompute-whole"])
+def test_a_training_loop_under_recomputation_matches_eager(chunked):
+    """Four steps of a deep MLP with SGD (Nesterov momentum, weight decay) inside the step, a gradient hook
+    on a weight, a loss weight the loop changes between steps (the step is staged again), and every step's
+    loss kept across steps: losses, weights, gradients and momentum equal the same loop in eager PyTorch
+    (float64), and every plan recomputes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(32, 32), nn.GELU())], nn.Linear(32, 5)).double()
+    batch = 6 if chunked else 1  # one example cannot be split: only recomputation fits it
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        m[0].weight.register_hook(lambda g: g.clamp(-0.05, 0.05))
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
+                    for m in (model, reference))
+    weights = {"ce": 1.0}
+    staged = stagetorch.jit(_training_step(model, opt, weights))
+    batches = [(torch.randn(batch, 256, 32, dtype=torch.float64), torch.randint(0, 5, (batch, 256))) for _ in range(4)]
+    tol = 1e-10
+    kept, kept_eager = [], []
+    for call, (x, y) in enumerate(batches):
+        weights["ce"] = 1.0 + 0.5 * call
+        eager = _training_step(reference, ref_opt, dict(weights))
+        _budget_that_recomputes(staged, chunked, x, y)  # the optimizer's state is new after the first call
+        loss, expected = staged(x, y), eager(x, y)
+        kept.append(loss), kept_eager.append(expected.detach())
+        torch.testing.assert_close(loss, expected.detach(), rtol=tol, atol=tol)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, rtol=tol, atol=tol)
+            torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol)
+            for key, value in ref_opt.state[q].items():
+                torch.testing.assert_close(opt.state[p][key], value, rtol=tol, atol=tol)
+    assert len(staged._cache) == 4  # one program per loss weight
+    torch.testing.assert_close(kept, kept_eager, rtol=tol, atol=tol)  # no later step wrote into an earlier's
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Out of memory where a recomputing plan said the step fits.
 
 
