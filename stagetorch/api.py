@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 from . import _caches, _gc, distributed, shapes
 from .batching import Batched, analyze
 from .chunking import Split, is_oom, run_chunked
-from .costing import MemoryReport, Schedule, peak_bytes, report, timeline
+from .costing import MemoryReport, Schedule, allocated, peak_bytes, report, timeline
 from .devices import bytes_ceiling, format_bytes, free_memory
 from .errors import BatchCouplingError, OutOfMemoryError, ShapeError, StagingError, UnsupportedOpError
 from .execute import Program, accumulate_grad
@@ -132,6 +132,13 @@ class Executable:
         if self._mutated is None:
             self._mutated = _mutated_inputs(self.graph)
         return self._mutated
+
+    @property
+    def restore_bytes(self) -> int:
+        """Bytes of the copies a run makes of the inputs the program updates in place, beside the program
+        (none when it updates none). A caller that plans for its own budget leaves them out of it."""
+        device = self.graph.device
+        return sum({v: allocated(v.aval.nbytes, device) for v in (self.graph.invars[i] for i in self.mutated)}.values())
 
     @property
     def program(self) -> Program:
@@ -263,8 +270,11 @@ class Executable:
 
     def shard_plan(self, examples: int, budget: int) -> Plan | OutOfMemoryError:
         """This rank's plan for its ``examples`` of the global batch the graph is staged for, within its own
-        ``budget``: chunks, and with ``remat`` recomputation where the smallest chunk does not fit (or it is
-        cheaper). **Returns** the ``OutOfMemoryError`` that says none fits (every rank must learn it first)."""
+        ``budget`` less the copies a run makes (``restore_bytes``): chunks, and with ``remat`` recomputation
+        where the smallest chunk does not fit (or it is cheaper). **Returns** the ``OutOfMemoryError`` that
+        says none fits (every rank must learn it first)."""
+        held = self.restore_bytes  # run_shard copies what the program updates in place, beside it
+        budget = max(budget - held, 0)
         # Plans are kept per budget to about 0.4% (its top 9 bits), as plan() keeps them.
         shift = max(budget.bit_length() - 9, 0)
         key = (examples, budget >> shift << shift)
@@ -281,7 +291,7 @@ class Executable:
                 else:
                     plan = chunk_plan(self.graph)
             except OutOfMemoryError as e:
-                plan = e
+                plan = held_beside(e, held, [COPIES.format(len(self.mutated))])
             self.shard_plans[key] = plan
         return plan
 
@@ -351,6 +361,25 @@ def _owns_its_inputs(graph: Graph) -> bool:
     graph's own vars (``remat_planning._Simulator``), so such a flush is only chunked."""
     own = set(graph.vars())
     return all(v.root in own for v in graph.invars)
+
+
+# Why a call holds bytes beside its program, as held_beside says it.
+COPIES = "copies of the {} input(s) the step updates in place, to restore them if it fails"
+
+
+def held_beside(error: StagingError, held: int, why: list[str]) -> StagingError:
+    """``error`` (about a budget too small for the program) with what the call holds beside the program,
+    ``held`` bytes for the reasons ``why``, added to the smallest budget it names; as it is if it names
+    none or nothing is held."""
+    if not held or error.smallest_budget is None:
+        return error
+    wider = type(error)(
+        f"{error} Besides the program, this call holds {format_bytes(held)} ({'; '.join(why)}), which the "
+        f"budgets above leave out: the smallest memory_budget this call fits in is "
+        f"{format_bytes(bytes_ceiling(error.smallest_budget + held))}."
+    )
+    wider.smallest_budget = error.smallest_budget + held
+    return wider
 
 
 def _restore(saved: list) -> None:
@@ -576,17 +605,12 @@ class Staged:
         try:
             return budget, executable.plan(budget)
         except StagingError as e:
-            if not held or e.smallest_budget is None:
-                raise
-            why = [f"copies of the {len(copies)} input(s) the step updates in place, to restore them if it fails"] if copies else []
+            why = [COPIES.format(len(copies))] if copies else []
             why += [f"the old .grad of {len(old)} parameter(s), which the step replaces"] if old else []
-            error = type(e)(
-                f"{e} Besides the program, this call holds {format_bytes(held)} ({'; '.join(why)}), which the "
-                f"budgets above leave out: the smallest memory_budget this call fits in is "
-                f"{format_bytes(bytes_ceiling(e.smallest_budget + held))}."
-            )
-            error.smallest_budget = e.smallest_budget + held
-            raise error from e
+            wider = held_beside(e, held, why)
+            if wider is e:
+                raise
+            raise wider from e
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.process_group is not None:

@@ -119,7 +119,7 @@ def coupling(eqn: Eqn, why: str, fix: str) -> BatchCouplingError:
     """The error for an op that mixes the examples of a batch, naming the op and the user's line."""
     return BatchCouplingError(
         f"{op_name(eqn.prim)} at {eqn.source} {why}, so running the batch in chunks would change the "
-        f"result.\nWhat to do: {fix}"
+        f"result.\nWhat to do: {fix.rstrip('.')}."
     )
 
 

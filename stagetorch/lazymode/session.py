@@ -14,10 +14,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..api import Executable
+from ..api import COPIES, Executable, held_beside
 from ..batching import Batched
 from ..devices import free_memory
-from ..errors import ConcretizationError, ModifiedInputError
+from ..errors import ConcretizationError, ModifiedInputError, StagingError
 from ..execute import accumulate_grad
 from ..ir import Graph, Var, op_name
 from ..tracing import Recorder
@@ -306,7 +306,15 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
                 self._check_versions(invars)
             budget = free_memory(device, self.memory_budget)
             if self.shard is None:
-                results, _ = executable.run(inputs, budget, name="lazy")
+                # A run copies what the flush updates in place (BatchNorm's statistics), beside the program.
+                held = executable.restore_bytes
+                try:
+                    results, _ = executable.run(inputs, max(budget - held, 0), name="lazy")
+                except StagingError as e:
+                    wider = held_beside(e, held, [COPIES.format(len(executable.mutated))])
+                    if wider is e:
+                        raise
+                    raise wider from e
             else:
                 results = shard.run(self.shard, executable, inputs, budget)
         except BaseException:
