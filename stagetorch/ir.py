@@ -163,10 +163,15 @@ class Eqn:
     kwargs: dict
     outvars: tuple[Var | None, ...]
     source: SourceInfo = attrs.field(factory=SourceInfo)
+    # The Vars in args and kwargs, found on first use: an equation is not changed once made (passes make new
+    # ones with attrs.evolve, which finds them again), and interpreters ask for them many times.
+    _invars: tuple[Var, ...] | None = attrs.field(default=None, init=False, repr=False)
 
     @property
     def invars(self) -> list[Var]:
-        return list(iter_vars((self.args, self.kwargs)))
+        if self._invars is None:
+            self._invars = tuple(iter_vars((self.args, self.kwargs)))
+        return list(self._invars)
 
     @property
     def params(self) -> dict[str, Any]:

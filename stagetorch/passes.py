@@ -224,7 +224,7 @@ def liveness(graph: Graph, keep: Sequence[Var] = ()) -> Liveness:
     after the run besides the outputs and gradients."""
     n = len(graph.eqns)
     kept = {v for v in graph.outvars if isinstance(v, Var)} | {v for _, v in graph.grads} | set(keep)
-    reads = [_reads(e) for e in graph.eqns]
+    reads = [e.invars for e in graph.eqns]
     live = _needed(graph, kept, reads)
     uses: dict[Var, int] = {}
     for k, vs in zip(live, reads):
@@ -269,20 +269,6 @@ def liveness(graph: Graph, keep: Sequence[Var] = ()) -> Liveness:
                 if v is not None and v not in tensor_last and v not in kept_tensors:
                     free(i, v)
     return Liveness(last, defined, runs, alias, frees)
-
-
-def _reads(e: Eqn) -> list[Var]:
-    """``e.invars``, walking the argument tree only where an argument is a container: the planner asks for
-    the reads of every equation of every chunk graph it costs."""
-    out: list[Var] = []
-    for a in e.args:
-        if isinstance(a, Var):
-            out.append(a)
-        elif isinstance(a, (list, tuple, dict)):
-            out.extend(iter_vars(a))
-    if e.kwargs:
-        out.extend(iter_vars(e.kwargs))
-    return out
 
 
 def scheduled(graph: Graph, live: Liveness | None = None) -> Graph:
@@ -413,7 +399,7 @@ def _after_last_use(eqns: list[Eqn], folds: list[tuple[Var, Eqn]]) -> list[Eqn]:
         for v in e.outvars:
             if v is not None:
                 last.setdefault(v, i)
-        for v in _reads(e):
+        for v in e.invars:
             last[v] = i
     after: dict[int, list[Eqn]] = {}
     for v, e in folds:

@@ -1,4 +1,4 @@
-"""The op registry: one entry per primitive, holding its shape, memory and batch rules.
+"""The op registry: one entry per primitive, holding its shape, memory, batch, FLOP and kernel-call rules.
 
 An entry is keyed by an ATen overload packet (``aten.mm``) or, where overloads differ, by one overload
 (``aten.sum.dim_IntList``); lookup tries the overload first. The library fills the registry from the
@@ -7,11 +7,14 @@ tables in the family modules beside this one, through the same :func:`register` 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 import torch
+
+from . import _caches
 
 __all__ = ["Rule", "register", "rules", "lookup"]
 
@@ -128,5 +131,9 @@ def slot(prim: Any, name: str) -> Callable[..., Any] | None:
     return None
 
 
+@functools.cache  # by overload: the interpreters ask for every equation's slots, and a schema does not change
 def _is_out_variant(prim: torch._ops.OpOverload) -> bool:
     return any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in prim._schema.arguments)
+
+
+_caches.on_clear(_is_out_variant.cache_clear)
