@@ -18,7 +18,9 @@ it runs nothing, and it builds no executable (the caller passes a function that 
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from collections.abc import Callable, Mapping
 
 import attrs
@@ -121,8 +123,13 @@ class _Simulator:
         self.recomputable = {index[r] for r in cands.recomputable}
         self.kept = [index[v] for v in graph.outvars if isinstance(v, Var)] + [index[v] for _, v in graph.grads]
         self.names = [op_name(e.prim) for e in graph.eqns]
-        self.forward = [(k, False, self.reads[k], self.outs[k]) for k in range(cands.boundary)]
         self.out_bases = [tuple(self.base[o] for o in outs if self.base[o] >= 0) for outs in self.outs]
+        # Events as run() lists them (see there), for the equations as they are.
+        self.as_is = [(k, False, self.reads[k], self.outs[k], self.out_bases[k],
+                       tuple(self.root[u] for u in self.reads[k]), tuple(zip((self.root[o] for o in self.outs[k]), self.sizes[k])))
+                      for k in range(len(graph.eqns))]
+        # Per backward equation: what it reads of the values a set may drop (most read none).
+        self.cand_reads = [tuple(u for u in reads if self.root[u] in self.recomputable) for reads in self.reads]
         # Per candidate: the FLOPs of the op that makes it, per byte it holds (how dear it is to recompute).
         self.density = {r: self.flops[self.producer[index[r]]] / max(n, 1) for r, n in zip(cands.roots, cands.nbytes)}
 
@@ -148,8 +155,12 @@ class _Simulator:
             base_id.append(b)
             return new
 
-        # Events: (equation index, recomputed?, ids read, ids defined).
-        events: list[tuple[int, bool, tuple[int, ...], tuple[int, ...]]] = list(self.forward)
+        # Events: (equation index, recomputed?, ids read, ids defined, the ids of their bases, the storages
+        # read, and (storage, bytes) of what it defines).
+        sizes = self.sizes
+        as_is, cand_reads = self.as_is, self.cand_reads
+        events: list[tuple[int, bool, tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = as_is[: self.cands.boundary]
+        subbed = sub.keys()
 
         def recompute(v: int, burst: list[int]) -> None:
             stack = [(producer[v], False)]
@@ -161,7 +172,10 @@ class _Simulator:
                 if ready:
                     new = tuple(copy_of(o) for o in outs)
                     sub.update(zip(outs, new))
-                    events.append((k, True, tuple(sub.get(u, u) for u in reads_of[k]), new))
+                    bases = tuple(base_id[o] for o in new if base_id[o] >= 0)
+                    reads = tuple(sub.get(u, u) for u in reads_of[k])
+                    events.append((k, True, reads, new, bases, tuple(store[u] for u in reads),
+                                   tuple(zip((store[o] for o in new), sizes[k]))))
                     burst.append(k)
                     continue
                 stack.append((k, True))
@@ -171,8 +185,7 @@ class _Simulator:
                 stack.extend((producer[u], False) for u in reversed(needs))
 
         for k in range(self.cands.boundary, len(reads_of)):
-            reads = reads_of[k]
-            targets = [u for u in reads if dropped[u] and u not in sub]
+            targets = [u for u in cand_reads[k] if dropped[u] and u not in sub] if cand_reads[k] else None
             if targets:
                 burst: list[int] = []
                 for u in targets:
@@ -185,8 +198,8 @@ class _Simulator:
                             for o in outs_of[j]:
                                 sub.pop(o, None)
             # An equation that reads no copy and makes no view of one is as it was (most of them).
-            if sub and (any(u in sub for u in reads) or any(b in sub for b in out_bases[k])):
-                reads = tuple(sub.get(u, u) for u in reads)
+            if sub and not (subbed.isdisjoint(reads_of[k]) and subbed.isdisjoint(out_bases[k])):
+                reads = tuple(sub.get(u, u) for u in reads_of[k])
                 # As remat's _rebase: onto a copied base only when the equation reads the copy's storage.
                 read_storages = {store[u] for u in reads}
                 outs = []
@@ -194,59 +207,47 @@ class _Simulator:
                     if base[o] >= 0 and base[o] in sub and store[sub[base[o]]] in read_storages:
                         sub[o] = copy_of(o)
                     outs.append(sub.get(o, o))
-                events.append((k, False, reads, tuple(outs)))
+                events.append((k, False, reads, tuple(outs), tuple(base_id[o] for o in outs if base_id[o] >= 0),
+                               tuple(store[u] for u in reads), tuple(zip((store[o] for o in outs), sizes[k]))))
             else:
-                events.append((k, False, reads, outs_of[k]))
+                events.append(as_is[k])
         kept = [sub.get(v, v) for v in self.kept]
         # Dead-code elimination, as passes.dce does it.
         needed = set(kept)
         effect = self.effect
         live = [False] * len(events)
         for i in range(len(events) - 1, -1, -1):
-            k, copy, reads, outs = events[i]
+            k, copy, reads, outs, bases, _, _ = events[i]
             # A recomputation has no effect (BatchNorm's is run without its running statistics).
-            if (effect[k] and not copy) or any(o in needed for o in outs):
+            if (effect[k] and not copy) or not needed.isdisjoint(outs):
                 live[i] = True
                 needed.update(reads)
-                for o in outs:
-                    if base_id[o] >= 0:
-                        needed.add(base_id[o])
+                needed.update(bases)
         events = [ev for ev, ok in zip(events, live) if ok]
-        extra = [k for k, copy, _, _ in events if copy]
+        extra = [ev[0] for ev in events if ev[1]]
         names = tuple(self.names[k] for k in extra)
-        return self._peak(events, kept, store), sum(self.flops[k] for k in extra), names, sum(self.calls[k] for k in extra)
+        return self._peak(events, [store[v] for v in kept]), sum(self.flops[k] for k in extra), names, sum(self.calls[k] for k in extra)
 
-    def _peak(self, events: list, kept: list[int], store: list[int]) -> int:
-        sizes, workspace = self.sizes, self.workspace
+    def _peak(self, events: list, kept: list[int]) -> int:
+        """The memory interpreter's peak over ``events``: each storage from the event that first defines it
+        until after the last that reads it (inputs always, the ``kept`` storages to the end), each event's
+        workspace on top while it runs."""
+        workspace, resident = self.workspace, self.resident
         count = len(events)
-        last: dict[int, int] = {}
-        for i, ev in enumerate(events):
-            for v in ev[2]:
-                last[store[v]] = i
-        for v in kept:
-            last[store[v]] = count
-        owned = dict(self.resident)
-        live = sum(owned.values())
-        frees: dict[int, list[int]] = {}
-        inputs = self.inputs
-        for key, i in last.items():
-            if key not in inputs:
-                frees.setdefault(i, []).append(key)
-        peak = live
-        for i, (k, _, _, outs) in enumerate(events):
-            for v, size in zip(outs, sizes[k]):
-                key = store[v]
-                if key in owned:
-                    continue
-                owned[key] = size
-                live += size
-                if key not in last:
-                    frees.setdefault(i, []).append(key)
-            if live + workspace[k] > peak:
-                peak = live + workspace[k]
-            for key in frees.get(i, ()):
-                live -= owned[key]
-        return peak
+        # The first definition of each storage (walking back, so the earliest stands) and its last read.
+        first = {key: (i, size) for i in range(count - 1, -1, -1) for key, size in events[i][6]}
+        last = {key: i for i, ev in enumerate(events) for key in ev[5]}
+        for key in kept:
+            last[key] = count
+        # delta[i]: bytes allocated at event i less those freed after event i - 1.
+        delta = [0] * (count + 2)
+        for key, (i, size) in first.items():
+            if key not in resident:
+                delta[i] += size
+                delta[last.get(key, i) + 1] -= size
+        held = sum(resident.values())
+        during = map(operator.add, itertools.accumulate(delta[:count]), (workspace[ev[0]] for ev in events))
+        return held + max(0, max(during, default=0))
 
 
 def _point(sim: _Simulator, keep: frozenset[Var], transient: Mapping[Var, int] | None = None) -> Recompute:
