@@ -167,7 +167,7 @@ class _Simulator:
             while stack:
                 k, ready = stack.pop()
                 outs = outs_of[k]
-                if any(o in sub for o in outs):
+                if not subbed.isdisjoint(outs):
                     continue
                 if ready:
                     new = tuple(copy_of(o) for o in outs)
@@ -179,9 +179,8 @@ class _Simulator:
                     burst.append(k)
                     continue
                 stack.append((k, True))
-                needs = [u for u in reads_of[k] if dropped[u] and u not in sub]
-                needs += [base[o] for o in outs if base[o] >= 0 and dropped[base[o]] and base[o] not in sub
-                          and producer[base[o]] >= 0]
+                needs = [u for u in cand_reads[k] if dropped[u] and u not in sub]
+                needs += [b for b in out_bases[k] if dropped[b] and b not in sub and producer[b] >= 0]
                 stack.extend((producer[u], False) for u in reversed(needs))
 
         for k in range(self.cands.boundary, len(reads_of)):
