@@ -78,6 +78,7 @@ def register(
     **Returns** the op's :class:`Rule` after the change.
     """
     op = _check_op(op)
+    _SLOTS.clear()
     rule = _RULES.setdefault(op, Rule(op))
     for slot, fn in (("shape", shape), ("memory", memory), ("batch", batch), ("flops", flops), ("calls", calls)):
         if fn is not None:
@@ -118,8 +119,21 @@ def lookup(prim: Any) -> Rule | None:
     return rule
 
 
+# slot()'s answers, by (prim, slot name): the interpreters ask for every equation's rules, many times over a
+# plan. register() empties it.
+_SLOTS: dict[tuple[Any, str], Callable[..., Any] | None] = {}
+_caches.on_clear(_SLOTS.clear)
+
+
 def slot(prim: Any, name: str) -> Callable[..., Any] | None:
     """One slot of ``prim``'s rule, looking through overload then packet."""
+    key = (prim, name)
+    if key not in _SLOTS:
+        _SLOTS[key] = _slot(prim, name)
+    return _SLOTS[key]
+
+
+def _slot(prim: Any, name: str) -> Callable[..., Any] | None:
     own = _RULES.get(prim)
     if own is not None and getattr(own, name) is not None:
         return getattr(own, name)

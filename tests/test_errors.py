@@ -134,3 +134,4 @@ def test_op_without_meta_kernel_names_the_op_the_line_and_the_register_call():
             stagetorch.registry._RULES.pop(geqrf)
         else:
             stagetorch.registry._RULES[geqrf] = before
+        stagetorch.clear_caches()  # the registry's slot answers, too
