@@ -165,7 +165,7 @@ class Executable:
         if key not in self.plans:
             if self.remat and not fits and _owns_its_inputs(self.graph):
                 self.plans[key] = plan_joint(
-                    self.graph, budget, lambda g: self._chunk_plan(g, budget), self._floor, self._frontier,
+                    self.graph, budget, lambda g, peak=None: self._chunk_plan(g, budget, peak), self._floor, self._frontier,
                     batch=self.batch,
                 )
             else:
@@ -187,10 +187,14 @@ class Executable:
             )
         return self._inner[graph]
 
-    def _chunk_plan(self, graph: Graph, budget: int) -> Plan:
+    def _chunk_plan(self, graph: Graph, budget: int, peak: int | None = None) -> Plan:
+        """The chunk plan of ``graph`` (this one, or a recomputing graph made from it, whose whole-batch
+        ``peak`` the joint planner may know: its simulation costs it as the memory interpreter does)."""
         if graph is self.graph:
             return plan_chunks(self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak, cap=self.cap)
         inner = self._for(graph)
+        if peak is not None and inner._full_peak is None:
+            inner._full_peak = peak - (self._overlap or 0)
         # A chunk that ran out of memory here is not tried for a recomputing graph either (it needs no more).
         if self.cap is not None and (inner.cap is None or inner.cap > self.cap):
             inner.cap = self.cap
@@ -281,7 +285,7 @@ class Executable:
         plan = self.shard_plans.get(key)
         if plan is None:
 
-            def chunk_plan(graph: Graph) -> Plan:
+            def chunk_plan(graph: Graph, peak: int | None = None) -> Plan:
                 split = self.split() if graph is self.graph else self._for(graph).split()
                 return distributed.plan_shard(split, graph, examples, budget)
 

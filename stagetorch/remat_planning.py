@@ -10,7 +10,8 @@ costed exactly by a simulator of the memory interpreter's walk over :func:`~stag
 graph, and only sets that lower the peak for their extra FLOPs survive.
 Keeping everything is always on the frontier, so a plan is never worse than no recomputation. Then, for
 frontier points, the chunk planner sizes chunks for the recomputing graph, and the point with the lowest
-predicted step cost wins.
+predicted step cost wins. On graphs of up to ``_BIG`` equations the winner is then polished for its budget:
+dropped values are kept again where the peak still fits and the cost falls.
 
 It knows graphs, the remat pass, the FLOP and memory interpreters and the chunk planner's :class:`Plan`;
 it runs nothing, and it builds no executable (the caller passes a function that plans chunks for a graph).
@@ -59,11 +60,12 @@ class Recompute:
 
     def __init__(self, source: Graph, cands: Candidates, keep: frozenset[Var], peak_bytes: int, extra_flops: int,
                  recomputed: tuple[str, ...], graph: Graph | None = None, transient: Mapping[Var, int] | None = None,
-                 extra_calls: int = 0):
+                 extra_calls: int = 0, sim: _Simulator | None = None):
         self.source, self.cands, self.keep, self.transient = source, cands, keep, dict(transient or {})
         self.peak_bytes, self.extra_flops, self.recomputed = peak_bytes, extra_flops, recomputed
         self.extra_calls = extra_calls
         self._graph = graph
+        self.sim = sim  # what costed it (None: nothing to recompute), for sets near it
 
     @property
     def graph(self) -> Graph:
@@ -251,7 +253,7 @@ class _Simulator:
 
 def _point(sim: _Simulator, keep: frozenset[Var], transient: Mapping[Var, int] | None = None) -> Recompute:
     peak, extra, names, calls = sim.run(keep, transient)
-    return Recompute(sim.graph, sim.cands, keep, peak, extra, names, transient=transient, extra_calls=calls)
+    return Recompute(sim.graph, sim.cands, keep, peak, extra, names, transient=transient, extra_calls=calls, sim=sim)
 
 
 def _two_level(segments: list, every: int, deep: bool, tail: float = 0.0) -> tuple[frozenset[Var], dict[Var, int]]:
@@ -502,7 +504,7 @@ def frontier(graph: Graph) -> list[Recompute]:
     sim = _Simulator(graph, cands)
     everything = frozenset(cands.roots)
     # Keeping everything is the graph itself: the simulator's walk costs it as the memory interpreter does.
-    full = Recompute(graph, cands, everything, sim.run(everything)[0], 0, (), graph)
+    full = Recompute(graph, cands, everything, sim.run(everything)[0], 0, (), graph, sim=sim)
     total = sum(cands.nbytes)
     # Chen's segments of halving sizes (quartering on big graphs, where the dynamic program fills between).
     small = len(cands.roots) <= _GREEDY_MAX
@@ -638,7 +640,7 @@ def predicted_cost(graph: Graph, plan: Plan | None = None) -> float:
 def plan_joint(
     graph: Graph,
     budget: int,
-    chunk_plan: Callable[[Graph], Plan],
+    chunk_plan: Callable[..., Plan],
     floor: Callable[[Graph], int],
     points: Callable[[], list[Recompute]] | None = None,
     *,
@@ -648,7 +650,8 @@ def plan_joint(
 
     ``chunk_plan(g)`` is the chunk planner for graph ``g`` (it raises :class:`OutOfMemoryError` when not
     even one example fits, :class:`BatchCouplingError` or :class:`UnsupportedOpError` when ``g`` cannot be
-    chunked); ``floor(g)`` is the
+    chunked); for a recomputing graph it is called as ``chunk_plan(g, peak)``, with the whole-batch peak
+    the simulation predicts for ``g`` (equal to the memory interpreter's); ``floor(g)`` is the
     fewest bytes ``g`` can run in (one example per chunk, or the whole batch when it cannot be chunked);
     ``points()`` is ``frontier(graph)``, for a caller that keeps it across budgets. ``batch``, when given,
     is the number of examples: with one, no graph can be chunked, and no chunk planning is tried for a
@@ -686,7 +689,7 @@ def plan_joint(
         if index > 0 and whole_only and p.peak_bytes > usable:
             continue
         try:
-            plan = chunk_plan(graph if index == 0 else p.graph)
+            plan = chunk_plan(graph) if index == 0 else chunk_plan(p.graph, p.peak_bytes)
         except _CANNOT as e:
             if index == 0:
                 first_error = e
@@ -702,6 +705,8 @@ def plan_joint(
                 plan = RematPlan(**attrs.asdict(plan, recurse=False), recompute=p, base_flops=base_flops)
             best = (score, index, plan)
     if best is not None:
+        if best[1] > 0 and len(graph.eqns) <= _BIG:
+            best = _polished(best, usable, chunk_plan, base_flops, base_calls, device)
         return best[2]
     if first_error is None:
         try:
@@ -718,6 +723,65 @@ def plan_joint(
     )
     error.smallest_budget = smallest
     raise error from first_error
+
+
+# How many times the polish goes over a winning set's dropped candidates (it stops early when a pass keeps none).
+_POLISH_PASSES = 3
+
+
+def _polish(p: Recompute, target: int, cost: Callable[[Recompute], float]) -> Recompute:
+    """``p`` with dropped candidates kept again where that lowers ``cost`` and its peak stays within
+    ``target`` bytes: first the one that lowers it most (often one whose recomputation made the peak, so
+    that keeping it leaves room for more), then one at a time, the dearest to recompute for their bytes
+    first, in passes until one keeps none. (The frontier's families drop whole kinds of values or whole
+    segments; a set that fits a budget often drops a value that is not live at its peak.)"""
+    sim = p.sim
+    if sim is None:
+        return p
+    order = sorted((r for r in sim.cands.roots if r not in p.keep), key=lambda r: -sim.density[r])
+
+    def kept_again(q: Recompute, r: Var) -> Recompute:
+        return _point(sim, q.keep | {r}, {v: s for v, s in q.transient.items() if v != r})
+
+    def key(q: Recompute) -> tuple[float, int]:
+        return cost(q), q.peak_bytes
+
+    fits = [q for q in (kept_again(p, r) for r in order) if q.peak_bytes <= target and key(q) < key(p)]
+    if not fits:
+        return p
+    p = min(fits, key=key)
+    for _ in range(_POLISH_PASSES):
+        better = False
+        for r in order:
+            if r not in p.keep:
+                q = kept_again(p, r)
+                if q.peak_bytes <= target and key(q) < key(p):
+                    p, better = q, True
+        if not better:
+            break
+    return p
+
+
+def _polished(best: tuple[float, int, Plan], usable: int, chunk_plan: Callable[..., Plan], base_flops: int,
+              base_calls: int, device: torch.device) -> tuple[float, int, Plan]:
+    """The winning plan with its recompute set polished (:func:`_polish`): within the usable budget when it
+    runs whole, else within its own whole-batch peak (its chunks are then sized again); ``best`` itself
+    when that plans no cheaper."""
+    score, index, plan = best
+    assert isinstance(plan, RematPlan) and plan.recompute is not None
+    p, chunks = plan.recompute, len(plan.chunk_sizes)
+    q = _polish(p, usable if chunks == 1 else p.peak_bytes,
+                lambda r: step_cost(r.extra_flops, r.extra_calls, chunks, device))
+    if q is p:
+        return best
+    try:
+        again = chunk_plan(q.graph, q.peak_bytes)
+    except _CANNOT:
+        return best
+    cheaper = step_cost(base_flops + q.extra_flops, base_calls + q.extra_calls, len(again.chunk_sizes), device)
+    if cheaper >= score:
+        return best
+    return cheaper, index, RematPlan(**attrs.asdict(again, recurse=False), recompute=q, base_flops=base_flops)
 
 
 def _held_by_every_chunk(graph: Graph) -> int:

@@ -300,8 +300,8 @@ def test_frontier_is_never_worse_than_no_recompute():
 def test_joint_plan_is_the_cheapest_of_every_frontier_point(case, monkeypatch):
     """The joint planner sizes chunks for only the recompute sets whose lower bound (the fewest chunks their
     whole-batch peak allows) can beat the best plan so far; sizing chunks for every point of the frontier
-    finds no cheaper plan. On a graph of over 1,000 equations the plan also runs within its budget, and its
-    loss is the eager step's."""
+    finds no cheaper plan (the winner's polish may find a cheaper one). On a graph of over 1,000 equations
+    the plan also runs within its budget, and its loss is the eager step's."""
     name, fraction = case.rsplit("-", 1)
     torch.manual_seed(0)
     if name == "chain":
@@ -335,7 +335,7 @@ def test_joint_plan_is_the_cheapest_of_every_frontier_point(case, monkeypatch):
             continue
     chosen = plan.recompute if isinstance(plan, RematPlan) and plan.recompute else seen["points"]()[0]
     assert isinstance(plan, RematPlan) or plan.chunked  # the budget needs one or the other
-    assert cost(chosen, plan) == min(scores), (plan, sorted(scores)[:3])
+    assert cost(chosen, plan) <= min(scores), (plan, sorted(scores)[:3])
     if name != "big":
         return
     assert len(graph.eqns) > 1000
@@ -344,6 +344,47 @@ def test_joint_plan_is_the_cheapest_of_every_frontier_point(case, monkeypatch):
         loss = staged(x)
     assert tracker.peak <= staged.memory_budget
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["vnet-0.7", "resnet-0.5", "densenet-0.6"])
+def test_the_winning_set_is_polished_to_keep_what_fits(case):
+    """One example (it cannot be chunked): the plan's recompute set is the cheapest frontier point that fits,
+    with dropped values kept again where that lowers the predicted cost and the peak still fits. It costs
+    less than that point (VNet at 0.7x: 31% extra FLOPs become 12%), keeping any one more of its dropped
+    values would not fit or not save, and it runs within the budget, to the predicted peak and bit for bit
+    as the step without recomputation does."""
+    name, fraction = case.rsplit("-", 1)
+    torch.manual_seed(0)
+    model, x = remat_models.SEEDS[name]()
+    x = x[:1]
+    reference = copy.deepcopy(model)
+    expected, *_ = _run(reference, x, remat=False)
+    staged = stagetorch.jit(step_of(model))
+    graph = staged.graph(x)
+    held = sum(b.untyped_storage().nbytes() for b in model.buffers())  # the copies kept to restore them
+    budget = math.ceil(peak_bytes(graph) * float(fraction)) + held
+    staged.memory_budget = budget
+    plan = staged.plan(x)
+    assert isinstance(plan, RematPlan) and plan.chunk_sizes == (1,)
+    usable = int((budget - held) * (1 - SAFETY_MARGIN))
+
+    def cost(flops, calls):
+        return step_cost(flops, calls, 1)
+
+    chosen = plan.recompute
+    cheapest = min(cost(p.extra_flops, p.extra_calls) for p in frontier(graph) if p.peak_bytes <= usable)
+    assert chosen.peak_bytes <= usable and cost(chosen.extra_flops, chosen.extra_calls) < 0.9 * cheapest
+    sim = _Simulator(graph, chosen.cands)
+    for r in chosen.cands.roots:
+        if r not in chosen.keep:
+            peak, flops, _, calls = sim.run(chosen.keep | {r}, {v: s for v, s in chosen.transient.items() if v != r})
+            assert peak > usable or cost(flops, calls) >= cost(chosen.extra_flops, chosen.extra_calls), r
+    assert peak_bytes(chosen.graph) == chosen.peak_bytes
+    with LivePeak([*model.parameters(), *model.buffers(), x]) as tracker:
+        loss = staged(x)
+    assert tracker.peak <= budget and abs(tracker.peak - plan.peak) <= 0.02 * tracker.peak
+    assert torch.equal(loss, expected)
+    assert all(map(torch.equal, grads(model), grads(reference)))
 
 
 @pytest.mark.parametrize("name", ["chain", "bn", "dropout", "inplace", *sorted(remat_models.SEEDS)])
@@ -614,18 +655,15 @@ def test_fewer_recompute_flops_than_per_block_checkpoint(name):
     assert ours <= 0.6 * theirs, (ours / theirs, tracker.peak / points[0].peak_bytes)
 
 
-# The seed models at training sizes, by BatchNorm, the one that cannot run in chunks, and its bound.
-_AT_ONE_THIRD = {"resnet": 1.25, "densenet": 1.20, "lstm": 1.20, "vnet": 1.20, "transformer": 1.20}
-
-
 @pytest.mark.parametrize("name", sorted(remat_models.TRAINING))
 def test_one_third_of_the_peak_at_training_sizes(name):
     """At a budget of 1/3 the no-recompute peak, the joint plan's predicted step cost (FLOPs, recomputed ones
     included, plus the price of each op call per chunk) is at most 1.20x the unconstrained step's on the
     seed models at training sizes: chunking is nearly free there, and recomputation fills in where a chunk
     alone does not fit. ResNet's BatchNorm rules out chunks, so recomputation alone must reach 1/3: its
-    bottlenecks then recompute their wide 1x1 convolution twice (for the block's output and for its own
-    backward), +17-21% FLOPs (1.22x). Planning only: the plan is exact by the other tests."""
+    bottlenecks then recompute their wide 1x1 convolution, some twice (for the block's output and for its
+    own backward), 1.19x after the polish (1.22x before it). Planning only: the plan is exact by the other
+    tests."""
     torch.manual_seed(0)
     model, x = remat_models.TRAINING[name]()
     staged = stagetorch.jit(step_of(model), remat=False)
@@ -633,7 +671,7 @@ def test_one_third_of_the_peak_at_training_sizes(name):
     full = peak_bytes(graph)
     plan = stagetorch.jit(step_of(model), memory_budget=math.ceil(full / 3)).plan(x)
     assert plan.peak <= full / 3
-    assert predicted_cost(graph, plan) <= _AT_ONE_THIRD[name] * predicted_cost(graph)
+    assert predicted_cost(graph, plan) <= 1.20 * predicted_cost(graph)
     assert (len(plan.chunk_sizes) == 1) == (name == "resnet")
 
 
