@@ -15,7 +15,7 @@ from . import _gc
 from .chunking import BodyGraph, Split, even_chunks
 from .costing import Lifetimes, peak_bytes, timeline
 from .devices import format_bytes
-from .errors import OutOfMemoryError
+from .errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError
 from .ir import Graph, Var
 
 __all__ = ["Plan", "plan_chunks", "chunked_peak", "body_peaks", "SAFETY_MARGIN"]
@@ -264,7 +264,11 @@ def plan_chunks(
     if (full <= usable and (cap is None or cap >= batch)) or batch == 1:
         why = "The whole batch fits." if full <= usable else "A single example cannot be split further."
         if full > usable:
-            raise _too_big(graph, split(), budget, cost)
+            try:
+                s = split()
+            except (BatchCouplingError, UnsupportedOpError):  # one example: nothing would be split anyway
+                raise _whole_too_big(full, budget) from None
+            raise _too_big(graph, s, budget, cost)
         return Plan(batch, (batch,), (full,), budget, full, why)
     s = split()
     small, large = (1, 2) if batch < 4 else (2, 4)
@@ -288,6 +292,18 @@ def plan_chunks(
     if cap is not None and cap < batch:
         why += f" Chunks are at most {cap} examples: a larger one ran out of memory in an earlier call."
     return Plan(batch, tuple(sizes), peaks, budget, full, why, phases)
+
+
+def _whole_too_big(full: int, budget: int) -> OutOfMemoryError:
+    """The error for one example that does not fit, where the graph's chunked form (which would break its
+    bytes down) cannot be built: an op in it couples the batch or has no batch rule."""
+    error = OutOfMemoryError(
+        f"not even one example fits: the step on a batch of one needs {format_bytes(full)} against a budget of "
+        f"{format_bytes(budget)} (less a {SAFETY_MARGIN:.0%} margin), and a batch of one cannot be split. What to "
+        "do: raise memory_budget, use a smaller model or lower precision, or move the batch off the device."
+    )
+    error.smallest_budget = int(full / (1 - SAFETY_MARGIN)) + 1
+    return error
 
 
 def _too_big(graph: Graph, split: Split, budget: int, cost: Callable[[Graph], int]) -> OutOfMemoryError:

@@ -277,6 +277,26 @@ def test_below_the_floor_names_the_smallest_budget():
     assert plan.peak <= smallest
 
 
+def test_one_example_that_does_not_fit_is_out_of_memory_even_where_the_batch_would_not_split():
+    """A transformer on one sequence: its attention's batch analysis fails at a batch of one (the heads fold
+    into the size-1 batch dim), which matters to nobody, since one example is never split. Under too small a
+    budget the error is OutOfMemoryError with the smallest budget that fits, and that budget runs."""
+    torch.manual_seed(0)
+    model, x = remat_models.SEEDS["transformer"]()
+    x = x[:1]
+    staged = stagetorch.jit(step_of(model))
+    staged.memory_budget = int(peak_bytes(staged.graph(x)) * 0.7)
+    with pytest.raises(OutOfMemoryError, match="a batch of one cannot be split") as info:
+        staged.plan(x)
+    assert "smallest budget any schedule fits is" in str(info.value)
+    staged.memory_budget = info.value.smallest_budget
+    assert staged.plan(x).peak <= info.value.smallest_budget
+    reference = copy.deepcopy(model)
+    expected, *_ = _run(reference, x, remat=False)
+    assert torch.equal(staged(x), expected)
+    assert all(map(torch.equal, grads(model), grads(reference)))
+
+
 def test_no_recompute_when_the_step_fits():
     model = mlp_chain(4, 32)
     x = torch.randn(8, 32)
