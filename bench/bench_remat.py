@@ -263,6 +263,13 @@ def test_one_third_budget(name):
     ckpt_time, ckpt_peak = _timed(step_of(model, forward), x, model, repeat, resident)
     print(f"  per-block checkpoint (eager): {ckpt_time * 1e3:.1f} ms ({ckpt_time / base_time:.2f}x), peak "
           f"{ckpt_peak / MiB:.2f} MiB ({ckpt_peak / full:.2f}x the no-recompute peak)")
+    forward = remat_models.sequential(seed, model)
+    if forward is None:
+        print("  checkpoint_sequential: not a sequence of modules")
+    else:
+        seq_time, seq_peak = _timed(step_of(model, forward), x, model, repeat, resident)
+        print(f"  checkpoint_sequential, sqrt(n) segments (eager): {seq_time * 1e3:.1f} ms ({seq_time / base_time:.2f}x), "
+              f"peak {seq_peak / MiB:.2f} MiB ({seq_peak / full:.2f}x the no-recompute peak)")
     alone = stagetorch.jit(step_of(model), memory_budget=budget, remat=False)
     try:
         alone_time, alone_peak = _timed(alone, x, model, repeat, resident)

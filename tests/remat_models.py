@@ -6,11 +6,12 @@ the same models at training sizes. ``mlp_chain`` is the issue's deep stack, smal
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 
 def mlp_chain(n: int = 12, d: int = 64) -> nn.Module:
@@ -166,3 +167,17 @@ def per_block(name: str, model: nn.Module) -> tuple[list[str], Callable[[torch.T
         return x
 
     return [f"layers.{i}" for i in range(len(model.layers))], forward
+
+
+def sequential(name: str, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The model's forward by ``torch.utils.checkpoint.checkpoint_sequential`` over its top-level modules in
+    sqrt(n) segments (Chen's scheme as torch offers it), where the model is such a sequence: ResNet, DenseNet,
+    VNet, and the transformer's layers. None for the LSTM (one module, then a head)."""
+    if name == "transformer":
+        layers = nn.Sequential(*model.layers)
+    elif isinstance(model, nn.Sequential):
+        layers = model
+    else:
+        return None
+    segments = max(1, round(math.sqrt(len(layers))))
+    return lambda x: checkpoint_sequential(layers, segments, x, use_reentrant=False)

@@ -643,6 +643,26 @@ def test_seed_model_budget_sweep(name):
         assert fraction < 1.0 or not isinstance(plan, RematPlan)
 
 
+@pytest.mark.parametrize("name", sorted(remat_models.SEEDS))
+def test_the_checkpointed_baselines_compute_the_models_step(name):
+    """The bench's baselines (per-block checkpoint, checkpoint_sequential) give the model's loss and gradients:
+    they are timed against stagetorch as the same step. BatchNorm's statistics are left out of the comparison
+    (torch's checkpoint updates them twice, pytorch#96136)."""
+    torch.manual_seed(0)
+    model, x = remat_models.SEEDS[name]()
+    forwards = [remat_models.per_block(name, model)[1], remat_models.sequential(name, model)]
+    assert (forwards[1] is None) == (name == "lstm")
+    expected = step_of(model)(x)
+    expected_grads = [g.clone() for g in grads(model)]
+    for forward in filter(None, forwards):
+        model.zero_grad(set_to_none=True)
+        loss = forward(x).square().mean()
+        loss.backward()
+        torch.testing.assert_close(loss, expected)
+        for got, want in zip(grads(model), expected_grads):
+            torch.testing.assert_close(got, want)
+
+
 def _block_forward_flops(graph, blocks: list[str]) -> int:
     """FLOPs of the forward equations inside the given modules: what per-block checkpointing recomputes."""
 
