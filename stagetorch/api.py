@@ -212,6 +212,11 @@ class Executable:
         except (BatchCouplingError, UnsupportedOpError):
             return whole
 
+    def _shard_floor(self, graph: Graph) -> int:
+        """The fewest bytes ``graph`` runs a shard in: one example per chunk (a shard always runs through the
+        split graphs, even whole: see :func:`distributed.plan_shard`)."""
+        return chunked_peak(self.split() if graph is self.graph else self._for(graph).split(), 1, peak_bytes)
+
     def run(
         self, inputs: list, budget: int, *, on_chunk: Callable[[int, int], None] | None = None, name: str = "step"
     ) -> tuple[list, list[tuple[int, torch.Tensor]]]:
@@ -291,7 +296,7 @@ class Executable:
 
             try:
                 if self.remat and _owns_its_inputs(self.graph):
-                    plan = plan_joint(self.graph, budget, chunk_plan, self._floor, self._frontier)
+                    plan = plan_joint(self.graph, budget, chunk_plan, self._shard_floor, self._frontier)
                 else:
                     plan = chunk_plan(self.graph)
             except OutOfMemoryError as e:

@@ -147,14 +147,19 @@ class ShardGroup:
     def _raise(self, error: BaseException | None, codes: list[int]) -> None:
         # Every rank knows someone failed, so all take part in sharing the messages, and all raise the same.
         messages: list[Any] = [None] * self.size
-        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}", group=self.group)
+        mine = None if error is None else (f"{type(error).__name__}: {error}", getattr(error, "smallest_budget", None))
+        dist.all_gather_object(messages, mine, group=self.group)
         failed = [r for r, c in enumerate(codes) if c]
-        text = "; ".join(f"rank {r} of {self.size}: {messages[r] or 'failed'}" for r in failed)
+        text = "; ".join(f"rank {r} of {self.size}: {(messages[r] or ('failed',))[0].rstrip('.')}" for r in failed)
         if all(codes[r] == _OOM for r in failed):
-            raise OutOfMemoryError(
+            oom = OutOfMemoryError(
                 f"{text}.\nEvery rank stopped before changing parameters or .grad. What to do: give that rank a "
                 "larger memory_budget or fewer examples (shards may differ in size)."
-            ) from error
+            )
+            # The smallest memory_budget each rank that ran out named, and this rank's own (None on a rank that fitted).
+            oom.smallest_budgets = {r: messages[r][1] for r in failed if messages[r] and messages[r][1] is not None}
+            oom.smallest_budget = oom.smallest_budgets.get(self.rank)
+            raise oom from error
         raise StagingError(
             f"the step failed on {text}.\nEvery rank stopped before changing parameters or .grad."
         ) from error

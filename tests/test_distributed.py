@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+from collections.abc import Callable
 from datetime import timedelta
 
 import numpy as np
@@ -19,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from memtrack import LivePeak
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -214,6 +216,48 @@ def infeasible_rank(rank: int) -> dict:
     )
     out = _failed(rank, lambda: staged(x, y))
     out["grads_untouched"] = all(p.grad is None for p in model.parameters())
+    return out
+
+
+def _wide_buffer_step(seen: torch.Tensor) -> tuple[nn.Module, Callable]:
+    """A step whose parameters outweigh its activations (a chunk's partial gradients cost more than the
+    whole shard's activations) and that updates a wide buffer in place."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64).double()
+
+    def step(x):
+        seen.add_(1)
+        loss = model(x).tanh().square().mean()
+        loss.backward()
+        return loss
+
+    return model, step
+
+
+def _wide_batch() -> torch.Tensor:
+    return torch.randn(16, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+
+
+@case
+def restore_copies_within_the_named_budget(rank: int) -> dict:
+    """The wide-buffer step (the call copies the buffer first, to restore it if the step fails) under too
+    small a budget: every rank raises, and the error holds each rank's smallest memory_budget (the copies
+    included). At its own, each rank runs, its measured peak within it."""
+    seen = torch.zeros(1 << 16, dtype=torch.float64)  # 512 KiB, more than the rest of the step
+    model, step = _wide_buffer_step(seen)
+    x = _wide_batch().split([5, 11])[rank]
+    staged = stagetorch.jit(step, process_group=dist.group.WORLD, memory_budget=4096)
+    try:
+        staged(x)
+    except stagetorch.errors.OutOfMemoryError as e:
+        error = e
+    out = {"smallest": error.smallest_budget, "every": error.smallest_budgets, "message": str(error),
+           "untouched": seen[0].item() == 0 and all(p.grad is None for p in model.parameters())}
+    staged.memory_budget = error.smallest_budget
+    with LivePeak([*model.parameters(), seen, x]) as tracker:
+        loss = staged(x)
+    out.update(peak=tracker.peak, loss=loss.item(), grads=[p.grad.numpy() for p in model.parameters()],
+               updated=seen[0].item())
     return out
 
 
@@ -683,6 +727,21 @@ def test_an_infeasible_rank_makes_every_rank_raise_the_same_error(ranks):
     assert got[0]["message"] == got[1]["message"]
     assert "rank 1 of 2" in got[0]["message"] and "rank 0" not in got[0]["message"]
     assert all(g["grads_untouched"] for g in got)
+
+
+def test_each_rank_runs_within_the_smallest_budget_its_error_names(ranks):
+    """The copies a sharded call keeps to restore a buffer it updates in place are planned beside the
+    program: at the smallest budget the error names for it, each rank's measured peak (copies included) is
+    within the budget, the step is exact on the global batch, and the buffer is updated once."""
+    got = [result(ranks, "restore_copies_within_the_named_budget", r) for r in range(WORLD)]
+    assert got[0]["every"] == got[1]["every"] == {r: g["smallest"] for r, g in enumerate(got)}
+    assert all("copies of the 1 input(s)" in g["message"] and ".." not in g["message"] for g in got)
+    model, step = _wide_buffer_step(torch.zeros(1))
+    expected = {"loss": step(_wide_batch()).item(), "grads": [p.grad.numpy() for p in model.parameters()]}
+    for g in got:
+        assert g["untouched"] and g["updated"] == 1
+        assert g["smallest"] > 1 << 19 and g["peak"] <= g["smallest"], (g["peak"], g["smallest"])
+        assert_global(g, expected)
 
 
 def test_a_failure_mid_step_makes_every_rank_raise(ranks):
