@@ -294,16 +294,22 @@ def plan_chunks(
     return Plan(batch, tuple(sizes), peaks, budget, full, why, phases)
 
 
+def _not_even_one(needs: int, budget: int, subject: str, detail: str) -> OutOfMemoryError:
+    """The error for one example that does not fit: ``subject`` (what runs it) ``needs`` bytes against
+    ``budget``; ``detail`` follows (what the bytes are, or why nothing smaller runs)."""
+    error = OutOfMemoryError(
+        f"not even one example fits: {subject} needs {format_bytes(needs)} against a budget of {format_bytes(budget)} "
+        f"(less a {SAFETY_MARGIN:.0%} margin){detail}. What to do: raise memory_budget, use a smaller model or lower "
+        "precision, or move the batch off the device."
+    )
+    error.smallest_budget = int(needs / (1 - SAFETY_MARGIN)) + 1
+    return error
+
+
 def _whole_too_big(full: int, budget: int) -> OutOfMemoryError:
     """The error for one example that does not fit, where the graph's chunked form (which would break its
     bytes down) cannot be built: an op in it couples the batch or has no batch rule."""
-    error = OutOfMemoryError(
-        f"not even one example fits: the step on a batch of one needs {format_bytes(full)} against a budget of "
-        f"{format_bytes(budget)} (less a {SAFETY_MARGIN:.0%} margin), and a batch of one cannot be split. What to "
-        "do: raise memory_budget, use a smaller model or lower precision, or move the batch off the device."
-    )
-    error.smallest_budget = int(full / (1 - SAFETY_MARGIN)) + 1
-    return error
+    return _not_even_one(full, budget, "the step on a batch of one", ", and a batch of one cannot be split")
 
 
 def _too_big(graph: Graph, split: Split, budget: int, cost: Callable[[Graph], int]) -> OutOfMemoryError:
@@ -325,11 +331,4 @@ def _too_big(graph: Graph, split: Split, budget: int, cost: Callable[[Graph], in
         ("partial gradients of the chunk", partials), ("activations and temporaries of one example", activations),
     ]
     listed = ", ".join(f"{name} {format_bytes(n)}" for name, n in parts if n)
-    needs = max(first, rest, phases)
-    error = OutOfMemoryError(
-        f"not even one example fits: a chunk of 1 needs {format_bytes(needs)} against a budget of {format_bytes(budget)} "
-        f"(less a {SAFETY_MARGIN:.0%} margin). At a later chunk's peak: {listed}. What to do: raise memory_budget, "
-        "use a smaller model or lower precision, or move the batch off the device."
-    )
-    error.smallest_budget = int(needs / (1 - SAFETY_MARGIN)) + 1
-    return error
+    return _not_even_one(max(first, rest, phases), budget, "a chunk of 1", f". At a later chunk's peak: {listed}")
