@@ -1,4 +1,4 @@
-"""The op registry: one entry per primitive, holding its shape, memory, batch, FLOP and kernel-call rules.
+"""The op registry: one entry per primitive, holding its shape, memory, batch, FLOP, kernel-call and layout rules.
 
 An entry is keyed by an ATen overload packet (``aten.mm``) or, where overloads differ, by one overload
 (``aten.sum.dim_IntList``); lookup tries the overload first. The library fills the registry from the
@@ -31,6 +31,7 @@ class Rule:
     batch: Callable[..., Any] | None = None
     flops: Callable[..., Any] | None = None
     calls: Callable[..., Any] | None = None
+    layout: Callable[..., Any] | None = None
 
 
 _RULES: dict[Op, Rule] = {}
@@ -53,6 +54,7 @@ def register(
     batch: Callable[..., Any] | None = None,
     flops: Callable[..., Any] | None = None,
     calls: Callable[..., Any] | None = None,
+    layout: Callable[..., Any] | None = None,
 ) -> Rule:
     """Teach stagetorch an op, or override what it knows.
 
@@ -72,6 +74,11 @@ def register(
     - ``calls``: called with the :class:`~stagetorch.Eqn`; returns how many kernels it runs, each of which
       costs the device's fixed price again in every extra chunk. Default: one. (A recurrent layer runs
       one per time step.)
+    - ``layout``: called with the op's arguments as the tracer holds them (fake tensors: shapes, strides,
+      dtype and device, no data); returns, for each tensor output in order, the strides the real kernel
+      gives it, or ``None`` where the meta kernel's strides are right. Needed only where an op's meta
+      kernel lays its output out otherwise than its kernel does: the tracer would record a ``view`` of it
+      that fails at run time, or a copy eager PyTorch does not make.
 
     Each slot is also a decorator: ``@stagetorch.ops.register.memory(torch.ops.mylib.op)``.
 
@@ -80,7 +87,8 @@ def register(
     op = _check_op(op)
     _SLOTS.clear()
     rule = _RULES.setdefault(op, Rule(op))
-    for slot, fn in (("shape", shape), ("memory", memory), ("batch", batch), ("flops", flops), ("calls", calls)):
+    slots = (("shape", shape), ("memory", memory), ("batch", batch), ("flops", flops), ("calls", calls), ("layout", layout))
+    for slot, fn in slots:
         if fn is not None:
             setattr(rule, slot, fn)
     return rule
@@ -104,6 +112,7 @@ register.memory = _slot_decorator("memory")  # type: ignore[attr-defined]
 register.batch = _slot_decorator("batch")  # type: ignore[attr-defined]
 register.flops = _slot_decorator("flops")  # type: ignore[attr-defined]
 register.calls = _slot_decorator("calls")  # type: ignore[attr-defined]
+register.layout = _slot_decorator("layout")  # type: ignore[attr-defined]
 
 
 def rules() -> dict[Op, Rule]:

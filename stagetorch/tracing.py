@@ -595,6 +595,7 @@ class Recorder:
         else:
             out = self._dispatch(func, args, kwargs, src)
             _check_rule(func, args, kwargs, src)
+            out = _relayout(func, args, kwargs, out, self.fake_mode)
             if key is not None:
                 _remember(key, func, args, out)
         flat = flatten(out)
@@ -743,6 +744,25 @@ def _from_entry(entry: tuple, args: tuple, mode: FakeTensorMode) -> Any:
                 empty = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
         outs.append(FakeTensor(mode, empty, device))
     return outs[0] if single else container(outs)
+
+
+def _relayout(func: Any, args: tuple, kwargs: dict, out: Any, mode: FakeTensorMode) -> Any:
+    """``out`` with the strides the real kernel gives, where the op's layout rule says its meta kernel's
+    differ (see :mod:`stagetorch.ops._layout`). Done before the metadata cache remembers the call."""
+    rule = slot(func, "layout")
+    if rule is None:
+        return out
+    strides = rule(*args, **kwargs)
+    if not strides:
+        return out
+    single = isinstance(out, torch.Tensor)
+    outs = [out] if single else list(out)
+    for k, (t, stride) in enumerate(zip(outs, strides)):
+        if stride is not None and type(t) is FakeTensor and tuple(stride) != t.stride():
+            with torch._C._DisableTorchDispatch():
+                empty = torch.empty_strided(t.shape, stride, dtype=t.dtype, device="meta")
+            outs[k] = FakeTensor(mode, empty, t.fake_device)
+    return outs[0] if single else type(out)(outs)
 
 
 def _check_rule(func: Any, args: tuple, kwargs: dict, src: SourceInfo) -> None:

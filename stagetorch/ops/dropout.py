@@ -6,6 +6,7 @@ import torch
 
 from .. import batching
 from ..ir import Aval
+from . import _layout
 
 aten = torch.ops.aten
 
@@ -24,3 +25,10 @@ BATCH: dict = {
     aten.bernoulli: batching.elementwise,
 }
 
+
+
+# Layout rules (see stagetorch/ops/_layout.py): the backward multiplies in a TensorIterator, which keeps the
+# gradient's layout; its meta kernel returns a contiguous tensor.
+LAYOUT: dict = {
+    aten.native_dropout_backward: _layout.elementwise,
+}

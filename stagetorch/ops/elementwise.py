@@ -6,7 +6,7 @@ import torch
 
 from .. import batching
 from ..ir import Aval
-from . import _shape
+from . import _layout, _shape
 
 aten = torch.ops.aten
 
@@ -83,3 +83,14 @@ BATCH: dict = {
     aten.fill: batching.elementwise,
 }
 
+
+
+# Layout rules (see stagetorch/ops/_layout.py). With a 0-dim tensor operand these meta kernels return a
+# contiguous tensor where the kernel (a TensorIterator) keeps the other operand's layout; log_sigmoid's CPU
+# kernel returns both its outputs contiguous where its meta kernel keeps the input's strides.
+LAYOUT: dict = {
+    aten.copysign.Tensor: _layout.elementwise,
+    aten.div.Tensor_mode: _layout.elementwise,
+    aten.floor_divide.default: _layout.elementwise,
+    aten.log_sigmoid_forward: _layout.all_contiguous(2, devices=("cpu",)),
+}

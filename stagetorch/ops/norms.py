@@ -10,6 +10,7 @@ from .. import batching
 from ..batching import Chunked, LabelFn, coupling, per_example
 from ..errors import ShapeError
 from ..ir import Aval, Eqn
+from . import _layout
 
 aten = torch.ops.aten
 
@@ -90,3 +91,16 @@ BATCH: dict = {
     aten.miopen_batch_norm: batch_norm_batch_rule(training_arg=5, outputs=("b", None, None)),
 }
 
+
+
+# Layout rules: op -> rule(*args as the tracer holds them) -> the real kernel's strides per output (see
+# stagetorch/ops/_layout.py). Batch norm's kernels allocate their output (the backward: the input's
+# gradient) dense in the input's suggested memory format; its meta kernels keep the input's strides, so a
+# BatchNorm1d over a transposed input would be traced as a transposed output.
+LAYOUT: dict = {
+    **{op: _layout.in_input_format(0) for op in (
+        aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training,
+        aten._batch_norm_with_update, aten._batch_norm_no_update,
+    )},
+    **{op: _layout.in_input_format(1) for op in (aten.native_batch_norm_backward, aten.batch_norm_backward)},
+}

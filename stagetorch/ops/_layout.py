@@ -1,0 +1,63 @@
+"""Layout rules: the strides a real kernel gives its outputs, for the ops whose meta kernel says otherwise.
+
+The tracer stages with fake tensors, whose strides come from meta kernels. Where a meta kernel lays an
+output out otherwise than the kernel that runs, the trace goes wrong downstream: ``x.view(...)`` of a
+value the trace thinks contiguous fails on the real, transposed one, and a ``reshape`` the trace records
+as a copy is a view in eager PyTorch. Each rule here was measured against the CPU kernels of PyTorch
+(``tests/test_layout.py`` runs them all against eager).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch._prims_common import (
+    compute_elementwise_output_strides,
+    make_channels_last_strides_for,
+    make_contiguous_strides_for,
+    suggest_memory_format,
+)
+
+_CHANNELS_LAST = (torch.channels_last, torch.channels_last_3d)
+
+
+def _dense(x: torch.Tensor) -> tuple[int, ...]:
+    """The strides of a new tensor shaped as ``x``, contiguous in the memory format ``x`` suggests:
+    ``torch.empty_like(x, memory_format=x.suggest_memory_format())``."""
+    if suggest_memory_format(x) in _CHANNELS_LAST:
+        return tuple(make_channels_last_strides_for(x.shape))
+    return tuple(make_contiguous_strides_for(x.shape))
+
+
+def in_input_format(index: int, devices: tuple[str, ...] | None = None) -> Callable[..., tuple | None]:
+    """Output 0 is new, shaped as argument ``index`` and dense in the memory format it suggests (kernels
+    that allocate with ``empty_like(x, x.suggest_memory_format())``; meta kernels keep ``x``'s strides).
+    ``devices``: the device types where the kernel does so (None: all)."""
+
+    def rule(*args: object, **kwargs: object) -> tuple | None:
+        x = args[index]
+        if not isinstance(x, torch.Tensor) or (devices is not None and x.device.type not in devices):
+            return None
+        return (_dense(x),)
+
+    return rule
+
+
+def all_contiguous(outputs: int, devices: tuple[str, ...]) -> Callable[..., tuple | None]:
+    """Each of ``outputs`` outputs shaped as the first argument and contiguous, on ``devices``."""
+
+    def rule(x: torch.Tensor, *args: object, **kwargs: object) -> tuple | None:
+        return (tuple(make_contiguous_strides_for(x.shape)),) * outputs if x.device.type in devices else None
+
+    return rule
+
+
+def elementwise(*args: object, **kwargs: object) -> tuple | None:
+    """A TensorIterator kernel: output 0 laid out as its tensor operands (torch's own Python account of
+    TensorIterator, ``compute_elementwise_output_strides``), where they share a shape or are 0-dim."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    shaped = [t for t in tensors if t.ndim]
+    if not shaped or any(t.shape != shaped[0].shape for t in shaped):
+        return None  # broadcasting operands: the meta kernel's own account stands
+    return (tuple(compute_elementwise_output_strides(*tensors)),)
