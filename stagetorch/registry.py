@@ -36,6 +36,10 @@ class Rule:
 
 _RULES: dict[Op, Rule] = {}
 
+NO_TENSOR = "no tensor"
+"""What a layout rule gives for an output the kernel leaves undefined (``None``) where its meta kernel
+makes a tensor: the trace then holds no value there, and the memory interpreter counts no bytes."""
+
 
 def _check_op(op: Any) -> Op:
     if not isinstance(op, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
@@ -76,7 +80,8 @@ def register(
       one per time step.)
     - ``layout``: called with the op's arguments as the tracer holds them (fake tensors: shapes, strides,
       dtype and device, no data); returns, for each tensor output in order, the strides the real kernel
-      gives it, or ``None`` where the meta kernel's strides are right. Needed only where an op's meta
+      gives it, ``None`` where the meta kernel's strides are right, or ``stagetorch.registry.NO_TENSOR``
+      where the kernel returns no tensor at all (a backward's masked-out gradient). Needed only where an op's meta
       kernel lays its output out otherwise than its kernel does: the tracer would record a ``view`` of it
       that fails at run time, or a copy eager PyTorch does not make.
 

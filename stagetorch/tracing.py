@@ -41,7 +41,7 @@ from . import _caches, _gc
 from ._tree import flat_call, flatten, map_leaves
 from .errors import ConcretizationError, ShapeError, StagingError, UnsupportedOpError
 from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var, op_name
-from .registry import slot
+from .registry import NO_TENSOR, slot
 
 __all__ = ["trace", "discover", "State", "Recorder", "user_frame", "is_user_code", "mark_internal", "source_info"]
 
@@ -747,8 +747,9 @@ def _from_entry(entry: tuple, args: tuple, mode: FakeTensorMode) -> Any:
 
 
 def _relayout(func: Any, args: tuple, kwargs: dict, out: Any, mode: FakeTensorMode) -> Any:
-    """``out`` with the strides the real kernel gives, where the op's layout rule says its meta kernel's
-    differ (see :mod:`stagetorch.ops._layout`). Done before the metadata cache remembers the call."""
+    """``out`` as the real kernel returns it, where the op's layout rule says its meta kernel's strides
+    differ, or that the kernel returns no tensor (see :mod:`stagetorch.ops._layout`). Done before the
+    metadata cache remembers the call."""
     rule = slot(func, "layout")
     if rule is None:
         return out
@@ -758,7 +759,9 @@ def _relayout(func: Any, args: tuple, kwargs: dict, out: Any, mode: FakeTensorMo
     single = isinstance(out, torch.Tensor)
     outs = [out] if single else list(out)
     for k, (t, stride) in enumerate(zip(outs, strides)):
-        if stride is not None and type(t) is FakeTensor and tuple(stride) != t.stride():
+        if stride is NO_TENSOR:
+            outs[k] = None
+        elif stride is not None and type(t) is FakeTensor and tuple(stride) != t.stride():
             with torch._C._DisableTorchDispatch():
                 empty = torch.empty_strided(t.shape, stride, dtype=t.dtype, device="meta")
             outs[k] = FakeTensor(mode, empty, t.fake_device)

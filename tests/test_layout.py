@@ -186,3 +186,38 @@ def test_elementwise_layout_leaves_broadcasting_operands_to_the_meta_kernel():
     a, b = torch.randn(3, 4).t(), torch.randn(4, 1)
     assert _layout.elementwise(a, b) is None
     assert _layout.elementwise(a, torch.tensor(2.0)) == (a.stride(),)
+
+
+def test_batchnorm_on_an_input_that_needs_no_gradient_holds_no_input_gradient():
+    """BatchNorm1d as a network's first layer (its input needs no gradient): the backward's output mask
+    leaves the input's gradient out and the kernel returns none, though the meta kernel makes one. The
+    staged backward holds no such value, and the memory interpreter's peak is the run's to the byte (it
+    counted a whole activation too many)."""
+    from memtrack import LivePeak
+
+    from stagetorch.costing import peak_bytes
+    from stagetorch.execute import Program
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(16), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4)).double()
+    x = torch.randn(64, 16, dtype=torch.float64)
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    graph = stagetorch.make_ir(step)(x)
+    [bn_backward] = [e for e in graph.eqns if e.prim.overloadpacket is aten.native_batch_norm_backward]
+    assert bn_backward.outvars[0] is None
+    inputs = [x, *model.parameters(), *model.buffers()]
+    with LivePeak(inputs) as tracker:
+        Program(graph).run(inputs)
+    assert tracker.peak == peak_bytes(graph)
+    reference = copy.deepcopy(model)
+    loss = stagetorch.jit(step)(x)
+    expected = reference(x).square().mean()
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)

@@ -19,6 +19,8 @@ from torch._prims_common import (
     suggest_memory_format,
 )
 
+from ..registry import NO_TENSOR
+
 _CHANNELS_LAST = (torch.channels_last, torch.channels_last_3d)
 
 
@@ -30,15 +32,18 @@ def _dense(x: torch.Tensor) -> tuple[int, ...]:
     return tuple(make_contiguous_strides_for(x.shape))
 
 
-def in_input_format(index: int, devices: tuple[str, ...] | None = None) -> Callable[..., tuple | None]:
+def in_input_format(index: int, mask: int | None = None) -> Callable[..., tuple | None]:
     """Output 0 is new, shaped as argument ``index`` and dense in the memory format it suggests (kernels
     that allocate with ``empty_like(x, x.suggest_memory_format())``; meta kernels keep ``x``'s strides).
-    ``devices``: the device types where the kernel does so (None: all)."""
+    ``mask``: the argument holding a backward's output mask; where its first entry is false the kernel
+    returns no tensor for output 0 (the input's gradient), whatever the meta kernel makes."""
 
     def rule(*args: object, **kwargs: object) -> tuple | None:
         x = args[index]
-        if not isinstance(x, torch.Tensor) or (devices is not None and x.device.type not in devices):
+        if not isinstance(x, torch.Tensor):
             return None
+        if mask is not None and not args[mask][0]:
+            return (NO_TENSOR,)
         return (_dense(x),)
 
     return rule

@@ -96,11 +96,14 @@ BATCH: dict = {
 # Layout rules: op -> rule(*args as the tracer holds them) -> the real kernel's strides per output (see
 # stagetorch/ops/_layout.py). Batch norm's kernels allocate their output (the backward: the input's
 # gradient) dense in the input's suggested memory format; its meta kernels keep the input's strides, so a
-# BatchNorm1d over a transposed input would be traced as a transposed output.
+# BatchNorm1d over a transposed input would be traced as a transposed output. The backward's meta kernels
+# also make the input's gradient when the output mask leaves it out (an input that needs no gradient):
+# the kernel returns none, and a trace holding one costed a whole activation too many.
 LAYOUT: dict = {
     **{op: _layout.in_input_format(0) for op in (
         aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training,
         aten._batch_norm_with_update, aten._batch_norm_no_update,
     )},
-    **{op: _layout.in_input_format(1) for op in (aten.native_batch_norm_backward, aten.batch_norm_backward)},
+    aten.native_batch_norm_backward: _layout.in_input_format(1, mask=9),
+    aten.batch_norm_backward: _layout.in_input_format(1, mask=9),
 }
