@@ -216,6 +216,43 @@ def test_nothing_fits_names_the_smallest_budget_and_changes_nothing():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_retry_at_the_named_budget_then_the_optimizer_step_is_eagers():
+    """The retry loop users write around an OutOfMemoryError: catch it, keep it (to log), run the step again
+    at ``error.smallest_budget``, then ``optimizer.step()`` — three steps against eager. The failed step's
+    session is still reachable from the kept error; the optimizer's pre-step flush ran it again, with the
+    budget it had failed under, and raised the old error at ``optimizer.step()``."""
+    torch.manual_seed(0)
+    model = mlp_chain(6, 32).double()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    budget, errors, failed = 64 * 1024, [], []
+    for _ in range(3):
+        x = torch.randn(4, 64, 32, dtype=torch.float64)
+        for _attempt in range(2):
+            opt.zero_grad()
+            try:
+                loss = model(stagetorch.lazy(x, memory_budget=budget)).square().mean()
+                loss.backward()
+                break
+            except OutOfMemoryError as e:
+                errors.append(e)  # kept: its traceback holds the failed step's lazy tensors
+                failed.append(loss)
+                budget = e.smallest_budget
+        opt.step()
+        ref_opt.zero_grad()
+        expected = reference(x).square().mean()
+        expected.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss.item(), expected.item(), rtol=1e-12, atol=0)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+    assert len(errors) >= 1
+    # The failed step's loss never ran; its parameters have changed since: reading it is refused.
+    with pytest.raises(stagetorch.errors.ModifiedInputError, match="changed in place before the op ran"):
+        failed[0].item()
+
+
 @pytest.mark.lazy_modes("record")
 def test_bad_remat_values_are_refused():
     with pytest.raises(ValueError, match="remat must be"):

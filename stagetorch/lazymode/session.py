@@ -59,7 +59,11 @@ def _flush_before_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, 
     eager, on their old values, so it runs first (a metric computed with the model, read after the step)."""
     params = None
     for session in list(_SESSIONS):
-        if session.eqn_count > session.done:
+        # A session whose flush failed was abandoned with its error (a retry with a larger budget is another
+        # session, which may hold the same work): it is not run behind the user's back. Its pending calls
+        # bound the parameters' versions, so reading one of its values after this step raises
+        # ModifiedInputError rather than compute with the new parameters.
+        if session.eqn_count > session.done and not session.failed:
             if params is None:
                 params = {id(p) for group in optimizer.param_groups for p in group["params"]}
             if session.reads_any(params):
@@ -117,6 +121,7 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
         # before the flush would make that call read a value it never saw (see _check_versions).
         self.versions: dict[Var, int] = {}
         self.counted: list[torch.Tensor] = []  # BatchNorm counters the step's Python code added one to
+        self.failed = False  # its last flush raised: nothing runs it implicitly (see _flush_before_optimizer_step)
         self.alive: dict[Var, weakref.ref] = {}
         self.batched: dict[Var, Batched] = {}
         self.lazies: list[LazyTensor] = []
@@ -318,9 +323,11 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
             else:
                 results = shard.run(self.shard, executable, inputs, budget)
         except BaseException:
+            self.failed = True
             if self.counted:
                 self._take_back()
             raise
+        self.failed = False
         self.versions = {}  # nothing pending reads them now; the flush's own in-place writes are the program's
         self.counted = []
         self.done = end
