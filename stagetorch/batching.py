@@ -425,7 +425,8 @@ def reduction(kind: str, *, dims_arg: int | None = 1, keepdim_arg: int | None = 
 
 
 def _partial_mean(x: torch.Tensor, dims: list[int], keepdim: bool, count: int, dtype: Any = None) -> torch.Tensor:
-    return torch.sum(x, dims, keepdim=keepdim, dtype=dtype) / count
+    # Divided in place: one tensor, as the memory interpreter counts (``sum / count`` held two at once).
+    return torch.sum(x, dims, keepdim=keepdim, dtype=dtype).div_(count)
 
 
 def mean_reduction(*, dims_arg: int | None = 1, keepdim_arg: int | None = 2) -> Callable[[Eqn, LabelFn], Chunked]:

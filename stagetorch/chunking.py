@@ -303,16 +303,24 @@ class Split:
                     return mapping[v]
                 return feed(v, decision.slice.get(v))
 
+            # The arguments first: a view's base may be one of them, fed (whole, or cut to the chunk) only now.
+            fed: dict[Var, Var] = {}
+
+            def bind(v: Var, arg=arg, fed=fed) -> Var:
+                fed[v] = arg(v)
+                return fed[v]
+
+            new_args, new_kwargs = map_leaves(args, Var, bind), map_leaves(kwargs, Var, bind)
             outvars = []
             for v in e.outvars:
                 if v is None:
                     outvars.append(None)
                     continue
                 lab = labels.get(v)
-                base = mapping.get(v.base) if v.base is not None else None
+                base = (mapping.get(v.base) or fed.get(v.base)) if v.base is not None else None
                 nv = Var(_chunk_aval(v, lab, n), base=base)
                 outvars.append(nv)
-            new = Eqn(prim, map_leaves(args, Var, arg), map_leaves(kwargs, Var, arg), tuple(outvars), e.source)
+            new = Eqn(prim, new_args, new_kwargs, tuple(outvars), e.source)
             for v, nv in zip(e.outvars, outvars):
                 if v is not None:
                     mapping[v] = nv
