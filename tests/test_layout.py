@@ -153,6 +153,28 @@ def test_batchnorm_over_a_transposed_activation_trains_as_eager(remat):
             torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
 
 
+def test_batchnorm_over_a_transposed_activation_in_one_line_mode():
+    """The same network through ``stagetorch.lazy``, three steps with dropout: equal to eager (its recorder
+    is the tracer's, and applies the same layout rules)."""
+    torch.manual_seed(0)
+    model = _ChannelsOverTime().double()
+    reference = copy.deepcopy(model)
+    for k in range(3):
+        x, y = torch.randn(4, 16, 8, dtype=torch.float64), torch.randint(0, 3, (4, 16))
+        torch.manual_seed(k)
+        lx, ly = stagetorch.lazy(x, y)
+        loss = F.cross_entropy(model(lx).flatten(0, 1), ly.flatten())
+        loss.backward()
+        torch.manual_seed(k)
+        expected = F.cross_entropy(reference(x).flatten(0, 1), y.flatten())
+        expected.backward()
+        assert loss.item() == expected.item()
+        for p, q in zip([*model.parameters(), *model.buffers()], [*reference.parameters(), *reference.buffers()]):
+            assert torch.equal(p, q)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+
+
 def test_a_users_layout_rule_corrects_a_custom_ops_fake_impl():
     """A custom op whose fake impl says row-major where the kernel returns column-major: flattening its
     output is a copy in eager, but the trace, believing the fake impl, records a view that fails at run
