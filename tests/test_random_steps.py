@@ -4,7 +4,7 @@ Each case draws a small DAG network (Linear, Conv1d, LayerNorm, BatchNorm1d over
 attention, concatenation, skip connections, in-place ReLU, a Python scale read by forward), a batch size,
 a loss and a fraction of the whole step's peak as ``memory_budget``. The staged step (recomputation
 allowed, the planner choosing chunks and recompute together) must run, or raise a named error whose
-smallest budget then runs; within its budget, as its plan predicts (never over by more than 2%); and give
+smallest budget then runs; within its budget, as its plan predicts (to 2% either way); and give
 eager's loss, gradients, weights and BatchNorm statistics (float64, to 1e-9), over two SGD steps between
 which the Python scale changes. The same generator, over hundreds of seeds, found the BatchNorm layout
 defect that ``tests/test_layout.py`` now pins down.
@@ -131,7 +131,7 @@ def test_a_random_network_trains_within_its_budget_as_eager(seed):
             got = staged(x, y)
         assert tracker.peak <= budget, (case, k, plan)
         assert tracker.peak <= (plan.peak + held) * 1.02, (case, k, tracker.peak, plan)
-        assert tracker.peak >= (plan.peak + held) * 0.85, (case, k, tracker.peak, plan)
+        assert tracker.peak >= (plan.peak + held) * 0.98, (case, k, tracker.peak, plan)
         ref_opt.zero_grad(set_to_none=True)
         expected = _step_of(reference, loss)(x, y)
         where = f"{case}, step {k}"
