@@ -300,13 +300,16 @@ def per_example(
     outputs: Sequence[str | None] | None = None,
     slice_args: Sequence[int] = (),
     batch_size_args: Sequence[int] = (),
+    size_list_args: Sequence[int] = (),
 ) -> Callable[[Eqn, LabelFn], Chunked]:
     """An op that treats each example independently along ``dim`` (convolution, pooling, attention...).
 
     ``outputs`` gives each outvar's kind: ``"b"`` per-example, ``"sum"`` summed over the batch (a weight
     gradient), ``None`` the same in every chunk; by default an output is per-example when its ``dim`` has the
     full batch extent. ``slice_args`` are argument positions that, when shared, are cut to the chunk
-    (an initial hidden state). ``batch_size_args`` are integer arguments that carry the batch size itself.
+    (an initial hidden state). ``batch_size_args`` are integer arguments that carry the batch size itself;
+    ``size_list_args`` are full sizes whose entry ``dim`` is the batch size (an upsampling backward's
+    ``input_size``).
     """
 
     def rule(eqn: Eqn, label: LabelFn) -> Chunked:
@@ -337,12 +340,16 @@ def per_example(
             else:
                 out.append(None)
         call = None
-        if batch_size_args:
+        if batch_size_args or size_list_args:
 
             def call(n: int) -> tuple[Any, tuple, dict]:
                 args = list(eqn.args)
                 for i in batch_size_args:
                     args[i] = lab.extent(n)
+                for i in size_list_args:
+                    sizes = list(args[i])
+                    sizes[lab.dim] = lab.extent(n)
+                    args[i] = sizes
                 return eqn.prim, tuple(args), eqn.kwargs
 
         return Chunked(tuple(out), call=call, slice=cut)

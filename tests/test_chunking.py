@@ -112,6 +112,44 @@ def test_chunked_step_equals_full_batch(arch, loss):
     check(model, lambda m: _step(m, LOSSES[loss]), (x, y), ops)
 
 
+class _Upsampler(nn.Module):
+    """A conv, an upsampling of ``mode`` and a conv over a ``dims``-d image, then a classifier."""
+
+    def __init__(self, mode: str, dims: int, antialias: bool = False):
+        super().__init__()
+        conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
+        self.mode, self.antialias = mode, antialias
+        self.inp, self.out, self.head = conv(3, 4, 3, padding=1), conv(4, 4, 3, padding=1), nn.Linear(4, 5)
+
+    def forward(self, x):
+        h = F.interpolate(self.inp(x), scale_factor=2, mode=self.mode, antialias=self.antialias)
+        return self.head(self.out(h).flatten(2).mean(-1))
+
+
+@pytest.mark.parametrize("mode, dims, antialias", [
+    ("nearest", 1, False), ("nearest", 2, False), ("nearest", 3, False), ("nearest-exact", 2, False),
+    ("linear", 1, False), ("bilinear", 2, False), ("bicubic", 2, False), ("trilinear", 3, False),
+    ("bilinear", 2, True), ("bicubic", 2, True),
+])
+def test_upsampling_chunks_exactly(mode, dims, antialias):
+    """The upsampling backward takes the input's full size, batch included: each chunk's call gets its own
+    (a chunked step crashed with "Expected grad_output to have the same shape as output")."""
+    torch.manual_seed(0)
+    model = _Upsampler(mode, dims, antialias).double()  # float64: a 3-d bias gradient sums 1e4 terms
+    x = torch.randn(BATCH, 3, *[6] * dims, dtype=torch.float64)
+    y = torch.randint(0, 5, (BATCH,))
+
+    def step_of(m):
+        def step(x, y):
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            return loss
+
+        return step
+
+    check(model, step_of, (x, y), (torch.ops.aten.convolution,))
+
+
 def _mlp():
     """The seed MLP. Chunking holds a partial gradient besides the accumulator, so at small batches its
     parameters outweigh what chunking saves; its batches are ten times larger than the other models'."""

@@ -50,6 +50,12 @@ SHAPE: dict = {
 }
 
 
+_UPSAMPLE = (
+    "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+    "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+    "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa",
+)
+
 # Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
 BATCH: dict = {
     **{op: batching.per_example() for op in (
@@ -57,8 +63,11 @@ BATCH: dict = {
         aten.max_pool3d_with_indices_backward, aten.avg_pool2d, aten.avg_pool2d_backward, aten.avg_pool3d,
         aten.avg_pool3d_backward, aten._adaptive_avg_pool2d, aten._adaptive_avg_pool2d_backward,
         aten._adaptive_avg_pool3d, aten._adaptive_avg_pool3d_backward, aten.adaptive_max_pool2d,
-        aten.adaptive_max_pool2d_backward, aten.max_unpool2d, aten.upsample_nearest2d,
-        aten.upsample_nearest2d_backward, aten.upsample_bilinear2d, aten.upsample_bilinear2d_backward,
+        aten.adaptive_max_pool2d_backward, aten.max_unpool2d,
     )},
+    # Upsampling: per-example; the backward's input_size (argument 2) is the input's full size, batch
+    # included, and is cut to the chunk with it.
+    **{getattr(aten, name): batching.per_example() for name in _UPSAMPLE},
+    **{getattr(aten, name + "_backward"): batching.per_example(size_list_args=(2,)) for name in _UPSAMPLE},
 }
 
