@@ -343,18 +343,26 @@ def per_example(
         if batch_size_args or size_list_args:
 
             def call(n: int) -> tuple[Any, tuple, dict]:
-                args = list(eqn.args)
-                for i in batch_size_args:
-                    args[i] = lab.extent(n)
-                for i in size_list_args:
-                    sizes = list(args[i])
-                    sizes[lab.dim] = lab.extent(n)
-                    args[i] = sizes
-                return eqn.prim, tuple(args), eqn.kwargs
+                return _with_chunk_sizes(eqn, lab, n, batch_size_args, size_list_args)
 
         return Chunked(tuple(out), call=call, slice=cut)
 
     return rule
+
+
+def _with_chunk_sizes(
+    eqn: Eqn, lab: Batched, n: int, ints: Sequence[int], lists: Sequence[int]
+) -> tuple[Any, tuple, dict]:
+    """``eqn``'s call for a chunk of ``n``: the integer arguments ``ints`` that are the batch size, and the
+    batch entry of the size lists ``lists``, set to the chunk's extent."""
+    args = list(eqn.args)
+    for i in ints:
+        args[i] = lab.extent(n)
+    for i in lists:
+        sizes = list(args[i])
+        sizes[lab.dim] = lab.extent(n)
+        args[i] = sizes
+    return eqn.prim, tuple(args), eqn.kwargs
 
 
 def contraction(spec: str, *, bias: bool = False) -> Callable[[Eqn, LabelFn], Chunked]:
@@ -573,11 +581,7 @@ def batch_size_list(arg: int, label_of_list: Callable[[Eqn, LabelFn], Batched]) 
         lab = label_of_list(eqn, label)
 
         def call(n: int) -> tuple[Any, tuple, dict]:
-            args = list(eqn.args)
-            sizes = list(args[arg])
-            sizes[lab.dim] = lab.extent(n)
-            args[arg] = sizes
-            return eqn.prim, tuple(args), eqn.kwargs
+            return _with_chunk_sizes(eqn, lab, n, (), (arg,))
 
         return Chunked((lab,), call=call)
 
