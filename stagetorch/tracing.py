@@ -28,6 +28,7 @@ import attrs
 import torch
 import torch.nn.modules.module as _module_globals
 import torch.utils._pytree as pytree
+from torch._prims_common import suggest_memory_format
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -978,7 +979,9 @@ def trace(
             "variable, an attribute of self, or an argument)."
         )
     eqns, grads, assign, clear, unused = _settle_grads(rec.eqns, final, grad_inputs, outvars)
-    eqns, grads = _steal_accumulated_grads(eqns, grads, outvars)
+    strides = {rec.var_of[id(t)]: t.stride() for t in rec.keep if id(t) in rec.var_of}
+    eqns, grads = _steal_accumulated_grads(eqns, grads, outvars, strides)
+    eqns, grads = _lay_out_as_parameters(eqns, grads, strides, rec.fakes)
     keep = [i for i, v in enumerate(rec.invars) if v not in unused]
     index = {old: new for new, old in enumerate(keep)}
     graph = Graph(
@@ -1128,12 +1131,17 @@ def _only_accumulates(e: Eqn, g: Var, final: Var | None) -> bool:
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 
 
-def _steal_accumulated_grads(eqns: list[Eqn], grads: list[tuple[int, Var]], outvars: list) -> tuple[list, list]:
+def _steal_accumulated_grads(
+    eqns: list[Eqn], grads: list[tuple[int, Var]], outvars: list, strides: dict[Var, tuple[int, ...]]
+) -> tuple[list, list]:
     """Undo the copy AccumulateGrad makes under tracing.
 
     Eager autograd hands the incoming gradient buffer to ``.grad`` when nothing else holds it; under the
-    tracer something always does, so it records ``new_empty_strided`` + ``copy_``. The executor applies the
-    layout contract itself (:func:`stagetorch.execute.accumulate_grad`), so the copy is dropped here.
+    tracer something always does, so it records ``new_empty_strided`` + ``copy_``. The copy is dropped here
+    where eager would steal the buffer: when the gradient is laid out as the parameter (the layout
+    contract). Where it is not (a convolution's weight gradient over channels-last input, for a contiguous
+    weight), eager copies too, and the copy stays in the program, where the memory interpreter counts it
+    and its source dies right after it; ``strides``: each var's strides as traced.
     """
     producer = {v: e for e in eqns for v in e.outvars if v is not None}
     readers: dict[Var, int] = {}
@@ -1162,6 +1170,7 @@ def _steal_accumulated_grads(eqns: list[Eqn], grads: list[tuple[int, Var]], outv
                 and readers.get(dst) == 1
                 and readers.get(src) == 2
                 and src not in returned
+                and _same_layout(strides.get(src), tuple(alloc.args[2]), src.aval.shape)
             )
         if ok:
             dropped.update((id(copy), id(alloc)))
@@ -1169,6 +1178,34 @@ def _steal_accumulated_grads(eqns: list[Eqn], grads: list[tuple[int, Var]], outv
         else:
             new_grads.append((i, g))
     return [e for e in eqns if id(e) not in dropped], new_grads
+
+
+def _lay_out_as_parameters(
+    eqns: list[Eqn], grads: list[tuple[int, Var]], strides: dict[Var, tuple[int, ...]], params: list[torch.Tensor]
+) -> tuple[list[Eqn], list[tuple[int, Var]]]:
+    """A gradient laid out otherwise than its parameter (a convolution's weight gradient over channels-last
+    activations, for a contiguous weight) is copied into the parameter's layout when it becomes ``.grad``
+    (autograd's layout contract; :func:`stagetorch.execute.accumulate_grad`). The copy is made the program's
+    last equation, so that the memory interpreter counts it and the gradient it copies dies right after;
+    made after the program, the copies of every such gradient were held at once, beside the program's
+    outputs, and above its plan. (When ``.grad`` already exists the copy is one eager does not make.)"""
+    out = []
+    for i, v in grads:
+        p = params[i]
+        fmt = suggest_memory_format(p)
+        if _same_layout(strides.get(v), p.stride(), p.shape) or not p.is_contiguous(memory_format=fmt):
+            out.append((i, v))
+            continue
+        copy = Var(v.aval, storage_nbytes=v.aval.nbytes)
+        made_by = next((e for e in reversed(eqns) if v in e.outvars), eqns[-1])
+        eqns = [*eqns, Eqn(torch.ops.aten.clone.default, (v,), {"memory_format": fmt}, (copy,), made_by.source)]
+        out.append((i, copy))
+    return eqns, out
+
+
+def _same_layout(a: tuple[int, ...] | None, b: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Strides ``a`` and ``b`` agree on every dim of more than one element (unknown ``a``: assumed so)."""
+    return a is None or all(x == y or n <= 1 for x, y, n in zip(a, b, shape))
 
 
 def _swap(state: State, fakes: dict[int, torch.Tensor]) -> Callable[[], None]:
