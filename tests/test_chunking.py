@@ -150,6 +150,22 @@ def test_upsampling_chunks_exactly(mode, dims, antialias):
     check(model, step_of, (x, y), (torch.ops.aten.convolution,))
 
 
+_UNTAGGED_BACKWARDS = {
+    "hardswish": nn.Hardswish, "hardsigmoid": nn.Hardsigmoid, "mish": nn.Mish, "softplus": nn.Softplus,
+    "softshrink": nn.Softshrink, "hardshrink": nn.Hardshrink, "logsigmoid": nn.LogSigmoid,
+}
+
+
+@pytest.mark.parametrize("act", sorted(_UNTAGGED_BACKWARDS))
+def test_activations_whose_backward_torch_does_not_tag_pointwise_chunk_exactly(act):
+    """Their backward ops (hardswish_backward...) have no ``pointwise`` tag: each needs a batch rule (a
+    chunked step with Hardswish raised UnsupportedOpError)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), _UNTAGGED_BACKWARDS[act](), nn.Linear(16, 5)).double()
+    x, y = torch.randn(BATCH, 8, dtype=torch.float64), torch.randint(0, 5, (BATCH,))
+    check(model, lambda m: _step(m, LOSSES["mean_ce"]), (x, y))
+
+
 def _mlp():
     """The seed MLP. Chunking holds a partial gradient besides the accumulator, so at small batches its
     parameters outweigh what chunking saves; its batches are ten times larger than the other models'."""

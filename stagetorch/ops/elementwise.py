@@ -70,6 +70,9 @@ BATCH: dict = {
         aten.where, aten.masked_fill, aten.masked_fill_, aten.rsub, aten.ones_like, aten.zeros_like,
         aten.empty_like, aten.full_like, aten.rand_like, aten.randn_like, aten.leaky_relu_backward,
         aten.hardtanh_backward, aten.elu_backward, aten.contiguous, aten.clone,
+        # Activations' backwards torch does not tag pointwise (the forwards are tagged).
+        aten.hardswish_backward, aten.hardsigmoid_backward, aten.mish_backward, aten.softplus_backward,
+        aten.softshrink_backward, aten.hardshrink_backward, aten.log_sigmoid_backward,
     )},
     # Factories that take a tensor only for its dtype and device: same output in every chunk.
     **{op: batching.same_in_every_chunk for op in (
