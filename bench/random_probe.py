@@ -1,0 +1,105 @@
+"""Random networks against eager PyTorch, over as many seeds as you like (tests/random_nets.py): what
+tests/test_random_steps.py runs for 96 seeds, for thousands, reporting instead of stopping.
+
+    python bench/random_probe.py sequence 0 500      # jit, recomputation allowed, two SGD steps each
+    python bench/random_probe.py image 0 300
+    python bench/random_probe.py sequence 0 300 --lazy   # one-line mode: lazy line, loss.item(), SGD
+
+Each case prints one line when it is not equal to eager within its budget and plan; the last line counts
+the outcomes. A case the process crashes on (PyTorch's own CPU GroupNorm crashes on a channels-last input
+that needs no gradient; the image generator avoids that) stops the run: start again after its seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import pathlib
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests"))
+import random_nets  # noqa: E402
+from memtrack import LivePeak  # noqa: E402
+from test_random_steps import train_against_eager  # noqa: E402
+
+import stagetorch  # noqa: E402
+from stagetorch.costing import peak_bytes  # noqa: E402
+
+
+def _lazy(case: random_nets.Case, steps: int = 3) -> str:
+    """The one-line loop against eager: a retry at the error's smallest budget, SGD with momentum."""
+    model, reference = case.model, copy.deepcopy(case.model)
+    lr = 0.05 / case.x.shape[0] if case.loss == "sum" else 0.05
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=lr, momentum=0.9)
+    full = peak_bytes(stagetorch.make_ir(case.step(copy.deepcopy(model)))(case.x, case.y))
+    budget = int(full * case.fraction) + 2 * sum(b.untyped_storage().nbytes() for b in model.buffers())
+    for k in range(steps):
+        x, y = (case.x, case.y) if k == 0 else case.batch(k)
+        for attempt in range(2):
+            opt.zero_grad()
+            try:
+                with LivePeak([*model.parameters(), *model.buffers(), x, y]) as tracker:
+                    lx, ly = stagetorch.lazy(x, y, memory_budget=budget)
+                    value = case.step(model)(lx, ly).item()
+                break
+            except (stagetorch.OutOfMemoryError, stagetorch.BatchCouplingError) as e:
+                if attempt or e.smallest_budget is None:
+                    raise
+                budget = e.smallest_budget
+        opt.step()
+        ref_opt.zero_grad()
+        expected = case.step(reference)(x, y).item()
+        ref_opt.step()
+        if tracker.peak > budget:
+            return f"step {k}: measured {tracker.peak} over the budget {budget}"
+        if abs(value - expected) > 1e-9 * max(1.0, abs(expected)):
+            return f"step {k}: loss {value} against eager's {expected}"
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            scale = max(q.abs().max().item(), 1e-3)
+            if (p - q).abs().max().item() > 1e-9 * scale:
+                return f"step {k}: {name} differs from eager's by {(p - q).abs().max().item():.3g}"
+    return ""
+
+
+def _kind(plan) -> str:
+    recompute, chunks = getattr(plan, "recompute", None) is not None, plan.chunked
+    return {(False, False): "whole", (True, False): "recompute", (False, True): "chunks"}.get((recompute, chunks), "both")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kind", choices=sorted(random_nets.KINDS))
+    parser.add_argument("start", type=int)
+    parser.add_argument("stop", type=int)
+    parser.add_argument("--lazy", action="store_true", help="one-line mode instead of jit")
+    args = parser.parse_args()
+    counts: collections.Counter = collections.Counter()
+    for seed in range(args.start, args.stop):
+        case = random_nets.KINDS[args.kind](seed)
+        try:
+            if args.lazy:
+                problem = _lazy(case)
+                outcome = "problem" if problem else "equal to eager"
+            else:
+                plans = train_against_eager(case)
+                problem = ""
+                outcome = ", ".join(_kind(p) for p in plans)
+        except (stagetorch.OutOfMemoryError, stagetorch.BatchCouplingError, stagetorch.UnsupportedOpError) as e:
+            problem, outcome = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}", "named error"
+        except AssertionError as e:
+            problem, outcome = f"AssertionError: {str(e)[:400]}", "problem"
+        except Exception as e:  # a crash of stagetorch's: always a defect
+            problem, outcome = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}", "crash"
+        counts[outcome] += 1
+        if problem:
+            print(f"{case.description}: {problem}", flush=True)
+    print(dict(counts))
+
+
+if __name__ == "__main__":
+    main()
