@@ -301,6 +301,11 @@ class Executable:
                     plan = chunk_plan(self.graph)
             except OutOfMemoryError as e:
                 plan = held_beside(e, held, [COPIES.format(len(self.mutated))])
+            except (BatchCouplingError, UnsupportedOpError) as e:
+                # A shard runs through the split graphs at any budget: no budget runs a step that cannot be
+                # split, so the chunk planner's own error, without the smallest budget recomputation names.
+                cause = e.__cause__
+                raise (cause if type(cause) is type(e) else e) from None
             self.shard_plans[key] = plan
         return plan
 

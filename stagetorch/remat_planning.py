@@ -693,8 +693,10 @@ def plan_joint(
         except _CANNOT as e:
             if index == 0:
                 first_error = e
-            elif p.peak_bytes <= usable:
-                raise
+            elif p.peak_bytes <= usable and floor(p.graph) <= usable:
+                raise  # it fits: its planner should not have failed
+            # (A shard runs through the split graphs even whole, which may hold more than the whole graph:
+            # a set whose whole-batch peak fits may still be out of a shard's reach. Others may not be.)
             whole_only = whole_only or isinstance(e, (BatchCouplingError, UnsupportedOpError))
             continue
         if index == 0 and not plan.chunked:

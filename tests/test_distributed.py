@@ -955,3 +955,33 @@ def test_a_rank_below_its_smallest_chunk_recomputes_and_stays_exact(ranks):
         assert abs(g["loss"] - loss.item()) <= 1e-10 * loss.item()
         for mine, p in zip(g["grads"], model.parameters(), strict=True):
             assert rel(mine, p.grad.numpy()) <= 1e-10
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_a_shards_smallest_budget_plans(seed):
+    """A rank's plan (single process: the shard's planning is its own) at the smallest budget its error
+    names must plan. A recompute set whose whole-batch peak fits was taken to fit, but a shard runs through
+    the split graphs even whole, which can hold more: the search stopped there and named a budget that then
+    failed again (random sequence network 10, found by a two-process probe)."""
+    import random_nets
+
+    case = random_nets.sequence(seed)
+    g = torch.Generator().manual_seed(seed)
+    n = case.x.shape[0] + 2
+    x = torch.randn((n, *case.x.shape[1:]), dtype=case.x.dtype, generator=g)
+    y = torch.randint(0, 5, (n, *case.y.shape[1:]), generator=g)
+    examples = n // 2 + seed % 2
+    staged = stagetorch.jit(case.step(case.model))
+    entry, _, _ = staged._stage((x[:examples], y[:examples]), {}, global_batch=n)
+    executable = entry.executable
+    full = peak_bytes(executable.graph)
+    for fraction in (0.9, 0.6, 0.3):
+        try:
+            plan = executable.shard_plan(examples, int(full * fraction))
+        except stagetorch.BatchCouplingError as e:  # BatchNorm: refused whatever the budget, and says none
+            assert "smallest budget" not in str(e) and "BatchNorm" in str(e)
+            return
+        if isinstance(plan, stagetorch.OutOfMemoryError) and plan.smallest_budget is not None:
+            at_smallest = executable.shard_plan(examples, plan.smallest_budget)
+            assert not isinstance(at_smallest, Exception), (fraction, plan.smallest_budget, str(at_smallest)[:300])
+            assert at_smallest.peak <= plan.smallest_budget * 0.9 + 1
