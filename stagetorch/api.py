@@ -588,12 +588,14 @@ class Staged:
         """How a call with these arguments would run: chunk sizes, predicted peaks, and why.
 
         With a ``process_group`` this is this rank's plan for its shard, and a collective: call it on every
-        rank, with every rank's shard.
+        rank, with every rank's shard. If no schedule fits on some rank, every rank raises the same
+        ``OutOfMemoryError`` (``smallest_budget``: this rank's, None where it fitted), as the call does, so
+        that a retry keeps the ranks in step.
         """
         if self.process_group is not None:
-            plan = self._shard(distributed.ShardGroup(self.process_group), args, kwargs)[2]
-            if isinstance(plan, OutOfMemoryError):
-                raise plan
+            group = distributed.ShardGroup(self.process_group)
+            entry, _, plan, _ = self._shard(group, args, kwargs)
+            group.check(plan if isinstance(plan, OutOfMemoryError) else None, entry.executable.signature())
             return plan
         entry, inputs, _ = self._stage(args, kwargs)
         return self._step_plan(entry, inputs)[1]

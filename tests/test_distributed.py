@@ -219,6 +219,29 @@ def infeasible_rank(rank: int) -> dict:
     return out
 
 
+@case
+def plan_retry_at_the_named_budget(rank: int) -> dict:
+    """The retry users write: plan, and on an OutOfMemoryError set this rank's budget to the one the error
+    names (a rank that fitted keeps its own), plan again, run. Rank 1's budget is too small."""
+    model = make_model()
+    x, y = shards((37, 63))[rank]
+    staged = stagetorch.jit(
+        lambda x, y: _step(model, token_loss, x, y), process_group=dist.group.WORLD,
+        memory_budget=2**30 if rank == 0 else 4096,
+    )
+    out = {}
+    try:
+        staged.plan(x, y)
+    except stagetorch.errors.OutOfMemoryError as e:
+        out.update(error=type(e).__name__, smallest=e.smallest_budget)
+        if e.smallest_budget is not None:
+            staged.memory_budget = e.smallest_budget
+    out["plan"] = staged.plan(x, y).chunk_sizes
+    loss, _ = staged(x, y)
+    out.update(loss=loss.item(), grads=[p.grad.numpy() for p in model.parameters()])
+    return out
+
+
 def _wide_buffer_step(seen: torch.Tensor) -> tuple[nn.Module, Callable]:
     """A step whose parameters outweigh its activations (a chunk's partial gradients cost more than the
     whole shard's activations) and that updates a wide buffer in place."""
@@ -727,6 +750,17 @@ def test_an_infeasible_rank_makes_every_rank_raise_the_same_error(ranks):
     assert got[0]["message"] == got[1]["message"]
     assert "rank 1 of 2" in got[0]["message"] and "rank 0" not in got[0]["message"]
     assert all(g["grads_untouched"] for g in got)
+
+
+def test_a_plan_that_fails_on_one_rank_fails_on_every_rank(ranks):
+    """``plan()`` is a collective: an infeasible rank makes every rank's plan raise (it raised on that rank
+    alone, so a retry put the ranks out of step: found by a two-process probe of random networks). The
+    retry at the budget each error names runs, exactly."""
+    got = [result(ranks, "plan_retry_at_the_named_budget", r) for r in range(WORLD)]
+    assert [g.get("error") for g in got] == ["OutOfMemoryError"] * WORLD
+    assert got[0]["smallest"] is None and got[1]["smallest"] is not None
+    for g in got:
+        assert_global(g, reference(token_loss, (37, 63)))
 
 
 def test_each_rank_runs_within_the_smallest_budget_its_error_names(ranks):
