@@ -121,6 +121,7 @@ class Executable:
     remat: bool = False
     # The Executables of the recomputing graphs the joint planner made from this one, and its frontier.
     _inner: dict[Graph, Executable] = attrs.field(factory=dict)
+    _merge_ok: dict[Graph, bool] = attrs.field(factory=dict)  # see _merges_as_planned
     _points: list[Recompute] | None = None
     # With a process group: this rank's plan per (shard size, budget), or the error that says none fits.
     shard_plans: dict[tuple[int, int], Plan | OutOfMemoryError] = attrs.field(factory=dict)
@@ -214,8 +215,21 @@ class Executable:
 
     def _shard_floor(self, graph: Graph) -> int:
         """The fewest bytes ``graph`` runs a shard in: one example per chunk (a shard always runs through the
-        split graphs, even whole: see :func:`distributed.plan_shard`)."""
+        split graphs, even whole: see :func:`distributed.plan_shard`). A recompute set a shard may not run
+        (:meth:`_merges_as_planned`) has no floor."""
+        if not self._merges_as_planned(graph):
+            return 1 << 62
         return chunked_peak(self.split() if graph is self.graph else self._for(graph).split(), 1, peak_bytes)
+
+    def _merges_as_planned(self, graph: Graph) -> bool:
+        """Whether a shard running ``graph`` (this graph or one recomputing) all-reduces the same partials,
+        in the same order, as one running this graph: ranks choose their recompute sets apart, by their own
+        budgets, and their collectives must match (a recomputed normaliser is one more merged value)."""
+        if graph is self.graph:
+            return True
+        if graph not in self._merge_ok:
+            self._merge_ok[graph] = distributed.merge_signature(self._for(graph).split()) == distributed.merge_signature(self.split())
+        return self._merge_ok[graph]
 
     def run(
         self, inputs: list, budget: int, *, on_chunk: Callable[[int, int], None] | None = None, name: str = "step"
@@ -292,6 +306,8 @@ class Executable:
 
             def chunk_plan(graph: Graph, peak: int | None = None) -> Plan:
                 split = self.split() if graph is self.graph else self._for(graph).split()
+                if not self._merges_as_planned(graph):
+                    raise OutOfMemoryError("this recompute set merges other partials than the other ranks'")
                 return distributed.plan_shard(split, graph, examples, budget)
 
             try:

@@ -231,6 +231,24 @@ def global_aval(x: torch.Tensor, dim: int, batch: int) -> Aval:
     return Aval(tuple(shape), x.dtype, x.device)
 
 
+def merge_signature(split: Split) -> tuple:
+    """What :func:`run_shard` all-reduces, merge by merge, in order: (kind, aval) per partial. Every rank
+    must merge the same: a rank that recomputes runs another graph's split, whose merges may differ (a
+    recomputed normaliser is one more global), and its collectives would not match the others'."""
+    made_by = {v: (i, e) for i, e in enumerate(split.graph.eqns) for v in e.outvars if v is not None}
+    makes = [split.normaliser_pass] if split.globals else []
+    makes += [split.reduction_pass] if split.reduced_for_globals else []
+    merges = []
+    for make in [*makes, split.body]:
+        results = sorted(make(1).results, key=lambda r: made_by[r[0]][0] if r[0] in made_by else -1)
+        # Each partial named by what made it (its op and source line), so that two of one shape cannot swap.
+        merges.append(tuple(
+            (kind, str(v.aval), str(made_by[v][1].source) if v in made_by else "")
+            for v, kind in results if kind in _REDUCE_OPS
+        ))
+    return tuple(merges)
+
+
 def plan_shard(split: Split, graph: Graph, examples: int, budget: int) -> Plan:
     """Chunk sizes for this rank's ``examples`` within its own ``budget``; raises ``OutOfMemoryError``.
 

@@ -242,6 +242,39 @@ def plan_retry_at_the_named_budget(rank: int) -> dict:
     return out
 
 
+def _image_case():
+    """Random image network 3 (tests/random_nets.py) on a global batch of 4, cut 3 + 1."""
+    import random_nets
+
+    case = random_nets.image(3)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn((4, *case.x.shape[1:]), dtype=case.x.dtype, generator=g)
+    y = torch.randint(0, 5, (4,), generator=g)
+    return case, x, y, [3, 1]
+
+
+@case
+def ranks_recompute_apart(rank: int) -> dict:
+    """Rank 0 has room for its shard, rank 1 must recompute: the recompute sets differ between the ranks,
+    and a set that would merge other partials than rank 0's plain schedule is not chosen. (Rank 1's best
+    set recomputed the loss's normaliser, one more merged value: the ranks' all-reduces did not match, and
+    the step hung until gloo's timeout. Found by a two-process probe of random networks.)"""
+    case, x, y, sizes = _image_case()
+    xs, ys = x.split(sizes), y.split(sizes)
+    staged = stagetorch.jit(case.step(), process_group=dist.group.WORLD)
+    if rank == 1:
+        staged.memory_budget = int(peak_bytes(staged.graph(xs[1], ys[1])) * 0.5)
+    try:
+        plan = staged.plan(xs[rank], ys[rank])
+    except stagetorch.errors.OutOfMemoryError as e:
+        if e.smallest_budget is not None:
+            staged.memory_budget = e.smallest_budget
+        plan = staged.plan(xs[rank], ys[rank])
+    loss = staged(xs[rank], ys[rank])
+    return {"loss": loss.item(), "grads": [p.grad.numpy() for p in case.model.parameters() if p.grad is not None],
+            "recomputes": getattr(plan, "recompute", None) is not None}
+
+
 def _wide_buffer_step(seen: torch.Tensor) -> tuple[nn.Module, Callable]:
     """A step whose parameters outweigh its activations (a chunk's partial gradients cost more than the
     whole shard's activations) and that updates a wide buffer in place."""
@@ -761,6 +794,16 @@ def test_a_plan_that_fails_on_one_rank_fails_on_every_rank(ranks):
     assert got[0]["smallest"] is None and got[1]["smallest"] is not None
     for g in got:
         assert_global(g, reference(token_loss, (37, 63)))
+
+
+def test_ranks_that_recompute_apart_merge_the_same_partials(ranks):
+    got = [result(ranks, "ranks_recompute_apart", r) for r in range(WORLD)]
+    assert [g["recomputes"] for g in got] == [False, True]
+    case, x, y, _ = _image_case()
+    loss = case.step()(x, y)
+    expected = {"loss": loss.item(), "grads": [p.grad.numpy() for p in case.model.parameters() if p.grad is not None]}
+    for g in got:
+        assert_global(g, expected)
 
 
 def test_each_rank_runs_within_the_smallest_budget_its_error_names(ranks):
