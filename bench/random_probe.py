@@ -4,6 +4,7 @@ tests/test_random_steps.py runs for 96 seeds, for thousands, reporting instead o
     python bench/random_probe.py sequence 0 500      # jit, recomputation allowed, two SGD steps each
     python bench/random_probe.py image 0 300
     python bench/random_probe.py sequence 0 300 --lazy   # one-line mode: lazy line, loss.item(), SGD
+    python bench/random_probe.py sequence 0 150 --ranks 2  # data parallel on 2 gloo processes
 
 Each case prints one line when it is not equal to eager within its budget and plan; the last line counts
 the outcomes. A case the process crashes on (PyTorch's own CPU GroupNorm crashes on a channels-last input
@@ -66,6 +67,70 @@ def _lazy(case: random_nets.Case, steps: int = 3) -> str:
     return ""
 
 
+def _rank(rank: int, store: str, kind: str, seeds: range, results) -> None:
+    """One process of ``--ranks``: each case's global batch (two examples more than the case's) cut in two
+    uneven shards, staged with ``process_group=``, against eager on the global batch (rank 0 compares)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    lines = []
+    for seed in seeds:
+        case = random_nets.KINDS[kind](seed)
+        g = torch.Generator().manual_seed(seed)
+        n = case.x.shape[0] + 2
+        x = torch.randn((n, *case.x.shape[1:]), dtype=case.x.dtype, generator=g)
+        y = torch.randint(0, 5, (n, *case.y.shape[1:]), generator=g)
+        sizes = [n // 2 + seed % 2, n - n // 2 - seed % 2]
+        xs, ys = x.split(sizes), y.split(sizes)
+        reference = copy.deepcopy(case.model)
+        try:
+            staged = stagetorch.jit(case.step(case.model), process_group=dist.group.WORLD)
+            full = peak_bytes(staged.graph(xs[rank], ys[rank]))
+            staged.memory_budget = int(full * case.fraction) + 2 * sum(b.untyped_storage().nbytes() for b in case.model.buffers())
+            try:
+                plan = staged.plan(xs[rank], ys[rank])
+            except stagetorch.OutOfMemoryError as e:  # every rank raises; a rank that fitted has no smallest
+                if e.smallest_budget is not None:
+                    staged.memory_budget = e.smallest_budget
+                plan = staged.plan(xs[rank], ys[rank])
+            loss = staged(xs[rank], ys[rank])
+        except stagetorch.BatchCouplingError:
+            lines.append(("named error", ""))  # BatchNorm couples the ranks' examples: refused on every rank
+            continue
+        except Exception as e:  # noqa: BLE001 - reported, and the ranks may be out of step: stop
+            lines.append(("crash", f"{case.description}, rank {rank}: {type(e).__name__}: {e}"))
+            break
+        if rank == 0:
+            expected = case.step(reference)(x, y)
+            wrong = abs(loss.item() - expected.item()) > 1e-9 * max(1.0, abs(expected.item())) or any(
+                (p.grad is None) != (q.grad is None)
+                or (p.grad is not None and (p.grad - q.grad).abs().max() > 1e-9 * max(q.grad.abs().max(), 1e-6))
+                for p, q in zip(case.model.parameters(), reference.parameters())
+            )
+            lines.append(("problem", f"{case.description} in shards {sizes}: not eager's") if wrong else (_kind(plan), ""))
+    results.put((rank, lines))
+    dist.destroy_process_group()
+
+
+def _distributed(kind: str, seeds: range) -> list[tuple[str, str]]:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    store = tempfile.mktemp()
+    procs = [ctx.Process(target=_rank, args=(r, store, kind, seeds, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=3600) for _ in procs)
+    for p in procs:
+        p.join()
+    return got[0] + [line for line in got[1] if line[0] == "crash"]
+
+
 def _kind(plan) -> str:
     recompute, chunks = getattr(plan, "recompute", None) is not None, plan.chunked
     return {(False, False): "whole", (True, False): "recompute", (False, True): "chunks"}.get((recompute, chunks), "both")
@@ -77,8 +142,16 @@ def main() -> None:
     parser.add_argument("start", type=int)
     parser.add_argument("stop", type=int)
     parser.add_argument("--lazy", action="store_true", help="one-line mode instead of jit")
+    parser.add_argument("--ranks", type=int, choices=(1, 2), default=1, help="2: data parallel on two processes")
     args = parser.parse_args()
     counts: collections.Counter = collections.Counter()
+    if args.ranks == 2:
+        for outcome, problem in _distributed(args.kind, range(args.start, args.stop)):
+            counts[outcome] += 1
+            if problem:
+                print(problem, flush=True)
+        print(dict(counts))
+        return
     for seed in range(args.start, args.stop):
         case = random_nets.KINDS[args.kind](seed)
         try:
