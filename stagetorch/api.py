@@ -124,7 +124,7 @@ class Executable:
     _merge_ok: dict[Graph, bool] = attrs.field(factory=dict)  # see _merges_as_planned
     _points: list[Recompute] | None = None
     # With a process group: this rank's plan per (shard size, budget), or the error that says none fits.
-    shard_plans: dict[tuple[int, int], Plan | OutOfMemoryError] = attrs.field(factory=dict)
+    shard_plans: dict[tuple, Plan | OutOfMemoryError] = attrs.field(factory=dict)
     _signature: distributed.Signature | None = None
 
     @property
@@ -298,10 +298,12 @@ class Executable:
         says none fits (every rank must learn it first)."""
         held = self.restore_bytes  # run_shard copies what the program updates in place, beside it
         budget = max(budget - held, 0)
-        # Plans are kept per budget to about 0.4% (its top 9 bits), as plan() keeps them.
+        # Plans are kept per budget to about 0.4% (its top 9 bits), as plan() keeps them (a plan made for
+        # a budget up to 0.4% larger is within this one's safety margin); an error only for its own budget:
+        # the smallest budget it names may lie in the same 0.4%, and must plan.
         shift = max(budget.bit_length() - 9, 0)
         key = (examples, budget >> shift << shift)
-        plan = self.shard_plans.get(key)
+        plan = self.shard_plans.get((examples, budget, "error")) or self.shard_plans.get(key)
         if plan is None:
 
             def chunk_plan(graph: Graph, peak: int | None = None) -> Plan:
@@ -322,7 +324,7 @@ class Executable:
                 # split, so the chunk planner's own error, without the smallest budget recomputation names.
                 cause = e.__cause__
                 raise (cause if type(cause) is type(e) else e) from None
-            self.shard_plans[key] = plan
+            self.shard_plans[(examples, budget, "error") if isinstance(plan, OutOfMemoryError) else key] = plan
         return plan
 
     def run_shard(

@@ -1034,12 +1034,13 @@ def test_a_rank_below_its_smallest_chunk_recomputes_and_stays_exact(ranks):
             assert rel(mine, p.grad.numpy()) <= 1e-10
 
 
-@pytest.mark.parametrize("seed", range(16))
-def test_a_shards_smallest_budget_plans(seed):
+@pytest.mark.parametrize("seed, rank", [*((seed, 0) for seed in range(16)), (199, 1)])
+def test_a_shards_smallest_budget_plans(seed, rank):
     """A rank's plan (single process: the shard's planning is its own) at the smallest budget its error
-    names must plan. A recompute set whose whole-batch peak fits was taken to fit, but a shard runs through
-    the split graphs even whole, which can hold more: the search stopped there and named a budget that then
-    failed again (random sequence network 10, found by a two-process probe)."""
+    names must plan. Two ways it did not, both found by a two-process probe of random networks: a recompute
+    set whose whole-batch peak fits was taken to fit, but a shard runs through the split graphs even whole,
+    which can hold more (sequence 10); and a shard's error was kept for every budget within 0.4% of the one
+    it was made for, which held the named budget (sequence 199, rank 1)."""
     import random_nets
 
     case = random_nets.sequence(seed)
@@ -1047,18 +1048,19 @@ def test_a_shards_smallest_budget_plans(seed):
     n = case.x.shape[0] + 2
     x = torch.randn((n, *case.x.shape[1:]), dtype=case.x.dtype, generator=g)
     y = torch.randint(0, 5, (n, *case.y.shape[1:]), generator=g)
-    examples = n // 2 + seed % 2
+    sizes = [n // 2 + seed % 2, n - n // 2 - seed % 2]
+    shard = slice(0, sizes[0]) if rank == 0 else slice(sizes[0], n)
     staged = stagetorch.jit(case.step(case.model))
-    entry, _, _ = staged._stage((x[:examples], y[:examples]), {}, global_batch=n)
+    full = peak_bytes(staged.graph(x[shard], y[shard]))
+    entry, _, _ = staged._stage((x[shard], y[shard]), {}, global_batch=n)
     executable = entry.executable
-    full = peak_bytes(executable.graph)
     for fraction in (0.9, 0.6, 0.3):
         try:
-            plan = executable.shard_plan(examples, int(full * fraction))
+            plan = executable.shard_plan(sizes[rank], int(full * fraction))
         except stagetorch.BatchCouplingError as e:  # BatchNorm: refused whatever the budget, and says none
             assert "smallest budget" not in str(e) and "BatchNorm" in str(e)
             return
         if isinstance(plan, stagetorch.OutOfMemoryError) and plan.smallest_budget is not None:
-            at_smallest = executable.shard_plan(examples, plan.smallest_budget)
+            at_smallest = executable.shard_plan(sizes[rank], plan.smallest_budget)
             assert not isinstance(at_smallest, Exception), (fraction, plan.smallest_budget, str(at_smallest)[:300])
             assert at_smallest.peak <= plan.smallest_budget * 0.9 + 1
