@@ -104,9 +104,12 @@ def _rank(rank: int, store: str, kind: str, seeds: range, results) -> None:
             break
         if rank == 0:
             expected = case.step(reference)(x, y)
+            # Gradients to 1e-9 of the largest: one that is zero but for rounding (a bias before a centring)
+            # differs in its last bits from eager's, as a sum in another order does.
+            scale = max((q.grad.abs().max().item() for q in reference.parameters() if q.grad is not None), default=1.0)
             wrong = abs(loss.item() - expected.item()) > 1e-9 * max(1.0, abs(expected.item())) or any(
                 (p.grad is None) != (q.grad is None)
-                or (p.grad is not None and (p.grad - q.grad).abs().max() > 1e-9 * max(q.grad.abs().max(), 1e-6))
+                or (p.grad is not None and (p.grad - q.grad).abs().max().item() > 1e-9 * scale)
                 for p, q in zip(case.model.parameters(), reference.parameters())
             )
             lines.append(("problem", f"{case.description} in shards {sizes}: not eager's") if wrong else (_kind(plan), ""))
