@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import models
 import pytest
 import torch
 import torch.nn as nn
@@ -263,15 +264,7 @@ def test_channels_last_convolution_weight_gradients_are_copied_within_the_plan(c
     reference = copy.deepcopy(model)
     x = torch.randn(6, 3, size, size, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 5, (6,))
-
-    def step_of(m):
-        def step(x, y):
-            loss = F.cross_entropy(m(x), y)
-            loss.backward()
-            return loss
-
-        return step
-
+    step_of = models.train_step
     staged = stagetorch.jit(step_of(model), remat=False)
     if chunks > 1:
         staged.memory_budget = int(staged.plan(x, y).full_batch_peak_bytes * 0.55)
