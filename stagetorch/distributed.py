@@ -231,19 +231,25 @@ def global_aval(x: torch.Tensor, dim: int, batch: int) -> Aval:
     return Aval(tuple(shape), x.dtype, x.device)
 
 
+def _positions(split: Split) -> dict[Var, tuple[int, int]]:
+    """Each value the split's graph makes, by (equation, output): an order every rank shares."""
+    return {v: (i, j) for i, e in enumerate(split.graph.eqns) for j, v in enumerate(e.outvars) if v is not None}
+
+
 def merge_signature(split: Split) -> tuple:
     """What :func:`run_shard` all-reduces, merge by merge, in order: (kind, aval) per partial. Every rank
     must merge the same: a rank that recomputes runs another graph's split, whose merges may differ (a
     recomputed normaliser is one more global), and its collectives would not match the others'."""
-    made_by = {v: (i, e) for i, e in enumerate(split.graph.eqns) for v in e.outvars if v is not None}
+    made_by = {v: e for e in split.graph.eqns for v in e.outvars if v is not None}
+    position = _positions(split)
     makes = [split.normaliser_pass] if split.globals else []
     makes += [split.reduction_pass] if split.reduced_for_globals else []
     merges = []
     for make in [*makes, split.body]:
-        results = sorted(make(1).results, key=lambda r: made_by[r[0]][0] if r[0] in made_by else -1)
+        results = sorted(make(1).results, key=lambda r: position.get(r[0], (-1, 0)))
         # Each partial named by what made it (its op and source line), so that two of one shape cannot swap.
         merges.append(tuple(
-            (kind, str(v.aval), str(made_by[v][1].source) if v in made_by else "")
+            (kind, str(v.aval), str(made_by[v].source) if v in made_by else "")
             for v, kind in results if kind in _REDUCE_OPS
         ))
     return tuple(merges)
@@ -276,8 +282,11 @@ def run_shard(
     merges = 1 + bool(split.globals) + bool(split.reduced_for_globals)
     done = 0
     merging = False
-    # Every rank must lay its partials out in the same order; the executor's follows sets of Vars.
-    position = {v: i for i, e in enumerate(split.graph.eqns) for v in e.outvars if v is not None}
+    # Every rank must lay its partials out in the same order; the executor's follows sets of Vars, whose
+    # order is each process's own. By the equation that makes each and its place among that equation's
+    # outputs: two outputs of one equation (a convolution's weight and bias gradients) tied on the
+    # equation alone, and went in each rank's own order: all-reduced crosswise, wrong (found by a probe).
+    position = _positions(split)
 
     def merge(values: dict[Var, torch.Tensor], kinds: dict[Var, str]) -> None:
         nonlocal done, merging

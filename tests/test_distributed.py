@@ -275,6 +275,48 @@ def ranks_recompute_apart(rank: int) -> dict:
             "recomputes": getattr(plan, "recompute", None) is not None}
 
 
+class _ConvNorm(nn.Module):
+    """Conv1d and LayerNorm: backward ops with two gradient outputs each (weight and bias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm, self.head = nn.Conv1d(4, 8, 3, padding=1), nn.LayerNorm(8), nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.head(self.norm(self.conv(x).transpose(1, 2)))
+
+
+def _conv_norm_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 + step)
+    return torch.randn(8, 4, 6, dtype=torch.float64, generator=g), torch.randint(0, 5, (8, 6), generator=g)
+
+
+@case
+def two_gradients_from_one_op(rank: int) -> dict:
+    """Four chunked steps, jit and lazy: the weight and bias gradients of one backward op are merged in the
+    same order on every rank. (They tied on the op's position and went in each process's own order, so the
+    ranks all-reduced one's weight gradient with the other's bias gradient, in about half the runs.)"""
+    out = {}
+    for front in ("jit", "lazy"):
+        torch.manual_seed(0)
+        model = _ConvNorm().double()
+        staged = stagetorch.jit(lambda x, y, model=model: _step(model, token_loss, x, y)[0], process_group=dist.group.WORLD,
+                                memory_budget=24 * 1024, remat=False)
+        steps = []
+        for k in range(4):
+            x, y = (t.split([3, 5])[rank] for t in _conv_norm_batch(k))
+            model.zero_grad(set_to_none=True)
+            if front == "jit":
+                loss = staged(x, y)
+            else:
+                lx, ly = stagetorch.lazy(x, y, process_group=dist.group.WORLD, memory_budget=24 * 1024, remat=False)
+                loss = token_loss(model, lx, ly)[0]
+                loss.backward()
+            steps.append({"loss": loss.item(), "grads": [p.grad.numpy().copy() for p in model.parameters()]})
+        out[front] = steps
+    return out
+
+
 def _wide_buffer_step(seen: torch.Tensor) -> tuple[nn.Module, Callable]:
     """A step whose parameters outweigh its activations (a chunk's partial gradients cost more than the
     whole shard's activations) and that updates a wide buffer in place."""
@@ -804,6 +846,19 @@ def test_ranks_that_recompute_apart_merge_the_same_partials(ranks):
     expected = {"loss": loss.item(), "grads": [p.grad.numpy() for p in case.model.parameters() if p.grad is not None]}
     for g in got:
         assert_global(g, expected)
+
+
+def test_two_gradients_of_one_op_merge_in_the_same_order_on_every_rank(ranks):
+    got = [result(ranks, "two_gradients_from_one_op", r) for r in range(WORLD)]
+    for k in range(4):
+        torch.manual_seed(0)
+        model = _ConvNorm().double()
+        loss, _ = token_loss(model, *_conv_norm_batch(k))
+        loss.backward()
+        expected = {"loss": loss.item(), "grads": [p.grad.numpy() for p in model.parameters()]}
+        for g in got:
+            assert_global(g["jit"][k], expected)
+            assert_global(g["lazy"][k], expected)
 
 
 def test_each_rank_runs_within_the_smallest_budget_its_error_names(ranks):
