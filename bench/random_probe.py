@@ -5,6 +5,7 @@ tests/test_random_steps.py runs for 96 seeds, for thousands, reporting instead o
     python bench/random_probe.py image 0 300
     python bench/random_probe.py sequence 0 300 --lazy   # one-line mode: lazy line, loss.item(), SGD
     python bench/random_probe.py sequence 0 150 --ranks 2  # data parallel on 2 gloo processes
+    python bench/random_probe.py sequence 0 150 --ranks 2 --lazy  # the same in one-line mode
 
 Each case prints one line when it is not equal to eager within its budget and plan; the last line counts
 the outcomes. A case the process crashes on (PyTorch's own CPU GroupNorm crashes on a channels-last input
@@ -67,7 +68,7 @@ def _lazy(case: random_nets.Case, steps: int = 3) -> str:
     return ""
 
 
-def _rank(rank: int, store: str, kind: str, seeds: range, results) -> None:
+def _rank(rank: int, store: str, kind: str, seeds: range, lazy: bool, results) -> None:
     """One process of ``--ranks``: each case's global batch (two examples more than the case's) cut in two
     uneven shards, staged with ``process_group=``, against eager on the global batch (rank 0 compares)."""
     from datetime import timedelta
@@ -95,7 +96,20 @@ def _rank(rank: int, store: str, kind: str, seeds: range, results) -> None:
                 if e.smallest_budget is not None:
                     staged.memory_budget = e.smallest_budget
                 plan = staged.plan(xs[rank], ys[rank])
-            loss = staged(xs[rank], ys[rank])
+            if lazy:  # the step written eagerly on lazy tensors; its flush plans apart, and may need more
+                budget = staged.memory_budget
+                for attempt in range(2):
+                    case.model.zero_grad(set_to_none=True)
+                    try:
+                        lx, ly = stagetorch.lazy(xs[rank], ys[rank], process_group=dist.group.WORLD, memory_budget=budget)
+                        loss = case.step()(lx, ly)
+                        break
+                    except stagetorch.OutOfMemoryError as e:  # every rank raises
+                        if attempt:
+                            raise
+                        budget = e.smallest_budget or budget
+            else:
+                loss = staged(xs[rank], ys[rank])
         except stagetorch.BatchCouplingError:
             lines.append(("named error", ""))  # BatchNorm couples the ranks' examples: refused on every rank
             continue
@@ -112,12 +126,13 @@ def _rank(rank: int, store: str, kind: str, seeds: range, results) -> None:
                 or (p.grad is not None and (p.grad - q.grad).abs().max().item() > 1e-9 * scale)
                 for p, q in zip(case.model.parameters(), reference.parameters())
             )
-            lines.append(("problem", f"{case.description} in shards {sizes}: not eager's") if wrong else (_kind(plan), ""))
+            lines.append(("problem", f"{case.description} in shards {sizes}: not eager's") if wrong
+                         else ("equal to eager" if lazy else _kind(plan), ""))
     results.put((rank, lines))
     dist.destroy_process_group()
 
 
-def _distributed(kind: str, seeds: range) -> list[tuple[str, str]]:
+def _distributed(kind: str, seeds: range, lazy: bool) -> list[tuple[str, str]]:
     import tempfile
 
     import torch.multiprocessing as mp
@@ -125,7 +140,7 @@ def _distributed(kind: str, seeds: range) -> list[tuple[str, str]]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     store = tempfile.mktemp()
-    procs = [ctx.Process(target=_rank, args=(r, store, kind, seeds, results)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, store, kind, seeds, lazy, results)) for r in range(2)]
     for p in procs:
         p.start()
     got = dict(results.get(timeout=3600) for _ in procs)
@@ -149,7 +164,7 @@ def main() -> None:
     args = parser.parse_args()
     counts: collections.Counter = collections.Counter()
     if args.ranks == 2:
-        for outcome, problem in _distributed(args.kind, range(args.start, args.stop)):
+        for outcome, problem in _distributed(args.kind, range(args.start, args.stop), args.lazy):
             counts[outcome] += 1
             if problem:
                 print(problem, flush=True)
