@@ -26,7 +26,6 @@ BATCH: dict = {
 }
 
 
-
 # Layout rules (see stagetorch/ops/_layout.py): the backward multiplies in a TensorIterator, which keeps the
 # gradient's layout; its meta kernel returns a contiguous tensor.
 LAYOUT: dict = {

@@ -87,7 +87,6 @@ BATCH: dict = {
 }
 
 
-
 # Layout rules (see stagetorch/ops/_layout.py). With a 0-dim tensor operand these meta kernels return a
 # contiguous tensor where the kernel (a TensorIterator) keeps the other operand's layout; log_sigmoid's CPU
 # kernel returns both its outputs contiguous where its meta kernel keeps the input's strides.

@@ -92,7 +92,6 @@ BATCH: dict = {
 }
 
 
-
 # Layout rules: op -> rule(*args as the tracer holds them) -> the real kernel's strides per output (see
 # stagetorch/ops/_layout.py). Batch norm's kernels allocate their output (the backward: the input's
 # gradient) dense in the input's suggested memory format; its meta kernels keep the input's strides, so a
