@@ -1,7 +1,9 @@
-"""Measure the live-tensor peak of real PyTorch code: the ground truth the memory estimates are tested against,
-and the one harness that runs a step along every path (tests and benchmarks) and returns both.
+"""Measure the memory peak of real PyTorch code: the ground truth the memory estimates are tested against, and
+the one harness that runs a step along every path (tests and benchmarks) and returns both.
 
-A dispatch mode sees every tensor an ATen op returns, forward and backward. Each storage is counted once
+``AllocatorPeak`` reads the allocator itself: every byte a kernel, a workspace or a kept copy takes (on CPU the
+profiler's allocation events, on CUDA ``max_memory_allocated``). ``LivePeak`` is the older diagnostic that sees
+only the tensors ops return. A dispatch mode sees every tensor an ATen op returns, forward and backward. Each storage is counted once
 from its first appearance until the last tensor on it dies (weak references fire when the C++ tensor goes,
 since PyTorch keeps a tensor's Python object alive while C++ still holds it). Tensors alive before the step
 (parameters, buffers, inputs, existing .grad) are counted as resident.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import copy
 import weakref
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import models
 import pytest
@@ -30,6 +33,65 @@ def _step_of(name):
     return models.gpt2_step if name == "gpt2" else models.train_step
 
 _DENSE = (torch.Tensor, torch.nn.Parameter)
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages under ``tensors`` (views of one storage count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if type(t) in _DENSE and t.device.type != "meta":
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def _events(nodes):
+    for e in nodes:
+        yield e
+        yield from _events(e.children)
+
+
+class AllocatorPeak:
+    """The peak of bytes the allocator handed out while the block ran, plus ``resident`` (state alive before).
+
+    CPU: the profiler records every allocation and free (kernel workspaces, column buffers and copies a call
+    keeps included); their running sum's maximum is the block's own peak. CUDA: ``max_memory_allocated`` after
+    resetting the peak statistics (and ``reserved``, the caching allocator's segments). Only the allocations of
+    ``device`` count."""
+
+    def __init__(self, resident: Iterable[torch.Tensor] = (), device: str = "cpu"):
+        self.resident = _storage_bytes(resident)
+        self.device = torch.device(device)
+        self.peak = self.excess = self.reserved = 0
+
+    def __enter__(self) -> AllocatorPeak:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.excess = torch.cuda.max_memory_allocated(self.device) - self._base
+            self.reserved = torch.cuda.max_memory_reserved(self.device)
+        else:
+            self._prof.__exit__(*exc)
+            allocation = torch._C._profiler._EventType.Allocation
+            tree = self._prof.profiler.kineto_results.experimental_event_tree()
+            events = sorted(
+                (e for e in _events(tree) if e.tag == allocation and e.extra_fields.device.type == "cpu"),
+                key=lambda e: e.start_time_ns,
+            )
+            live = 0
+            for e in events:
+                live += e.extra_fields.alloc_size
+                self.excess = max(self.excess, live)
+        self.peak = self.resident + self.excess
 
 
 class LivePeak(TorchDispatchMode):
@@ -149,3 +211,11 @@ def measured_peak(step: Callable, model: torch.nn.Module, *args: torch.Tensor) -
     with LivePeak(resident) as tracker:
         step(*args)
     return tracker.peak
+
+
+def allocator_peak(step: Callable, resident: Iterable[torch.Tensor], *args, device: str = "cpu", **kwargs) -> tuple[int, Any]:
+    """``(peak, result)`` of ``step(*args, **kwargs)`` at the allocator, with ``resident`` (parameters, buffers,
+    held ``.grad``, optimizer state, inputs) counted as alive before it."""
+    with AllocatorPeak(resident, device) as tracker:
+        out = step(*args, **kwargs)
+    return tracker.peak, out
