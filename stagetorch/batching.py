@@ -161,7 +161,88 @@ def _rule_for(prim: Any) -> Callable | None:
 
 
 def analyze(graph: Graph, inputs: dict[Var, Batched], batch: int) -> BatchAnalysis:
-    """Label every value of ``graph`` given the batched inputs (by Var) and the full batch size."""
+    """Label every value of ``graph`` given the batched inputs (by Var) and the full batch size.
+
+    A tensor the step makes with a factory (``input_ids.new_zeros(input_ids.shape)``, ``torch.zeros(B, S)``)
+    depends on the batch only through its size, so it is first taken as shared; when per-example values are
+    then written into it, it was per-example after all: it is made per chunk, at the chunk's size, and the
+    analysis starts again with that known (once per such tensor).
+    """
+    promoted: dict[Var, Batched] = {}
+    while True:
+        try:
+            return _analyze(graph, inputs, batch, promoted)
+        except _Promote as p:
+            promoted[p.var] = p.label
+
+
+class _Promote(Exception):  # noqa: N818 - control flow inside analyze, never seen by users
+    def __init__(self, var: Var, label: Batched):
+        self.var, self.label = var, label
+
+
+# Factories whose output depends on nothing but their sizes (and a fill value): where per-example values are
+# written into their output, they are made per chunk. Value: the position of the sizes argument, or None for
+# the ``*_like`` ones (shaped like their input, which is then cut to the chunk).
+_FACTORIES = {
+    torch.ops.aten.zeros: 0, torch.ops.aten.ones: 0, torch.ops.aten.empty: 0, torch.ops.aten.full: 0,
+    torch.ops.aten.new_zeros: 1, torch.ops.aten.new_ones: 1, torch.ops.aten.new_empty: 1,
+    torch.ops.aten.new_full: 1, torch.ops.aten.zeros_like: None, torch.ops.aten.ones_like: None,
+    torch.ops.aten.empty_like: None, torch.ops.aten.full_like: None,
+}
+
+
+def _factory_rule(eqn: Eqn, lab: Batched) -> Chunked:
+    """A promoted factory: made per chunk, with the batch's extent in its sizes set to the chunk's."""
+    pos = _FACTORIES[_packet(eqn.prim)]
+    if pos is None:
+        return Chunked((lab,), slice={eqn.args[0]: lab})
+
+    def call(n: int) -> tuple[Any, tuple, dict]:
+        return _with_chunk_sizes(eqn, lab, n, (), (pos,))
+
+    return Chunked((lab,), call=call)
+
+
+def _into_factory(
+    graph: Graph, eqn: Eqn, written: Var, decision: Chunked, labels: dict[Var, Any], batch: int
+) -> _Promote | None:
+    """The promotion of the fresh factory output ``written`` lives in, if per-example values written into it
+    line up with its dims (through the slices, selects and transposes that viewed it)."""
+    lab = next((lab for v, lab in zip(eqn.outvars, decision.out) if v is not None and v.root is written.root
+                and isinstance(lab, Batched)), None)
+    if lab is None:
+        return None
+    producer = {v: e for e in graph.eqns for v in e.outvars if v is not None}
+    dim, v = lab.dim, written
+    while v.base is not None:
+        e = producer.get(v)
+        if e is None or not isinstance(e.args[0], Var):
+            return None
+        op, x = _packet(e.prim), e.args[0]
+        same_dims = op in (torch.ops.aten.alias, torch.ops.aten.detach, torch.ops.aten.view) and x.aval.shape == v.aval.shape
+        if same_dims or (op is torch.ops.aten.slice and e.args[1] % x.aval.ndim != dim):
+            pass
+        elif op is torch.ops.aten.select:
+            dim += e.args[1] % x.aval.ndim <= dim
+        elif op is torch.ops.aten.unsqueeze and e.args[1] % v.aval.ndim != dim:
+            dim -= e.args[1] % v.aval.ndim < dim
+        elif op is torch.ops.aten.transpose:
+            a, b = (d % x.aval.ndim for d in e.args[1:3])
+            dim = b if dim == a else a if dim == b else dim
+        else:
+            return None
+        v = x
+    maker = producer.get(v)
+    if maker is None or _packet(maker.prim) not in _FACTORIES or labels.get(v) is not None:
+        return None
+    if v.aval.shape[dim] != lab.extent(batch) or (_FACTORIES[_packet(maker.prim)] is None and maker.args[0] in labels
+                                                   and labels[maker.args[0]] is not None):
+        return None
+    return _Promote(v, attrs.evolve(lab, dim=dim))
+
+
+def _analyze(graph: Graph, inputs: dict[Var, Batched], batch: int, promoted: dict[Var, Batched]) -> BatchAnalysis:
     labels: dict[Var, Any] = dict(inputs)
     phases: list[str] = []
     decisions: dict[int, Chunked] = {}
@@ -173,6 +254,12 @@ def analyze(graph: Graph, inputs: dict[Var, Batched], batch: int) -> BatchAnalys
 
     for i, e in enumerate(graph.eqns):
         ins = e.invars
+        made = next((promoted[v] for v in e.outvars if v in promoted), None)
+        if made is not None:
+            phases.append("body")
+            decisions[i] = _factory_rule(e, made)
+            labels[e.outvars[0]] = made
+            continue
         batched = [v for v in ins if isinstance(labels.get(v), Batched)]
         late = [v for v in ins if isinstance(labels.get(v), Reduced) or labels.get(v) == _POST]
         if not batched and late and _packet(e.prim) in _METADATA_ONLY:
@@ -223,6 +310,8 @@ def analyze(graph: Graph, inputs: dict[Var, Batched], batch: int) -> BatchAnalys
         decision = rule(e, LabelFn(labels, batch))
         for v in writes(e):
             if not isinstance(labels.get(v), Batched):
+                if (promote := _into_factory(graph, e, v, decision, labels, batch)) is not None:
+                    raise promote
                 raise coupling(
                     e,
                     "updates a tensor shared by the whole batch in place from per-example values",
@@ -325,7 +414,7 @@ def per_example(
         extent = lab.extent(label.batch)
         cut = {}
         for i in slice_args:
-            v = eqn.args[i] if i < len(eqn.args) else None
+            v = _argument(eqn, i)
             if isinstance(v, Var) and label(v) is None and v.aval.ndim > dim and v.aval.shape[dim] == extent:
                 cut[v] = lab
         out = []
@@ -348,6 +437,16 @@ def per_example(
         return Chunked(tuple(out), call=call, slice=cut)
 
     return rule
+
+
+def _argument(eqn: Eqn, i: int) -> Any:
+    """Argument ``i`` of the op's schema, passed by position or by keyword (``attn_mask=``)."""
+    if i < len(eqn.args):
+        return eqn.args[i]
+    schema = getattr(eqn.prim, "_schema", None)
+    if schema is None or i >= len(schema.arguments):
+        return None
+    return eqn.kwargs.get(schema.arguments[i].name)
 
 
 def _with_chunk_sizes(

@@ -15,6 +15,7 @@ from . import (
     dropout,
     elementwise,
     embedding,
+    indexing,
     linalg,
     losses,
     norms,
@@ -28,7 +29,7 @@ from .losses import reduction_loss
 __all__ = ["register", "rules", "lookup", "Rule", "pointwise", "per_example", "contraction", "reduction_loss"]
 
 for _family in (
-    elementwise, linalg, conv, pooling, norms, attention, recurrent, losses, reductions, views, embedding, dropout,
+    elementwise, linalg, conv, pooling, norms, attention, recurrent, losses, reductions, views, embedding, dropout, indexing,
 ):
     for _slot in ("SHAPE", "MEMORY", "BATCH", "FLOPS", "CALLS", "LAYOUT"):
         for _op, _fn in getattr(_family, _slot, {}).items():

@@ -23,7 +23,12 @@ def embedding_dense_backward(eqn: Eqn, label: LabelFn) -> Chunked:
     scale_by_freq = eqn.args[4] if len(eqn.args) > 4 else eqn.kwargs.get("scale_grad_by_freq", False)
     if scale_by_freq:
         raise coupling(eqn, "scales gradients by token counts over the batch", "use scale_grad_by_freq=False")
-    return Chunked((Reduced("sum"),))
+    grad, indices = eqn.args[0], eqn.args[1]
+    lab = label(grad)
+    # The gradient's leading dims are the indices' dims: shared indices (token type ids expanded to the batch)
+    # are cut to the chunk with it.
+    cut = {indices: lab} if lab is not None and label(indices) is None and lab.dim < indices.aval.ndim else {}
+    return Chunked((Reduced("sum"),), slice=cut)
 
 
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
