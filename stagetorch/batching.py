@@ -102,11 +102,16 @@ class Chunked:
 
 
 class LabelFn:
-    """What a batch rule asks about its arguments: ``label(x)`` and the full batch size ``label.batch``."""
+    """What a batch rule asks about its arguments: ``label(x)``, the full batch size ``label.batch``, and
+    ``label.maker(x)``, the equation that made ``x`` (``None`` for a graph input)."""
 
-    def __init__(self, labels: dict[Var, Any], batch: int):
+    def __init__(self, labels: dict[Var, Any], batch: int, makers: dict[Var, Eqn] | None = None):
         self._labels = labels
         self.batch = batch
+        self._makers = makers or {}
+
+    def maker(self, x: Var) -> Eqn | None:
+        return self._makers.get(x)
 
     def __call__(self, x: Any) -> Batched | None:
         if isinstance(x, Var):
@@ -205,7 +210,7 @@ def _factory_rule(eqn: Eqn, lab: Batched) -> Chunked:
 
 
 def _into_factory(
-    graph: Graph, eqn: Eqn, written: Var, decision: Chunked, labels: dict[Var, Any], batch: int
+    producer: dict[Var, Eqn], eqn: Eqn, written: Var, decision: Chunked, labels: dict[Var, Any], batch: int
 ) -> _Promote | None:
     """The promotion of the fresh factory output ``written`` lives in, if per-example values written into it
     line up with its dims (through the slices, selects and transposes that viewed it)."""
@@ -213,7 +218,6 @@ def _into_factory(
                 and isinstance(lab, Batched)), None)
     if lab is None:
         return None
-    producer = {v: e for e in graph.eqns for v in e.outvars if v is not None}
     dim, v = lab.dim, written
     while v.base is not None:
         e = producer.get(v)
@@ -244,6 +248,7 @@ def _into_factory(
 
 def _analyze(graph: Graph, inputs: dict[Var, Batched], batch: int, promoted: dict[Var, Batched]) -> BatchAnalysis:
     labels: dict[Var, Any] = dict(inputs)
+    makers = {v: e for e in graph.eqns for v in e.outvars if v is not None}
     phases: list[str] = []
     decisions: dict[int, Chunked] = {}
     placeholders: dict[int, dict[Var, Any]] = {}
@@ -307,10 +312,10 @@ def _analyze(graph: Graph, inputs: dict[Var, Batched], batch: int, promoted: dic
                 f"stagetorch.ops.register(torch.ops.{op_name(_packet(e.prim))}, "
                 f"batch=stagetorch.ops.per_example()), or run without chunking (a larger memory_budget)."
             )
-        decision = rule(e, LabelFn(labels, batch))
+        decision = rule(e, LabelFn(labels, batch, makers))
         for v in writes(e):
             if not isinstance(labels.get(v), Batched):
-                if (promote := _into_factory(graph, e, v, decision, labels, batch)) is not None:
+                if (promote := _into_factory(makers, e, v, decision, labels, batch)) is not None:
                     raise promote
                 raise coupling(
                     e,

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..batching import Batched, Chunked, LabelFn, coupling
+from ..batching import Batched, Chunked, LabelFn, Reduced, coupling
 from ..errors import BatchCouplingError
 from ..ir import Eqn, Var
 
@@ -141,7 +141,116 @@ def _cut_shared(
     return cut
 
 
+_ZEROS = (aten.zeros, aten.new_zeros, aten.zeros_like)
+
+
+def _is_zeros(label: LabelFn, x: Var) -> bool:
+    maker = label.maker(x)
+    return maker is not None and maker.prim.overloadpacket in _ZEROS
+
+
+def _own_batch_rows_put(x: torch.Tensor, indices: list, values: torch.Tensor, accumulate: bool, dim: int, at: int):
+    """``x.index_put(indices, values, accumulate)`` on a chunk, ``indices[dim]`` being each example's own
+    position along broadcast dim ``at`` (see :func:`_own_batch_rows`)."""
+    full = indices[dim]
+    batch = full.shape[at]
+    shape = [1] * full.ndim
+    shape[at] = batch
+    own = torch.arange(batch, device=full.device, dtype=full.dtype).view(shape)
+    if not torch.equal(full, own.expand_as(full)):
+        raise BatchCouplingError(
+            "An advanced index assignment into the batch dim writes rows other than each example's own, so "
+            "running the batch in chunks would change the result.\nWhat to do: reorder examples outside the "
+            "staged function, or run without chunking (a larger memory_budget)."
+        )
+    local = list(indices)
+    local[dim] = own.narrow(at, 0, x.shape[dim])
+    return torch.ops.aten.index_put.default(x, local, values, accumulate)
+
+
+def index_put(eqn: Eqn, label: LabelFn) -> Chunked:
+    """``aten.index_put(x, indices, values, accumulate)`` (the backward of ``x[indices]``): exact per chunk when
+
+    - the batch dim of ``x`` is not indexed, every index is shared, and the values carry the batch where
+      ``x[indices]`` has it (or are shared);
+    - ``x`` is made of zeros, ``accumulate`` is set and the values (and per-example indices) carry the batch on
+      one broadcast index dim: each chunk scatters its own share and the shares sum (an embedding table's
+      gradient by position ids);
+    - ``x`` is per-example, or shared with one row per example, and its batch dim is indexed by each
+      example's own position (the backward of ``logits[arange(B), labels]``).
+    """
+    x, indices, values = eqn.args[0], list(eqn.args[1]), eqn.args[2]
+    accumulate = bool(eqn.args[3] if len(eqn.args) > 3 else eqn.kwargs.get("accumulate", False))
+    first, x_to_out, width = _placement(x.aval.ndim, indices)
+    xl, vl = label(x), label(values)
+    tensors = [(d, t) for d, t in enumerate(indices) if isinstance(t, Var)]
+    batched_idx = [(t, lab) for _, t in tensors if (lab := label(t)) is not None]
+    result_ndim = len(x_to_out) - sum(o is None for o in x_to_out) + width
+    offset = result_ndim - values.aval.ndim  # values broadcast against x[indices], aligned right
+
+    if xl is not None and (xl.dim >= len(indices) or indices[xl.dim] is None):
+        if batched_idx or (vl is not None and (vl.dim + offset, vl.k, vl.outer) != (x_to_out[xl.dim], xl.k, xl.outer)):
+            raise coupling(eqn, "writes values into per-example rows they do not line up with", "batch them alike")
+        cut = {}
+        if vl is None and values.aval.ndim > x_to_out[xl.dim] - offset >= 0:
+            own = x_to_out[xl.dim] - offset
+            if values.aval.shape[own] == xl.extent(label.batch) != 1:
+                cut[values] = Batched(own, xl.k, xl.outer)
+        return Chunked((xl,), slice=cut)
+
+    extent = label.batch
+    dim = xl.dim if xl is not None else next(
+        (d for d, t in tensors if label(t) is None and x.aval.shape[d] == extent and extent in t.aval.shape), None
+    )
+    if dim is None:
+        # x is shared: which broadcast index dim carries the batch, the values' or a per-example index's.
+        placed = {(lab.dim + width - t.aval.ndim, lab.k, lab.outer) for t, lab in batched_idx}
+        if vl is not None:
+            placed.add((vl.dim + offset - first, vl.k, vl.outer))
+        if len(placed) != 1 or not 0 <= next(iter(placed))[0] < width:
+            raise coupling(eqn, "scatters per-example values along dims that do not line up", "batch them alike")
+        if not (accumulate and _is_zeros(label, x)):
+            raise coupling(
+                eqn,
+                "writes per-example values into a tensor shared by the whole batch",
+                "accumulate into zeros (index_put(..., accumulate=True)), or run without chunking",
+            )
+        at, k, outer = placed.pop()
+        full = Batched(0, k, outer).extent(extent)
+        cut = _cut_shared(eqn, tensors, label, at, width, full, k, outer)
+        if vl is None:
+            cut.update(_cut_shared(eqn, [(0, values)], label, first + at, result_ndim, full, k, outer))
+        return Chunked((Reduced("sum"),), slice=cut)
+
+    # The batch dim of x is indexed: by each example's own position.
+    own = indices[dim] if dim < len(indices) else None
+    rows = [d for d in range(own.aval.ndim) if own.aval.shape[d] == extent != 1] if isinstance(own, Var) else []
+    if (xl is not None and (xl.k, xl.outer) != (1, 1)) or label(own) is not None or len(rows) != 1:
+        raise coupling(
+            eqn,
+            "writes into the batch dim at per-example positions",
+            "index examples outside the staged function, or run without chunking (a larger memory_budget)",
+        )
+    at = rows[0] + width - own.aval.ndim
+    if (vl is not None and (vl.dim + offset - first, vl.k, vl.outer) != (at, 1, 1)) or any(
+        (lab.dim + width - t.aval.ndim, lab.k, lab.outer) != (at, 1, 1) for t, lab in batched_idx
+    ):
+        raise coupling(eqn, "writes per-example values along dims that do not line up", "batch them alike")
+    cut = _cut_shared(eqn, [(d, t) for d, t in tensors if t is not own], label, at, width, extent, 1, 1)
+    if xl is None:
+        cut[x] = Batched(dim)
+    if vl is None:
+        cut.update(_cut_shared(eqn, [(0, values)], label, first + at, result_ndim, extent, 1, 1))
+
+    def call(n: int) -> tuple[Any, tuple, dict]:
+        return _own_batch_rows_put, (x, indices, values, accumulate, dim, at), {}
+
+    return Chunked((Batched(dim),), call=call, slice=cut)
+
+
 BATCH: dict = {
     aten.index.Tensor: index,
     aten._unsafe_index.Tensor: index,
+    aten.index_put.default: index_put,
+    aten._unsafe_index_put.default: index_put,
 }
