@@ -124,6 +124,7 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
         self.failed = False  # its last flush raised: nothing runs it implicitly (see _flush_before_optimizer_step)
         self.alive: dict[Var, weakref.ref] = {}
         self.batched: dict[Var, Batched] = {}
+        self.made: dict[Var, Batched] = {}  # the batch labels of per-example values earlier flushes made
         self.lazies: list[LazyTensor] = []
         self.slots: list[torch.Tensor] = []  # the real tensors the session's calls took, in order
         self.slot_ids: dict[int, int] = {}
@@ -288,7 +289,7 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
         built = flushes.get((self.done, end, outs, self.remat))
         if built is None:
             # Under a process group, per-example values earlier flushes made are batched too (this rank's rows).
-            labels = self.batched if self.shard is None else {**self.batched, **self.shard.labels}
+            labels = {**self.batched, **(self.made if self.shard is None else self.shard.labels)}
             roles = ["arg" if v in labels else "const" for v in invars]
             graph = Graph(invars, self.eqns[self.done : end], list(outs), roles, [""] * len(invars))
             batched = {v: b for v, b in labels.items() if v in invars}
@@ -320,6 +321,10 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
                     if wider is e:
                         raise
                     raise wider from e
+                # Per-example values this flush made stay per-example for the flushes that read them (the
+                # hidden states before a data-dependent mask check): they are cut to each chunk, not shared.
+                labels = executable.split().analysis.labels
+                self.made.update((v, labels[v]) for v in executable.graph.outvars if isinstance(labels.get(v), Batched))
             else:
                 results = shard.run(self.shard, executable, inputs, budget)
         except BaseException:

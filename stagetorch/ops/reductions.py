@@ -30,6 +30,13 @@ BATCH: dict = {
     aten.amin: batching.reduction("min"),
     aten.max.default: batching.reduction("max", dims_arg=None, keepdim_arg=None),
     aten.min.default: batching.reduction("min", dims_arg=None, keepdim_arg=None),
+    # all/any over bools: a chunk's answer combines with the others' as a minimum/maximum does.
+    aten.all.default: batching.reduction("min", dims_arg=None, keepdim_arg=None),
+    aten.all.dim: batching.reduction("min"),
+    aten.all.dims: batching.reduction("min"),
+    aten.any.default: batching.reduction("max", dims_arg=None, keepdim_arg=None),
+    aten.any.dim: batching.reduction("max"),
+    aten.any.dims: batching.reduction("max"),
     # Reductions and scans along a dim other than the batch's.
     aten.max.dim: batching.along(1, keepdim=2, reduces=True),
     aten.argmax: batching.along(1, keepdim=2, reduces=True),
