@@ -41,6 +41,17 @@ def _placement(x_ndim: int, indices: Sequence[Any]) -> tuple[int, list[int | Non
     return first, x_to_out, width
 
 
+def _no_masks(eqn: Eqn, indices: list) -> None:
+    """A boolean index stands for the positions of its true entries over several dims (data the rules do not
+    see): only integer indices are placed."""
+    if any(isinstance(t, Var) and t.aval.dtype in (torch.bool, torch.uint8) for t in indices):
+        raise coupling(
+            eqn,
+            "indexes with a boolean mask, whose positions depend on the data",
+            "index with integer positions (mask.nonzero()), or run without chunking (a larger memory_budget)",
+        )
+
+
 def _own_batch_rows(x: torch.Tensor, indices: list, dim: int, at: int) -> torch.Tensor:
     """``x[indices]`` where ``indices[dim]`` selects, along broadcast dim ``at``, each example's own row of the
     batch (``arange(B)`` there): on a chunk of ``n`` examples it selects rows ``0..n-1`` of the chunk."""
@@ -70,6 +81,7 @@ def index(eqn: Eqn, label: LabelFn) -> Chunked:
       dim, as transformers' mask functions and ``logits[arange(B), labels]`` do), checked when it runs.
     """
     x, indices = eqn.args[0], list(eqn.args[1])
+    _no_masks(eqn, indices)
     first, x_to_out, width = _placement(x.aval.ndim, indices)
     extent_of = label.batch
     xl = label(x)
@@ -181,6 +193,7 @@ def index_put(eqn: Eqn, label: LabelFn) -> Chunked:
     """
     x, indices, values = eqn.args[0], list(eqn.args[1]), eqn.args[2]
     accumulate = bool(eqn.args[3] if len(eqn.args) > 3 else eqn.kwargs.get("accumulate", False))
+    _no_masks(eqn, indices)
     first, x_to_out, width = _placement(x.aval.ndim, indices)
     xl, vl = label(x), label(values)
     tensors = [(d, t) for d, t in enumerate(indices) if isinstance(t, Var)]
