@@ -30,7 +30,7 @@ from .passes import writes
 from .planning import SAFETY_MARGIN, Plan, body_peaks, chunked_peak, plan_chunks
 from .remat import RECOMPUTED, recomputed_eqns
 from .remat_planning import Recompute, RematPlan, frontier, plan_joint
-from .tracing import State, Traced, arg_names, discover, trace
+from .tracing import State, Traced, arg_names, discover, held_values, leaf_names, trace
 
 __all__ = ["make_ir", "eval_shape", "jit", "Staged", "memory", "Executable", "clear_caches"]
 
@@ -494,9 +494,13 @@ class Staged:
     def _stage(self, args: tuple, kwargs: dict, global_batch: int | None = None) -> tuple[_Entry, list, State]:
         """The cached staged program for these arguments, and its real inputs. With ``global_batch`` (a
         process group's), the program is staged for the batched arguments holding that many examples."""
+        leaves, tree = pytree.tree_flatten((args, kwargs))
+        held = held_values(leaves, lambda: leaf_names(self.fn, args, kwargs))
+        if held is not leaves:  # a lazy tensor: the step reads the real tensor it holds
+            leaves = held
+            args, kwargs = pytree.tree_unflatten(leaves, tree)
         state = discover(self.fn, args, kwargs)
         state_tensors, state_key = state.tensors_and_key()
-        leaves, tree = pytree.tree_flatten((args, kwargs))
         static = set(self.static_argnums)
         argnums = _leaf_argnums(args, kwargs) if static or self.batch_argnums is not None else None
         # The grad mode decides what the tracer records (a forward under no_grad has no backward to stage).

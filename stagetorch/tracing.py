@@ -12,6 +12,7 @@ an op anyway are lifted into the graph as constants.
 from __future__ import annotations
 
 import collections
+import dis
 import enum
 import functools
 import inspect
@@ -98,6 +99,16 @@ def source_info(module: str = "", backward: str = "") -> SourceInfo:
 def _code_line(src: SourceInfo) -> str:
     text = linecache.getline(src.file, src.line).strip()
     return f"\n    {text}" if text else ""
+
+
+def _is_leaf(t: torch.Tensor) -> bool:
+    """``t.is_leaf``; False for a view made under no_grad whose base was changed in place since, whose
+    autograd metadata torch refuses to read (a weight a replayed lazy step transposed, recorded again after
+    ``optimizer.step()``): its value is still a value, and is lifted as one."""
+    try:
+        return t.is_leaf
+    except RuntimeError:
+        return False
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -282,10 +293,12 @@ def _class_globals(cls: type) -> list[tuple[str, dict, str]]:
         if not isinstance(f, types.FunctionType) or id(f) in seen or _is_internal(f.__code__.co_filename):
             return
         seen.add(id(f))
+        if depth < _MAX_DEPTH:
+            for name in _used_names(f.__code__):  # self.helper() loads "helper" as an attribute
+                if name in methods:
+                    scan(methods[name], depth + 1)
         g = f.__globals__
-        for name in dict.fromkeys(_global_names(f.__code__)):
-            if name in methods and depth < _MAX_DEPTH:
-                scan(methods[name], depth + 1)
+        for name in _global_names(f.__code__):
             if name not in g or name.startswith("__") or (id(g), name) in seen:
                 continue
             seen.add((id(g), name))
@@ -310,12 +323,32 @@ def _diff(was: dict, now: dict, prefix: str) -> list[str]:
 _MAX_DEPTH = 3
 
 
+# Tensor types that stand for a value held elsewhere (one-line mode's LazyTensor registers itself): a
+# staged function that reads one, as an argument or through a global, reads the real tensor it holds.
+# Each maps (tensor, the user's name for it) to that tensor, or raises a StagingError saying what to do.
+HELD: dict[type, Callable[[torch.Tensor, str], torch.Tensor]] = {}
+
+
+def held_values(leaves: list, names: Callable[[], Sequence[str]]) -> list:
+    """``leaves`` with each tensor of a ``HELD`` type replaced by the real tensor it holds (``names``: the
+    leaves' names, asked for only when there is one)."""
+    if not any(type(x) in HELD for x in leaves):
+        return leaves
+    return [HELD[type(x)](x, name) if type(x) in HELD else x for x, name in zip(leaves, names())]
+
+
 def discover(fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> State:
     """Find the modules and tensors ``fn`` refers to: closure, globals it names, ``self``, defaults, args."""
     state = State()
     seen: set[int] = set()
 
     def add_tensor(name: str, t: torch.Tensor, setter: Callable[[Any], None] | None) -> None:
+        hold = HELD.get(type(t))
+        if hold is not None:
+            held, t = hold(t, name), t
+            if setter is not None:  # the swap's undo puts back the user's tensor, not the one it holds
+                setter = _putting_back(setter, held, t)
+            t = held
         for i, (_, known) in enumerate(state.tensors):
             if known is t:
                 if setter is not None:
@@ -430,11 +463,32 @@ def discover(fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> S
     return state
 
 
-def _global_names(code: types.CodeType) -> Iterator[str]:
+# The opcodes that load a name from the module's globals (LOAD_NAME in a class body or module code;
+# LOAD_FROM_DICT_OR_GLOBALS from Python 3.12). Their argval is the name in every version.
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS"})
+
+
+@functools.lru_cache(maxsize=4096)
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """The names ``code`` loads as globals, its nested code objects' (comprehensions, lambdas, inner
+    functions) included. Not ``co_names``, which holds attribute names too: ``outputs.loss`` would make a
+    module-level ``loss`` an input of the program."""
+    names = dict.fromkeys(i.argval for i in dis.get_instructions(code) if i.opname in _GLOBAL_LOADS)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names.update(dict.fromkeys(_global_names(c)))
+    return tuple(names)
+
+
+_caches.on_clear(_global_names.cache_clear)
+
+
+def _used_names(code: types.CodeType) -> Iterator[str]:
+    """Every name ``code`` and its nested code objects load, attributes and methods included."""
     yield from code.co_names
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
-            yield from _global_names(c)
+            yield from _used_names(c)
 
 
 def _is_user_object(obj: Any) -> bool:
@@ -449,6 +503,13 @@ def _cell_setter(cell: types.CellType) -> Callable[[Any], None]:
         cell.cell_contents = v
 
     return set_cell
+
+
+def _putting_back(set_ref: Callable[[Any], None], held: torch.Tensor, original: Any) -> Callable[[Any], None]:
+    def set_or_put_back(v: Any) -> None:
+        set_ref(original if v is held else v)
+
+    return set_or_put_back
 
 
 def _item_setter(container: Any, key: Any) -> Callable[[Any], None]:
@@ -536,7 +597,8 @@ class Recorder:
         fake = self.lifted.get(id(t))
         if fake is None:
             # A non-leaf (a weight transposed eagerly, in lazy mode) is lifted as the value it is.
-            source = t if t.is_leaf else t.detach()
+            leaf = _is_leaf(t)
+            source = t if leaf else t.detach()
             with self.fake_mode, warnings.catch_warnings():
                 # Describing a detached view, torch's meta converter reads its base's .grad; a non-leaf base
                 # (a weight autocast cast to bf16) warns about that read, which is torch's, not the user's.
@@ -550,7 +612,7 @@ class Recorder:
             self.lifted[id(t)] = fake
             self.consts.append(t)
             self.const_vars[id(t)] = self.add_input(fake, "const", f"const{len(self.consts) - 1}")
-            if t.requires_grad and t.is_leaf:
+            if t.requires_grad and leaf:
                 self.grad_leaks.append((t, t.grad, source_info()))
         return fake
 
@@ -887,10 +949,11 @@ def trace(
     static = set(static_argnums)
 
     leaves, tree = pytree.tree_flatten((tuple(args), kwargs))
-    leaf_names = _leaf_names(fn, args, kwargs)
+    names = leaf_names(fn, args, kwargs)
+    leaves = held_values(leaves, lambda: names)
     arg_is_static = _static_mask(args, kwargs, static)
     fake_leaves = []
-    for leaf, name, is_static in zip(leaves, leaf_names, arg_is_static):
+    for leaf, name, is_static in zip(leaves, names, arg_is_static):
         if isinstance(leaf, torch.Tensor) and not is_static and leaf.layout != torch.strided:
             raise UnsupportedOpError(
                 f"argument {name} is a {leaf.layout} tensor; stagetorch stages dense (strided) tensors only. "
@@ -1243,7 +1306,7 @@ def _module_hooks(rec: Recorder) -> list[Any]:
     return [register_module_forward_pre_hook(push), register_module_forward_hook(pop, always_call=True)]
 
 
-def _leaf_names(fn: Callable, args: Sequence, kwargs: dict) -> list[str]:
+def leaf_names(fn: Callable, args: Sequence, kwargs: dict) -> list[str]:
     names = arg_names(fn, len(args))
     out = []
     for i, a in enumerate(args):
