@@ -468,19 +468,25 @@ def discover(fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> S
 _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS"})
 
 
-@functools.lru_cache(maxsize=4096)
+# id(code) -> (code, its global names). Keyed by id, the code kept alive beside: hashing a code object
+# hashes its bytecode and constants, and discovery asks on every call of a staged function.
+_GLOBAL_NAMES: dict[int, tuple[types.CodeType, tuple[str, ...]]] = {}
+_caches.on_clear(_GLOBAL_NAMES.clear)
+
+
 def _global_names(code: types.CodeType) -> tuple[str, ...]:
     """The names ``code`` loads as globals, its nested code objects' (comprehensions, lambdas, inner
     functions) included. Not ``co_names``, which holds attribute names too: ``outputs.loss`` would make a
     module-level ``loss`` an input of the program."""
+    known = _GLOBAL_NAMES.get(id(code))
+    if known is not None and known[0] is code:
+        return known[1]
     names = dict.fromkeys(i.argval for i in dis.get_instructions(code) if i.opname in _GLOBAL_LOADS)
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
             names.update(dict.fromkeys(_global_names(c)))
-    return tuple(names)
-
-
-_caches.on_clear(_global_names.cache_clear)
+    _GLOBAL_NAMES[id(code)] = (code, tuple(names))
+    return _GLOBAL_NAMES[id(code)][1]
 
 
 def _used_names(code: types.CodeType) -> Iterator[str]:
