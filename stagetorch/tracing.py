@@ -12,6 +12,7 @@ an op anyway are lifted into the graph as constants.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dis
 import enum
 import functools
@@ -37,6 +38,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _caches, _gc
@@ -622,6 +624,18 @@ class Recorder:
                 self.grad_leaks.append((t, t.grad, source_info()))
         return fake
 
+    def constant(self, fake: torch.Tensor) -> torch.Tensor | None:
+        """The real tensor behind ``fake`` when the function built it from Python data (``torch.tensor([1,
+        3])``, lifted as a constant) and has not changed it in place since; else None."""
+        v = self.var_of.get(id(fake))
+        if v is None or fake._version != 0:
+            return None
+        made = next((e for e in reversed(self.eqns) if v in e.outvars), None)
+        if made is None or made.prim is not torch.ops.aten.lift_fresh.default:
+            return None
+        source = made.args[0]
+        return next((t for t in self.consts if self.const_vars[id(t)] is source), None)
+
     def var(self, t: torch.Tensor) -> Var:
         v = self.var_of.get(id(t))
         if v is None:
@@ -914,6 +928,69 @@ class _StagingMode(TorchDispatchMode):
 
 _PRIM_DEVICE = torch.ops.prim.device.default
 
+# What torch says when a kernel reads the data of a fake tensor, which has none.
+_NO_DATA = "its data is not allocated yet"
+
+
+class _ReadsData(Exception):
+    """A composite kernel read a tensor's data in C++, where no dispatch mode sees it: ``trace`` runs the
+    function again under :class:`_ReadConstants`."""
+
+
+_SPLITS = frozenset({torch.tensor_split, torch.Tensor.tensor_split})
+
+
+class _ReadConstants(TorchFunctionMode):
+    """The torch-level calls of a trace, watched for a composite kernel that reads a tensor argument's
+    data in C++ (below the staging mode, which never sees the read). The split points of
+    ``torch.tensor_split`` given as a tensor the function built from Python data (``torch.tensor([1,
+    3])``) are read from the constant the recorder lifted, as eager reads them; any other such read is a
+    ConcretizationError at the user's line. Only a trace that met such a read runs under it: it costs
+    every torch call of the trace a Python call."""
+
+    def __init__(self, recorder: Recorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func in _SPLITS:
+            args, kwargs = self._split_points(func, args, kwargs)
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as e:
+            if _NO_DATA not in str(e):
+                raise
+            raise ConcretizationError(_reads_data_message(func, source_info())) from e
+
+    def _split_points(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``args``, ``kwargs`` with split points given as a constant tensor replaced by its Python value."""
+        key = next((k for k in ("tensor_indices_or_sections", "indices", "sections") if k in kwargs), None)
+        points = args[1] if len(args) > 1 else kwargs.get(key)
+        if not isinstance(points, torch.Tensor):
+            return args, kwargs
+        real = self.recorder.constant(points)
+        if real is None:
+            raise ConcretizationError(_reads_data_message(func, source_info()))
+        value = real.tolist()
+        if len(args) > 1:
+            return (args[0], value, *args[2:]), kwargs
+        kwargs = {k: x for k, x in kwargs.items() if k != key}
+        kwargs["indices" if isinstance(value, list) else "sections"] = value
+        return args, kwargs
+
+
+def _reads_data_message(func: Any, src: SourceInfo) -> str:
+    name = getattr(func, "__qualname__", "")
+    name = name if name.startswith("Tensor.") else f"torch.{getattr(func, '__name__', func)}"
+    return (
+        f"{name} at {src} reads the values of a tensor argument, but stagetorch.jit stages with shapes "
+        f"only:{_code_line(src)}\nWhat to do: pass those values as Python numbers (torch.tensor_split(x, [1, "
+        "3]) rather than a tensor of split points; .tolist() outside the staged function), or build the tensor "
+        "in the function from Python data (torch.tensor([1, 3])), which stagetorch reads; or use "
+        "stagetorch.lazy(...), which evaluates such reads eagerly."
+    )
+
 
 @attrs.define
 class Traced:
@@ -950,6 +1027,14 @@ def trace(
     An argument given as an :class:`~stagetorch.Aval` stands for a contiguous tensor of that aval.
     """
     state = discover(fn, args, kwargs) if state is None else state
+    try:
+        return _trace(fn, args, kwargs, static_argnums, state, watch=False)
+    except _ReadsData:
+        return _trace(fn, args, kwargs, static_argnums, state, watch=True)
+
+
+def _trace(fn: Callable, args: Sequence, kwargs: dict, static_argnums: Sequence[int], state: State, watch: bool) -> Traced:
+    """One trace; with ``watch``, under :class:`_ReadConstants`."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     rec = Recorder(fake_mode)
     static = set(static_argnums)
@@ -1017,8 +1102,13 @@ def trace(
     fake_log.setLevel(logging.CRITICAL)
     try:
         fake_args, fake_kwargs = pytree.tree_unflatten(fake_leaves, tree)
-        with fake_mode, _StagingMode(rec):
-            out = fn(*fake_args, **fake_kwargs)
+        with fake_mode, _StagingMode(rec), _ReadConstants(rec) if watch else contextlib.nullcontext():
+            try:
+                out = fn(*fake_args, **fake_kwargs)
+            except RuntimeError as e:
+                if watch or _NO_DATA not in str(e):
+                    raise
+                raise _ReadsData from e
         out_leaves, out_tree = pytree.tree_flatten(out)
         with fake_mode:
             out_leaves = [rec.lift(x) if isinstance(x, torch.Tensor) else x for x in out_leaves]

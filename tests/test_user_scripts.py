@@ -193,3 +193,65 @@ def test_one_line_accuracy_kept_across_steps_and_read_after_the_loop(lazy_mode, 
     assert [s for _, s in got] == pytest.approx([s for _, s in want], rel=1e-5)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+class GroupedHead(nn.Module):
+    """Splits its features into groups at fixed points given as a tensor, as code ported from numpy does."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(12, 16)
+        self.heads = nn.ModuleList(nn.Linear(n, 3) for n in (4, 8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        groups = torch.tensor_split(self.body(x).relu(), torch.tensor([4, 12]), dim=1)
+        return sum(head(g) for head, g in zip(self.heads, groups))
+
+
+def test_eval_shape_reads_split_points_the_function_builds():
+    x = torch.randn(5, 2)
+    split = stagetorch.eval_shape(lambda x: torch.tensor_split(x, torch.tensor([1, 3])))(x)
+    assert [a.shape for a in split] == [t.shape for t in torch.tensor_split(x, torch.tensor([1, 3]))]
+    by_name = stagetorch.eval_shape(lambda x: x.tensor_split(tensor_indices_or_sections=torch.tensor([2]), dim=1))(x)
+    assert [a.shape for a in by_name] == [(5, 2), (5, 0)]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_step_that_splits_at_constant_points_trains_as_eager(chunked):
+    torch.manual_seed(0)
+    model = GroupedHead()
+    reference = copy.deepcopy(model)
+    data = batches(batch=24)
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    staged = stagetorch.jit(step)
+    if chunked:
+        staged.memory_budget = budget_for(stagetorch.jit(step), *data[0])
+        assert len(staged.plan(*data[0]).chunk_sizes) >= 3
+    optimizer, eager_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    for x, y in data:
+        optimizer.zero_grad()
+        eager_optimizer.zero_grad()
+        got = staged(x, y)
+        want = F.cross_entropy(reference(x), y)
+        want.backward()
+        torch.testing.assert_close(got, want.detach())
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+        optimizer.step()
+        eager_optimizer.step()
+
+
+def test_split_points_from_an_argument_are_a_concretization_error_at_the_line():
+    def step(x, points):
+        return torch.tensor_split(x, points)  # the split
+
+    with pytest.raises(stagetorch.ConcretizationError) as err:
+        stagetorch.jit(step, batch_argnums=(0,))(torch.randn(5, 2), torch.tensor([1, 3]))
+    msg = str(err.value)
+    assert "torch.tensor_split" in msg and "test_user_scripts.py:" in msg and "# the split" in msg
+    assert "tolist()" in msg
