@@ -857,7 +857,16 @@ def memory(
             return report(graph, batch, True, "No argument carries a batch.")
         sizes = [batch // 2, batch // 4] if batch >= 4 else [2 * batch, 3 * batch, 4 * batch]
         totals = {batch: _live_totals(graph)}
-        for b in [*sizes, 1]:
+        if 1 not in totals:
+            try:
+                totals[1] = _live_totals(_staged_at(staged, args, kwargs, 1))
+            except ValueError as e:
+                # The step's own code refuses one example, as eager would (BatchNorm in training mode needs
+                # more than one value per channel): the report has no probe there, and checks the line
+                # at three quarters of the batch instead.
+                log.info("stagetorch: memory: %s not staged at one example: %s", getattr(fn, "__name__", "step"), e)
+                sizes = [batch // 2, 3 * batch // 4] if batch >= 4 else sizes
+        for b in sizes:
             if b not in totals:
                 totals[b] = _live_totals(_staged_at(staged, args, kwargs, b))
         large, small, check = sorted({batch, *sizes}, reverse=True)[:3]

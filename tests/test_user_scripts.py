@@ -255,3 +255,49 @@ def test_split_points_from_an_argument_are_a_concretization_error_at_the_line():
     msg = str(err.value)
     assert "torch.tensor_split" in msg and "test_user_scripts.py:" in msg and "# the split" in msg
     assert "tolist()" in msg
+
+
+def bn_classifier() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(12, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3)
+    )
+
+
+def test_memory_of_a_batchnorm_step_under_a_budget_that_needs_chunks_names_the_coupling():
+    """``stagetorch.memory`` stages the step at one example too, where BatchNorm in training mode (as in
+    eager) refuses a single value per channel: that probe is left out, not a raw ValueError; under a budget
+    that needs chunks it raises the BatchCouplingError ``jit`` raises, whose smallest budget then trains
+    as eager does (recomputing, or whole)."""
+    model = bn_classifier()
+    reference = copy.deepcopy(model)
+    data = batches(batch=32)
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    report = stagetorch.memory(step)(*data[0])
+    assert 1 not in report.probes and report.peak_bytes == stagetorch.jit(step).plan(*data[0]).full_batch_peak_bytes
+    with pytest.raises(stagetorch.BatchCouplingError) as err:
+        stagetorch.memory(step, memory_budget=report.peak_bytes // 2)(*data[0])
+    assert "BatchNorm" in str(err.value) and err.value.smallest_budget is not None
+    assert stagetorch.memory(step, memory_budget=err.value.smallest_budget)(*data[0]).schedule.chunk_sizes == (32,)
+    staged = stagetorch.jit(step, memory_budget=report.peak_bytes // 2)
+    with pytest.raises(stagetorch.BatchCouplingError) as err:
+        staged(*data[0])
+    assert all(p.grad is None for p in model.parameters())
+    staged.memory_budget = err.value.smallest_budget  # the call's, with the copies it holds beside the program
+    optimizer, eager_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    for x, y in data:
+        optimizer.zero_grad()
+        eager_optimizer.zero_grad()
+        got = staged(x, y)
+        want = F.cross_entropy(reference(x), y)
+        want.backward()
+        torch.testing.assert_close(got, want.detach())
+        optimizer.step()
+        eager_optimizer.step()
+    for p, q in zip(model.state_dict().values(), reference.state_dict().values()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
