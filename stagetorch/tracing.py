@@ -103,6 +103,15 @@ def _code_line(src: SourceInfo) -> str:
     return f"\n    {text}" if text else ""
 
 
+@contextlib.contextmanager
+def _no_grad_read_warning() -> Iterator[None]:
+    """Describing a non-leaf (an argument computed before the call, a detached view of one), torch's meta
+    converter reads its .grad, and warns about that read: the read is torch's, not the user's."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf", UserWarning)
+        yield
+
+
 def _is_leaf(t: torch.Tensor) -> bool:
     """``t.is_leaf``; False for a view made under no_grad whose base was changed in place since, whose
     autograd metadata torch refuses to read (a weight a replayed lazy step transposed, recorded again after
@@ -607,10 +616,7 @@ class Recorder:
             # A non-leaf (a weight transposed eagerly, in lazy mode) is lifted as the value it is.
             leaf = _is_leaf(t)
             source = t if leaf else t.detach()
-            with self.fake_mode, warnings.catch_warnings():
-                # Describing a detached view, torch's meta converter reads its base's .grad; a non-leaf base
-                # (a weight autocast cast to bf16) warns about that read, which is torch's, not the user's.
-                warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf", UserWarning)
+            with self.fake_mode, _no_grad_read_warning():
                 try:
                     fake = self.fake_mode.from_tensor(source, static_shapes=True)
                 except AssertionError:
@@ -980,6 +986,31 @@ class _ReadConstants(TorchFunctionMode):
         return args, kwargs
 
 
+# What a fake tensor's autograd graph says when a backward reaches it: the fake of a real non-leaf (a
+# tensor computed from parameters before the call) has a placeholder graph that raises this.
+_THROUGH_INPUT = "Tried to backward() through example input"
+
+
+def _through_input_message(e: RuntimeError, leaves: list, names: list[str], state: State) -> str:
+    tensors = [*zip(names, leaves), *((name, t) for name, t in state.tensors)]
+    outside = [name for name, t in tensors if isinstance(t, torch.Tensor) and t.requires_grad and not t.is_leaf]
+    tb, frame = e.__traceback__, None
+    while tb is not None:
+        if is_user_code(tb.tb_frame.f_code):
+            frame = tb.tb_frame, tb.tb_lineno
+        tb = tb.tb_next
+    where = code = ""
+    if frame is not None:
+        where = f" at {frame[0].f_code.co_filename}:{frame[1]}"
+        code = _code_line(SourceInfo(frame[0].f_code.co_filename, frame[1]))
+    return (
+        f"the backward{where} reaches {', '.join(outside) or 'a tensor'}, which requires grad and was computed "
+        "outside the staged function: its autograd graph is eager's, which the staged backward cannot follow."
+        f"{code}\nWhat to do: compute it inside the staged function (from its parameters), or pass it "
+        "detached (x.detach()) if its gradient is not wanted."
+    )
+
+
 def _reads_data_message(func: Any, src: SourceInfo) -> str:
     name = getattr(func, "__qualname__", "")
     name = name if name.startswith("Tensor.") else f"torch.{getattr(func, '__name__', func)}"
@@ -1051,7 +1082,7 @@ def _trace(fn: Callable, args: Sequence, kwargs: dict, static_argnums: Sequence[
                 "Pass x.to_dense(), or keep sparse work outside the staged function."
             )
         if isinstance(leaf, torch.Tensor) and not is_static:
-            with fake_mode:
+            with fake_mode, _no_grad_read_warning():
                 fake = fake_mode.from_tensor(leaf, static_shapes=True)
             rec.add_input(fake, "arg", name)
             fake_leaves.append(fake)
@@ -1106,6 +1137,8 @@ def _trace(fn: Callable, args: Sequence, kwargs: dict, static_argnums: Sequence[
             try:
                 out = fn(*fake_args, **fake_kwargs)
             except RuntimeError as e:
+                if _THROUGH_INPUT in str(e):
+                    raise UnsupportedOpError(_through_input_message(e, leaves, names, state)) from e
                 if watch or _NO_DATA not in str(e):
                     raise
                 raise _ReadsData from e
@@ -1118,7 +1151,11 @@ def _trace(fn: Callable, args: Sequence, kwargs: dict, static_argnums: Sequence[
             for target, x in opt.created():
                 state_outs.append(target)
                 outvars.append(rec.var(rec.lift(x)) if isinstance(x, torch.Tensor) else Literal(x))
-        final = {i: None if fake.grad is None else rec.var(fake.grad) for i, fake in enumerate(rec.fakes) if fake.requires_grad}
+        # An input computed before the call (a non-leaf) has no .grad to accumulate into, as in eager.
+        final = {
+            i: None if fake.grad is None else rec.var(fake.grad)
+            for i, fake in enumerate(rec.fakes) if fake.requires_grad and fake.is_leaf
+        }
     finally:
         fake_log.setLevel(log_level)
         for h in hooks:

@@ -301,3 +301,42 @@ def test_memory_of_a_batchnorm_step_under_a_budget_that_needs_chunks_names_the_c
         eager_optimizer.step()
     for p, q in zip(model.state_dict().values(), reference.state_dict().values()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_an_argument_with_an_eager_autograd_graph_is_named_where_the_backward_reaches_it():
+    """Features computed eagerly from an encoder, handed to a staged step that trains the head: the staged
+    backward cannot follow them into the encoder (a raw 'backward() through example input' error before);
+    detached, the step trains the head as eager does."""
+    torch.manual_seed(0)
+    encoder, head = nn.Linear(12, 16), nn.Linear(16, 3)
+    reference = copy.deepcopy(head)
+    data = batches()
+
+    def step(features, y):
+        loss = F.cross_entropy(head(features.relu()), y)
+        loss.backward()  # the backward
+        return loss
+
+    x = data[0][0]
+    score = stagetorch.jit(lambda features: head(features).sum())  # no backward: its graph is not followed
+    torch.testing.assert_close(score(encoder(x)), head(encoder(x)).sum().detach())
+    staged = stagetorch.jit(step)
+    with pytest.raises(stagetorch.UnsupportedOpError) as err:
+        staged(encoder(x), data[0][1])
+    msg = str(err.value)
+    assert "reaches features" in msg and "test_user_scripts.py:" in msg and "# the backward" in msg
+    assert ".detach()" in msg
+    assert all(p.grad is None for p in [*encoder.parameters(), *head.parameters()])
+    optimizer, eager_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (head, reference))
+    for x, y in data:
+        features = encoder(x).detach()
+        optimizer.zero_grad()
+        eager_optimizer.zero_grad()
+        got = staged(features, y)
+        want = F.cross_entropy(reference(features.relu()), y)
+        want.backward()
+        torch.testing.assert_close(got, want.detach())
+        optimizer.step()
+        eager_optimizer.step()
+    for p, q in zip(head.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)
