@@ -993,7 +993,7 @@ _THROUGH_INPUT = "Tried to backward() through example input"
 
 def _through_input_message(e: RuntimeError, leaves: list, names: list[str], state: State) -> str:
     tensors = [*zip(names, leaves), *((name, t) for name, t in state.tensors)]
-    outside = [name for name, t in tensors if isinstance(t, torch.Tensor) and t.requires_grad and not t.is_leaf]
+    outside = [name for name, t in tensors if isinstance(t, torch.Tensor) and t.requires_grad and not _is_leaf(t)]
     tb, frame = e.__traceback__, None
     while tb is not None:
         if is_user_code(tb.tb_frame.f_code):

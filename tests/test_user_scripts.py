@@ -19,6 +19,7 @@ STEPS = 4
 # A script's module-level name, which the staged step below also reads as an attribute (``out.loss``):
 # set by the tests to a plain tensor, or to a lazy tensor a one-line loop left behind.
 loss = None
+SCALE, SHIFT = 1.0, 0.0  # scalar globals read only by nested code of a step
 
 
 @dataclass
@@ -97,6 +98,26 @@ def test_an_attribute_name_is_not_a_global(script_global):
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
     assert left is not None
+
+
+def test_globals_read_by_nested_code_still_key_the_program():
+    """A global loaded only inside a generator expression or a lambda of the step is still read on every
+    call: a new value stages again (what reading globals from bytecode must keep)."""
+    global SCALE, SHIFT
+    model = nn.Linear(12, 3)
+    x = batches(1)[0][0]
+
+    def step(x):
+        shift = lambda: SHIFT
+        return sum(model(x * SCALE).sum() for _ in range(1)) + shift()
+
+    staged = stagetorch.jit(step)
+    try:
+        for scale, shift in [(1.0, 0.0), (2.0, 0.0), (2.0, 5.0)]:
+            SCALE, SHIFT = scale, shift
+            torch.testing.assert_close(staged(x), step(x).detach())
+    finally:
+        SCALE, SHIFT = 1.0, 0.0
 
 
 def test_a_finished_one_line_sessions_tensors_are_data_to_jit():
