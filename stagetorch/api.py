@@ -30,7 +30,7 @@ from .passes import writes
 from .planning import SAFETY_MARGIN, Plan, body_peaks, chunked_peak, plan_chunks
 from .remat import RECOMPUTED, recomputed_eqns
 from .remat_planning import Recompute, RematPlan, frontier, plan_joint
-from .tracing import State, Traced, arg_names, discover, trace
+from .tracing import State, Traced, arg_names, discover, held_values, leaf_names, trace
 
 __all__ = ["make_ir", "eval_shape", "jit", "Staged", "memory", "Executable", "clear_caches"]
 
@@ -494,9 +494,13 @@ class Staged:
     def _stage(self, args: tuple, kwargs: dict, global_batch: int | None = None) -> tuple[_Entry, list, State]:
         """The cached staged program for these arguments, and its real inputs. With ``global_batch`` (a
         process group's), the program is staged for the batched arguments holding that many examples."""
+        leaves, tree = pytree.tree_flatten((args, kwargs))
+        held = held_values(leaves, lambda: leaf_names(self.fn, args, kwargs))
+        if held is not leaves:  # a lazy tensor: the step reads the real tensor it holds
+            leaves = held
+            args, kwargs = pytree.tree_unflatten(leaves, tree)
         state = discover(self.fn, args, kwargs)
         state_tensors, state_key = state.tensors_and_key()
-        leaves, tree = pytree.tree_flatten((args, kwargs))
         static = set(self.static_argnums)
         argnums = _leaf_argnums(args, kwargs) if static or self.batch_argnums is not None else None
         # The grad mode decides what the tracer records (a forward under no_grad has no backward to stage).
@@ -853,7 +857,16 @@ def memory(
             return report(graph, batch, True, "No argument carries a batch.")
         sizes = [batch // 2, batch // 4] if batch >= 4 else [2 * batch, 3 * batch, 4 * batch]
         totals = {batch: _live_totals(graph)}
-        for b in [*sizes, 1]:
+        if 1 not in totals:
+            try:
+                totals[1] = _live_totals(_staged_at(staged, args, kwargs, 1))
+            except ValueError as e:
+                # The step's own code refuses one example, as eager would (BatchNorm in training mode needs
+                # more than one value per channel): the report has no probe there, and checks the line
+                # at three quarters of the batch instead.
+                log.info("stagetorch: memory: %s not staged at one example: %s", getattr(fn, "__name__", "step"), e)
+                sizes = [batch // 2, 3 * batch // 4] if batch >= 4 else sizes
+        for b in sizes:
             if b not in totals:
                 totals[b] = _live_totals(_staged_at(staged, args, kwargs, b))
         large, small, check = sorted({batch, *sizes}, reverse=True)[:3]

@@ -12,6 +12,8 @@ an op anyway are lifted into the graph as constants.
 from __future__ import annotations
 
 import collections
+import contextlib
+import dis
 import enum
 import functools
 import inspect
@@ -36,6 +38,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _caches, _gc
@@ -98,6 +101,25 @@ def source_info(module: str = "", backward: str = "") -> SourceInfo:
 def _code_line(src: SourceInfo) -> str:
     text = linecache.getline(src.file, src.line).strip()
     return f"\n    {text}" if text else ""
+
+
+@contextlib.contextmanager
+def _no_grad_read_warning() -> Iterator[None]:
+    """Describing a non-leaf (an argument computed before the call, a detached view of one), torch's meta
+    converter reads its .grad, and warns about that read: the read is torch's, not the user's."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf", UserWarning)
+        yield
+
+
+def _is_leaf(t: torch.Tensor) -> bool:
+    """``t.is_leaf``; False for a view made under no_grad whose base was changed in place since, whose
+    autograd metadata torch refuses to read (a weight a replayed lazy step transposed, recorded again after
+    ``optimizer.step()``): its value is still a value, and is lifted as one."""
+    try:
+        return t.is_leaf
+    except RuntimeError:
+        return False
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -282,10 +304,12 @@ def _class_globals(cls: type) -> list[tuple[str, dict, str]]:
         if not isinstance(f, types.FunctionType) or id(f) in seen or _is_internal(f.__code__.co_filename):
             return
         seen.add(id(f))
+        if depth < _MAX_DEPTH:
+            for name in _used_names(f.__code__):  # self.helper() loads "helper" as an attribute
+                if name in methods:
+                    scan(methods[name], depth + 1)
         g = f.__globals__
-        for name in dict.fromkeys(_global_names(f.__code__)):
-            if name in methods and depth < _MAX_DEPTH:
-                scan(methods[name], depth + 1)
+        for name in _global_names(f.__code__):
             if name not in g or name.startswith("__") or (id(g), name) in seen:
                 continue
             seen.add((id(g), name))
@@ -310,12 +334,32 @@ def _diff(was: dict, now: dict, prefix: str) -> list[str]:
 _MAX_DEPTH = 3
 
 
+# Tensor types that stand for a value held elsewhere (one-line mode's LazyTensor registers itself): a
+# staged function that reads one, as an argument or through a global, reads the real tensor it holds.
+# Each maps (tensor, the user's name for it) to that tensor, or raises a StagingError saying what to do.
+HELD: dict[type, Callable[[torch.Tensor, str], torch.Tensor]] = {}
+
+
+def held_values(leaves: list, names: Callable[[], Sequence[str]]) -> list:
+    """``leaves`` with each tensor of a ``HELD`` type replaced by the real tensor it holds (``names``: the
+    leaves' names, asked for only when there is one)."""
+    if not any(type(x) in HELD for x in leaves):
+        return leaves
+    return [HELD[type(x)](x, name) if type(x) in HELD else x for x, name in zip(leaves, names())]
+
+
 def discover(fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> State:
     """Find the modules and tensors ``fn`` refers to: closure, globals it names, ``self``, defaults, args."""
     state = State()
     seen: set[int] = set()
 
     def add_tensor(name: str, t: torch.Tensor, setter: Callable[[Any], None] | None) -> None:
+        hold = HELD.get(type(t))
+        if hold is not None:
+            held, t = hold(t, name), t
+            if setter is not None:  # the swap's undo puts back the user's tensor, not the one it holds
+                setter = _putting_back(setter, held, t)
+            t = held
         for i, (_, known) in enumerate(state.tensors):
             if known is t:
                 if setter is not None:
@@ -430,11 +474,38 @@ def discover(fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> S
     return state
 
 
-def _global_names(code: types.CodeType) -> Iterator[str]:
+# The opcodes that load a name from the module's globals (LOAD_NAME in a class body or module code;
+# LOAD_FROM_DICT_OR_GLOBALS from Python 3.12). Their argval is the name in every version.
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS"})
+
+
+# id(code) -> (code, its global names). Keyed by id, the code kept alive beside: hashing a code object
+# hashes its bytecode and constants, and discovery asks on every call of a staged function.
+_GLOBAL_NAMES: dict[int, tuple[types.CodeType, tuple[str, ...]]] = {}
+_caches.on_clear(_GLOBAL_NAMES.clear)
+
+
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """The names ``code`` loads as globals, its nested code objects' (comprehensions, lambdas, inner
+    functions) included. Not ``co_names``, which holds attribute names too: ``outputs.loss`` would make a
+    module-level ``loss`` an input of the program."""
+    known = _GLOBAL_NAMES.get(id(code))
+    if known is not None and known[0] is code:
+        return known[1]
+    names = dict.fromkeys(i.argval for i in dis.get_instructions(code) if i.opname in _GLOBAL_LOADS)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names.update(dict.fromkeys(_global_names(c)))
+    _GLOBAL_NAMES[id(code)] = (code, tuple(names))
+    return _GLOBAL_NAMES[id(code)][1]
+
+
+def _used_names(code: types.CodeType) -> Iterator[str]:
+    """Every name ``code`` and its nested code objects load, attributes and methods included."""
     yield from code.co_names
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
-            yield from _global_names(c)
+            yield from _used_names(c)
 
 
 def _is_user_object(obj: Any) -> bool:
@@ -449,6 +520,13 @@ def _cell_setter(cell: types.CellType) -> Callable[[Any], None]:
         cell.cell_contents = v
 
     return set_cell
+
+
+def _putting_back(set_ref: Callable[[Any], None], held: torch.Tensor, original: Any) -> Callable[[Any], None]:
+    def set_or_put_back(v: Any) -> None:
+        set_ref(original if v is held else v)
+
+    return set_or_put_back
 
 
 def _item_setter(container: Any, key: Any) -> Callable[[Any], None]:
@@ -536,11 +614,9 @@ class Recorder:
         fake = self.lifted.get(id(t))
         if fake is None:
             # A non-leaf (a weight transposed eagerly, in lazy mode) is lifted as the value it is.
-            source = t if t.is_leaf else t.detach()
-            with self.fake_mode, warnings.catch_warnings():
-                # Describing a detached view, torch's meta converter reads its base's .grad; a non-leaf base
-                # (a weight autocast cast to bf16) warns about that read, which is torch's, not the user's.
-                warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf", UserWarning)
+            leaf = _is_leaf(t)
+            source = t if leaf else t.detach()
+            with self.fake_mode, _no_grad_read_warning():
                 try:
                     fake = self.fake_mode.from_tensor(source, static_shapes=True)
                 except AssertionError:
@@ -550,9 +626,21 @@ class Recorder:
             self.lifted[id(t)] = fake
             self.consts.append(t)
             self.const_vars[id(t)] = self.add_input(fake, "const", f"const{len(self.consts) - 1}")
-            if t.requires_grad and t.is_leaf:
+            if t.requires_grad and leaf:
                 self.grad_leaks.append((t, t.grad, source_info()))
         return fake
+
+    def constant(self, fake: torch.Tensor) -> torch.Tensor | None:
+        """The real tensor behind ``fake`` when the function built it from Python data (``torch.tensor([1,
+        3])``, lifted as a constant) and has not changed it in place since; else None."""
+        v = self.var_of.get(id(fake))
+        if v is None or fake._version != 0:
+            return None
+        made = next((e for e in reversed(self.eqns) if v in e.outvars), None)
+        if made is None or made.prim is not torch.ops.aten.lift_fresh.default:
+            return None
+        source = made.args[0]
+        return next((t for t in self.consts if self.const_vars[id(t)] is source), None)
 
     def var(self, t: torch.Tensor) -> Var:
         v = self.var_of.get(id(t))
@@ -846,6 +934,94 @@ class _StagingMode(TorchDispatchMode):
 
 _PRIM_DEVICE = torch.ops.prim.device.default
 
+# What torch says when a kernel reads the data of a fake tensor, which has none.
+_NO_DATA = "its data is not allocated yet"
+
+
+class _ReadsData(Exception):
+    """A composite kernel read a tensor's data in C++, where no dispatch mode sees it: ``trace`` runs the
+    function again under :class:`_ReadConstants`."""
+
+
+_SPLITS = frozenset({torch.tensor_split, torch.Tensor.tensor_split})
+
+
+class _ReadConstants(TorchFunctionMode):
+    """The torch-level calls of a trace, watched for a composite kernel that reads a tensor argument's
+    data in C++ (below the staging mode, which never sees the read). The split points of
+    ``torch.tensor_split`` given as a tensor the function built from Python data (``torch.tensor([1,
+    3])``) are read from the constant the recorder lifted, as eager reads them; any other such read is a
+    ConcretizationError at the user's line. Only a trace that met such a read runs under it: it costs
+    every torch call of the trace a Python call."""
+
+    def __init__(self, recorder: Recorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func in _SPLITS:
+            args, kwargs = self._split_points(func, args, kwargs)
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as e:
+            if _NO_DATA not in str(e):
+                raise
+            raise ConcretizationError(_reads_data_message(func, source_info())) from e
+
+    def _split_points(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``args``, ``kwargs`` with split points given as a constant tensor replaced by its Python value."""
+        key = next((k for k in ("tensor_indices_or_sections", "indices", "sections") if k in kwargs), None)
+        points = args[1] if len(args) > 1 else kwargs.get(key)
+        if not isinstance(points, torch.Tensor):
+            return args, kwargs
+        real = self.recorder.constant(points)
+        if real is None:
+            raise ConcretizationError(_reads_data_message(func, source_info()))
+        value = real.tolist()
+        if len(args) > 1:
+            return (args[0], value, *args[2:]), kwargs
+        kwargs = {k: x for k, x in kwargs.items() if k != key}
+        kwargs["indices" if isinstance(value, list) else "sections"] = value
+        return args, kwargs
+
+
+# What a fake tensor's autograd graph says when a backward reaches it: the fake of a real non-leaf (a
+# tensor computed from parameters before the call) has a placeholder graph that raises this.
+_THROUGH_INPUT = "Tried to backward() through example input"
+
+
+def _through_input_message(e: RuntimeError, leaves: list, names: list[str], state: State) -> str:
+    tensors = [*zip(names, leaves), *((name, t) for name, t in state.tensors)]
+    outside = [name for name, t in tensors if isinstance(t, torch.Tensor) and t.requires_grad and not _is_leaf(t)]
+    tb, frame = e.__traceback__, None
+    while tb is not None:
+        if is_user_code(tb.tb_frame.f_code):
+            frame = tb.tb_frame, tb.tb_lineno
+        tb = tb.tb_next
+    where = code = ""
+    if frame is not None:
+        where = f" at {frame[0].f_code.co_filename}:{frame[1]}"
+        code = _code_line(SourceInfo(frame[0].f_code.co_filename, frame[1]))
+    return (
+        f"the backward{where} reaches {', '.join(outside) or 'a tensor'}, which requires grad and was computed "
+        "outside the staged function: its autograd graph is eager's, which the staged backward cannot follow."
+        f"{code}\nWhat to do: compute it inside the staged function (from its parameters), or pass it "
+        "detached (x.detach()) if its gradient is not wanted."
+    )
+
+
+def _reads_data_message(func: Any, src: SourceInfo) -> str:
+    name = getattr(func, "__qualname__", "")
+    name = name if name.startswith("Tensor.") else f"torch.{getattr(func, '__name__', func)}"
+    return (
+        f"{name} at {src} reads the values of a tensor argument, but stagetorch.jit stages with shapes "
+        f"only:{_code_line(src)}\nWhat to do: pass those values as Python numbers (torch.tensor_split(x, [1, "
+        "3]) rather than a tensor of split points; .tolist() outside the staged function), or build the tensor "
+        "in the function from Python data (torch.tensor([1, 3])), which stagetorch reads; or use "
+        "stagetorch.lazy(...), which evaluates such reads eagerly."
+    )
+
 
 @attrs.define
 class Traced:
@@ -882,22 +1058,31 @@ def trace(
     An argument given as an :class:`~stagetorch.Aval` stands for a contiguous tensor of that aval.
     """
     state = discover(fn, args, kwargs) if state is None else state
+    try:
+        return _trace(fn, args, kwargs, static_argnums, state, watch=False)
+    except _ReadsData:
+        return _trace(fn, args, kwargs, static_argnums, state, watch=True)
+
+
+def _trace(fn: Callable, args: Sequence, kwargs: dict, static_argnums: Sequence[int], state: State, watch: bool) -> Traced:
+    """One trace; with ``watch``, under :class:`_ReadConstants`."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     rec = Recorder(fake_mode)
     static = set(static_argnums)
 
     leaves, tree = pytree.tree_flatten((tuple(args), kwargs))
-    leaf_names = _leaf_names(fn, args, kwargs)
+    names = leaf_names(fn, args, kwargs)
+    leaves = held_values(leaves, lambda: names)
     arg_is_static = _static_mask(args, kwargs, static)
     fake_leaves = []
-    for leaf, name, is_static in zip(leaves, leaf_names, arg_is_static):
+    for leaf, name, is_static in zip(leaves, names, arg_is_static):
         if isinstance(leaf, torch.Tensor) and not is_static and leaf.layout != torch.strided:
             raise UnsupportedOpError(
                 f"argument {name} is a {leaf.layout} tensor; stagetorch stages dense (strided) tensors only. "
                 "Pass x.to_dense(), or keep sparse work outside the staged function."
             )
         if isinstance(leaf, torch.Tensor) and not is_static:
-            with fake_mode:
+            with fake_mode, _no_grad_read_warning():
                 fake = fake_mode.from_tensor(leaf, static_shapes=True)
             rec.add_input(fake, "arg", name)
             fake_leaves.append(fake)
@@ -948,8 +1133,15 @@ def trace(
     fake_log.setLevel(logging.CRITICAL)
     try:
         fake_args, fake_kwargs = pytree.tree_unflatten(fake_leaves, tree)
-        with fake_mode, _StagingMode(rec):
-            out = fn(*fake_args, **fake_kwargs)
+        with fake_mode, _StagingMode(rec), _ReadConstants(rec) if watch else contextlib.nullcontext():
+            try:
+                out = fn(*fake_args, **fake_kwargs)
+            except RuntimeError as e:
+                if _THROUGH_INPUT in str(e):
+                    raise UnsupportedOpError(_through_input_message(e, leaves, names, state)) from e
+                if watch or _NO_DATA not in str(e):
+                    raise
+                raise _ReadsData from e
         out_leaves, out_tree = pytree.tree_flatten(out)
         with fake_mode:
             out_leaves = [rec.lift(x) if isinstance(x, torch.Tensor) else x for x in out_leaves]
@@ -959,7 +1151,11 @@ def trace(
             for target, x in opt.created():
                 state_outs.append(target)
                 outvars.append(rec.var(rec.lift(x)) if isinstance(x, torch.Tensor) else Literal(x))
-        final = {i: None if fake.grad is None else rec.var(fake.grad) for i, fake in enumerate(rec.fakes) if fake.requires_grad}
+        # An input computed before the call (a non-leaf) has no .grad to accumulate into, as in eager.
+        final = {
+            i: None if fake.grad is None else rec.var(fake.grad)
+            for i, fake in enumerate(rec.fakes) if fake.requires_grad and fake.is_leaf
+        }
     finally:
         fake_log.setLevel(log_level)
         for h in hooks:
@@ -1243,7 +1439,7 @@ def _module_hooks(rec: Recorder) -> list[Any]:
     return [register_module_forward_pre_hook(push), register_module_forward_hook(pop, always_call=True)]
 
 
-def _leaf_names(fn: Callable, args: Sequence, kwargs: dict) -> list[str]:
+def leaf_names(fn: Callable, args: Sequence, kwargs: dict) -> list[str]:
     names = arg_names(fn, len(args))
     out = []
     for i, a in enumerate(args):

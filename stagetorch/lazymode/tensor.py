@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._tree import flat_call, map_leaves
+from ..errors import UnsupportedOpError
 from ..ir import Var
+from ..tracing import HELD, user_frame
 from .mode import Mode
 
 __all__ = ["LazyTensor"]
@@ -196,6 +198,24 @@ def _lazy_tensor(
 
 def _real(t: Any) -> Any:
     return t.value() if isinstance(t, LazyTensor) else t
+
+
+def _held(t: LazyTensor, name: str) -> torch.Tensor:
+    """The real tensor ``t`` holds, for a function staged by ``jit`` that reads it (an argument, a global).
+    Its autograd graph lives in its session, where the staged backward cannot follow it."""
+    if t.requires_grad and torch.is_grad_enabled():
+        frame = user_frame()
+        where = f" at {frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
+        raise UnsupportedOpError(
+            f"{name} is a lazy tensor of stagetorch.lazy that requires grad, read by a staged function{where}: "
+            "its autograd graph is in its one-line session, which the staged backward cannot reach, so the "
+            f"gradient would stop at it. What to do: pass {name}.detach() where only its value is needed, or "
+            "compute it inside the staged function."
+        )
+    return t.value()
+
+
+HELD[LazyTensor] = _held
 
 def _unshadow(tree: Any) -> Any:
     """``tree`` with each lazy tensor the express replay made replaced by its shadow."""
