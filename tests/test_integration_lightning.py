@@ -1,0 +1,187 @@
+"""Lightning's Trainer with StagedStrategy against a plain Lightning run whose batch fits.
+
+Every run is float64 on the CPU, 3 optimizer steps of SGD with momentum (the momentum carries any gradient
+error of an early step into every later weight), from the same initial weights over the same batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+pytest.importorskip("lightning", reason='Lightning is an optional extra: pip install "stagetorch[lightning]"')
+
+import lightning as L  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import stagetorch  # noqa: E402
+from stagetorch.integrations.lightning import StagedStrategy  # noqa: E402
+
+# Lightning warns about DataLoader workers and its own deprecations; neither is what these tests check.
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+BATCH = 32
+# Under this budget a step of 32 examples runs in 4 chunks (tested below, so a change of the cost model that
+# lets the whole batch fit again fails here rather than silently testing nothing).
+CHUNKED = "160KiB"
+
+
+class Classifier(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 5))
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        loss = F.cross_entropy(logits, y)
+        self.log("train_loss", loss)
+        self.log("train_acc", (logits.argmax(-1) == y).double().mean())
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].item())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class LastBatchReadsAValue(Classifier):
+    """Stages for full batches; a short batch stages again and reads a tensor's value, which staging cannot."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        if x.shape[0] < BATCH and loss > 0:
+            loss = loss * 2
+        return loss
+
+
+class ReadsBatchIdx(Classifier):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y) * (1 + batch_idx % 2)
+
+
+class Manual(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+def _data(batches: int, last: int = BATCH) -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    n = BATCH * (batches - 1) + last
+    x = torch.randn(n, 16, dtype=torch.float64, generator=g)
+    y = torch.randint(0, 5, (n,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=BATCH)
+
+
+def _fit(module: L.LightningModule, data: DataLoader, strategy=None, steps: int = 3, **kwargs):
+    trainer = L.Trainer(
+        max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, **({"strategy": strategy} if strategy else {}),
+        **kwargs,
+    )
+    trainer.fit(module, data)
+    return trainer
+
+
+def _module(cls=Classifier) -> L.LightningModule:
+    torch.manual_seed(0)
+    return cls().double()
+
+
+def _worst(a: L.LightningModule, b: L.LightningModule) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("budget", [None, CHUNKED], ids=["whole-batch", "chunked"])
+def test_weights_equal_a_plain_lightning_run(budget):
+    data = _data(3)
+    plain = _module()
+    trainer = _fit(plain, data)
+    staged = _module()
+    strategy = StagedStrategy(memory_budget=budget)
+    staged_trainer = _fit(staged, data, strategy)
+    chunks = strategy.plan(next(iter(data))).chunk_sizes
+    assert (len(chunks) >= 3) == (budget is not None), chunks
+    assert staged_trainer.global_step == trainer.global_step == 3
+    assert _worst(staged, plain) < 1e-9
+    assert staged.losses == pytest.approx(plain.losses, abs=1e-12, rel=0)
+    for name in ("train_loss", "train_acc"):  # logged inside training_step, with each step's value
+        assert staged_trainer.callback_metrics[name].item() == pytest.approx(
+            trainer.callback_metrics[name].item(), abs=1e-12)
+    # The optimizer ran on the same gradients: its momentum buffers agree too.
+    for p, q in zip(staged.parameters(), plain.parameters(), strict=True):
+        m = staged_trainer.optimizers[0].state[p]["momentum_buffer"]
+        assert (m - trainer.optimizers[0].state[q]["momentum_buffer"]).abs().max() < 1e-9
+
+
+def test_accumulated_batches_and_a_short_last_batch_chunked():
+    """accumulate_grad_batches=2 (Lightning divides each loss by 2 and adds the gradients) over 6 batches, the
+    last one shorter (a second staged program): 3 optimizer steps, chunked, equal the plain run."""
+    data = _data(6, last=20)
+    plain = _module()
+    _fit(plain, data, accumulate_grad_batches=2)
+    staged = _module()
+    strategy = StagedStrategy(memory_budget=CHUNKED)
+    trainer = _fit(staged, data, strategy, accumulate_grad_batches=2)
+    assert trainer.global_step == 3
+    assert len(strategy.plan(next(iter(data))).chunk_sizes) >= 3
+    assert _worst(staged, plain) < 1e-9
+    assert staged.losses == pytest.approx(plain.losses, abs=1e-12, rel=0)
+
+
+def test_a_step_it_cannot_stage_names_the_call_and_leaves_the_run_as_before_it():
+    """The third batch is short and its step reads a tensor's value: the error names training_step and says
+    what to do; weights, .grad and the optimizer's momentum are exactly those of the same run stopped after
+    step 2 (and those of a plain run, to 1e-9)."""
+    data = _data(3, last=20)
+    two_steps = _module(LastBatchReadsAValue)
+    two_trainer = _fit(two_steps, data, StagedStrategy(memory_budget=CHUNKED), steps=2)
+    plain = _module(LastBatchReadsAValue)
+    _fit(plain, data, steps=2)
+    staged = _module(LastBatchReadsAValue)
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        strategy=StagedStrategy(memory_budget=CHUNKED))
+    with pytest.raises(stagetorch.ConcretizationError) as e:
+        trainer.fit(staged, data)
+    message = str(e.value)
+    assert "LastBatchReadsAValue.training_step" in message
+    assert re.search(r"test_integration_lightning\.py:\d+", message)  # the class's line and the failing line
+    assert "What to do" in message and "as they were before this step" in message
+    assert trainer.global_step == 2
+    assert _worst(staged, two_steps) == 0 and _worst(staged, plain) < 1e-9
+    for p, q in zip(staged.parameters(), two_steps.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+        assert torch.equal(trainer.optimizers[0].state[p]["momentum_buffer"],
+                           two_trainer.optimizers[0].state[q]["momentum_buffer"])
+
+
+def test_a_step_that_reads_batch_idx_is_refused():
+    """batch_idx would be baked into the program staged on the first batch: reading it raises, before any
+    weight moves."""
+    staged = _module(ReadsBatchIdx)
+    before = copy.deepcopy(staged)
+    with pytest.raises(stagetorch.StagingError, match="batch_idx") as e:
+        _fit(staged, _data(3), StagedStrategy())
+    assert "ReadsBatchIdx.training_step" in str(e.value)
+    assert _worst(staged, before) == 0 and all(p.grad is None for p in staged.parameters())
+
+
+def test_manual_optimisation_is_refused_with_what_to_do():
+    with pytest.raises(ValueError, match="automatic_optimization = False.*What to do"):
+        _fit(_module(Manual), _data(3), StagedStrategy())
+
+
+def test_mixed_precision_is_refused():
+    with pytest.raises(ValueError, match="precision"):
+        _fit(_module(), _data(3), StagedStrategy(), precision="bf16-mixed")
