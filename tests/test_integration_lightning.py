@@ -7,6 +7,7 @@ error of an early step into every later weight), from the same initial weights o
 from __future__ import annotations
 
 import copy
+import pathlib
 import re
 
 import pytest
@@ -185,3 +186,11 @@ def test_manual_optimisation_is_refused_with_what_to_do():
 def test_mixed_precision_is_refused():
     with pytest.raises(ValueError, match="precision"):
         _fit(_module(), _data(3), StagedStrategy(), precision="bf16-mixed")
+
+
+def test_the_docs_example_runs_in_chunks(capsys):
+    """docs/lightning.md's complete example, as written: it trains, and its batch runs in 3 chunks."""
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "lightning.md").read_text()
+    example = re.search(r"## A complete example.*?```python\n(.*?)```", page, re.S).group(1)
+    exec(compile(example, "docs/lightning.md", "exec"), {"__name__": "docs_example"})
+    assert "batch 4096 as 3 chunk(s)" in capsys.readouterr().out
