@@ -28,7 +28,8 @@ from lightning.pytorch.plugins.precision import DoublePrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from ..api import Staged, jit
-from ..errors import StagingError
+from ..devices import format_bytes, parse_bytes
+from ..errors import OutOfMemoryError, StagingError
 from ..planning import Plan
 
 __all__ = ["StagedStrategy"]
@@ -68,8 +69,10 @@ class StagedStrategy(SingleDeviceStrategy):
 
     **Arguments**
 
-    - ``memory_budget``: bytes (or ``"512MiB"``) one training step may use; default: the device's free memory.
-      A batch whose step does not fit runs in exact chunks (see :func:`stagetorch.jit`).
+    - ``memory_budget``: bytes (or ``"512MiB"``) the run may use; default: the device's free memory. Each step
+      is planned in it less what the run holds beside the step (the optimizer's state, and the previous
+      step's gradients, which Lightning clears after ``training_step``). A batch whose step does not fit runs
+      in exact chunks (see :func:`stagetorch.jit`).
     - ``remat``: ``"auto"`` (default) may also recompute forward values in the backward; ``False`` only chunks.
     - ``progress``: a progress bar over the chunks of a chunked step.
     - ``device``: the device to train on; default: the Trainer's accelerator's first device.
@@ -130,6 +133,7 @@ class StagedStrategy(SingleDeviceStrategy):
         step = self._step(module, module.trainer.accumulate_grad_batches, with_index)
         params = [p for p in module.parameters() if p.requires_grad]
         old = [p.grad for p in params]
+        held = self._budget_for(step, module, old)
         for p in params:
             p.grad = None
         try:
@@ -137,7 +141,7 @@ class StagedStrategy(SingleDeviceStrategy):
                 out, logged = step(batch, module)
             new = [p.grad for p in params]
         except StagingError as e:
-            raise _named(e, module) from e
+            raise _named(e, module, held) from e
         finally:
             for p, g in zip(params, old):
                 p.grad = g
@@ -173,7 +177,23 @@ class StagedStrategy(SingleDeviceStrategy):
         if module is None:
             raise RuntimeError("StagedStrategy.plan needs a LightningModule: call it once trainer.fit has started")
         with_index = len(inspect.signature(module.training_step).parameters) >= 2
-        return self._step(module, module.trainer.accumulate_grad_batches, with_index).plan(batch, module)
+        step = self._step(module, module.trainer.accumulate_grad_batches, with_index)
+        self._budget_for(step, module, [p.grad for p in module.parameters() if p.requires_grad])
+        return step.plan(batch, module)
+
+    def _budget_for(self, step: Staged, module: Any, grads: list[torch.Tensor | None]) -> int:
+        """Plan ``step`` in ``memory_budget`` less what the run holds beside it while it runs: the previous
+        step's gradients (Lightning clears them after ``training_step``) and the optimizers' state. **Returns**
+        those bytes. Without a budget the device's free memory, read at the call, has them out already."""
+        held = {}
+        states = [t for opt in module.trainer.optimizers for st in opt.state.values() for t in st.values()]
+        for t in [*grads, *states]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        total = sum(held.values())
+        if self.memory_budget is not None:
+            step.memory_budget = max(parse_bytes(self.memory_budget) - total, 0)
+        return total
 
     def _step(self, module: Any, accumulate: int, with_index: bool) -> Staged:
         """The staged training step of ``module``, one per number of batches Lightning accumulates over (the
@@ -235,17 +255,27 @@ def _logs_recorded(module: Any) -> Iterator[list]:
         del module.__dict__["log"]
 
 
-def _named(error: StagingError, module: Any) -> StagingError:
-    """``error`` again, saying which call failed, what to do, and that the run is as before the step."""
+def _named(error: StagingError, module: Any, held: int) -> StagingError:
+    """``error`` again, saying which call failed, what to do, and that the run is as before the step; for an
+    error about the budget, what it was planned in."""
     fn = type(module).training_step
     try:
         where = f" ({inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]})"
     except (OSError, TypeError):
         where = ""
+    budget, smallest = "", error.smallest_budget
+    if isinstance(error, OutOfMemoryError) and held:
+        budget = (f" (The step was planned in memory_budget less {format_bytes(held)} that the run holds beside it: "
+                  "the previous step's .grad, which Lightning clears after training_step, and the optimizer's state")
+        if smallest is not None:
+            smallest += held
+            budget += f"; the smallest memory_budget that fits is {format_bytes(smallest)}"
+        budget += ".)"
     wrapped = type(error)(
-        f"StagedStrategy could not run {type(module).__name__}.training_step{where} as a staged step: {error}\n"
+        f"StagedStrategy could not run {type(module).__name__}.training_step{where} as a staged step: {error}"
+        f"{budget}\n"
         "Parameters, .grad and the optimizer are as they were before this step. What to do: change "
         "training_step as the error says, or train this module without StagedStrategy."
     )
-    wrapped.smallest_budget = error.smallest_budget
+    wrapped.smallest_budget = smallest
     return wrapped
