@@ -1,7 +1,7 @@
 """What a Lightning user does when a batch does not fit, against StagedStrategy: peak memory, step time, and
 whether three optimizer steps equal the full batch's.
 
-    PYTHONPATH=. python bench/lightning_compare.py [--batch 4096] [--budget 128MiB] [--device cpu]
+    PYTHONPATH=. python bench/lightning_compare.py [--batch 4096] [--budget 128MiB] [--device cpu] [--class-weights]
 
 The model is docs/lightning.md's (784-1024-1024-10 MLP, AdamW), in float64 so that "equal" means rounding
 (1e-12) and not float32's 1e-7. Each way trains 3 steps from the same weights over the same examples in the
@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
 from memtrack import LivePeak  # noqa: E402
@@ -37,8 +37,10 @@ STEPS = 3
 
 
 class Classifier(L.LightningModule):
-    def __init__(self, checkpointed: bool = False) -> None:
+    def __init__(self, checkpointed: bool = False, class_weights: bool = False) -> None:
         super().__init__()
+        # Class weights make the loss a weighted mean: each batch divides by its own labels' total weight.
+        self.register_buffer("class_weights", torch.linspace(0.5, 2.0, 10) if class_weights else None)
         self.blocks = nn.ModuleList([
             nn.Sequential(nn.Linear(784, 1024), nn.GELU()), nn.Sequential(nn.Linear(1024, 1024), nn.GELU()),
         ])
@@ -49,7 +51,7 @@ class Classifier(L.LightningModule):
         x, y = batch
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
-        return F.cross_entropy(self.head(x), y)
+        return F.cross_entropy(self.head(x), y, weight=self.class_weights)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
@@ -103,17 +105,21 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument("--budget", default="128MiB")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--class-weights", action="store_true", help="a class-weighted cross-entropy")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     device, batch = torch.device(args.device), args.batch
     torch.manual_seed(0)
-    initial = Classifier().double()
+    initial = Classifier(class_weights=args.class_weights).double()
     g = torch.Generator().manual_seed(1)
     n = batch * 5
     x, y = torch.randn(n, 784, dtype=torch.float64, generator=g), torch.randint(0, 10, (n,), generator=g)
 
     def loader(size):
-        return DataLoader(TensorDataset(x, y), batch_size=size)
+        # Batches made up front, each its own storage: a DataLoader that indexes one big tensor makes views of
+        # the whole data set, which the tracker would count at the data set's size inside the step.
+        batches = [(x[i:i + size].clone(), y[i:i + size].clone()) for i in range(0, n, size)]
+        return DataLoader(batches, batch_size=None)
 
     small = batch // 4
     ways = [
@@ -127,7 +133,7 @@ def main() -> None:
     rows, reference = [], None
     for name, size, trainer_args, checkpointed in ways:
         def fresh(checkpointed=checkpointed):
-            m = Classifier(checkpointed)
+            m = Classifier(checkpointed, args.class_weights)
             m.load_state_dict(initial.state_dict())
             return m.double()
 
@@ -140,7 +146,8 @@ def main() -> None:
         reference = weights if reference is None else reference
         per_step = statistics.median(timing.times[1:]) * trainer_args.get("accumulate_grad_batches", 1)
         rows.append((name, tracked.peak, per_step, (weights - reference).abs().max().item()))
-    print(f"{device.type}, batch {batch}, float64, {STEPS} AdamW steps; torch {torch.__version__}, "
+    loss = "class-weighted cross-entropy" if args.class_weights else "cross-entropy"
+    print(f"{device.type}, batch {batch}, float64, {loss}, {STEPS} AdamW steps; torch {torch.__version__}, "
           f"lightning {L.__version__}")
     print("| way | peak | time per optimizer step | max \\|Δw\\| vs full batch |\n|---|---:|---:|---:|")
     for name, peak, seconds, dw in rows:
