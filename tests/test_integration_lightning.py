@@ -47,6 +47,10 @@ class Classifier(L.LightningModule):
         self.log("train_acc", (logits.argmax(-1) == y).double().mean())
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y))
+
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.losses.append(outputs["loss"].item())
 
@@ -95,13 +99,14 @@ def _data(batches: int, last: int = BATCH) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=BATCH)
 
 
-def _fit(module: L.LightningModule, data: DataLoader, strategy=None, steps: int = 3, **kwargs):
+def _fit(module: L.LightningModule, data: DataLoader, strategy=None, steps: int = 3, val_dataloaders=None,
+         **kwargs):
     trainer = L.Trainer(
         max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, **({"strategy": strategy} if strategy else {}),
         **kwargs,
     )
-    trainer.fit(module, data)
+    trainer.fit(module, data, val_dataloaders)
     return trainer
 
 
@@ -116,18 +121,21 @@ def _worst(a: L.LightningModule, b: L.LightningModule) -> float:
 
 @pytest.mark.parametrize("budget", [None, CHUNKED], ids=["whole-batch", "chunked"])
 def test_weights_equal_a_plain_lightning_run(budget):
+    """Three steps with a validation loop after the second (the module goes to eval mode and back; the
+    validation step runs as Lightning runs it)."""
     data = _data(3)
     plain = _module()
-    trainer = _fit(plain, data)
+    trainer = _fit(plain, data, val_dataloaders=_data(1), val_check_interval=2)
     staged = _module()
     plans = Plans()
-    staged_trainer = _fit(staged, data, StagedStrategy(memory_budget=budget), callbacks=[plans])
+    staged_trainer = _fit(staged, data, StagedStrategy(memory_budget=budget), callbacks=[plans],
+                          val_dataloaders=_data(1), val_check_interval=2)
     assert len(plans.chunks) == 3
     assert all((len(c) >= 3) == (budget is not None) for c in plans.chunks), plans.chunks
     assert staged_trainer.global_step == trainer.global_step == 3
     assert _worst(staged, plain) < 1e-9
     assert staged.losses == pytest.approx(plain.losses, abs=1e-12, rel=0)
-    for name in ("train_loss", "train_acc"):  # logged inside training_step, with each step's value
+    for name in ("train_loss", "train_acc", "val_loss"):  # train_*: logged inside the staged training_step
         assert staged_trainer.callback_metrics[name].item() == pytest.approx(
             trainer.callback_metrics[name].item(), abs=1e-12)
     # The optimizer ran on the same gradients: its momentum buffers agree too.
