@@ -322,7 +322,13 @@ class MemoryReport:
         """Save a stacked plot of live bytes across the program, by category, with the peak marked; with a
         ``schedule``, a second panel draws the live bytes of the program that runs under the budget (one
         chunk, recomputing) over those of the whole batch without recomputation, recomputed equations marked."""
-        import matplotlib
+        try:
+            import matplotlib
+        except ImportError as e:
+            raise ImportError(
+                'MemoryReport.plot draws with matplotlib, which is an optional extra of stagetorch: '
+                'pip install "stagetorch[plot]" (or pip install matplotlib)'
+            ) from e
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 from collections.abc import Callable
 
 import torch
@@ -54,7 +55,10 @@ def run_demo(batch: int = 256) -> dict[str, float]:
 
     report = memory(train_step)(x, y)
     print(f"\nMemory, before running anything:\n{report}")
-    print(f"Plot of live memory across the step: {report.plot('stagetorch-memory.png')}")
+    if importlib.util.find_spec("matplotlib") is None:
+        print('No plot of live memory: matplotlib is an optional extra (pip install "stagetorch[plot]").')
+    else:
+        print(f"Plot of live memory across the step: {report.plot('stagetorch-memory.png')}")
 
     loss = jit(train_step)(x, y)
     print()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import stagetorch
 
@@ -22,7 +24,7 @@ LAYERS = {
     "tracing": 2, "shapes": 2, "costing": 2, "batching": 2, "execute": 2, "passes": 2, "remat": 2, "flops": 2,
     "chunking": 3, "planning": 4, "remat_planning": 4,
     "ops": 5, "distributed": 5,
-    "api": 6, "lazymode": 7, "lazy": 7, "demo": 8, "__init__": 9, "__main__": 9,
+    "api": 6, "lazymode": 7, "lazy": 7, "demo": 8, "integrations": 8, "__init__": 9, "__main__": 9,
 }
 
 
@@ -127,3 +129,15 @@ def test_the_checker_finds_a_cycle(tmp_path, monkeypatch):
         assert "ir" in str(e) and "api" in str(e)
     else:
         raise AssertionError("the cycle ir -> api -> ir went unnoticed")
+
+
+def test_import_stagetorch_imports_no_optional_extra():
+    """In a fresh interpreter, ``import stagetorch`` (and its integrations package) loads none of the optional
+    extras' packages: the library works without matplotlib, transformers, accelerate or lightning."""
+    optional = {"matplotlib", "transformers", "accelerate", "lightning", "pytorch_lightning"}
+    code = (
+        "import sys, stagetorch, stagetorch.integrations; "
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {optional!r}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", f"import stagetorch imported {out.strip()}"

@@ -1,0 +1,245 @@
+"""Lightning's Trainer with StagedStrategy against a plain Lightning run whose batch fits.
+
+Every run is float64 on the CPU, 3 optimizer steps of SGD with momentum (the momentum carries any gradient
+error of an early step into every later weight), from the same initial weights over the same batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+pytest.importorskip("lightning", reason='Lightning is an optional extra: pip install "stagetorch[lightning]"')
+
+import lightning as L  # noqa: E402
+from memtrack import LivePeak  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import stagetorch  # noqa: E402
+from stagetorch.integrations.lightning import StagedStrategy  # noqa: E402
+
+# Lightning warns about DataLoader workers and its own deprecations; neither is what these tests check.
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+BATCH = 128
+# Under this budget every step of 128 examples runs in 3 chunks or more (tested below on each step, so a change
+# of the cost model that lets the whole batch fit again fails here rather than silently testing nothing).
+CHUNKED = "300KiB"
+
+
+class Classifier(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 256), nn.Tanh(), nn.Linear(256, 3))
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        loss = F.cross_entropy(logits, y)
+        self.log("train_loss", loss)
+        self.log("train_acc", (logits.argmax(-1) == y).double().mean())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y))
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].item())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class LastBatchReadsAValue(Classifier):
+    """Stages for full batches; a short batch stages again and reads a tensor's value, which staging cannot."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        if x.shape[0] < BATCH and loss > 0:
+            loss = loss * 2
+        return loss
+
+
+class ReadsBatchIdx(Classifier):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y) * (1 + batch_idx % 2)
+
+
+class Manual(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class Plans(L.Callback):
+    """The plan of every step, asked of the strategy just before the step runs (as the step will ask it)."""
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[int, ...]] = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.chunks.append(tuple(trainer.strategy.plan(batch).chunk_sizes))
+
+
+def _data(batches: int, last: int = BATCH) -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    n = BATCH * (batches - 1) + last
+    x = torch.randn(n, 4, dtype=torch.float64, generator=g)
+    y = torch.randint(0, 3, (n,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=BATCH)
+
+
+def _fit(module: L.LightningModule, data: DataLoader, strategy=None, steps: int = 3, val_dataloaders=None,
+         **kwargs):
+    trainer = L.Trainer(
+        max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, **({"strategy": strategy} if strategy else {}),
+        **kwargs,
+    )
+    trainer.fit(module, data, val_dataloaders)
+    return trainer
+
+
+def _module(cls=Classifier) -> L.LightningModule:
+    torch.manual_seed(0)
+    return cls().double()
+
+
+def _worst(a: L.LightningModule, b: L.LightningModule) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("budget", [None, CHUNKED], ids=["whole-batch", "chunked"])
+def test_weights_equal_a_plain_lightning_run(budget):
+    """Three steps with a validation loop after the second (the module goes to eval mode and back; the
+    validation step runs as Lightning runs it)."""
+    data = _data(3)
+    plain = _module()
+    trainer = _fit(plain, data, val_dataloaders=_data(1), val_check_interval=2)
+    staged = _module()
+    plans = Plans()
+    staged_trainer = _fit(staged, data, StagedStrategy(memory_budget=budget), callbacks=[plans],
+                          val_dataloaders=_data(1), val_check_interval=2)
+    assert len(plans.chunks) == 3
+    assert all((len(c) >= 3) == (budget is not None) for c in plans.chunks), plans.chunks
+    assert staged_trainer.global_step == trainer.global_step == 3
+    assert _worst(staged, plain) < 1e-9
+    assert staged.losses == pytest.approx(plain.losses, abs=1e-12, rel=0)
+    for name in ("train_loss", "train_acc", "val_loss"):  # train_*: logged inside the staged training_step
+        assert staged_trainer.callback_metrics[name].item() == pytest.approx(
+            trainer.callback_metrics[name].item(), abs=1e-12)
+    # The optimizer ran on the same gradients: its momentum buffers agree too.
+    for p, q in zip(staged.parameters(), plain.parameters(), strict=True):
+        m = staged_trainer.optimizers[0].state[p]["momentum_buffer"]
+        assert (m - trainer.optimizers[0].state[q]["momentum_buffer"]).abs().max() < 1e-9
+
+
+class StepPeak(L.Callback):
+    """Every storage alive during the second step (training_step, backward and the optimizer's step): the
+    weights, the batch, the previous step's gradients, the momentum, and all the step allocates."""
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if batch_idx == 1:
+            held = [*module.parameters(), *(p.grad for p in module.parameters()), *batch,
+                    *(s["momentum_buffer"] for s in trainer.optimizers[0].state.values())]
+            self.tracker = LivePeak(held).__enter__()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch_idx == 1:
+            self.tracker.__exit__(None, None, None)
+            self.peak = self.tracker.peak
+
+
+def test_a_step_with_what_the_run_holds_stays_in_the_budget():
+    """The budget is the run's: the step is planned in it less the previous gradients and the momentum it
+    holds, so the measured peak of a whole step, the optimizer's included, stays under it."""
+    peak = StepPeak()
+    # At this budget what the run holds matters (33 KiB: the previous gradients and the momentum): a step
+    # planned in the whole budget measured 165 KiB.
+    _fit(_module(), _data(3), StagedStrategy(memory_budget="160KiB"), steps=2, callbacks=[peak])
+    assert peak.peak <= 160 * 1024, peak.peak
+
+
+def test_accumulated_batches_clipping_and_a_short_last_batch_chunked():
+    """accumulate_grad_batches=2 (Lightning divides each loss by 2 and adds the gradients) over 6 batches, the
+    last one shorter (a second staged program), with Lightning clipping the gradients' norm to 0.05 (they are
+    larger): 3 optimizer steps, chunked, equal the plain run."""
+    data = _data(6, last=100)
+    plain = _module()
+    _fit(plain, data, accumulate_grad_batches=2, gradient_clip_val=0.05)
+    staged = _module()
+    plans = Plans()
+    trainer = _fit(staged, data, StagedStrategy(memory_budget=CHUNKED), accumulate_grad_batches=2,
+                   gradient_clip_val=0.05, callbacks=[plans])
+    assert trainer.global_step == 3
+    assert len(plans.chunks) == 6 and all(len(c) >= 3 for c in plans.chunks), plans.chunks
+    assert sum(plans.chunks[-1]) == 100
+    assert _worst(staged, plain) < 1e-9
+    assert staged.losses == pytest.approx(plain.losses, abs=1e-12, rel=0)
+
+
+def test_a_step_it_cannot_stage_names_the_call_and_leaves_the_run_as_before_it():
+    """The third batch is short and its step reads a tensor's value: the error names training_step and says
+    what to do; weights, .grad and the optimizer's momentum are exactly those of the same run stopped after
+    step 2 (and those of a plain run, to 1e-9)."""
+    data = _data(3, last=20)
+    two_steps = _module(LastBatchReadsAValue)
+    two_trainer = _fit(two_steps, data, StagedStrategy(memory_budget=CHUNKED), steps=2)
+    plain = _module(LastBatchReadsAValue)
+    _fit(plain, data, steps=2)
+    staged = _module(LastBatchReadsAValue)
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        strategy=StagedStrategy(memory_budget=CHUNKED))
+    with pytest.raises(stagetorch.ConcretizationError) as e:
+        trainer.fit(staged, data)
+    message = str(e.value)
+    assert "LastBatchReadsAValue.training_step" in message
+    assert re.search(r"test_integration_lightning\.py:\d+", message)  # the class's line and the failing line
+    assert "What to do" in message and "as they were before this step" in message
+    assert trainer.global_step == 2
+    assert _worst(staged, two_steps) == 0 and _worst(staged, plain) < 1e-9
+    for p, q in zip(staged.parameters(), two_steps.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+        assert torch.equal(trainer.optimizers[0].state[p]["momentum_buffer"],
+                           two_trainer.optimizers[0].state[q]["momentum_buffer"])
+
+
+def test_a_step_that_reads_batch_idx_is_refused():
+    """batch_idx would be baked into the program staged on the first batch: reading it raises, before any
+    weight moves."""
+    staged = _module(ReadsBatchIdx)
+    before = copy.deepcopy(staged)
+    with pytest.raises(stagetorch.StagingError, match="batch_idx") as e:
+        _fit(staged, _data(3), StagedStrategy())
+    assert "ReadsBatchIdx.training_step" in str(e.value)
+    assert _worst(staged, before) == 0 and all(p.grad is None for p in staged.parameters())
+
+
+def test_manual_optimisation_is_refused_with_what_to_do():
+    with pytest.raises(ValueError, match="automatic_optimization = False.*What to do"):
+        _fit(_module(Manual), _data(3), StagedStrategy())
+
+
+def test_mixed_precision_is_refused():
+    with pytest.raises(ValueError, match="precision"):
+        _fit(_module(), _data(3), StagedStrategy(), precision="bf16-mixed")
+
+
+def test_the_docs_example_runs_in_chunks(capsys):
+    """docs/lightning.md's complete example, as written: it trains, and its batch runs in the 3 chunks the page
+    shows."""
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "lightning.md").read_text()
+    example = re.search(r"## A complete example.*?```python\n(.*?)```", page, re.S).group(1)
+    exec(compile(example, "docs/lightning.md", "exec"), {"__name__": "docs_example"})
+    assert "batch 4096 as 3 chunk(s) [1368+1368+1360]" in capsys.readouterr().out
