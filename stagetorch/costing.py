@@ -25,7 +25,7 @@ from .passes import liveness
 from .registry import slot
 
 __all__ = [
-    "CATEGORIES", "MemoryEffect", "effect", "allocated", "Lifetimes", "Timeline", "timeline", "peak_bytes", "Schedule",
+    "CATEGORIES", "MemoryEffect", "effect", "workspace", "allocated", "Lifetimes", "Timeline", "timeline", "peak_bytes", "Schedule",
     "MemoryReport", "report",
 ]
 
@@ -51,19 +51,37 @@ class MemoryEffect:
     outputs: dict = attrs.field(factory=dict)
 
 
-def effect(e: Eqn, rules: dict | None = None) -> MemoryEffect:
-    """The registry's memory rule for ``e``'s op applied to ``e`` (no rule: no effect beyond its outputs).
-    ``rules``: the rules looked up so far, by op (a caller's memo over one graph)."""
+def _rule(e: Eqn, name: str, rules: dict | None) -> Callable[..., Any] | None:
+    """The registry's ``name`` rule for ``e``'s op; ``rules`` memoises the look-ups (by slot and op)."""
     if rules is None:
-        rule = slot(e.prim, "memory")
-    elif e.prim in rules:
-        rule = rules[e.prim]
-    else:
-        rule = rules[e.prim] = slot(e.prim, "memory")
+        return slot(e.prim, name)
+    key = (name, e.prim)
+    if key not in rules:
+        rules[key] = slot(e.prim, name)
+    return rules[key]
+
+
+def _memory_effect(e: Eqn, rules: dict | None) -> MemoryEffect:
+    rule = _rule(e, "memory", rules)
     if rule is None:
         return _NO_EFFECT
     out = rule(e)
     return out if isinstance(out, MemoryEffect) else MemoryEffect(int(out))
+
+
+def workspace(e: Eqn, rules: dict | None = None) -> int | None:
+    """The bytes ``e``'s kernel allocates inside itself beyond its outputs, by the registry's workspace rule
+    (None: the op has none). Held only while the equation runs."""
+    rule = _rule(e, "workspace", rules)
+    return None if rule is None else int(rule(e))
+
+
+def effect(e: Eqn, rules: dict | None = None) -> MemoryEffect:
+    """The registry's memory and workspace rules for ``e``'s op applied to ``e`` (no rule: no effect beyond
+    its outputs). ``rules``: the rules looked up so far (a caller's memo over one graph)."""
+    eff = _memory_effect(e, rules)
+    extra = workspace(e, rules)
+    return eff if not extra else attrs.evolve(eff, workspace=eff.workspace + extra)
 
 
 _NO_EFFECT = MemoryEffect()
@@ -74,11 +92,13 @@ class Lifetimes:
     """When each storage a run allocates is live, so that the peak can be summed again for other sizes of
     the same storages (the planner's chunk graphs for another chunk size: same schedule, other shapes).
 
-    Parallel lists, one entry per root in order of allocation (inputs first): ``nbytes`` as the tensor sizes
-    say (before the allocator's rounding), ``rounded`` whether the device's allocator rounds it, ``start``
-    and ``end`` the first and last timeline row it is live in. ``rows``: the rows the peak is taken over
-    (before the first equation, and each equation that runs). ``ruled``: a memory rule added bytes that
-    sizes alone do not give (workspace, an output's true size), so :meth:`peak` does not apply.
+    Parallel lists, one entry per root in order of allocation (inputs first), then one per equation with a
+    workspace rule (its kernel's workspace, live in that equation's row only): ``nbytes`` as the tensor sizes
+    (or the workspace rule) say, before the allocator's rounding, ``rounded`` whether the device's allocator
+    rounds it, ``start`` and ``end`` the first and last timeline row it is live in. ``rows``: the rows the
+    peak is taken over (before the first equation, and each equation that runs). ``ruled``: a memory rule
+    added bytes that sizes alone do not give (an output's true size, an opaque workspace), so :meth:`peak`
+    does not apply.
     """
 
     nbytes: list[int]
@@ -138,6 +158,7 @@ def timeline(graph: Graph) -> Timeline:
     start: list[int] = []
     ended: dict[Var, int] = {}
     ruled = False
+    ws_entries: list[tuple[int, bool, int]] = []  # (bytes, rounded, row) of each workspace rule's answer
     for v, role in zip(graph.invars, roles):
         r = v.root
         if r not in owners:
@@ -158,8 +179,9 @@ def timeline(graph: Graph) -> Timeline:
         if not schedule.runs[i]:
             rows.append(tuple(live))
             continue
-        eff = effect(e, rules)
+        eff = _memory_effect(e, rules)
         ruled = ruled or eff is not _NO_EFFECT
+        extra = workspace(e, rules)
         ran.append(i + 1)
         for j, v in enumerate(e.outvars):
             if v is None:
@@ -177,6 +199,10 @@ def timeline(graph: Graph) -> Timeline:
             if r not in last:  # never read, never kept: dies as soon as the op returns
                 frees[i].append(r)
         ws = eff.workspace
+        if extra is not None:
+            device = next((v.aval.device for v in e.outvars if v is not None), torch.device("cpu"))
+            ws_entries.append((extra, device.type == "cuda", i + 1))
+            ws += allocated(extra, device)
         total = sum(live) + ws
         row = list(live)
         row[index["workspace"]] += ws
@@ -188,7 +214,12 @@ def timeline(graph: Graph) -> Timeline:
             live[index[cat]] -= size
             ended[r] = i + 1
     end = [ended.get(r, n) for r in owners]
-    lifetimes = Lifetimes(raw, [r.aval.device.type == "cuda" for r in owners], start, end, ran, ruled)
+    rounded = [r.aval.device.type == "cuda" for r in owners]
+    ws_rows = [row for _, _, row in ws_entries]
+    lifetimes = Lifetimes(
+        raw + [b for b, _, _ in ws_entries], rounded + [c for _, c, _ in ws_entries], start + ws_rows, end + ws_rows,
+        ran, ruled,
+    )
     # The roots live at the peak, from their lifetimes (a copy of the live set at each new peak would cost
     # the square of a forward pass's length).
     peak_live = [r for r, a, b in zip(owners, start, end) if a <= peak_index <= b]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
+import math
+
 from .. import batching, flops
 from ..errors import ShapeError
-from ..ir import Aval
+from ..ir import Aval, Eqn
 
 aten = torch.ops.aten
 
@@ -66,4 +68,126 @@ BATCH: dict = {
 FLOPS: dict = {
     aten.convolution: flops.conv_rule,
     aten.convolution_backward: flops.conv_backward_rule,
+}
+
+
+# -- Workspace: what the CPU kernels allocate inside themselves ---------------------------------------------
+#
+# Measured at the allocator (profiler allocation events) on torch 2.13's CPU build, float32, contiguous NCHW /
+# NCDHW tensors; tests/test_workspace.py holds each formula to the measured excess of the op alone. Two
+# kernels run a CPU convolution, chosen as ConvParams::use_mkldnn chooses (_uses_mkldnn below):
+#
+# - the native one (slow_conv2d / slow_conv3d) unfolds its input into a column buffer of
+#   (N, C_in * prod(kernel), prod(output spatial)) elements, forward and backward alike (none for a 1x1
+#   kernel with stride 1 and no padding);
+# - oneDNN reorders into channel-blocked layouts (channels padded to the vector width: 16 floats on AVX-512,
+#   8 on AVX2): the weight (output channels padded), the input when it has a block of channels or more
+#   (or the kernel is 1x1),
+#   and the output, which is then reordered into the tensor returned. Its backward reorders the output
+#   gradient again and keeps per-thread reduction buffers for the weight gradient; those buffers follow no
+#   formula we could fit, and are bounded here by the reorders they sit beside (an upper bound: see the test).
+#
+# On CUDA, cuDNN picks an algorithm whose workspace PyTorch caps only through CUDNN_CONV_WSCAP_DBG; nothing
+# here models it (unmeasured: no GPU in this project's CI). It lives in the plan's safety margin.
+
+
+def _block() -> int:
+    """oneDNN's channel block: the floats in one vector register."""
+    return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+
+
+def _pad(c: int, block: int) -> int:
+    return -(-c // block) * block
+
+
+def _uses_mkldnn(x: Aval, w: Aval, stride, dilation, transposed, groups) -> bool:  # noqa: ANN001
+    """Whether torch runs this CPU convolution with oneDNN (ConvParams::use_mkldnn, torch 2.13)."""
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled) or x.dtype != torch.float32:
+        return False
+    strided = any(s != 1 for s in stride)
+    dilated = any(d != 1 for d in dilation)
+    one_by_one = w.shape[-1] == 1 and w.shape[-2] == 1
+    threads = torch.get_num_threads()
+    if not (strided or dilated or x.shape[0] >= 16 or not one_by_one or threads > 1):
+        return False
+    return groups > 1 or (w.shape[-1] > 3 and w.shape[-2] > 3) or x.shape[0] > 1 or math.prod(x.shape[:4]) > 20480
+
+
+def _columns(x: Aval, w: Aval, out: Aval, stride, padding, transposed) -> int:  # noqa: ANN001
+    """The native kernel's column buffer."""
+    kernel = math.prod(w.shape[2:])
+    if transposed:  # columns of the output's channels by the input's positions
+        return x.shape[0] * w.shape[1] * kernel * math.prod(x.shape[2:]) * x.itemsize
+    if kernel == 1 and all(s == 1 for s in stride) and all(p == 0 for p in padding):
+        return 0
+    return x.shape[0] * w.shape[1] * kernel * math.prod(out.shape[2:]) * x.itemsize
+
+
+def _onednn_parts(x: Aval, w: Aval, out: Aval, groups: int, transposed: bool) -> tuple[int, int, int, int]:
+    """oneDNN's reordered copies: (input, weight, output in blocked layout, weight for the backward)."""
+    b = _block()
+    c_in, c_out = x.shape[1], out.shape[1]
+    # A first layer's few channels are read in place, except by a 1x1 kernel.
+    src = x.nbytes * _pad(c_in, b) // c_in if c_in >= b or math.prod(w.shape[2:]) == 1 else 0
+    pad_out = _pad(c_out, b) / c_out
+    weight = w.nbytes if groups > 1 else int(w.nbytes * pad_out * (_pad(c_in, b) / c_in if c_in >= b else 1))
+    weight_backward = w.nbytes if groups > 1 else int(w.nbytes * pad_out * _pad(c_in, b) / c_in)
+    if transposed:  # flipped and then blocked
+        weight *= 2
+    return src, weight, int(out.nbytes * pad_out), weight_backward
+
+
+def _geometry(e: Eqn, backward: bool) -> tuple | None:
+    a = e.args
+    if backward:
+        grad, x, w = (v.aval for v in a[:3])
+        stride, padding, dilation, transposed, _, groups, mask = a[4:11]
+        return grad, x, w, stride, padding, dilation, transposed, groups, mask
+    x, w = a[0].aval, a[1].aval
+    stride, padding, dilation, transposed, _, groups = a[3:9]
+    out = e.outvars[0].aval
+    return out, x, w, stride, padding, dilation, transposed, groups, (True, True, True)
+
+
+def convolution_workspace(e: Eqn) -> int:
+    out, x, w, stride, padding, dilation, transposed, groups, _ = _geometry(e, backward=False)
+    if x.device.type != "cpu":
+        return 0
+    if not _uses_mkldnn(x, w, stride, dilation, transposed, groups):
+        return _columns(x, w, out, stride, padding, transposed)
+    src, weight, dst, _ = _onednn_parts(x, w, out, groups, transposed)
+    # The blocked output is reordered into the returned tensor after the input and weight copies are freed.
+    return max(src + weight + dst, dst + out.nbytes) - out.nbytes
+
+
+def convolution_backward_workspace(e: Eqn) -> int:
+    grad, x, w, stride, padding, dilation, transposed, groups, mask = _geometry(e, backward=True)
+    if x.device.type != "cpu":
+        return 0
+    if not _uses_mkldnn(x, w, stride, dilation, transposed, groups):
+        return _columns(x, w, grad, stride, padding, transposed)
+    b = _block()
+    src, _, grad_blocked, weight = _onednn_parts(x, w, grad, groups, transposed)
+    grad_input = x.nbytes if mask[0] else 0
+    # The input gradient: the output gradient and the weight reordered, the input gradient in blocked layout
+    # (channels padded), then reordered into the tensor returned.
+    data = 0
+    if mask[0]:
+        blocked_input = x.nbytes * _pad(x.shape[1], b) // x.shape[1]
+        data = max(grad_blocked + weight + blocked_input, blocked_input + grad_input) - grad_input
+    # The weight gradient, with the input gradient already held: the output gradient and the input reordered,
+    # the blocked weight gradient and per-thread reduction buffers, which follow no shape we could fit: a
+    # weight's worth per thread stands for them.
+    if not mask[1]:
+        weights = 0
+    elif groups > 1:  # the grouped kernel's buffers, measured at 16 weights' worth whatever the batch
+        weights = 17 * weight
+    else:
+        weights = grad_blocked + src + weight * (1 + torch.get_num_threads())
+    return max(data, weights)
+
+
+WORKSPACE: dict = {
+    aten.convolution: convolution_workspace,
+    aten.convolution_backward: convolution_backward_workspace,
 }
