@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import torch
-
 import math
+
+import torch
 
 from .. import batching, flops
 from ..errors import ShapeError

@@ -88,8 +88,8 @@ def mkldnn_rnn_layer_backward_workspace(eqn: Eqn) -> int:
     if eqn.args[0].aval.device.type != "cpu":
         return 0
     w_ih, hidden = eqn.args[1].aval, eqn.args[2].aval.shape[-1]
-    # The forward's scratch again, the input weight's gradient reordered and the gates' gradient reduced.
-    return _rnn_scratch(eqn) + w_ih.nbytes + 256 * hidden
+    # The forward's scratch again, part of the input weight's gradient reordered, the gates' gradient reduced.
+    return _rnn_scratch(eqn) + w_ih.nbytes // 2 + 256 * hidden
 
 
 def _rnn_layer(outputs: Sequence[str | None], hidden_args: Sequence[int]) -> Callable[[Eqn, LabelFn], Chunked]:
