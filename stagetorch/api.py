@@ -55,6 +55,16 @@ def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
     return t.grad if t.grad is not None else torch.zeros_like(t)
 
 
+def _grad_storages(inputs: list, positions: Sequence[int]) -> dict[int, int]:
+    """The bytes of the ``.grad`` storages of ``inputs`` at ``positions``, by storage (each counted once)."""
+    out = {}
+    for i in positions:
+        g = inputs[i].grad
+        if g is not None:
+            out[g.untyped_storage().data_ptr()] = g.untyped_storage().nbytes()
+    return out
+
+
 def _leaf_argnums(args: Sequence, kwargs: dict) -> list[int]:
     out = []
     for i, a in enumerate(args):
@@ -629,18 +639,19 @@ class Staged:
         to 35% over its plan. An error about the budget then says what ``memory_budget`` would fit."""
         executable, traced = entry.executable, entry.traced
         copies = {inputs[i].untyped_storage().data_ptr(): inputs[i].untyped_storage().nbytes() for i in executable.mutated}
-        old = {}
-        for i in (*traced.assign_grads, *traced.clear_grads):
-            g = inputs[i].grad
-            if g is not None:
-                old[g.untyped_storage().data_ptr()] = g.untyped_storage().nbytes()
-        held = sum({**copies, **old}.values())
-        budget = max(self._budget(executable) - held, 0)
+        old = _grad_storages(inputs, (*traced.assign_grads, *traced.clear_grads))
+        # A .grad the program does not read is added into after it runs (gradient accumulation): held throughout.
+        fed = {*traced.grad_params, *traced.assign_grads, *traced.clear_grads}
+        added = _grad_storages(inputs, [i for i, _ in executable.graph.grads if i not in fed])
+        held = sum({**copies, **old, **added}.values())
+        whole = self._budget(executable)
+        budget = max(whole - held, 0)
         try:
-            return budget, executable.plan(budget)
+            return budget, attrs.evolve(executable.plan(budget), held_bytes=held, budget_bytes=whole)
         except StagingError as e:
             why = [COPIES.format(len(copies))] if copies else []
             why += [f"the old .grad of {len(old)} parameter(s), which the step replaces"] if old else []
+            why += [f"the .grad of {len(added)} parameter(s), which the step adds into"] if added else []
             wider = held_beside(e, held, why)
             if wider is e:
                 raise

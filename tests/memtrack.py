@@ -172,8 +172,9 @@ def _budget_between(staged, args, fraction):
 
 
 def measure(name, path, tracker=None):
-    """Run one step of ``name`` along ``path`` under the live-storage tracker: (predicted, measured, budget,
-    chunks). The model's state, the inputs and nothing else are resident before the step."""
+    """Run one step of ``name`` along ``path`` at the allocator (``tracker``: another, such as the LivePeak
+    diagnostic): (predicted, measured, budget, chunks). The model's state, the inputs and nothing else are
+    resident before the step."""
     tracker = AllocatorPeak if tracker is None else tracker
     torch.manual_seed(0)
     model, make = MODELS[name]()
@@ -217,9 +218,9 @@ def measure(name, path, tracker=None):
 
 
 def measured_peak(step: Callable, model: torch.nn.Module, *args: torch.Tensor) -> int:
-    """The live-tensor peak of ``step(*args)`` run eagerly, with the model's state and the inputs resident."""
+    """The allocator's peak of ``step(*args)`` run eagerly, with the model's state and the inputs resident."""
     resident = [*model.parameters(), *model.buffers(), *args]
-    with LivePeak(resident) as tracker:
+    with AllocatorPeak(resident) as tracker:
         step(*args)
     return tracker.peak
 
