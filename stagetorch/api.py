@@ -889,8 +889,11 @@ def memory(
             "such as attention across examples, or a kernel whose workspace is padded); predict() stages the step "
             "at the batch asked."
         )
+        # Below the smallest batch the lines were checked at, a point's bytes may bend: a kernel's workspace is
+        # the larger of a fixed and a per-example part, or another kernel runs. predict() stages it there.
         return report(
-            graph, batch, linear, note, (fixed, point_slope), line=line, probes=peaks, cost_at=None if linear else cost_at
+            graph, batch, linear, note, (fixed, point_slope), line=line, probes=peaks, cost_at=cost_at,
+            lines_from=check if linear else None,
         )
 
     return cost

@@ -313,17 +313,21 @@ class MemoryReport:
     point_fixed: tuple[float, ...] = ()
     point_per_example: tuple[float, ...] = ()
     probes: dict[int, int] = attrs.field(factory=dict)
-    # Costs the step at another batch size; kept (with the arguments it stages from) only when the peak is
-    # not affine in the batch, where no line predicts it.
+    # Costs the step at another batch size (it holds the arguments it stages from): at every batch when the
+    # peak is not affine in the batch, where no line predicts it, and below ``lines_from`` otherwise.
     cost_at: Callable[[int], int] | None = attrs.field(default=None, eq=False, repr=False)
     schedule: Schedule | None = None
+    # The smallest batch the per-point lines were checked at; None: at every batch.
+    lines_from: int | None = None
 
     def predict(self, batch: int) -> int:
-        """The peak for another batch size: exact at a batch that was costed, and at any batch when the
-        peak is not affine in the batch (the step is costed there); else every program point's live bytes
-        are affine in the batch, and the peak is the largest of them (the point where it occurs can move
-        as the batch grows)."""
-        if batch not in self.probes and self.cost_at is not None:
+        """The peak for another batch size: exact at a batch that was costed, at any batch when the peak is
+        not affine in the batch, and below the batches the lines were checked at (the step is costed there:
+        a kernel's workspace that is the larger of a fixed and a per-example part bends there); else every
+        program point's live bytes are affine in the batch, and the peak is the largest of them (the point
+        where it occurs can move as the batch grows)."""
+        below = self.lines_from is not None and batch < self.lines_from
+        if batch not in self.probes and self.cost_at is not None and (not self.linear or below):
             self.probes[batch] = self.cost_at(batch)
         if batch in self.probes:
             return self.probes[batch]
@@ -419,6 +423,7 @@ def report(
     line: tuple[float, float] | None = None,
     probes: dict[int, int] | None = None,
     cost_at: Callable[[int], int] | None = None,
+    lines_from: int | None = None,
 ) -> MemoryReport:
     """The report for ``graph`` staged at ``batch``. ``line`` is (fixed, per example) through the peaks;
     ``points`` the same per program point, when the program is the same at every batch costed."""
@@ -457,4 +462,5 @@ def report(
         point_per_example=points[1],
         probes={batch: t.peak_bytes, **(probes or {})},
         cost_at=cost_at,
+        lines_from=lines_from,
     )
