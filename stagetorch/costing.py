@@ -29,7 +29,11 @@ __all__ = [
     "MemoryReport", "report",
 ]
 
-CATEGORIES = ("parameters", "buffers", "inputs", "gradients", "activations", "temporaries", "workspace")
+# "optimizer": an optimizer's state the step reads (it steps inside the staged function); "held": what the
+# call holds beside the program (each .grad it adds into or replaces, restore copies), in reports only.
+CATEGORIES = (
+    "parameters", "buffers", "optimizer", "inputs", "gradients", "activations", "temporaries", "workspace", "held",
+)
 
 _CUDA_BLOCK = 512  # the caching allocator rounds every block up to a multiple of 512 bytes
 
@@ -159,11 +163,14 @@ def timeline(graph: Graph) -> Timeline:
     ended: dict[Var, int] = {}
     ruled = False
     ws_entries: list[tuple[int, bool, int]] = []  # (bytes, rounded, row) of each workspace rule's answer
-    for v, role in zip(graph.invars, roles):
+    names = graph.names or [""] * len(graph.invars)
+    for v, role, name in zip(graph.invars, roles, names):
         r = v.root
         if r not in owners:
             size = allocated(r.owned_nbytes, r.aval.device)
-            owners[r] = (cat_of_role.get(role, "inputs"), size, -1)
+            # The tracer names an optimizer's state "<optimizer>.state[<i>][<key>]".
+            cat = "optimizer" if role == "const" and ".state[" in name else cat_of_role.get(role, "inputs")
+            owners[r] = (cat, size, -1)
             live[index[owners[r][0]]] += size
             raw.append(r.owned_nbytes)
             start.append(0)
@@ -424,11 +431,24 @@ def report(
     probes: dict[int, int] | None = None,
     cost_at: Callable[[int], int] | None = None,
     lines_from: int | None = None,
+    held: int = 0,
+    held_note: str = "",
 ) -> MemoryReport:
     """The report for ``graph`` staged at ``batch``. ``line`` is (fixed, per example) through the peaks;
-    ``points`` the same per program point, when the program is the same at every batch costed."""
+    ``points`` the same per program point, when the program is the same at every batch costed (all of
+    the program's own bytes). ``held``: bytes the call holds beside the program at every batch, added to
+    every point and peak (category "held"); ``held_note`` says what they are."""
     t = timeline(graph)
     fixed, per_example = line if line is not None else (float(t.peak_bytes), 0.0)
+    fixed += held
+    if held:
+        points = (tuple(a + held for a in points[0]), points[1])
+        note = f"{note} {held_note}".strip()
+        if cost_at is not None:
+            program_at = cost_at
+
+            def cost_at(b: int) -> int:
+                return program_at(b) + held
     by_category: dict[str, int] = {c: 0 for c in CATEGORIES}
     by_op: dict[str, int] = {}
     by_module: dict[str, int] = {}
@@ -443,9 +463,12 @@ def report(
         else:
             by_module["(inputs and state)"] = by_module.get("(inputs and state)", 0) + size
     by_category["workspace"] = t.peak_workspace
+    by_category["held"] = held
     at = graph.eqns[t.peak_index - 1] if t.peak_index > 0 else None
+    k = CATEGORIES.index("held")
+    live = [row[:k] + (row[k] + held,) + row[k + 1:] for row in t.live] if held else t.live
     return MemoryReport(
-        peak_bytes=t.peak_bytes,
+        peak_bytes=t.peak_bytes + held,
         fixed_bytes=fixed,
         per_example_bytes=per_example,
         batch=batch,
@@ -456,11 +479,11 @@ def report(
         by_module=by_module,
         peak_op=op_name(at.prim) if at is not None else "(inputs)",
         peak_source=at.source if at is not None else SourceInfo(),
-        live=t.live,
+        live=live,
         peak_index=t.peak_index,
         point_fixed=points[0],
         point_per_example=points[1],
-        probes={batch: t.peak_bytes, **(probes or {})},
+        probes={b: p + held for b, p in {batch: t.peak_bytes, **(probes or {})}.items()},
         cost_at=cost_at,
         lines_from=lines_from,
     )

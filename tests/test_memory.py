@@ -301,3 +301,34 @@ def test_a_report_predicts_the_small_batches_where_a_workspace_bends():
     for b in (1, 2, 3, 5, 12, 24, 40):
         at_b = stagetorch.memory(step)(*make(b)).peak_bytes
         assert abs(report.predict(b) - at_b) <= 0.02 * at_b, (b, report.predict(b), at_b)
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.AdamW], ids=["sgd", "adamw"])
+def test_the_report_of_an_optimizer_step_inside_jit_is_what_the_call_takes(optimizer):
+    """stagetorch.memory counts everything the call holds: the optimizer's state in its own category, and
+    beside the program the restore copies and the old .grad ("held"). Its peak is the allocator's."""
+    options = {"momentum": 0.9} if optimizer is torch.optim.SGD else {}
+    model, opt, staged, x, y = _optimizer_step_in_jit(optimizer, remat=False, **options)
+    report = stagetorch.memory(staged.fn, remat=False)(x, y)
+    state = [t for st in opt.state.values() for t in st.values()]
+    assert report.by_category["optimizer"] == sum(t.nbytes for t in state)
+    assert report.by_category["held"] == staged.plan(x, y).held_bytes > 0 and "restore" in report.note
+    assert sum(report.by_category.values()) == report.peak_bytes
+    params = [*model.parameters()]
+    with AllocatorPeak([*params, x, y, *(p.grad for p in params), *state]) as run:
+        staged(x, y)
+    assert abs(run.peak - report.peak_bytes) <= 0.02 * run.peak, (run.peak, report.peak_bytes)
+    assert report.predict(256) == report.peak_bytes and report.predict(64) < report.peak_bytes
+
+
+def test_the_report_of_an_accumulating_step_counts_the_held_grads():
+    torch.manual_seed(0)
+    model, make = models.seed_mlp()
+    x, y = make(64)
+    step = models.train_step(model)
+    before = stagetorch.memory(step)(x, y)
+    step(x, y)  # eager: the .grad the next call adds into
+    after = stagetorch.memory(step)(x, y)
+    grads = sum(p.grad.nbytes for p in model.parameters())
+    assert after.by_category["held"] == grads and after.peak_bytes == before.peak_bytes + grads
+    assert after.predict(16) == before.predict(16) + grads
