@@ -231,3 +231,17 @@ def allocator_peak(step: Callable, resident: Iterable[torch.Tensor], *args, devi
     with AllocatorPeak(resident, device) as tracker:
         out = step(*args, **kwargs)
     return tracker.peak, out
+
+
+def op_workspace(op: Callable, *args: Any) -> int:
+    """What ``op(*args)`` allocates beyond its outputs at its own peak, as the allocator sees it: the bytes a
+    workspace rule says (run below autograd, as staged programs run; the inputs already resident)."""
+    held = {t.untyped_storage().data_ptr() for t in args if isinstance(t, torch.Tensor)}
+    with torch._C._AutoDispatchBelowAutograd(), AllocatorPeak() as run:
+        out = op(*args)
+    outs = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in (out if isinstance(out, (tuple, list)) else (out,))
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in held
+    }
+    return run.excess - sum(outs.values())
