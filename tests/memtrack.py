@@ -164,7 +164,7 @@ def smallest_plan_peak(staged: stagetorch.Staged, *args: torch.Tensor) -> int:
     return max(*_chunk_peaks(split, 1, peak_bytes), _phase_peak(split, 1, peak_bytes))
 
 
-def _budget_between(staged, args, fraction):
+def budget_between(staged, args, fraction):
     """A budget ``fraction`` of the way from the smallest feasible plan's peak to the whole batch's."""
     smallest = smallest_plan_peak(staged, *args)
     full = staged.plan(*args).full_batch_peak_bytes
@@ -184,7 +184,7 @@ def measure(name, path, tracker=None):
     if path == "no_grad":
         with torch.no_grad():
             staged = stagetorch.jit(model if name != "gpt2" else lambda ids: model(input_ids=ids).logits)
-            staged.memory_budget = _budget_between(staged, (x,), 0.3)
+            staged.memory_budget = budget_between(staged, (x,), 0.3)
             plan = staged.plan(x)
             with tracker(resident) as run:
                 staged(x)
@@ -192,7 +192,7 @@ def measure(name, path, tracker=None):
     staged = stagetorch.jit(_step_of(name)(copy.deepcopy(model)))
     budget = {"chunked": 0.4, "small_chunks": 0.05, "remat": 0.4, "lazy_chunked": 0.4, "lazy_remat": 0.4}.get(path)
     if budget is not None:
-        budget = _budget_between(staged, (x, y), budget)
+        budget = budget_between(staged, (x, y), budget)
     if path.startswith("lazy"):
         # The prediction is that of the flushes lazy runs (through the Executable every front end uses).
         planned = []
