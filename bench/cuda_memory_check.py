@@ -11,7 +11,9 @@ only stages and plans (nothing runs): it checks the script where no device is le
 Every number is tests/memtrack.AllocatorPeak: the allocator's peak during the call plus what was resident
 before it (parameters, buffers, inputs, held ``.grad``, optimizer state).
 
-Run: python bench/cuda_memory_check.py [--device cuda|cpu] [--dry-run]
+``--remat-seeds`` runs the seed models of tests/remat_models.py recomputing at 1.0, 0.7 and 0.5 of their peak.
+
+Run: python bench/cuda_memory_check.py [--device cuda|cpu] [--dry-run] [--remat-seeds]
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests"))
 import models  # noqa: E402
+import remat_models  # noqa: E402
 from memtrack import AllocatorPeak, budget_between  # noqa: E402
 
 import stagetorch  # noqa: E402
 from stagetorch.api import Executable  # noqa: E402
+from stagetorch.planning import SAFETY_MARGIN  # noqa: E402
 
 PATHS = ("whole", "chunked", "recomputing", "lazy", "optimizer inside", "accumulating")
 
@@ -171,14 +175,45 @@ def _row(name: str, path: str, budget: int | None, planned: int, run: AllocatorP
     return f"| {name} | {where} | {spent} | {planned:,} | {run.peak:,} ({error}){over} | {reserved} | {eager or 0:,} | {ratio} |"
 
 
+def check_seed(name: str, device: str, dry: bool) -> list[str]:
+    """A seed model of tests/remat_models.py recomputing under budgets of 1.0, 0.7 and 0.5 of its peak
+    without recomputation (the budget less the planner's margin), against its eager step."""
+    torch.manual_seed(0)
+    model, x = remat_models.SEEDS[name]()
+    model, x = model.to(device), x.to(device)
+    step = remat_models.step_of(model)
+    full = stagetorch.jit(step, remat=False).plan(x).peak
+    eager_model = copy.deepcopy(model)
+    eager = None if dry else measure(device, remat_models.step_of(eager_model), resident(eager_model, (x,)), x).peak
+    rows = []
+    for fraction in (1.0, 0.7, 0.5):
+        budget = int(full * fraction / (1 - SAFETY_MARGIN)) + 1
+        staged = stagetorch.jit(step, memory_budget=budget)
+        try:
+            plan = staged.plan(x)
+        except stagetorch.errors.StagingError:
+            rows.append(f"| {name} | recomputing at {fraction}x | {budget:,} | below the floor | | | | |")
+            continue
+        model.zero_grad(set_to_none=True)
+        run = None if dry else measure(device, staged, resident(model, (x,)), x)
+        rows.append(_row(name, f"recomputing at {fraction}x", budget, plan.peak, run, eager, len(plan.chunk_sizes)))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dry-run", action="store_true", help="stage and plan only; run nothing")
+    parser.add_argument("--remat-seeds", action="store_true", help="the seed models of tests/remat_models.py instead")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, torch {torch.__version__}")
     print("| model | path | budget | plan | allocated (plan error) | reserved | eager allocated | staged / eager |")
     print("|---|---|---|---|---|---|---|---|")
+    if args.remat_seeds:
+        for name in sorted(remat_models.SEEDS):
+            for row in check_seed(name, args.device, args.dry_run):
+                print(row, flush=True)
+        return
     for name, model, inputs, lm in cases(args.device):
         for row in check(name, model, inputs, lm, args.device, args.dry_run):
             print(row, flush=True)

@@ -143,10 +143,11 @@ class Timeline:
 
 
 @_gc.paused()  # a row and a list per equation, all kept: the collector's passes would find nothing
-def timeline(graph: Graph) -> Timeline:
+def timeline(graph: Graph, workspaces: bool = True) -> Timeline:
     """Walk ``graph`` in program order, along the schedule the executor runs
     (:func:`stagetorch.passes.liveness`), and record live bytes by category. An equation that does not run
-    (dead, or an alias of a value already held) adds nothing; its row repeats the one before."""
+    (dead, or an alias of a value already held) adds nothing; its row repeats the one before.
+    ``workspaces=False`` leaves out the registry's workspace rules: tensor sizes alone."""
     roles = graph.roles or ["arg"] * len(graph.invars)
     cat_of_role = {"param": "parameters", "buffer": "buffers", "arg": "inputs", "const": "inputs"}
     schedule = liveness(graph)
@@ -188,7 +189,7 @@ def timeline(graph: Graph) -> Timeline:
             continue
         eff = _memory_effect(e, rules)
         ruled = ruled or eff is not _NO_EFFECT
-        extra = workspace(e, rules)
+        extra = workspace(e, rules) if workspaces else None
         ran.append(i + 1)
         for j, v in enumerate(e.outvars):
             if v is None:
@@ -233,9 +234,10 @@ def timeline(graph: Graph) -> Timeline:
     return Timeline(rows, peak, peak_index, peak_live, owners, peak_ws, lifetimes)
 
 
-def peak_bytes(graph: Graph) -> int:
-    """The most bytes live at once when the eager interpreter runs ``graph``."""
-    return timeline(graph).peak_bytes
+def peak_bytes(graph: Graph, workspaces: bool = True) -> int:
+    """The most bytes live at once when the eager interpreter runs ``graph`` (``workspaces=False``: the
+    tensors alone, without what kernels allocate inside themselves)."""
+    return timeline(graph, workspaces).peak_bytes
 
 
 # ---------------------------------------------------------------------------------------------------------

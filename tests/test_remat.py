@@ -17,7 +17,7 @@ import remat_models
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from memtrack import LivePeak
+from memtrack import AllocatorPeak
 from remat_models import mlp_chain, step_of
 from test_chunking import _DEVICE  # importing it registers its op, stagetorch_test::scratch_hungry
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
@@ -217,7 +217,7 @@ def test_remat_with_inplace_ops_is_exact():
 def _run(model, x, **options):
     staged = stagetorch.jit(step_of(model), **options)
     plan = staged.plan(x)
-    with LivePeak([*model.parameters(), *model.buffers(), x]) as tracker:
+    with AllocatorPeak([*model.parameters(), *model.buffers(), x]) as tracker:
         loss = staged(x)
     return loss, plan, tracker.peak
 
@@ -358,7 +358,7 @@ def test_joint_plan_is_the_cheapest_of_every_frontier_point(case, monkeypatch):
         return
     assert len(graph.eqns) > 1000
     expected = step_of(copy.deepcopy(model))(x)
-    with LivePeak([*model.parameters(), x]) as tracker:
+    with AllocatorPeak([*model.parameters(), x]) as tracker:
         loss = staged(x)
     assert tracker.peak <= staged.memory_budget
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
@@ -398,7 +398,7 @@ def test_the_winning_set_is_polished_to_keep_what_fits(case):
             peak, flops, _, calls = sim.run(chosen.keep | {r}, {v: s for v, s in chosen.transient.items() if v != r})
             assert peak > usable or cost(flops, calls) >= cost(chosen.extra_flops, chosen.extra_calls), r
     assert peak_bytes(chosen.graph) == chosen.peak_bytes
-    with LivePeak([*model.parameters(), *model.buffers(), x]) as tracker:
+    with AllocatorPeak([*model.parameters(), *model.buffers(), x]) as tracker:
         loss = staged(x)
     assert tracker.peak <= budget and abs(tracker.peak - plan.peak) <= 0.02 * tracker.peak
     assert torch.equal(loss, expected)
@@ -627,7 +627,7 @@ def test_seed_model_budget_sweep(name):
             floor_seen = True
             continue
         assert not floor_seen, "a smaller budget fitted after a larger one did not"
-        with LivePeak([*model.parameters(), *model.buffers(), x]) as tracker:
+        with AllocatorPeak([*model.parameters(), *model.buffers(), x]) as tracker:
             loss = staged(x)
         assert tracker.peak <= budget, (fraction, plan)
         assert abs(tracker.peak - plan.peak) <= 0.02 * tracker.peak, (fraction, tracker.peak, plan)
@@ -684,7 +684,7 @@ def test_fewer_recompute_flops_than_per_block_checkpoint(name):
     blocks, forward = remat_models.per_block(name, model)
     theirs = _block_forward_flops(graph, blocks)
     assert theirs > 0.2 * graph_flops(graph)  # the blocks are most of the forward
-    with LivePeak([*model.parameters(), *model.buffers(), x]) as tracker:
+    with AllocatorPeak([*model.parameters(), *model.buffers(), x]) as tracker:
         loss = forward(x).square().mean()
         loss.backward()
     points = frontier(graph)

@@ -160,35 +160,55 @@ def _onednn_parts(x: Aval, w: Aval, out: Aval, groups: int, transposed: bool) ->
     return src, weight, int(out.nbytes * pad_out), weight_backward
 
 
-def _geometry(e: Eqn, backward: bool) -> tuple | None:
+def _as_2d(a: Aval) -> Aval:
+    """A 1-d convolution's tensor as the 2-d one torch runs (a unit height)."""
+    return Aval((*a.shape[:2], 1, *a.shape[2:]), a.dtype, a.device)
+
+
+def _geometry(e: Eqn, backward: bool) -> tuple:
     a = e.args
     if backward:
-        grad, x, w = (v.aval for v in a[:3])
+        out, x, w = (v.aval for v in a[:3])
         stride, padding, dilation, transposed, _, groups, mask = a[4:11]
-        return grad, x, w, stride, padding, dilation, transposed, groups, mask
-    x, w = a[0].aval, a[1].aval
-    stride, padding, dilation, transposed, _, groups = a[3:9]
-    out = e.outvars[0].aval
-    return out, x, w, stride, padding, dilation, transposed, groups, (True, True, True)
+    else:
+        x, w, out = a[0].aval, a[1].aval, e.outvars[0].aval
+        stride, padding, dilation, transposed, _, groups = a[3:9]
+        mask = (True, True, True)
+    if x.ndim == 3:
+        out, x, w = _as_2d(out), _as_2d(x), _as_2d(w)
+        stride, padding, dilation = [1, *stride], [0, *padding], [1, *dilation]
+    return out, x, w, stride, padding, dilation, transposed, groups, mask
+
+
+def _contiguous_copies(e: Eqn, backward: bool) -> int:
+    """torch makes a 1-d convolution's input contiguous (and, backward, its output gradient): a sequence
+    model's (batch, length, features) activations transposed for Conv1d are copied. The IR does not record
+    strides, so the copies are counted always (an over-estimate for inputs already contiguous)."""
+    x = e.args[1 if backward else 0].aval
+    if x.ndim != 3:
+        return 0
+    return x.nbytes + (e.args[0].aval.nbytes if backward else 0)
 
 
 def convolution_workspace(e: Eqn) -> int:
     out, x, w, stride, padding, dilation, transposed, groups, _ = _geometry(e, backward=False)
     if x.device.type != "cpu":
         return 0
+    copies = _contiguous_copies(e, backward=False)
     if not _uses_mkldnn(x, w, stride, dilation, transposed, groups):
-        return _columns(x, w, out, stride, padding, transposed, groups, backward=False, grad_input=False)
+        return copies + _columns(x, w, out, stride, padding, transposed, groups, backward=False, grad_input=False)
     src, weight, dst, _ = _onednn_parts(x, w, out, groups, transposed)
     # The blocked output is reordered into the returned tensor after the input and weight copies are freed.
-    return max(src + weight + dst, dst + out.nbytes) - out.nbytes
+    return copies + max(src + weight + dst, dst + out.nbytes) - out.nbytes
 
 
 def convolution_backward_workspace(e: Eqn) -> int:
     grad, x, w, stride, padding, dilation, transposed, groups, mask = _geometry(e, backward=True)
     if x.device.type != "cpu":
         return 0
+    copies = _contiguous_copies(e, backward=True)
     if not _uses_mkldnn(x, w, stride, dilation, transposed, groups):
-        return _columns(x, w, grad, stride, padding, transposed, groups, backward=True, grad_input=mask[0])
+        return copies + _columns(x, w, grad, stride, padding, transposed, groups, backward=True, grad_input=mask[0])
     b = _block()
     src, weight, grad_blocked, weight_padded = _onednn_parts(x, w, grad, groups, transposed)
     grad_input = x.nbytes if mask[0] else 0
@@ -207,7 +227,7 @@ def convolution_backward_workspace(e: Eqn) -> int:
         weights = 17 * weight
     else:
         weights = grad_blocked + src + weight * (1 + torch.get_num_threads()) + 16 * 1024
-    return max(data, weights)
+    return copies + max(data, weights)
 
 
 WORKSPACE: dict = {
