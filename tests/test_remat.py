@@ -364,11 +364,13 @@ def test_joint_plan_is_the_cheapest_of_every_frontier_point(case, monkeypatch):
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("case", ["vnet-0.7", "resnet-0.5", "densenet-0.6"])
+# Not the VNet any more: at one example its native 3-d convolutions' column buffers are the peak (counted since
+# the workspace rules), and no recomputation lowers them below 0.9x.
+@pytest.mark.parametrize("case", ["resnet-0.5", "densenet-0.6"])
 def test_the_winning_set_is_polished_to_keep_what_fits(case):
     """One example (it cannot be chunked): the plan's recompute set is the cheapest frontier point that fits,
     with dropped values kept again where that lowers the predicted cost and the peak still fits. It costs
-    less than that point (VNet at 0.7x: 31% extra FLOPs become 12%), keeping any one more of its dropped
+    less than that point (the VNet at 0.7x, before its workspaces were counted: 31% extra FLOPs became 12%), keeping any one more of its dropped
     values would not fit or not save, and it runs within the budget, to the predicted peak and bit for bit
     as the step without recomputation does."""
     name, fraction = case.rsplit("-", 1)
@@ -601,6 +603,9 @@ def test_pointwise_flops_are_by_size_and_views_free():
 # The seed models: a budget sweep, measured.
 
 
+_OVER = {"densenet": 0.03, "lstm": 0.05}
+
+
 @pytest.mark.parametrize("name", sorted(remat_models.SEEDS))
 def test_seed_model_budget_sweep(name):
     """From the whole step's peak down to 0.2x of it: each budget runs within itself (or a named error says
@@ -630,7 +635,9 @@ def test_seed_model_budget_sweep(name):
         with AllocatorPeak([*model.parameters(), *model.buffers(), x]) as tracker:
             loss = staged(x)
         assert tracker.peak <= budget, (fraction, plan)
-        assert abs(tracker.peak - plan.peak) <= 0.02 * tracker.peak, (fraction, tracker.peak, plan)
+        # At the allocator: the plan is at most 2% under; over by up to _OVER where a workspace rule is a bound
+        # or a fit (oneDNN's weight-gradient buffers, its LSTM scratchpad: tests/test_workspace.py).
+        assert -0.02 <= (plan.peak - tracker.peak) / tracker.peak <= _OVER.get(name, 0.02), (fraction, tracker.peak, plan)
         assert tracker.peak <= last_peak, (fraction, tracker.peak, last_peak, plan)  # non-increasing as it falls
         last_peak = tracker.peak
         if plan.chunked:  # chunks sum in another order: close, not equal
@@ -688,7 +695,9 @@ def test_fewer_recompute_flops_than_per_block_checkpoint(name):
         loss = forward(x).square().mean()
         loss.backward()
     points = frontier(graph)
-    assert tracker.peak < points[0].peak_bytes
+    # At the allocator, per-block checkpointing of the LSTM holds oneDNN's workspace again for each layer it
+    # recomputes: no lower than recomputing nothing, which the planner's first point then matches.
+    assert tracker.peak < points[0].peak_bytes or name == "lstm"
     ours = min(p.extra_flops for p in points if p.peak_bytes <= tracker.peak)
     assert ours <= 0.6 * theirs, (ours / theirs, tracker.peak / points[0].peak_bytes)
 
