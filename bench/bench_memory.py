@@ -10,7 +10,7 @@ import models
 import pytest
 import torch
 import torch.nn as nn
-from memtrack import MODELS, PATHS, LivePeak, measure, smallest_plan_peak
+from memtrack import MODELS, PATHS, AllocatorPeak, measure, smallest_plan_peak
 
 import stagetorch
 from stagetorch.costing import peak_bytes
@@ -60,7 +60,7 @@ def test_issue_12_mlp_at_four_budgets(benchmark):
             staged = stagetorch.jit(models.train_step(model), memory_budget=mib * 2**20)
             plan = staged.plan(x, y)
             model.zero_grad(set_to_none=True)
-            with LivePeak([*model.parameters(), x, y]) as run:
+            with AllocatorPeak([*model.parameters(), x, y]) as run:
                 staged(x, y)
             rows.append((mib, len(plan.chunk_sizes), plan.peak, run.peak))
 

@@ -30,7 +30,7 @@ import pytest
 import remat_models
 import torch
 import torch.nn as nn
-from memtrack import LivePeak
+from memtrack import AllocatorPeak
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import stagetorch
@@ -76,7 +76,7 @@ def test_seed_sweep(name):
             print(f"  {fraction:4.2f}: below the floor ({str(e).split('schedule fits is ')[-1]}")
             continue
         model.zero_grad(set_to_none=True)
-        with LivePeak([*model.parameters(), *model.buffers(), x]) as tracker:
+        with AllocatorPeak([*model.parameters(), *model.buffers(), x]) as tracker:
             staged(x)
         predicted = max(plan.peak_bytes)
         print(
@@ -100,7 +100,7 @@ def _timed(fn, x, model, repeat: int = 7, resident=()) -> tuple[float, int]:
         fn(x)
         times.append(time.perf_counter() - t)
     model.zero_grad(set_to_none=True)
-    with LivePeak([*model.parameters(), *resident, x]) as tracker:
+    with AllocatorPeak([*model.parameters(), *resident, x]) as tracker:
         fn(x)
     return statistics.median(times), tracker.peak
 

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests"))
 import random_nets  # noqa: E402
-from memtrack import LivePeak  # noqa: E402
+from memtrack import AllocatorPeak  # noqa: E402
 from test_random_steps import train_against_eager  # noqa: E402
 
 import stagetorch  # noqa: E402
@@ -45,7 +45,7 @@ def _lazy(case: random_nets.Case, steps: int = 3) -> str:
         for attempt in range(2):
             opt.zero_grad()
             try:
-                with LivePeak([*model.parameters(), *model.buffers(), x, y]) as tracker:
+                with AllocatorPeak([*model.parameters(), *model.buffers(), x, y]) as tracker:
                     lx, ly = stagetorch.lazy(x, y, memory_budget=budget)
                     value = case.step(model)(lx, ly).item()
                 break

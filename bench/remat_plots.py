@@ -25,7 +25,7 @@ import torch.nn as nn  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests"))
 import remat_models  # noqa: E402
-from memtrack import LivePeak  # noqa: E402
+from memtrack import AllocatorPeak  # noqa: E402
 
 import stagetorch  # noqa: E402
 from stagetorch.costing import peak_bytes  # noqa: E402
@@ -74,7 +74,7 @@ def sweep() -> None:
             except (OutOfMemoryError, BatchCouplingError, UnsupportedOpError):
                 break  # below the floor: the named error (every smaller budget fails too)
             model.zero_grad(set_to_none=True)
-            with LivePeak([*model.parameters(), *model.buffers(), x]) as tracker:
+            with AllocatorPeak([*model.parameters(), *model.buffers(), x]) as tracker:
                 staged(x)
             extra = plan.extra_flops / plan.base_flops if isinstance(plan, RematPlan) else 0.0
             rows.append((fraction, plan.peak / full, tracker.peak / full, 100 * extra, len(plan.chunk_sizes)))

@@ -20,7 +20,8 @@ import torch.utils._pytree as pytree
 from . import _caches, _gc, distributed, shapes
 from .batching import Batched, analyze
 from .chunking import Split, is_oom, run_chunked
-from .costing import MemoryReport, Schedule, allocated, peak_bytes, report, timeline
+from .costing import MemoryReport, Schedule, allocated, peak_bytes, timeline
+from .costing import report as costing_report
 from .devices import bytes_ceiling, format_bytes, free_memory
 from .errors import BatchCouplingError, OutOfMemoryError, ShapeError, StagingError, UnsupportedOpError
 from .execute import Program, accumulate_grad
@@ -53,6 +54,16 @@ def _signature(leaves: list, static: set[int], leaf_argnum: list[int] | None) ->
 
 def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
     return t.grad if t.grad is not None else torch.zeros_like(t)
+
+
+def _grad_storages(inputs: list, positions: Sequence[int]) -> dict[int, int]:
+    """The bytes of the ``.grad`` storages of ``inputs`` at ``positions``, by storage (each counted once)."""
+    out = {}
+    for i in positions:
+        g = inputs[i].grad
+        if g is not None:
+            out[g.untyped_storage().data_ptr()] = g.untyped_storage().nbytes()
+    return out
 
 
 def _leaf_argnums(args: Sequence, kwargs: dict) -> list[int]:
@@ -625,26 +636,33 @@ class Staged:
     def _budget(self, executable: Executable) -> int:
         return free_memory(executable.graph.device, self.memory_budget)
 
-    def _step_plan(self, entry: _Entry, inputs: list) -> tuple[int, Plan]:
-        """The budget the program is planned in, and its plan. The budget is the step's less what the call
-        holds beside the program: the copies of the inputs it updates in place (kept to restore them if the
-        step fails: an optimizer's parameters and moments) and each ``.grad`` the step replaces or clears
-        (the old one lives until the program has run); without this an optimizer step inside ``jit`` ran up
-        to 35% over its plan. An error about the budget then says what ``memory_budget`` would fit."""
+    def _held(self, entry: _Entry, inputs: list) -> tuple[int, list[str]]:
+        """What a call holds beside the program while it runs, and why: the copies of the inputs it updates
+        in place (kept to restore them if the step fails: an optimizer's parameters and moments), each
+        ``.grad`` the step replaces or clears (the old one lives until the program has run), and each
+        ``.grad`` it adds into after the program (gradient accumulation). Without them an optimizer step
+        inside ``jit`` ran up to 35% over its plan, and an accumulating step over its budget."""
         executable, traced = entry.executable, entry.traced
         copies = {inputs[i].untyped_storage().data_ptr(): inputs[i].untyped_storage().nbytes() for i in executable.mutated}
-        old = {}
-        for i in (*traced.assign_grads, *traced.clear_grads):
-            g = inputs[i].grad
-            if g is not None:
-                old[g.untyped_storage().data_ptr()] = g.untyped_storage().nbytes()
-        held = sum({**copies, **old}.values())
-        budget = max(self._budget(executable) - held, 0)
+        old = _grad_storages(inputs, (*traced.assign_grads, *traced.clear_grads))
+        fed = {*traced.grad_params, *traced.assign_grads, *traced.clear_grads}
+        added = _grad_storages(inputs, [i for i, _ in executable.graph.grads if i not in fed])
+        why = [COPIES.format(len(copies))] if copies else []
+        why += [f"the old .grad of {len(old)} parameter(s), which the step replaces"] if old else []
+        why += [f"the .grad of {len(added)} parameter(s), which the step adds into"] if added else []
+        return sum({**copies, **old, **added}.values()), why
+
+    def _step_plan(self, entry: _Entry, inputs: list) -> tuple[int, Plan]:
+        """The budget the program is planned in, and its plan: the step's budget less what the call holds
+        beside the program (:meth:`_held`), which the plan's peak counts. An error about the budget then
+        says what ``memory_budget`` would fit."""
+        executable = entry.executable
+        held, why = self._held(entry, inputs)
+        whole = self._budget(executable)
+        budget = max(whole - held, 0)
         try:
-            return budget, executable.plan(budget)
+            return budget, attrs.evolve(executable.plan(budget), held_bytes=held, budget_bytes=whole)
         except StagingError as e:
-            why = [COPIES.format(len(copies))] if copies else []
-            why += [f"the old .grad of {len(old)} parameter(s), which the step replaces"] if old else []
             wider = held_beside(e, held, why)
             if wider is e:
                 raise
@@ -852,7 +870,14 @@ def memory(
 
     def unbudgeted(staged: Staged, args: tuple, kwargs: dict) -> MemoryReport:
         leaves, batch = staged._batch_leaves(args, kwargs)
-        graph = staged.graph(*args, **kwargs)
+        entry, inputs, _ = staged._stage(args, kwargs)
+        graph = entry.traced.graph
+        held, why = staged._held(entry, inputs)
+        held_note = f"Beside the program the call holds {format_bytes(held)}: {'; '.join(why)}." if held else ""
+
+        def report(*a: Any, **k: Any) -> MemoryReport:
+            return costing_report(*a, **k, held=held, held_note=held_note)
+
         if not any(b for b, _ in leaves):
             return report(graph, batch, True, "No argument carries a batch.")
         sizes = [batch // 2, batch // 4] if batch >= 4 else [2 * batch, 3 * batch, 4 * batch]
@@ -891,8 +916,11 @@ def memory(
             "such as attention across examples, or a kernel whose workspace is padded); predict() stages the step "
             "at the batch asked."
         )
+        # Below the smallest batch the lines were checked at, a point's bytes may bend: a kernel's workspace is
+        # the larger of a fixed and a per-example part, or another kernel runs. predict() stages it there.
         return report(
-            graph, batch, linear, note, (fixed, point_slope), line=line, probes=peaks, cost_at=None if linear else cost_at
+            graph, batch, linear, note, (fixed, point_slope), line=line, probes=peaks, cost_at=cost_at,
+            lines_from=check if linear else None,
         )
 
     return cost
@@ -901,24 +929,26 @@ def memory(
 def _schedule(staged: Staged, args: tuple, kwargs: dict) -> Schedule:
     """How ``staged`` would run these arguments under its budget, for the memory report: the plan ``jit``
     makes, what it recomputes, and the live bytes of the program one chunk runs."""
-    executable = staged._stage(args, kwargs)[0].executable
-    budget = staged._budget(executable)
-    plan = executable.plan(budget)
+    entry, inputs, _ = staged._stage(args, kwargs)
+    executable = entry.executable
+    _, plan = staged._step_plan(entry, inputs)
+    budget, held = plan.budget_bytes, plan.held_bytes
     recompute = plan.recompute if isinstance(plan, RematPlan) else None
     graph = executable.graph if recompute is None else recompute.graph
     if plan.chunked:
         split = executable.split() if recompute is None else executable._for(graph).split()
         body = split.body(max(plan.chunk_sizes)).rest
         # A later chunk as the run holds it: the chunk planner's peak for it, less the body's own peak,
-        # is what the run holds around the body (inputs, shared values, accumulators).
-        held = body_peaks(split, split.body(max(plan.chunk_sizes)), peak_bytes)[1] - max(
+        # is what the run holds around the body (inputs, shared values, accumulators); the call holds
+        # ``held`` beside the whole run.
+        around = body_peaks(split, split.body(max(plan.chunk_sizes)), peak_bytes)[1] - max(
             peak_bytes(body) - sum(v.aval.nbytes for v in body.invars), 0
         )
-        inputs = sum(v.aval.nbytes for v in body.invars)
-        live = [held + max(b - inputs, 0) for b in _live_totals(body)]
+        body_inputs = sum(v.aval.nbytes for v in body.invars)
+        live = [held + around + max(b - body_inputs, 0) for b in _live_totals(body)]
         program = body
     else:
-        live = [b - (executable._overlap or 0) for b in _live_totals(graph)]
+        live = [held + b - (executable._overlap or 0) for b in _live_totals(graph)]
         program = graph
     recomputed = tuple(recomputed_eqns(graph))
     # Point i of a timeline is while equation i - 1 runs.

@@ -25,11 +25,15 @@ from .passes import liveness
 from .registry import slot
 
 __all__ = [
-    "CATEGORIES", "MemoryEffect", "effect", "allocated", "Lifetimes", "Timeline", "timeline", "peak_bytes", "Schedule",
+    "CATEGORIES", "MemoryEffect", "effect", "workspace", "allocated", "Lifetimes", "Timeline", "timeline", "peak_bytes", "Schedule",
     "MemoryReport", "report",
 ]
 
-CATEGORIES = ("parameters", "buffers", "inputs", "gradients", "activations", "temporaries", "workspace")
+# "optimizer": an optimizer's state the step reads (it steps inside the staged function); "held": what the
+# call holds beside the program (each .grad it adds into or replaces, restore copies), in reports only.
+CATEGORIES = (
+    "parameters", "buffers", "optimizer", "inputs", "gradients", "activations", "temporaries", "workspace", "held",
+)
 
 _CUDA_BLOCK = 512  # the caching allocator rounds every block up to a multiple of 512 bytes
 
@@ -51,19 +55,37 @@ class MemoryEffect:
     outputs: dict = attrs.field(factory=dict)
 
 
-def effect(e: Eqn, rules: dict | None = None) -> MemoryEffect:
-    """The registry's memory rule for ``e``'s op applied to ``e`` (no rule: no effect beyond its outputs).
-    ``rules``: the rules looked up so far, by op (a caller's memo over one graph)."""
+def _rule(e: Eqn, name: str, rules: dict | None) -> Callable[..., Any] | None:
+    """The registry's ``name`` rule for ``e``'s op; ``rules`` memoises the look-ups (by slot and op)."""
     if rules is None:
-        rule = slot(e.prim, "memory")
-    elif e.prim in rules:
-        rule = rules[e.prim]
-    else:
-        rule = rules[e.prim] = slot(e.prim, "memory")
+        return slot(e.prim, name)
+    key = (name, e.prim)
+    if key not in rules:
+        rules[key] = slot(e.prim, name)
+    return rules[key]
+
+
+def _memory_effect(e: Eqn, rules: dict | None) -> MemoryEffect:
+    rule = _rule(e, "memory", rules)
     if rule is None:
         return _NO_EFFECT
     out = rule(e)
     return out if isinstance(out, MemoryEffect) else MemoryEffect(int(out))
+
+
+def workspace(e: Eqn, rules: dict | None = None) -> int | None:
+    """The bytes ``e``'s kernel allocates inside itself beyond its outputs, by the registry's workspace rule
+    (None: the op has none). Held only while the equation runs."""
+    rule = _rule(e, "workspace", rules)
+    return None if rule is None else int(rule(e))
+
+
+def effect(e: Eqn, rules: dict | None = None) -> MemoryEffect:
+    """The registry's memory and workspace rules for ``e``'s op applied to ``e`` (no rule: no effect beyond
+    its outputs). ``rules``: the rules looked up so far (a caller's memo over one graph)."""
+    eff = _memory_effect(e, rules)
+    extra = workspace(e, rules)
+    return eff if not extra else attrs.evolve(eff, workspace=eff.workspace + extra)
 
 
 _NO_EFFECT = MemoryEffect()
@@ -74,11 +96,13 @@ class Lifetimes:
     """When each storage a run allocates is live, so that the peak can be summed again for other sizes of
     the same storages (the planner's chunk graphs for another chunk size: same schedule, other shapes).
 
-    Parallel lists, one entry per root in order of allocation (inputs first): ``nbytes`` as the tensor sizes
-    say (before the allocator's rounding), ``rounded`` whether the device's allocator rounds it, ``start``
-    and ``end`` the first and last timeline row it is live in. ``rows``: the rows the peak is taken over
-    (before the first equation, and each equation that runs). ``ruled``: a memory rule added bytes that
-    sizes alone do not give (workspace, an output's true size), so :meth:`peak` does not apply.
+    Parallel lists, one entry per root in order of allocation (inputs first), then one per equation with a
+    workspace rule (its kernel's workspace, live in that equation's row only): ``nbytes`` as the tensor sizes
+    (or the workspace rule) say, before the allocator's rounding, ``rounded`` whether the device's allocator
+    rounds it, ``start`` and ``end`` the first and last timeline row it is live in. ``rows``: the rows the
+    peak is taken over (before the first equation, and each equation that runs). ``ruled``: a memory rule
+    added bytes that sizes alone do not give (an output's true size, an opaque workspace), so :meth:`peak`
+    does not apply.
     """
 
     nbytes: list[int]
@@ -119,10 +143,11 @@ class Timeline:
 
 
 @_gc.paused()  # a row and a list per equation, all kept: the collector's passes would find nothing
-def timeline(graph: Graph) -> Timeline:
+def timeline(graph: Graph, workspaces: bool = True) -> Timeline:
     """Walk ``graph`` in program order, along the schedule the executor runs
     (:func:`stagetorch.passes.liveness`), and record live bytes by category. An equation that does not run
-    (dead, or an alias of a value already held) adds nothing; its row repeats the one before."""
+    (dead, or an alias of a value already held) adds nothing; its row repeats the one before.
+    ``workspaces=False`` leaves out the registry's workspace rules: tensor sizes alone."""
     roles = graph.roles or ["arg"] * len(graph.invars)
     cat_of_role = {"param": "parameters", "buffer": "buffers", "arg": "inputs", "const": "inputs"}
     schedule = liveness(graph)
@@ -138,11 +163,15 @@ def timeline(graph: Graph) -> Timeline:
     start: list[int] = []
     ended: dict[Var, int] = {}
     ruled = False
-    for v, role in zip(graph.invars, roles):
+    ws_entries: list[tuple[int, bool, int]] = []  # (bytes, rounded, row) of each workspace rule's answer
+    names = graph.names or [""] * len(graph.invars)
+    for v, role, name in zip(graph.invars, roles, names):
         r = v.root
         if r not in owners:
             size = allocated(r.owned_nbytes, r.aval.device)
-            owners[r] = (cat_of_role.get(role, "inputs"), size, -1)
+            # The tracer names an optimizer's state "<optimizer>.state[<i>][<key>]".
+            cat = "optimizer" if role == "const" and ".state[" in name else cat_of_role.get(role, "inputs")
+            owners[r] = (cat, size, -1)
             live[index[owners[r][0]]] += size
             raw.append(r.owned_nbytes)
             start.append(0)
@@ -158,8 +187,9 @@ def timeline(graph: Graph) -> Timeline:
         if not schedule.runs[i]:
             rows.append(tuple(live))
             continue
-        eff = effect(e, rules)
+        eff = _memory_effect(e, rules)
         ruled = ruled or eff is not _NO_EFFECT
+        extra = workspace(e, rules) if workspaces else None
         ran.append(i + 1)
         for j, v in enumerate(e.outvars):
             if v is None:
@@ -177,6 +207,10 @@ def timeline(graph: Graph) -> Timeline:
             if r not in last:  # never read, never kept: dies as soon as the op returns
                 frees[i].append(r)
         ws = eff.workspace
+        if extra is not None:
+            device = next((v.aval.device for v in e.outvars if v is not None), torch.device("cpu"))
+            ws_entries.append((extra, device.type == "cuda", i + 1))
+            ws += allocated(extra, device)
         total = sum(live) + ws
         row = list(live)
         row[index["workspace"]] += ws
@@ -188,16 +222,22 @@ def timeline(graph: Graph) -> Timeline:
             live[index[cat]] -= size
             ended[r] = i + 1
     end = [ended.get(r, n) for r in owners]
-    lifetimes = Lifetimes(raw, [r.aval.device.type == "cuda" for r in owners], start, end, ran, ruled)
+    rounded = [r.aval.device.type == "cuda" for r in owners]
+    ws_rows = [row for _, _, row in ws_entries]
+    lifetimes = Lifetimes(
+        raw + [b for b, _, _ in ws_entries], rounded + [c for _, c, _ in ws_entries], start + ws_rows, end + ws_rows,
+        ran, ruled,
+    )
     # The roots live at the peak, from their lifetimes (a copy of the live set at each new peak would cost
     # the square of a forward pass's length).
     peak_live = [r for r, a, b in zip(owners, start, end) if a <= peak_index <= b]
     return Timeline(rows, peak, peak_index, peak_live, owners, peak_ws, lifetimes)
 
 
-def peak_bytes(graph: Graph) -> int:
-    """The most bytes live at once when the eager interpreter runs ``graph``."""
-    return timeline(graph).peak_bytes
+def peak_bytes(graph: Graph, workspaces: bool = True) -> int:
+    """The most bytes live at once when the eager interpreter runs ``graph`` (``workspaces=False``: the
+    tensors alone, without what kernels allocate inside themselves)."""
+    return timeline(graph, workspaces).peak_bytes
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -282,17 +322,21 @@ class MemoryReport:
     point_fixed: tuple[float, ...] = ()
     point_per_example: tuple[float, ...] = ()
     probes: dict[int, int] = attrs.field(factory=dict)
-    # Costs the step at another batch size; kept (with the arguments it stages from) only when the peak is
-    # not affine in the batch, where no line predicts it.
+    # Costs the step at another batch size (it holds the arguments it stages from): at every batch when the
+    # peak is not affine in the batch, where no line predicts it, and below ``lines_from`` otherwise.
     cost_at: Callable[[int], int] | None = attrs.field(default=None, eq=False, repr=False)
     schedule: Schedule | None = None
+    # The smallest batch the per-point lines were checked at; None: at every batch.
+    lines_from: int | None = None
 
     def predict(self, batch: int) -> int:
-        """The peak for another batch size: exact at a batch that was costed, and at any batch when the
-        peak is not affine in the batch (the step is costed there); else every program point's live bytes
-        are affine in the batch, and the peak is the largest of them (the point where it occurs can move
-        as the batch grows)."""
-        if batch not in self.probes and self.cost_at is not None:
+        """The peak for another batch size: exact at a batch that was costed, at any batch when the peak is
+        not affine in the batch, and below the batches the lines were checked at (the step is costed there:
+        a kernel's workspace that is the larger of a fixed and a per-example part bends there); else every
+        program point's live bytes are affine in the batch, and the peak is the largest of them (the point
+        where it occurs can move as the batch grows)."""
+        below = self.lines_from is not None and batch < self.lines_from
+        if batch not in self.probes and self.cost_at is not None and (not self.linear or below):
             self.probes[batch] = self.cost_at(batch)
         if batch in self.probes:
             return self.probes[batch]
@@ -394,11 +438,25 @@ def report(
     line: tuple[float, float] | None = None,
     probes: dict[int, int] | None = None,
     cost_at: Callable[[int], int] | None = None,
+    lines_from: int | None = None,
+    held: int = 0,
+    held_note: str = "",
 ) -> MemoryReport:
     """The report for ``graph`` staged at ``batch``. ``line`` is (fixed, per example) through the peaks;
-    ``points`` the same per program point, when the program is the same at every batch costed."""
+    ``points`` the same per program point, when the program is the same at every batch costed (all of
+    the program's own bytes). ``held``: bytes the call holds beside the program at every batch, added to
+    every point and peak (category "held"); ``held_note`` says what they are."""
     t = timeline(graph)
     fixed, per_example = line if line is not None else (float(t.peak_bytes), 0.0)
+    fixed += held
+    if held:
+        points = (tuple(a + held for a in points[0]), points[1])
+        note = f"{note} {held_note}".strip()
+        if cost_at is not None:
+            program_at = cost_at
+
+            def cost_at(b: int) -> int:
+                return program_at(b) + held
     by_category: dict[str, int] = {c: 0 for c in CATEGORIES}
     by_op: dict[str, int] = {}
     by_module: dict[str, int] = {}
@@ -413,9 +471,12 @@ def report(
         else:
             by_module["(inputs and state)"] = by_module.get("(inputs and state)", 0) + size
     by_category["workspace"] = t.peak_workspace
+    by_category["held"] = held
     at = graph.eqns[t.peak_index - 1] if t.peak_index > 0 else None
+    k = CATEGORIES.index("held")
+    live = [row[:k] + (row[k] + held,) + row[k + 1:] for row in t.live] if held else t.live
     return MemoryReport(
-        peak_bytes=t.peak_bytes,
+        peak_bytes=t.peak_bytes + held,
         fixed_bytes=fixed,
         per_example_bytes=per_example,
         batch=batch,
@@ -426,10 +487,11 @@ def report(
         by_module=by_module,
         peak_op=op_name(at.prim) if at is not None else "(inputs)",
         peak_source=at.source if at is not None else SourceInfo(),
-        live=t.live,
+        live=live,
         peak_index=t.peak_index,
         point_fixed=points[0],
         point_per_example=points[1],
-        probes={batch: t.peak_bytes, **(probes or {})},
+        probes={b: p + held for b, p in {batch: t.peak_bytes, **(probes or {})}.items()},
         cost_at=cost_at,
+        lines_from=lines_from,
     )

@@ -37,11 +37,14 @@ class Plan:
     reason: str
     # The peak of what runs once around the chunks (the shared phase, the post phase with every accumulator).
     phase_peak_bytes: int = 0
+    # What the call holds beside the program the whole time it runs (each .grad it adds into or replaces, the
+    # copies it keeps to restore a failed step); ``budget_bytes`` then covers them too.
+    held_bytes: int = 0
 
     @property
     def peak(self) -> int:
-        """The predicted peak of the whole run."""
-        return max(*self.peak_bytes, self.phase_peak_bytes)
+        """The predicted peak of the whole run, with what the call holds beside the program."""
+        return max(*self.peak_bytes, self.phase_peak_bytes) + self.held_bytes
 
     @property
     def chunked(self) -> bool:
@@ -54,6 +57,7 @@ class Plan:
             f"Plan: batch {self.batch} as {len(self.chunk_sizes)} chunk(s) [{sizes}], predicted peak "
             f"{format_bytes(peak)} of a {format_bytes(self.budget_bytes)} budget (whole batch at once: "
             f"{format_bytes(self.full_batch_peak_bytes)}). {self.reason}"
+            + (f" The call holds {format_bytes(self.held_bytes)} beside the program." if self.held_bytes else "")
         )
 
 

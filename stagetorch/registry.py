@@ -32,6 +32,7 @@ class Rule:
     flops: Callable[..., Any] | None = None
     calls: Callable[..., Any] | None = None
     layout: Callable[..., Any] | None = None
+    workspace: Callable[..., Any] | None = None
 
 
 _RULES: dict[Op, Rule] = {}
@@ -59,6 +60,7 @@ def register(
     flops: Callable[..., Any] | None = None,
     calls: Callable[..., Any] | None = None,
     layout: Callable[..., Any] | None = None,
+    workspace: Callable[..., Any] | None = None,
 ) -> Rule:
     """Teach stagetorch an op, or override what it knows.
 
@@ -84,6 +86,11 @@ def register(
       where the kernel returns no tensor at all (a backward's masked-out gradient). Needed only where an op's meta
       kernel lays its output out otherwise than its kernel does: the tracer would record a ``view`` of it
       that fails at run time, or a copy eager PyTorch does not make.
+    - ``workspace``: called with the :class:`~stagetorch.Eqn`; returns the bytes the kernel allocates inside
+      itself beyond its outputs (column buffers, reordered copies, scratchpads), as the allocator sees them
+      at the kernel's own peak. The memory interpreter holds them while the equation runs and frees them
+      after it. Unlike a ``memory`` rule, a workspace rule keeps the planner's fast costing of chunk sizes
+      (it is asked again at each size). Measure it with ``tests/memtrack.op_workspace``.
 
     Each slot is also a decorator: ``@stagetorch.ops.register.memory(torch.ops.mylib.op)``.
 
@@ -92,7 +99,10 @@ def register(
     op = _check_op(op)
     _SLOTS.clear()
     rule = _RULES.setdefault(op, Rule(op))
-    slots = (("shape", shape), ("memory", memory), ("batch", batch), ("flops", flops), ("calls", calls), ("layout", layout))
+    slots = (
+        ("shape", shape), ("memory", memory), ("batch", batch), ("flops", flops), ("calls", calls), ("layout", layout),
+        ("workspace", workspace),
+    )
     for slot, fn in slots:
         if fn is not None:
             setattr(rule, slot, fn)
@@ -118,6 +128,7 @@ register.batch = _slot_decorator("batch")  # type: ignore[attr-defined]
 register.flops = _slot_decorator("flops")  # type: ignore[attr-defined]
 register.calls = _slot_decorator("calls")  # type: ignore[attr-defined]
 register.layout = _slot_decorator("layout")  # type: ignore[attr-defined]
+register.workspace = _slot_decorator("workspace")  # type: ignore[attr-defined]
 
 
 def rules() -> dict[Op, Rule]:

@@ -87,9 +87,19 @@ class AllocatorPeak:
                 (e for e in _events(tree) if e.tag == allocation and e.extra_fields.device.type == "cpu"),
                 key=lambda e: e.start_time_ns,
             )
+            # A free of a block allocated before the block ran (a cache, an earlier step's tensor) is not this
+            # block's: counting it would hide as many bytes of the block's own.
+            mine: set[int] = set()
             live = 0
             for e in events:
-                live += e.extra_fields.alloc_size
+                size, ptr = e.extra_fields.alloc_size, e.extra_fields.ptr
+                if size > 0:
+                    mine.add(ptr)
+                elif ptr in mine:
+                    mine.discard(ptr)
+                else:
+                    continue
+                live += size
                 self.excess = max(self.excess, live)
         self.peak = self.resident + self.excess
 
@@ -154,16 +164,18 @@ def smallest_plan_peak(staged: stagetorch.Staged, *args: torch.Tensor) -> int:
     return max(*_chunk_peaks(split, 1, peak_bytes), _phase_peak(split, 1, peak_bytes))
 
 
-def _budget_between(staged, args, fraction):
+def budget_between(staged, args, fraction):
     """A budget ``fraction`` of the way from the smallest feasible plan's peak to the whole batch's."""
     smallest = smallest_plan_peak(staged, *args)
     full = staged.plan(*args).full_batch_peak_bytes
     return int((smallest + fraction * (full - smallest)) / (1 - SAFETY_MARGIN)) + 64
 
 
-def measure(name, path):
-    """Run one step of ``name`` along ``path`` under the live-storage tracker: (predicted, measured, budget,
-    chunks). The model's state, the inputs and nothing else are resident before the step."""
+def measure(name, path, tracker=None):
+    """Run one step of ``name`` along ``path`` at the allocator (``tracker``: another, such as the LivePeak
+    diagnostic): (predicted, measured, budget, chunks). The model's state, the inputs and nothing else are
+    resident before the step."""
+    tracker = AllocatorPeak if tracker is None else tracker
     torch.manual_seed(0)
     model, make = MODELS[name]()
     # The MLP's activations outweigh its parameters only from a few hundred examples: below, chunking saves nothing.
@@ -172,15 +184,15 @@ def measure(name, path):
     if path == "no_grad":
         with torch.no_grad():
             staged = stagetorch.jit(model if name != "gpt2" else lambda ids: model(input_ids=ids).logits)
-            staged.memory_budget = _budget_between(staged, (x,), 0.3)
+            staged.memory_budget = budget_between(staged, (x,), 0.3)
             plan = staged.plan(x)
-            with LivePeak(resident) as run:
+            with tracker(resident) as run:
                 staged(x)
         return plan.peak, run.peak, staged.memory_budget, len(plan.chunk_sizes)
     staged = stagetorch.jit(_step_of(name)(copy.deepcopy(model)))
     budget = {"chunked": 0.4, "small_chunks": 0.05, "remat": 0.4, "lazy_chunked": 0.4, "lazy_remat": 0.4}.get(path)
     if budget is not None:
-        budget = _budget_between(staged, (x, y), budget)
+        budget = budget_between(staged, (x, y), budget)
     if path.startswith("lazy"):
         # The prediction is that of the flushes lazy runs (through the Executable every front end uses).
         planned = []
@@ -193,22 +205,22 @@ def measure(name, path):
 
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(Executable, "run", recorded)
-            with LivePeak(resident) as run:
+            with tracker(resident) as run:
                 lx, ly = stagetorch.lazy(x, y, batch=0, memory_budget=budget, remat=False if path == "lazy_chunked" else "auto")
                 float(_step_of(name)(model)(lx, ly))
         assert planned
         return max(p.peak for p in planned), run.peak, budget, max(len(p.chunk_sizes) for p in planned)
     staged = stagetorch.jit(_step_of(name)(model), memory_budget=budget, remat="auto" if path in ("jit", "remat") else False)
     plan = staged.plan(x, y)
-    with LivePeak(resident) as run:
+    with tracker(resident) as run:
         staged(x, y)
     return plan.peak, run.peak, budget, len(plan.chunk_sizes)
 
 
 def measured_peak(step: Callable, model: torch.nn.Module, *args: torch.Tensor) -> int:
-    """The live-tensor peak of ``step(*args)`` run eagerly, with the model's state and the inputs resident."""
+    """The allocator's peak of ``step(*args)`` run eagerly, with the model's state and the inputs resident."""
     resident = [*model.parameters(), *model.buffers(), *args]
-    with LivePeak(resident) as tracker:
+    with AllocatorPeak(resident) as tracker:
         step(*args)
     return tracker.peak
 
@@ -219,3 +231,17 @@ def allocator_peak(step: Callable, resident: Iterable[torch.Tensor], *args, devi
     with AllocatorPeak(resident, device) as tracker:
         out = step(*args, **kwargs)
     return tracker.peak, out
+
+
+def op_workspace(op: Callable, *args: Any) -> int:
+    """What ``op(*args)`` allocates beyond its outputs at its own peak, as the allocator sees it: the bytes a
+    workspace rule says (run below autograd, as staged programs run; the inputs already resident)."""
+    held = {t.untyped_storage().data_ptr() for t in args if isinstance(t, torch.Tensor)}
+    with torch._C._AutoDispatchBelowAutograd(), AllocatorPeak() as run:
+        out = op(*args)
+    outs = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in (out if isinstance(out, (tuple, list)) else (out,))
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in held
+    }
+    return run.excess - sum(outs.values())

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from memtrack import LivePeak
+from memtrack import AllocatorPeak
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -270,7 +270,7 @@ def ranks_recompute_apart(rank: int) -> dict:
         if e.smallest_budget is not None:
             staged.memory_budget = e.smallest_budget
         plan = staged.plan(xs[rank], ys[rank])
-    with LivePeak([*case.model.parameters(), xs[rank], ys[rank]]) as tracker:
+    with AllocatorPeak([*case.model.parameters(), xs[rank], ys[rank]]) as tracker:
         loss = staged(xs[rank], ys[rank])
     return {"loss": loss.item(), "grads": [p.grad.numpy() for p in case.model.parameters() if p.grad is not None],
             "recomputes": getattr(plan, "recompute", None) is not None, "peak": tracker.peak, "planned": plan.peak,
@@ -354,7 +354,7 @@ def restore_copies_within_the_named_budget(rank: int) -> dict:
     out = {"smallest": error.smallest_budget, "every": error.smallest_budgets, "message": str(error),
            "untouched": seen[0].item() == 0 and all(p.grad is None for p in model.parameters())}
     staged.memory_budget = error.smallest_budget
-    with LivePeak([*model.parameters(), seen, x]) as tracker:
+    with AllocatorPeak([*model.parameters(), seen, x]) as tracker:
         loss = staged(x)
     out.update(peak=tracker.peak, loss=loss.item(), grads=[p.grad.numpy() for p in model.parameters()],
                updated=seen[0].item())

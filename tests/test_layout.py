@@ -216,7 +216,7 @@ def test_batchnorm_on_an_input_that_needs_no_gradient_holds_no_input_gradient():
     leaves the input's gradient out and the kernel returns none, though the meta kernel makes one. The
     staged backward holds no such value, and the memory interpreter's peak is the run's to the byte (it
     counted a whole activation too many)."""
-    from memtrack import LivePeak
+    from memtrack import AllocatorPeak
 
     from stagetorch.costing import peak_bytes
     from stagetorch.execute import Program
@@ -234,7 +234,7 @@ def test_batchnorm_on_an_input_that_needs_no_gradient_holds_no_input_gradient():
     [bn_backward] = [e for e in graph.eqns if e.prim.overloadpacket is aten.native_batch_norm_backward]
     assert bn_backward.outvars[0] is None
     inputs = [x, *model.parameters(), *model.buffers()]
-    with LivePeak(inputs) as tracker:
+    with AllocatorPeak(inputs) as tracker:
         Program(graph).run(inputs)
     assert tracker.peak == peak_bytes(graph)
     reference = copy.deepcopy(model)
@@ -253,7 +253,7 @@ def test_channels_last_convolution_weight_gradients_are_copied_within_the_plan(c
     the program's: the measured peak is the plan's. (Made after the program, every such copy was held at
     once beside the program's outputs: 23% above the plan of the unchunked case, whose weights outweigh
     its activations.) The gradients are eager's, in eager's layout; chunked too."""
-    from memtrack import LivePeak
+    from memtrack import AllocatorPeak
 
     torch.manual_seed(0)
     width, size = (64, 4) if chunks == 1 else (16, 12)
@@ -270,7 +270,7 @@ def test_channels_last_convolution_weight_gradients_are_copied_within_the_plan(c
         staged.memory_budget = int(staged.plan(x, y).full_batch_peak_bytes * 0.55)
     plan = staged.plan(x, y)
     assert len(plan.chunk_sizes) >= chunks
-    with LivePeak([*model.parameters(), x, y]) as tracker:
+    with AllocatorPeak([*model.parameters(), x, y]) as tracker:
         loss = staged(x, y)
     assert plan.peak - 16 <= tracker.peak <= plan.peak + 16, (tracker.peak, plan)
     expected = step_of(reference)(x, y)

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from memtrack import LivePeak
+from memtrack import AllocatorPeak
 from remat_models import mlp_chain
 
 import stagetorch
@@ -204,7 +204,7 @@ def test_nothing_fits_names_the_smallest_budget_and_changes_nothing():
     # ... and that budget runs, within itself. The message rounds to 0.1 MiB (down as often as up).
     smallest = parse_bytes(named.replace(" ", "")) + (MiB // 20 if named.endswith("MiB") else 0)
     assert smallest <= 2 * MiB  # a budget test_one_example_that_does_not_fit_is_bit_exact_against_eager runs in
-    with LivePeak([*model.parameters(), x]) as tracker:
+    with AllocatorPeak([*model.parameters(), x]) as tracker:
         loss = model(stagetorch.lazy(x, memory_budget=smallest)).square().mean()
         loss.backward()
     assert tracker.peak <= smallest
@@ -264,7 +264,7 @@ def test_bad_remat_values_are_refused():
 def _measured_lazy_step(model, x, plans, **options):
     """(measured peak, plan) of one lazy step, from the lazy line to ``loss.item()``."""
     model.zero_grad(set_to_none=True)
-    with LivePeak([*model.parameters(), x]) as tracker:
+    with AllocatorPeak([*model.parameters(), x]) as tracker:
         loss = model(stagetorch.lazy(x, **options)).square().mean()
         loss.backward()
         loss.item()
@@ -306,7 +306,7 @@ def test_the_copies_a_flush_keeps_to_restore_batchnorm_fit_the_budget(plans):
     budget = raised.value.smallest_budget
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the failed flush changed nothing
     model.zero_grad(set_to_none=True)
-    with LivePeak([*model.parameters(), *model.buffers(), x]) as tracker:
+    with AllocatorPeak([*model.parameters(), *model.buffers(), x]) as tracker:
         loss = model(stagetorch.lazy(x, memory_budget=budget)).square().mean()
         loss.backward()
         loss.item()

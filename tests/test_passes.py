@@ -9,7 +9,7 @@ import models
 import pytest
 import remat_models
 import torch
-from memtrack import LivePeak
+from memtrack import AllocatorPeak, LivePeak
 
 import stagetorch
 from stagetorch import passes
@@ -88,26 +88,36 @@ def test_the_alias_shortcuts_change_nothing_but_the_calls(monkeypatch):
 
 
 def _measured(graph, inputs):
+    """(the tensor tracker's peak, the allocator's) of running ``graph``: the first is the schedule's alone, to
+    the byte; the second adds what kernels allocate inside themselves, which workspace rules approximate."""
     with LivePeak(inputs) as tracker:
         Program(graph).run(inputs)
-    return tracker.peak
+    with AllocatorPeak(inputs) as allocator:
+        Program(graph).run(inputs)
+    return tracker.peak, allocator.peak
+
+
+def _sizes_only(graph):
+    """``graph``'s peak with no workspace rule: tensor sizes alone, what the tensor tracker sees."""
+    return peak_bytes(graph, workspaces=False)
 
 
 # Not the LSTM: two of its recomputing schedules measure 1 KiB (one f32[4,64]) over their cost when run alone,
 # and equal to it after other tests in the same process (unexplained; see bench/RESULTS.md, "passes").
 @pytest.mark.parametrize("name", ["densenet", "transformer", "vnet"])
 def test_the_executor_frees_what_the_costing_counts(name):
-    """The live-tensor peak of the compiled program is the memory interpreter's, to the byte, with and
-    without recomputation (a recomputing graph is full of views and detaches of recomputed values: before
+    """The live-tensor peak of the compiled program is the memory interpreter's from tensor sizes, to the
+    byte, and the allocator's is its peak with workspaces within 2%, with and without recomputation (a recomputing graph is full of views and detaches of recomputed values: before
     the costing followed the executor's aliases and remat rebased views by what they read, two of the
     densenet's were costed 48 bytes over what ran)."""
     model, x, g = _seed(name)
-    assert _measured(g, _inputs(model, x)) == peak_bytes(g)
     cands = candidates(g)
     rng = random.Random(0)
-    for q in (0.0, 0.2, 0.5):
-        r = remat(g, frozenset(c for c in cands.roots if rng.random() < q), cands)
-        assert _measured(r, _inputs(model, x)) == peak_bytes(r)
+    for q in (None, 0.0, 0.2, 0.5):
+        r = g if q is None else remat(g, frozenset(c for c in cands.roots if rng.random() < q), cands)
+        live, allocated = _measured(r, _inputs(model, x))
+        assert live == _sizes_only(r)
+        assert abs(allocated - peak_bytes(r)) <= 0.02 * allocated, (allocated, peak_bytes(r))
 
 
 def _move_source(e, made_by):
@@ -126,11 +136,11 @@ def test_an_alias_rule_is_one_rule_for_the_executor_and_the_costing(monkeypatch)
     x = torch.randn(1 << 16)
     g = stagetorch.make_ir(fn)(x)
     before = peak_bytes(g)
-    assert _measured(g, [x]) == before
+    assert _measured(g, [x]) == (before, before)
     monkeypatch.setitem(passes.ALIASES, torch.ops.aten.clone.default, AliasRule(_move_source))
     assert not all(liveness(g).runs)
     after = peak_bytes(g)
     assert after == 2 * x.nbytes + 4  # x and x * 2 (the clone is it), then the sum's 4 bytes beside them
-    assert _measured(g, [x]) == after
+    assert _measured(g, [x]) == (after, after)
     (out,), _ = Program(g).run([x])
     assert torch.equal(out, (x * 2).sum())

@@ -16,7 +16,7 @@ import copy
 import pytest
 import random_nets
 import torch
-from memtrack import LivePeak
+from memtrack import AllocatorPeak
 
 import stagetorch
 from stagetorch.costing import peak_bytes
@@ -48,14 +48,17 @@ def train_against_eager(case: random_nets.Case, steps: int = 2) -> list:
         model.scale = reference.scale = 1.0 + 0.7 * k
         # The call holds a copy of each buffer the step updates (BatchNorm's statistics) beside the program.
         held = sum(b.untyped_storage().nbytes() for b in model.buffers())
+        opt.zero_grad(set_to_none=True)  # before planning: a .grad held would be planned as added into
         plan, budget = _plan_within(staged, x, y, int(peak_bytes(staged.graph(x, y)) * case.fraction) + held)
         plans.append(plan)
-        opt.zero_grad(set_to_none=True)
-        with LivePeak([*model.parameters(), *model.buffers(), x, y]) as tracker:
+        with AllocatorPeak([*model.parameters(), *model.buffers(), x, y]) as tracker:
             got = staged(x, y)
         where = f"{case.description}, step {k}"
         assert tracker.peak <= budget, (where, plan)
-        assert (plan.peak + held) * 0.98 <= tracker.peak <= (plan.peak + held) * 1.02, (where, tracker.peak, plan)
+        # At the allocator; the kernels' workspaces on these odd layouts are modelled within 8% (a Conv1d's
+        # input is counted as copied contiguous even where it is; BatchNorm1d's backward and channels-last
+        # kernels differ from the rules measured on contiguous 2-d/3-d tensors: tests/test_workspace.py).
+        assert plan.held_bytes == held and plan.peak * 0.92 <= tracker.peak <= plan.peak * 1.08, (where, tracker.peak, plan)
         ref_opt.zero_grad(set_to_none=True)
         expected = case.step(reference)(x, y)
         torch.testing.assert_close(got, expected.detach(), **_TOL, msg=lambda m, where=where: f"{where}: {m}")

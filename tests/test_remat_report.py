@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from memtrack import LivePeak
+from memtrack import AllocatorPeak
 from remat_models import mlp_chain, step_of
 
 import stagetorch
@@ -46,7 +46,7 @@ def test_the_schedule_is_jits_plan_and_the_measured_peak(batch, budget):
         assert len(s.marks) == len(s.recomputed) and len(s.live) == len(plan.recompute.graph.eqns) + 1
     # The report without a budget is the step without recomputation.
     assert report.peak_bytes == peak_bytes(staged.graph(x)) > s.budget_bytes
-    with LivePeak([*model.parameters(), x]) as tracker:
+    with AllocatorPeak([*model.parameters(), x]) as tracker:
         staged(x)
     assert tracker.peak <= s.peak_bytes <= s.budget_bytes
     assert s.peak_bytes - tracker.peak <= 0.02 * tracker.peak

@@ -1,6 +1,6 @@
 """The library's op rules: one module per op family, each with ``SHAPE``, ``MEMORY``, ``BATCH`` and ``FLOPS``
 tables (``CALLS`` where an op runs more than one kernel, ``LAYOUT`` where its meta kernel's strides are not
-the kernel's).
+the kernel's, ``WORKSPACE`` where a kernel allocates inside itself).
 
 Importing this package fills the registry (:mod:`stagetorch.registry`) through the same :func:`register`
 that users call. The generic batch rules users need to describe their own ops are re-exported here.
@@ -31,6 +31,6 @@ __all__ = ["register", "rules", "lookup", "Rule", "pointwise", "per_example", "c
 for _family in (
     elementwise, linalg, conv, pooling, norms, attention, recurrent, losses, reductions, views, embedding, dropout, indexing,
 ):
-    for _slot in ("SHAPE", "MEMORY", "BATCH", "FLOPS", "CALLS", "LAYOUT"):
+    for _slot in ("SHAPE", "MEMORY", "BATCH", "FLOPS", "CALLS", "LAYOUT", "WORKSPACE"):
         for _op, _fn in getattr(_family, _slot, {}).items():
             register(_op, **{_slot.lower(): _fn})

@@ -8,7 +8,7 @@ import torch
 
 from .. import batching, flops
 from ..errors import ShapeError
-from ..ir import Aval
+from ..ir import Aval, Eqn
 from . import _shape
 
 aten = torch.ops.aten
@@ -26,6 +26,36 @@ def sdpa_cpu(q: Aval, k: Aval, v: Aval, *args: Any, **kwargs: Any) -> tuple[Aval
 
 def sdpa_cpu_backward(grad: Aval, q: Aval, k: Aval, v: Aval, *args: Any, **kwargs: Any) -> tuple[Aval, Aval, Aval]:
     return q, k, v
+
+
+def _flash_splits(q: Aval, k: Aval) -> tuple[int, int]:
+    """The query and key blocks CPU flash attention works in (FlashAttentionKernel.cpp, torch 2.13)."""
+    length = q.shape[-2]
+    q_split = 256 if length >= 768 else 64 if length >= 192 else 32
+    return min(length, q_split), min(k.shape[-2], 512)
+
+
+def sdpa_cpu_workspace(e: Eqn) -> int:
+    """Each thread's scores, row maxima and sums and output block, in float (measured at the allocator:
+    tests/test_workspace.py). Reduced-precision inputs add a copy of the scores block in their own dtype."""
+    q, k, v = (a.aval for a in e.args[:3])
+    if q.device.type != "cpu":
+        return 0
+    qs, ks = _flash_splits(q, k)
+    per_thread = 4 * (qs * ks + 2 * qs + qs * v.shape[-1]) + (q.itemsize * qs * ks if q.itemsize < 4 else 0)
+    return torch.get_num_threads() * per_thread
+
+
+def sdpa_cpu_backward_workspace(e: Eqn) -> int:
+    """Each thread's scores and their gradient in float, a row of the query block, and a copy of the output
+    gradient: the kernel reads it as (batch, L, heads, E), and the IR does not record whether it is laid out so
+    (after ``transpose(1, 2).reshape`` it is, and the copy is not made: an over-estimate there)."""
+    grad, q, k = (a.aval for a in e.args[:3])
+    if q.device.type != "cpu":
+        return 0
+    qs, ks = _flash_splits(q, k)
+    reduced = 2 * q.itemsize * qs * ks if q.itemsize < 4 else 0
+    return torch.get_num_threads() * (8 * qs * ks + reduced) + 4 * qs + grad.nbytes
 
 
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
@@ -72,4 +102,11 @@ FLOPS: dict = {
         aten._scaled_dot_product_flash_attention_for_cpu_backward, aten._scaled_dot_product_flash_attention_backward,
         aten._scaled_dot_product_efficient_attention_backward, aten._scaled_dot_product_cudnn_attention_backward,
     )},
+}
+
+
+# Workspace rules: op -> rule(eqn) -> bytes the kernel allocates inside itself (see stagetorch/costing.py)
+WORKSPACE: dict = {
+    aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu_workspace,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_cpu_backward_workspace,
 }

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import batching, flops
 from ..errors import ShapeError
-from ..ir import Aval
+from ..ir import Aval, Eqn
 
 aten = torch.ops.aten
 
@@ -66,4 +68,169 @@ BATCH: dict = {
 FLOPS: dict = {
     aten.convolution: flops.conv_rule,
     aten.convolution_backward: flops.conv_backward_rule,
+}
+
+
+# -- Workspace: what the CPU kernels allocate inside themselves ---------------------------------------------
+#
+# Measured at the allocator (profiler allocation events) on torch 2.13's CPU build, float32, contiguous NCHW /
+# NCDHW tensors; tests/test_workspace.py holds each formula to the measured excess of the op alone. Two
+# kernels run a CPU convolution, chosen as ConvParams::use_mkldnn chooses (_uses_mkldnn below):
+#
+# - the native one (slow_conv2d / slow_conv3d) unfolds its input into a column buffer of
+#   (N, C_in * prod(kernel), prod(output spatial)) elements, forward and backward alike (none for a 1x1
+#   kernel with stride 1 and no padding);
+# - oneDNN reorders into channel-blocked layouts (channels padded to the vector width: 16 floats on AVX-512,
+#   8 on AVX2): the weight (output channels padded), the input when it has a block of channels or more
+#   (or the kernel is 1x1),
+#   and the output, which is then reordered into the tensor returned. Its backward reorders the output
+#   gradient again and keeps per-thread reduction buffers for the weight gradient; those buffers follow no
+#   formula we could fit: the rule is within 15% of the allocator on most shapes, and 45% under on a 3-d
+#   layer of 8 input channels (tests/test_workspace.py lists the misses).
+# - without oneDNN, a 2-d forward of 16 examples or more runs NNPACK, whose buffers torch does not hand out;
+#   the backward then unfolds fewer examples at once than the column buffer counted (an over-estimate).
+#
+# On CUDA, cuDNN picks an algorithm whose workspace PyTorch caps only through CUDNN_CONV_WSCAP_DBG; nothing
+# here models it (unmeasured: no GPU in this project's CI). It lives in the plan's safety margin.
+
+
+def _block() -> int:
+    """oneDNN's channel block: the floats in one vector register."""
+    return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+
+
+def _pad(c: int, block: int) -> int:
+    return -(-c // block) * block
+
+
+def _uses_mkldnn(x: Aval, w: Aval, stride, dilation, transposed, groups) -> bool:  # noqa: ANN001
+    """Whether torch runs this CPU convolution with oneDNN (ConvParams::use_mkldnn, torch 2.13). Without
+    oneDNN, a forward that no gradient will follow may run NNPACK from 16 examples, which allocates
+    outside torch's allocator: the column buffer counted then is an over-estimate."""
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled) or x.dtype != torch.float32:
+        return False
+    strided = any(s != 1 for s in stride)
+    dilated = any(d != 1 for d in dilation)
+    one_by_one = w.shape[-1] == 1 and w.shape[-2] == 1
+    threads = torch.get_num_threads()
+    if not (strided or dilated or x.shape[0] >= 16 or not one_by_one or threads > 1):
+        return False
+    return groups > 1 or (w.shape[-1] > 3 and w.shape[-2] > 3) or x.shape[0] > 1 or math.prod(x.shape[:4]) > 20480
+
+
+def _uses_nnpack(x: Aval, w: Aval, padding) -> bool:  # noqa: ANN001
+    """Whether a native 2-d forward runs NNPACK (ConvParams::use_nnpack), whose buffers torch's allocator
+    does not hand out (a grouped one copies each group's input)."""
+    return (
+        torch._nnpack_available() and x.ndim == 4 and x.shape[0] >= 16
+        and all(k < 17 and p < k for k, p in zip(w.shape[2:], padding))
+    )
+
+
+def _columns(x: Aval, w: Aval, out: Aval, stride, padding, transposed, groups, backward, grad_input) -> int:  # noqa: ANN001
+    """The native kernels' column buffers (and, grouped, the copy of a group's input slice: two backward)."""
+    kernel = math.prod(w.shape[2:])
+    if not (transposed or backward) and _uses_nnpack(x, w, padding):
+        return x.nbytes if groups > 1 else 0
+    if transposed:
+        # Columns of the output's channels by the input's positions: the 2-d forward unfolds the whole
+        # batch at once, the 3-d forward and every backward one example at a time.
+        examples = 1 if backward or x.ndim == 5 else x.shape[0]
+        ones = math.prod(out.shape[2:]) * x.itemsize if x.ndim == 5 and not backward else 0  # the bias's ones
+        return examples * w.shape[1] * kernel * math.prod(x.shape[2:]) * x.itemsize + ones
+    # A group's channels of one example are contiguous: of several, copied.
+    slices = (2 if backward else 1) * x.nbytes // groups if groups > 1 and x.shape[0] > 1 else 0
+    if kernel == 1 and all(s == 1 for s in stride) and all(p == 0 for p in padding):
+        # No columns; the 3-d backward still makes an input-sized buffer.
+        return slices + (x.nbytes if grad_input and x.ndim == 5 else 0)
+    return x.shape[0] * w.shape[1] * kernel * math.prod(out.shape[2:]) * x.itemsize + slices
+
+
+def _onednn_parts(x: Aval, w: Aval, out: Aval, groups: int, transposed: bool) -> tuple[int, int, int, int]:
+    """oneDNN's reordered copies: (input, weight, output in blocked layout, weight for the backward)."""
+    b = _block()
+    c_in, c_out = x.shape[1], out.shape[1]
+    # A first layer's few channels are read in place, except by a 1x1 kernel.
+    src = x.nbytes * _pad(c_in, b) // c_in if c_in >= b or math.prod(w.shape[2:]) == 1 else 0
+    pad_out = _pad(c_out, b) / c_out
+    weight = w.nbytes if groups > 1 else int(w.nbytes * pad_out * (_pad(c_in, b) / c_in if c_in >= b else 1))
+    weight_backward = w.nbytes if groups > 1 else int(w.nbytes * pad_out * _pad(c_in, b) / c_in)
+    if transposed:  # flipped and then blocked
+        weight *= 2
+    return src, weight, int(out.nbytes * pad_out), weight_backward
+
+
+def _as_2d(a: Aval) -> Aval:
+    """A 1-d convolution's tensor as the 2-d one torch runs (a unit height)."""
+    return Aval((*a.shape[:2], 1, *a.shape[2:]), a.dtype, a.device)
+
+
+def _geometry(e: Eqn, backward: bool) -> tuple:
+    a = e.args
+    if backward:
+        out, x, w = (v.aval for v in a[:3])
+        stride, padding, dilation, transposed, _, groups, mask = a[4:11]
+    else:
+        x, w, out = a[0].aval, a[1].aval, e.outvars[0].aval
+        stride, padding, dilation, transposed, _, groups = a[3:9]
+        mask = (True, True, True)
+    if x.ndim == 3:
+        out, x, w = _as_2d(out), _as_2d(x), _as_2d(w)
+        stride, padding, dilation = [1, *stride], [0, *padding], [1, *dilation]
+    return out, x, w, stride, padding, dilation, transposed, groups, mask
+
+
+def _contiguous_copies(e: Eqn, backward: bool) -> int:
+    """torch makes a 1-d convolution's input contiguous (and, backward, its output gradient): a sequence
+    model's (batch, length, features) activations transposed for Conv1d are copied. The IR does not record
+    strides, so the copies are counted always (an over-estimate for inputs already contiguous)."""
+    x = e.args[1 if backward else 0].aval
+    if x.ndim != 3:
+        return 0
+    return x.nbytes + (e.args[0].aval.nbytes if backward else 0)
+
+
+def convolution_workspace(e: Eqn) -> int:
+    out, x, w, stride, padding, dilation, transposed, groups, _ = _geometry(e, backward=False)
+    if x.device.type != "cpu":
+        return 0
+    copies = _contiguous_copies(e, backward=False)
+    if not _uses_mkldnn(x, w, stride, dilation, transposed, groups):
+        return copies + _columns(x, w, out, stride, padding, transposed, groups, backward=False, grad_input=False)
+    src, weight, dst, _ = _onednn_parts(x, w, out, groups, transposed)
+    # The blocked output is reordered into the returned tensor after the input and weight copies are freed.
+    return copies + max(src + weight + dst, dst + out.nbytes) - out.nbytes
+
+
+def convolution_backward_workspace(e: Eqn) -> int:
+    grad, x, w, stride, padding, dilation, transposed, groups, mask = _geometry(e, backward=True)
+    if x.device.type != "cpu":
+        return 0
+    copies = _contiguous_copies(e, backward=True)
+    if not _uses_mkldnn(x, w, stride, dilation, transposed, groups):
+        return copies + _columns(x, w, grad, stride, padding, transposed, groups, backward=True, grad_input=mask[0])
+    b = _block()
+    src, weight, grad_blocked, weight_padded = _onednn_parts(x, w, grad, groups, transposed)
+    grad_input = x.nbytes if mask[0] else 0
+    # The input gradient: the output gradient and the weight reordered, the input gradient in blocked layout
+    # (channels padded), then reordered into the tensor returned.
+    data = 0
+    if mask[0]:
+        blocked_input = x.nbytes * _pad(x.shape[1], b) // x.shape[1]
+        data = max(grad_blocked + weight_padded + blocked_input, blocked_input + grad_input) - grad_input
+    # The weight gradient, with the input gradient already held: the output gradient and the input reordered,
+    # the blocked weight gradient and per-thread reduction buffers, which follow no shape we could fit: a
+    # weight's worth per thread and 16 KiB stand for them.
+    if not mask[1]:
+        weights = 0
+    elif groups > 1:  # the grouped kernel's buffers, measured at 16 weights' worth whatever the batch
+        weights = 17 * weight
+    else:
+        weights = grad_blocked + src + weight * (1 + torch.get_num_threads()) + 16 * 1024
+    return copies + max(data, weights)
+
+
+WORKSPACE: dict = {
+    aten.convolution: convolution_workspace,
+    aten.convolution_backward: convolution_backward_workspace,
 }

@@ -106,3 +106,13 @@ LAYOUT: dict = {
     aten.native_batch_norm_backward: _layout.in_input_format(1, mask=9),
     aten.batch_norm_backward: _layout.in_input_format(1, mask=9),
 }
+
+
+# Workspace rules: op -> rule(eqn) -> bytes the kernel allocates inside itself (see stagetorch/costing.py).
+# The CPU batch norm backward keeps an input-sized temporary, whatever the mask or mode (measured at the
+# allocator: tests/test_workspace.py).
+# The group norm backward, two floats per (example, channel).
+WORKSPACE: dict = {
+    aten.native_batch_norm_backward: lambda e: e.args[1].aval.nbytes if e.args[1].aval.device.type == "cpu" else 0,
+    aten.native_group_norm_backward: lambda e: 8 * e.args[5] * e.args[6] if e.args[1].aval.device.type == "cpu" else 0,
+}

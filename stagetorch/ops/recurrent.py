@@ -64,6 +64,34 @@ def mkldnn_rnn_layer_memory(eqn: Eqn) -> MemoryEffect:
     return MemoryEffect(outputs={3: size})
 
 
+def _rnn_scratch(eqn: Eqn) -> int:
+    """What oneDNN's LSTM layer allocates inside itself beyond its outputs (CPU): the bias summed, both
+    weights reordered, the gates of every step and a scratchpad that grows with the hidden size and the
+    batch. Fitted to the allocator on torch 2.13 (tests/test_workspace.py): within a few KiB of it."""
+    x, w_ih, w_hh = (a.aval for a in eqn.args[:3])
+    steps, batch = x.shape[0], x.shape[1]
+    hidden = w_hh.shape[-1]
+    gates = 4 * hidden * 4
+    return gates + (w_ih.nbytes + w_hh.nbytes) + steps * batch * gates + 4 * hidden * (100 + batch)
+
+
+def mkldnn_rnn_layer_workspace(eqn: Eqn) -> int:
+    if eqn.args[0].aval.device.type != "cpu":
+        return 0
+    train = eqn.args[15]
+    x, hidden = eqn.args[0].aval, eqn.args[2].aval.shape[-1]
+    # Inference keeps more per-step state in its scratchpad than training does.
+    return _rnn_scratch(eqn) + (0 if train else 6 * x.shape[1] * hidden * 4 + 4096)
+
+
+def mkldnn_rnn_layer_backward_workspace(eqn: Eqn) -> int:
+    if eqn.args[0].aval.device.type != "cpu":
+        return 0
+    w_ih, hidden = eqn.args[1].aval, eqn.args[2].aval.shape[-1]
+    # The forward's scratch again, part of the input weight's gradient reordered, the gates' gradient reduced.
+    return _rnn_scratch(eqn) + w_ih.nbytes // 2 + 256 * hidden
+
+
 def _rnn_layer(outputs: Sequence[str | None], hidden_args: Sequence[int]) -> Callable[[Eqn, LabelFn], Chunked]:
     """mkldnn RNN layers: the sequence is (time, batch, features), hidden states are (batch, hidden).
 
@@ -102,6 +130,11 @@ SHAPE: dict = {
 
 MEMORY: dict = {
     aten.mkldnn_rnn_layer: mkldnn_rnn_layer_memory,
+}
+
+WORKSPACE: dict = {
+    aten.mkldnn_rnn_layer: mkldnn_rnn_layer_workspace,
+    aten.mkldnn_rnn_layer_backward: mkldnn_rnn_layer_backward_workspace,
 }
 
 BATCH: dict = {

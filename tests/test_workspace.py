@@ -1,0 +1,203 @@
+"""Workspace rules (the registry's ``workspace`` slot) against the allocator: what each kernel allocates inside
+itself beyond its outputs, for the op alone (tests/memtrack.op_workspace), over several shapes.
+
+The CPU formulas were measured on torch 2.13's CPU build (stagetorch/ops/conv.py, recurrent.py, attention.py,
+norms.py). Where a formula is a fit or a bound rather than the kernel's own arithmetic, the tolerance says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from memtrack import op_workspace
+
+import stagetorch
+from stagetorch.costing import peak_bytes, workspace
+
+aten = torch.ops.aten
+
+
+@contextlib.contextmanager
+def _mkldnn(enabled):
+    """torch.backends.mkldnn.flags without its TF32 warning."""
+    before = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(enabled)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(before)
+
+
+def _rule(op, *args):
+    """The workspace rule's answer for the equation ``op(*args)`` stages to."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+    def call(*ts):
+        full = list(args)
+        for i, t in zip(positions, ts):
+            full[i] = t
+        return op(*full)
+
+    graph = stagetorch.make_ir(call)(*tensors)
+    (eqn,) = [e for e in graph.eqns if e.prim in (op, getattr(op, "default", None))]
+    return workspace(eqn)
+
+
+def _conv(x, w, b, stride, padding, transposed, groups):
+    nd = x.ndim - 2
+    return (x, w, b, [stride] * nd, [padding] * nd, [1] * nd, transposed, [0] * nd, groups)
+
+
+def _conv_backward(go, x, w, stride, padding, transposed, groups, mask):
+    nd = x.ndim - 2
+    return (go, x, w, [w.shape[1] * groups if transposed else w.shape[0]], [stride] * nd, [padding] * nd, [1] * nd,
+            transposed, [0] * nd, groups, list(mask))
+
+
+# (batch, channels in, size, channels out, kernel, groups, padding, dims, stride)
+CONVS = [
+    (1, 3, 16, 16, 3, 1, 1, 2, 1), (2, 3, 16, 16, 3, 1, 1, 2, 1), (16, 3, 16, 16, 3, 1, 1, 2, 1),
+    (4, 3, 24, 32, 3, 1, 1, 2, 1), (4, 32, 24, 8, 1, 1, 0, 2, 1), (4, 8, 24, 8, 3, 1, 1, 2, 1),
+    (4, 8, 24, 32, 3, 1, 1, 2, 1), (4, 16, 24, 16, 3, 1, 1, 2, 1), (1, 16, 8, 16, 3, 4, 1, 2, 1),
+    (16, 16, 8, 16, 3, 4, 1, 2, 1), (1, 32, 24, 8, 1, 1, 0, 2, 1), (4, 16, 12, 16, 3, 1, 1, 2, 2),
+    (4, 72, 24, 8, 3, 1, 1, 2, 1), (4, 24, 24, 8, 3, 1, 1, 2, 1),
+    (1, 4, 8, 8, 3, 1, 1, 3, 1), (2, 4, 8, 8, 3, 1, 1, 3, 1), (2, 1, 16, 8, 3, 1, 1, 3, 1),
+    (2, 8, 16, 8, 3, 1, 1, 3, 1), (2, 8, 16, 2, 1, 1, 0, 3, 1),
+]
+# oneDNN's weight-gradient reduction buffers follow no formula we could fit (stagetorch/ops/conv.py): the rule
+# stands for them with a weight per thread and 16 KiB, within 20% of the allocator on these shapes, except three
+# 3-d ones (the first under by up to 45%, the second over by up to 55%).
+BACKWARD_MISSES = {(2, 8, 8, 16, 3, 1, 1, 3, 1): 0.45, (2, 16, 4, 8, 3, 1, 1, 3, 2): 0.55, (2, 4, 8, 8, 3, 1, 1, 3, 1): 0.25}
+CONVS += list(BACKWARD_MISSES)
+
+
+def _conv_case(case):
+    n, c, size, o, k, groups, padding, nd, stride = case
+    torch.manual_seed(0)
+    x = torch.randn(n, c, *[size] * nd)
+    # A weight that needs its gradient, as in a training step: the kernel chosen is the one that allows
+    # a backward (without oneDNN, NNPACK runs a batch of 16 when none follows).
+    w = torch.randn(o, c // groups, *[k] * nd, requires_grad=True)
+    return x, w, torch.randn(o, requires_grad=True), stride, padding, groups
+
+
+@pytest.mark.parametrize("mkldnn", [True, False], ids=["onednn", "native"])
+@pytest.mark.parametrize("case", CONVS, ids=lambda c: "x".join(map(str, c)))
+def test_convolution_workspace_is_the_allocators(case, mkldnn):
+    if not mkldnn and case[0] >= 16 and case[7] == 2:
+        pytest.skip("without oneDNN, 16 examples run NNPACK's forward (no workspace) and a backward not modelled")
+    x, w, b, stride, padding, groups = _conv_case(case)
+    with _mkldnn(mkldnn):
+        args = _conv(x, w, b, stride, padding, False, groups)
+        measured, rule = op_workspace(aten.convolution, *args), _rule(aten.convolution, *args)
+        assert abs(rule - measured) <= 0.02 * measured + 256, ("forward", measured, rule)
+        go = torch.randn_like(aten.convolution(*args))
+        for mask in ((True, True, True), (False, True, True)):
+            args = _conv_backward(go, x, w, stride, padding, False, groups, mask)
+            measured = op_workspace(aten.convolution_backward, *args)
+            rule = _rule(aten.convolution_backward, *args)
+            tolerance = 0.02 if not mkldnn else BACKWARD_MISSES.get(case, 0.20)
+            assert abs(rule - measured) <= tolerance * measured + 256, ("backward", mask, measured, rule)
+
+
+@pytest.mark.parametrize("case", [(2, 16, 4, 8, 2, 2), (4, 16, 6, 8, 3, 1)], ids=["3d", "2d"])
+def test_native_transposed_convolution_workspace_is_the_allocators(case):
+    n, c, size, o, k, stride = case
+    nd = 3 if case[-1] == 2 else 2
+    x, w, b = torch.randn(n, c, *[size] * nd), torch.randn(c, o, *[k] * nd), torch.randn(o)
+    with _mkldnn(False):
+        args = _conv(x, w, b, stride, 0 if stride == 2 else 1, True, 1)
+        assert abs(_rule(aten.convolution, *args) - op_workspace(aten.convolution, *args)) <= 256
+        go = torch.randn_like(aten.convolution(*args))
+        args = _conv_backward(go, x, w, stride, 0 if stride == 2 else 1, True, 1, (True, True, True))
+        assert abs(_rule(aten.convolution_backward, *args) - op_workspace(aten.convolution_backward, *args)) <= 256
+
+
+def _lstm_layer(steps, batch, features, hidden, train=True):
+    """One layer's arguments as nn.LSTM(batch_first=True, num_layers=2) stages them."""
+    torch.manual_seed(0)
+    x = torch.randn(steps, batch, features)
+    weights = [torch.randn(4 * hidden, features), torch.randn(4 * hidden, hidden), torch.randn(4 * hidden), torch.randn(4 * hidden)]
+    states = [torch.randn(batch, hidden), torch.randn(batch, hidden)]
+    return (x, *weights, *states, False, [], 2, hidden, 2, True, False, True, train)
+
+
+# oneDNN's LSTM scratchpad is page-rounded and grows unevenly with the batch: the rule is a fit
+# (stagetorch/ops/recurrent.py), within 5% of the allocator forward and 15% backward on these shapes.
+LSTMS = [(7, 1, 8, 32), (7, 2, 8, 32), (7, 4, 8, 32), (7, 16, 8, 32), (7, 16, 32, 32), (14, 16, 8, 32), (7, 16, 8, 64), (7, 64, 8, 32)]
+
+
+@pytest.mark.parametrize("shape", LSTMS, ids=lambda s: "x".join(map(str, s)))
+def test_lstm_workspace_is_the_allocators(shape):
+    args = _lstm_layer(*shape)
+    measured, rule = op_workspace(aten.mkldnn_rnn_layer, *args), _rule(aten.mkldnn_rnn_layer, *args)
+    assert abs(rule - measured) <= 0.05 * measured, ("forward", measured, rule)
+    with torch._C._AutoDispatchBelowAutograd():
+        out = aten.mkldnn_rnn_layer(*args)
+    x, w_ih, w_hh, b_ih, b_hh, hx, cx = args[:7]
+    # The final states' gradients are None: the models read the output sequence only.
+    back = (x, w_ih, w_hh, b_ih, b_hh, hx, cx, *out[:3], torch.randn_like(out[0]), None, None, False, 2, shape[3], 2,
+            True, True, False, [], True, out[3])
+    measured = op_workspace(aten.mkldnn_rnn_layer_backward, *back)
+    rule = _rule(aten.mkldnn_rnn_layer_backward, *back)
+    assert abs(rule - measured) <= 0.15 * measured, ("backward", measured, rule)
+
+
+@pytest.mark.parametrize("shape", [(16, 4, 12, 12, 8), (4, 4, 16, 16, 8), (2, 2, 100, 100, 16), (2, 2, 300, 300, 16), (1, 2, 40, 70, 8)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_workspace_is_the_allocators(shape, causal):
+    b, h, length, source, e = shape
+    if causal and length != source:
+        pytest.skip("causal attention of unequal lengths")
+    q, k, v = torch.randn(b, h, length, e), torch.randn(b, h, source, e), torch.randn(b, h, source, e)
+    op = aten._scaled_dot_product_flash_attention_for_cpu
+    assert _rule(op, q, k, v, 0.0, causal) == op_workspace(op, q, k, v, 0.0, causal)
+    out, lse = op(q, k, v, 0.0, causal)
+    back = aten._scaled_dot_product_flash_attention_for_cpu_backward
+    # The rule copies the output gradient, as the kernel does when it is laid out (batch, heads, L, E); one laid
+    # out (batch, L, heads, E), as after transpose(1, 2).reshape, is read in place: the rule over-estimates it.
+    contiguous = torch.randn_like(out)
+    strided = torch.randn(b, length, h, e).transpose(1, 2)
+    rule = _rule(back, contiguous, q, k, v, out, lse, 0.0, causal)
+    assert rule == op_workspace(back, contiguous, q, k, v, out, lse, 0.0, causal)
+    assert rule == op_workspace(back, strided, q, k, v, out, lse, 0.0, causal) + contiguous.nbytes
+
+
+@pytest.mark.parametrize("shape", [(4, 32, 24, 24), (2, 8, 16, 16, 16), (16, 16), (8, 3, 5, 5)])
+def test_norm_backward_workspaces_are_the_allocators(shape):
+    x = torch.randn(shape)
+    c = shape[1]
+    w, mean, var = torch.randn(c), torch.zeros(c), torch.ones(c)
+    out, saved_mean, saved_invstd = aten.native_batch_norm(x, w, None, mean, var, True, 0.1, 1e-5)
+    args = (torch.randn_like(x), x, w, mean, var, saved_mean, saved_invstd, True, 1e-5, [True, True, True])
+    assert _rule(aten.native_batch_norm_backward, *args) == op_workspace(aten.native_batch_norm_backward, *args)
+    if len(shape) > 2:
+        groups = 1 if c % 2 else 2
+        n, hw = shape[0], x[0, 0].numel()
+        out, mean, rstd = aten.native_group_norm(x, w, None, n, c, hw, groups, 1e-5)
+        args = (torch.randn_like(x), x, mean, rstd, w, n, c, hw, groups, [True, True, True])
+        assert _rule(aten.native_group_norm_backward, *args) == op_workspace(aten.native_group_norm_backward, *args)
+
+
+def test_a_custom_op_workspace_is_held_while_it_runs_only():
+    @torch.library.custom_op("stagetorch_test::scratch_heavy", mutates_args=())
+    def scratch_heavy(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @scratch_heavy.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    def fn(x):
+        return torch.ops.stagetorch_test.scratch_heavy(x).exp().sum()
+
+    x = torch.randn(256, 256)
+    graph = stagetorch.make_ir(fn)(x)
+    before = peak_bytes(graph)
+    assert before == 3 * x.nbytes  # x, the op's output, its exp
+    stagetorch.ops.register(torch.ops.stagetorch_test.scratch_heavy, workspace=lambda eqn: 5 * eqn.invars[0].aval.nbytes)
+    assert peak_bytes(graph) == 2 * x.nbytes + 5 * x.nbytes  # during the op: x, its output, the workspace
+    assert stagetorch.ops.lookup(torch.ops.stagetorch_test.scratch_heavy.default).workspace is not None
