@@ -33,10 +33,11 @@ from .devices import bytes_ceiling, format_bytes
 from .errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError
 from .flops import eqn_calls, eqn_flops, graph_calls, graph_flops
 from .ir import Graph, Var, op_name
-from .passes import has_effect
+from .passes import has_effect, is_random
 from .planning import SAFETY_MARGIN, Plan
 from .registry import slot
 from .remat import Candidates, candidates, remat
+from .rng import SaveRngState, device_of, replayable
 
 # What the chunk planner raises when a graph cannot run in chunks that fit: then only recomputation can help.
 _CANNOT = (OutOfMemoryError, BatchCouplingError, UnsupportedOpError)
@@ -116,6 +117,18 @@ class _Simulator:
         self.effect = [has_effect(e) for e in graph.eqns]
         self.flops = [eqn_flops(e) for e in graph.eqns]
         self.calls = [eqn_calls(e) for e in graph.eqns]
+        # A random forward equation that is recomputed gets its generator state saved before it (remat's
+        # _saving_states): per such equation, the id of that state (past every var's) and its bytes. The
+        # save's events have the index SAVE, an equation of no workspace, effect or FLOPs.
+        self.state_of: dict[int, tuple[int, int]] = {}
+        for k in range(cands.boundary):
+            e = graph.eqns[k]
+            if is_random(e) and replayable(e):
+                aval = SaveRngState.of(device_of(e)).aval()
+                self.state_of[k] = (n + len(self.state_of), allocated(aval.nbytes, aval.device))
+        self.SAVE = len(graph.eqns)
+        self.workspace.append(0)
+        self.effect.append(False)
         self.producer = [-1] * n
         for k in range(cands.boundary):
             for i in self.outs[k]:
@@ -146,7 +159,11 @@ class _Simulator:
         seg = [segment.get(r, -1) for r in self.root] if segment else None
         # Ids: a var's own index for the original, a new id >= n for each copy; per id, the storage it lives
         # in (a root's id) and the id of its base (-1: none).
+        states = self.state_of
         store, base_id = list(self.root), list(base)
+        store += [sid for sid, _ in states.values()]
+        base_id += [-1] * len(states)
+        saved: set[int] = set()  # the random equations a replay reads the state of
         sub: dict[int, int] = {}  # var -> the id of its copy that stands for it from here on
 
         def copy_of(o: int) -> int:
@@ -176,6 +193,9 @@ class _Simulator:
                     sub.update(zip(outs, new))
                     bases = tuple(base_id[o] for o in new if base_id[o] >= 0)
                     reads = tuple(sub.get(u, u) for u in reads_of[k])
+                    if k in states:
+                        reads += (states[k][0],)
+                        saved.add(k)
                     events.append((k, True, reads, new, bases, tuple(store[u] for u in reads),
                                    tuple(zip((store[o] for o in new), sizes[k]))))
                     burst.append(k)
@@ -212,6 +232,15 @@ class _Simulator:
                                tuple(store[u] for u in reads), tuple(zip((store[o] for o in outs), sizes[k]))))
             else:
                 events.append(as_is[k])
+        if saved:
+            forward = []
+            for k in range(self.cands.boundary):
+                if k in saved:
+                    sid, size = states[k]
+                    reads = self.reads[k]
+                    forward.append((self.SAVE, False, reads, (sid,), (), tuple(self.root[u] for u in reads), ((sid, size),)))
+                forward.append(as_is[k])
+            events[: self.cands.boundary] = forward
         kept = [sub.get(v, v) for v in self.kept]
         # Dead-code elimination, as passes.dce does it.
         needed = set(kept)
