@@ -19,6 +19,7 @@ it runs nothing, and it builds no executable (the caller passes a function that 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import operator
@@ -411,18 +412,20 @@ def _chain(sim: _Simulator) -> list[tuple[list[Var], list[Var], int, int, int, i
                 last[r] = k
         for o in sim.outs[k]:
             made.setdefault(sim.root[o], k)
-    # crossing[t]: how many forward storages are made before equation t and read at or after it.
-    delta = [0] * (boundary + 1)
-    for r, k in last.items():
-        delta[made[r] + 1] += 1
-        delta[k + 1] -= 1
-    cuts, live = [], 0
-    for t in range(1, boundary):
-        live += delta[t]
-        if live <= 1 and delta[t + 1] >= 0:
-            cuts.append(t)
     index = sim.index
     where = [made[index[r]] for r in cands.roots]
+    cuts = _cuts(made, last, boundary, set())
+    # A storage every layer reads (a causal mask, rotary tables made once) crosses every point between
+    # layers: then one segment holds most of the bytes. Cut again without counting the longest-lived
+    # storages (the fewest that break the chain up), held as the outputs of the segment that made them.
+    nbytes = list(zip(where, cands.nbytes))
+    if _largest_segment(cuts, nbytes) * 2 > sum(cands.nbytes):
+        by_life = sorted(last, key=lambda r: made[r] - last[r])
+        for most in (1, 2, 4, 8):
+            finer = _cuts(made, last, boundary, set(by_life[:most]))
+            if _largest_segment(finer, nbytes) * 2 <= sum(cands.nbytes):
+                cuts = finer
+                break
     segments: list[tuple[list[Var], list[Var], int, int, int, int]] = []
     start, pos = 0, 0
     for end in [*cuts, boundary]:
@@ -441,6 +444,32 @@ def _chain(sim: _Simulator) -> list[tuple[list[Var], list[Var], int, int, int, i
                              sum(f for f, _ in flops), sum(f for f, end_op in flops if not end_op)))
             start = end
     return segments
+
+
+def _cuts(made: dict[int, int], last: dict[int, int], boundary: int, skip: set[int]) -> list[int]:
+    """The equations before which at most one forward storage (``skip`` not counted) made earlier is read
+    at or after it, at the end of each stretch of such points."""
+    delta = [0] * (boundary + 1)
+    for r, k in last.items():
+        if r not in skip:
+            delta[made[r] + 1] += 1
+            delta[k + 1] -= 1
+    cuts, live = [], 0
+    for t in range(1, boundary):
+        live += delta[t]
+        if live <= 1 and delta[t + 1] >= 0:
+            cuts.append(t)
+    return cuts
+
+
+def _largest_segment(cuts: list[int], nbytes: list[tuple[int, int]]) -> int:
+    """The most candidate bytes (``nbytes``: the equation that makes each, and its bytes) between consecutive
+    cuts."""
+    edges = [0, *cuts]
+    sizes = [0] * (len(edges) + 1)
+    for k, n in nbytes:
+        sizes[bisect.bisect_right(edges, k)] += n
+    return max(sizes)
 
 
 # The dynamic program's resolution: segments (consecutive ones are merged beyond this) and memory steps.
