@@ -23,7 +23,7 @@ import torch
 
 from .ir import Eqn, Graph, Var, iter_vars
 from .passes import dce, has_effect, is_random, writes
-from .rng import ReplayRandom, SaveRngState, device_of, replayable
+from .rng import LAYOUT_OF, METADATA_ONLY, LayoutOf, ReplayRandom, SaveRngState, device_of, replayable
 
 __all__ = ["RECOMPUTED", "Candidates", "candidates", "remat", "recomputed_eqns"]
 
@@ -199,7 +199,10 @@ def remat(
                 producer[v] = e
     sub: dict[Var, Var] = {}  # original var -> the var that stands for it from here on
     out: list[Eqn] = list(graph.eqns[: cands.boundary])
-    states: dict[int, Var] = {}  # id of a random forward equation recomputed -> its saved generator state
+    # By the id of a forward equation recomputed: what the forward saves for it just before it runs (the
+    # generator's state for a random op, a layout token for a metadata-only op), by kind: (prim, what it
+    # reads, the var it saves into).
+    saves: dict[int, dict[object, tuple]] = {}
 
     def fresh(v: Var) -> Var:
         base = None if v.base is None else sub.get(v.base, v.base)
@@ -219,16 +222,25 @@ def remat(
                         sub[o] = n
                 r = _replay(e)
                 prim, args, source = r.prim, _subst(r.args, sub), attrs.evolve(e.source, backward=RECOMPUTED)
+                kwargs = _subst(r.kwargs, sub)
+                shaped_like = _shaped_like(r, drop)
+                if shaped_like is not None:  # from a token of the argument's layout, not the argument
+                    saved = saves.setdefault(id(e), {})
+                    if LAYOUT_OF not in saved:
+                        saved[LAYOUT_OF] = (LAYOUT_OF, shaped_like, LayoutOf.var(shaped_like))
+                    args, kwargs = (saved[LAYOUT_OF][2], *args[1:]), {**kwargs, "device": shaped_like.aval.device}
                 if is_random(r):
                     device = device_of(r)
-                    if id(e) not in states:
-                        states[id(e)] = Var(SaveRngState.of(device).aval())
-                    prim, args = ReplayRandom.of(r.prim, device), (states[id(e)], *args)
-                out.append(Eqn(prim, args, _subst(r.kwargs, sub), outs, source))
+                    saved = saves.setdefault(id(e), {})
+                    if SaveRngState not in saved:
+                        saved[SaveRngState] = (SaveRngState.of(device), None, Var(SaveRngState.of(device).aval()))
+                    prim, args = ReplayRandom.of(r.prim, device), (saved[SaveRngState][2], *args)
+                out.append(Eqn(prim, args, kwargs, outs, source))
                 burst.append(e)
                 continue
             stack.append((e, True))
-            needs = [u for u in e.invars if u.root in drop and u not in sub]
+            shaped_like = _shaped_like(e, drop)
+            needs = [u for u in e.invars if u.root in drop and u not in sub and u is not shaped_like]
             # A view's storage comes with its base: recompute the base too, so the copy has one.
             needs += [o.base for o in e.outvars if o is not None and o.base is not None and o.base.root in drop
                       and o.base not in sub and o.base in producer]
@@ -255,26 +267,33 @@ def remat(
             out.append(e)
         else:
             out.append(attrs.evolve(e, args=args, kwargs=kwargs, outvars=outs))
-    if states:
-        out[: cands.boundary] = _saving_states(graph.eqns[: cands.boundary], states)
+    if saves:
+        out[: cands.boundary] = _saving(graph.eqns[: cands.boundary], saves)
     outvars = [sub.get(v, v) if isinstance(v, Var) else v for v in graph.outvars]
     grads = [(i, sub.get(v, v)) for i, v in graph.grads]
     # Forward values that only the backward read, and that it now recomputes, are left with no reader.
     return dce(attrs.evolve(graph, eqns=out, outvars=outvars, grads=grads))
 
 
-def _saving_states(forward: list[Eqn], states: dict[int, Var]) -> list[Eqn]:
-    """``forward`` with the generator's state saved right before each random equation that is recomputed
-    (``states``: by the equation's id, the var the state is saved into). The save reads the equation's
-    arguments, so that it runs in the same phase and chunk as the equation."""
+def _saving(forward: list[Eqn], saves: dict[int, dict[object, tuple]]) -> list[Eqn]:
+    """``forward`` with what the recomputation of an equation needs saved right before it (``saves``, by
+    the equation's id: see :func:`remat`). A generator state's save reads the equation's arguments (and
+    ignores them), so that it runs in the same phase and chunk as the equation."""
     out: list[Eqn] = []
     for e in forward:
-        state = states.get(id(e))
-        if state is not None:
-            save = SaveRngState.of(device_of(e))
-            out.append(Eqn(save, tuple(e.invars), {}, (state,), e.source))
+        for prim, reads, var in saves.get(id(e), {}).values():
+            out.append(Eqn(prim, tuple(e.invars) if reads is None else (reads,), {}, (var,), e.source))
         out.append(e)
     return out
+
+
+def _shaped_like(e: Eqn, drop: Collection[Var]) -> Var | None:
+    """The first argument of ``e``, when ``e`` reads only its layout (``empty_like``) and it is dropped:
+    then ``e`` is recomputed from a token of that layout (:class:`~stagetorch.rng.LayoutOf`)."""
+    if getattr(e.prim, "overloadpacket", None) not in METADATA_ONLY or not e.args:
+        return None
+    x = e.args[0]
+    return x if isinstance(x, Var) and x.root in drop else None
 
 
 def _rebase(v: Var | None, sub: dict[Var, Var], reads: set[Var]) -> Var | None:

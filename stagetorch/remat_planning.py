@@ -38,7 +38,7 @@ from .passes import has_effect, is_random
 from .planning import SAFETY_MARGIN, Plan
 from .registry import slot
 from .remat import Candidates, candidates, remat
-from .rng import SaveRngState, device_of, replayable
+from .rng import METADATA_ONLY, SaveRngState, device_of, replayable
 
 # What the chunk planner raises when a graph cannot run in chunks that fit: then only recomputation can help.
 _CANNOT = (OutOfMemoryError, BatchCouplingError, UnsupportedOpError)
@@ -127,6 +127,12 @@ class _Simulator:
             if is_random(e) and replayable(e):
                 aval = SaveRngState.of(device_of(e)).aval()
                 self.state_of[k] = (n + len(self.state_of), allocated(aval.nbytes, aval.device))
+        # A metadata-only forward equation (empty_like) is recomputed from a token of its first argument's
+        # layout, of no bytes, when that argument is dropped (remat's _shaped_like): per such equation, the
+        # id of that argument.
+        self.shaped_like = {k: self.reads[k][0] for k in range(cands.boundary)
+                            if getattr(graph.eqns[k].prim, "overloadpacket", None) in METADATA_ONLY
+                            and graph.eqns[k].args and isinstance(graph.eqns[k].args[0], Var)}
         self.SAVE = len(graph.eqns)
         self.workspace.append(0)
         self.effect.append(False)
@@ -160,7 +166,7 @@ class _Simulator:
         seg = [segment.get(r, -1) for r in self.root] if segment else None
         # Ids: a var's own index for the original, a new id >= n for each copy; per id, the storage it lives
         # in (a root's id) and the id of its base (-1: none).
-        states = self.state_of
+        states, shaped_like = self.state_of, self.shaped_like
         store, base_id = list(self.root), list(base)
         store += [sid for sid, _ in states.values()]
         base_id += [-1] * len(states)
@@ -193,7 +199,8 @@ class _Simulator:
                     new = tuple(copy_of(o) for o in outs)
                     sub.update(zip(outs, new))
                     bases = tuple(base_id[o] for o in new if base_id[o] >= 0)
-                    reads = tuple(sub.get(u, u) for u in reads_of[k])
+                    like = shaped_like.get(k, -1)
+                    reads = tuple(sub.get(u, u) for u in reads_of[k] if u != like or not dropped[u])
                     if k in states:
                         reads += (states[k][0],)
                         saved.add(k)
@@ -202,7 +209,8 @@ class _Simulator:
                     burst.append(k)
                     continue
                 stack.append((k, True))
-                needs = [u for u in cand_reads[k] if dropped[u] and u not in sub]
+                like = shaped_like.get(k, -1)
+                needs = [u for u in cand_reads[k] if dropped[u] and u not in sub and u != like]
                 needs += [b for b in out_bases[k] if dropped[b] and b not in sub and producer[b] >= 0]
                 stack.extend((producer[u], False) for u in reversed(needs))
 
@@ -768,6 +776,24 @@ def plan_joint(
         if best[1] > 0 and len(graph.eqns) <= _BIG:
             best = _polished(best, usable, chunk_plan, base_flops, base_calls, device)
         return best[2]
+    # Below every set of the frontier: the least-peak one, deeper (tried only here, where nothing else fits,
+    # as it simulates many sets).
+    deeper = _descended(min(points, key=lambda p: p.peak_bytes))
+    if deeper is not None:
+        if not (whole_only and deeper.peak_bytes > usable):
+            try:
+                plan = chunk_plan(deeper.graph, deeper.peak_bytes)
+            except _CANNOT:
+                pass
+            else:
+                plan = RematPlan(**attrs.asdict(plan, recurse=False), recompute=deeper, base_flops=base_flops)
+                score = step_cost(base_flops + deeper.extra_flops, base_calls + deeper.extra_calls,
+                                  len(plan.chunk_sizes), device)
+                best = (score, len(points), plan)
+                if len(graph.eqns) <= _BIG:
+                    best = _polished(best, usable, chunk_plan, base_flops, base_calls, device)
+                return best[2]
+        points = [*points, deeper]
     if first_error is None:
         try:
             chunk_plan(graph)
@@ -783,6 +809,29 @@ def plan_joint(
     )
     error.smallest_budget = smallest
     raise error from first_error
+
+
+# How many kept candidates the descent below the frontier drops, at most (one per step; each step simulates
+# the set without each kept candidate in turn).
+_DESCENT_STEPS = 4
+
+
+def _descended(p: Recompute) -> Recompute | None:
+    """``p`` with kept candidates dropped one at a time, each the one whose drop lowers the peak most, while
+    that lowers it (None when none does). The frontier's families keep checkpoints by segment, by kind or
+    by the dynamic program's coarse memory model; at its least peak, a checkpoint or two more can often go
+    (a transformer's: one per layer, as per-layer checkpointing keeps, not two in some layers)."""
+    sim = p.sim
+    if sim is None:
+        return None
+    start = p
+    for _ in range(_DESCENT_STEPS):
+        moves = [_point(sim, p.keep - {r}, p.transient) for r in sim.cands.roots if r in p.keep]
+        best = min(moves, key=lambda q: (q.peak_bytes, q.extra_flops), default=None)
+        if best is None or best.peak_bytes >= p.peak_bytes:
+            break
+        p = best
+    return None if p is start else p
 
 
 # How many times the polish goes over a winning set's dropped candidates (it stops early when a pass keeps none).

@@ -26,7 +26,16 @@ import torch
 from .ir import Aval, Eqn, Var, iter_vars, op_name
 from .registry import slot
 
-__all__ = ["SaveRngState", "ReplayRandom", "replayable", "device_of"]
+__all__ = ["SaveRngState", "ReplayRandom", "LayoutOf", "replayable", "device_of", "METADATA_ONLY"]
+
+# Ops that read only the sizes, strides, dtype and device of their first argument (by packet): recomputed
+# from a layout token of it (:class:`LayoutOf`), they need not have that argument recomputed too (CPU
+# dropout's noise is ``empty_like`` of the activation it drops).
+METADATA_ONLY = frozenset({
+    torch.ops.aten.empty_like, torch.ops.aten.zeros_like, torch.ops.aten.ones_like, torch.ops.aten.full_like,
+    torch.ops.aten.rand_like, torch.ops.aten.randn_like, torch.ops.aten.new_empty, torch.ops.aten.new_zeros,
+    torch.ops.aten.new_ones, torch.ops.aten.new_full,
+})
 
 # The generators a state can be saved and set for, by device type.
 _DEVICES = ("cpu", "cuda")
@@ -180,3 +189,37 @@ def _replayed_batch(replay: ReplayRandom, inner: Callable, e: Eqn, label: Any) -
         return ReplayRandom.of(prim, replay.device), (state, *args), kwargs
 
     return attrs.evolve(decision, call=call)
+
+
+class LayoutOf:
+    """The prim of ``token = layout_of(x)``: a tensor on the meta device with ``x``'s sizes, strides and
+    dtype, and no data (no bytes: its var says ``storage_nbytes=0``). A metadata-only op (``empty_like``)
+    recomputed from it, with ``device=`` ``x``'s device, makes what it made from ``x``."""
+
+    pure = True
+    __name__ = "layout_of"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+
+    def __repr__(self) -> str:
+        return "layout_of"
+
+    @staticmethod
+    def var(x: Var) -> Var:
+        """The var of a token of ``x``."""
+        return Var(Aval(x.aval.shape, x.aval.dtype, torch.device("meta")), storage_nbytes=0)
+
+    def stagetorch_rule(self, name: str) -> Callable[..., Any] | None:
+        if name == "shape":
+            return lambda x: Aval(x.shape, x.dtype, torch.device("meta"))
+        if name == "batch":
+            from .batching import elementwise
+
+            return elementwise
+        if name == "flops":
+            return _no_flops
+        return None
+
+
+LAYOUT_OF = LayoutOf()
