@@ -20,128 +20,41 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import statistics
 import sys
 import time
-import warnings
-from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from memtrack import AllocatorPeak  # noqa: E402
+from transformer_models import (  # noqa: E402
+    MODELS,
+    allocator_peak,
+    checkpointing,
+    model_and_batch,
+    smallest_budget,
+    step_of,
+)
 
 import stagetorch  # noqa: E402
-from stagetorch.errors import OutOfMemoryError  # noqa: E402
 
 MiB = 2**20
-VOCAB, HIDDEN, HEADS, LAYERS, TOKENS = 97, 64, 4, 8, 512
-
-
-def _configs() -> dict[str, Callable[[], torch.nn.Module]]:
-    import transformers as tf
-
-    small = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=HEADS, intermediate_size=2 * HIDDEN,
-                 max_position_embeddings=TOKENS)
-    decoder = dict(small, num_hidden_layers=LAYERS, num_key_value_heads=HEADS)
-    return {
-        "GPT-2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_head=HEADS, n_layer=LAYERS,
-                                                          n_positions=TOKENS, bos_token_id=0, eos_token_id=0)),
-        "Llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**decoder)),
-        "Mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**decoder)),
-        "Qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**decoder)),
-        "BERT": lambda: tf.BertForMaskedLM(tf.BertConfig(**small, num_hidden_layers=LAYERS)),
-        "OPT": lambda: tf.OPTForCausalLM(tf.OPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                                                      ffn_dim=2 * HIDDEN, num_hidden_layers=LAYERS, word_embed_proj_dim=HIDDEN,
-                                                      max_position_embeddings=TOKENS, bos_token_id=0, eos_token_id=0,
-                                                      pad_token_id=1)),
-        "GPT-NeoX": lambda: tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**small, num_hidden_layers=LAYERS)),
-        "T5": lambda: tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS,
-                                                                d_ff=2 * HIDDEN, num_heads=HEADS, num_layers=LAYERS // 2,
-                                                                decoder_start_token_id=0, pad_token_id=0)),
-        "BART": lambda: tf.BartForConditionalGeneration(tf.BartConfig(
-            vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=LAYERS // 2, decoder_layers=LAYERS // 2,
-            encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=2 * HIDDEN,
-            decoder_ffn_dim=2 * HIDDEN, max_position_embeddings=TOKENS, pad_token_id=1, bos_token_id=0,
-            eos_token_id=2, decoder_start_token_id=2)),
-    }
-
-
-MODELS = ("GPT-2", "Llama", "Mistral", "Qwen2", "BERT", "OPT", "GPT-NeoX", "T5", "BART")
-
-
-def model_and_batch(name: str, mask: bool = False, seed: int = 0) -> tuple[torch.nn.Module, dict]:
-    """The model (in training mode, its configured dropout on) and one example of ``TOKENS`` tokens."""
-    torch.manual_seed(seed)
-    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
-        warnings.simplefilter("ignore")
-        model = _configs()[name]()
-    model.train()
-    ids = torch.randint(3, VOCAB, (1, TOKENS), generator=torch.Generator().manual_seed(seed))
-    batch = dict(input_ids=ids, labels=ids.clone())
-    if mask:
-        batch["attention_mask"] = torch.ones_like(ids)
-    return model, batch
-
-
-def step_of(model: torch.nn.Module) -> Callable:
-    def step(**batch):
-        loss = model(**batch).loss
-        loss.backward()
-        return loss
-
-    return step
-
-
-def _resident(model: torch.nn.Module, batch: dict) -> list[torch.Tensor]:
-    return [*model.parameters(), *model.buffers(), *batch.values()]
-
-
-def _peak(step: Callable, model: torch.nn.Module, batch: dict) -> int:
-    model.zero_grad(set_to_none=True)
-    with AllocatorPeak(_resident(model, batch)) as tracker:
-        step(**batch)
-    return tracker.peak
-
-
-@contextlib.contextmanager
-def checkpointing(model: torch.nn.Module):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.gradient_checkpointing_enable()
-        try:
-            yield
-        finally:
-            model.gradient_checkpointing_disable()
-
-
-def smallest_budget(staged: stagetorch.Staged, batch: dict) -> int:
-    """The smallest budget ``staged`` accepts for ``batch``: what the error under a 1 KiB budget names."""
-    staged.memory_budget = 1024
-    try:
-        staged.plan(**batch)
-    except OutOfMemoryError as e:
-        return e.smallest_budget
-    raise AssertionError("a 1 KiB budget was accepted")
 
 
 def measure(name: str, repeats: int = 5, mask: bool = False) -> dict:
     """One row of the table (bytes and seconds)."""
     model, batch = model_and_batch(name, mask)
     step = step_of(model)
-    row: dict = {"model": name, "eager_peak": _peak(step, model, batch)}
+    row: dict = {"model": name, "eager_peak": allocator_peak(step, model, batch)}
     with checkpointing(model):
         step(**batch)  # warm
-        row["ckpt_peak"] = _peak(step, model, batch)
+        row["ckpt_peak"] = allocator_peak(step, model, batch)
     staged = stagetorch.jit(step)
     budget = row["budget"] = smallest_budget(staged, batch)
     staged.memory_budget = budget
     plan = staged.plan(**batch)
     row["predicted"], row["plan"] = plan.peak, str(plan)
     staged(**batch)  # warm
-    row["stagetorch_peak"] = _peak(staged, model, batch)
+    row["stagetorch_peak"] = allocator_peak(staged, model, batch)
     times: dict[str, list[float]] = {"ckpt": [], "stagetorch": []}
     for _ in range(repeats):
         for kind in ("ckpt", "stagetorch"):
