@@ -1,7 +1,7 @@
 """Recomputation on `transformers` models against what their users already have, ``gradient_checkpointing_enable()``.
 
-Tiny configs (``transformer_models``: 8 layers, hidden 64, their own dropout on), one example of 512 tokens,
-float32, CPU. At the smallest budget stagetorch accepts, the step's peak measured at the allocator is at
+Tiny configs (``transformer_models``, at 4 layers and 256 tokens here to keep the suite quick: hidden 64,
+their own dropout on), one example, float32, CPU; the bench runs 8 layers and 512 tokens. At the smallest budget stagetorch accepts, the step's peak measured at the allocator is at
 most transformers' per-layer checkpointing's, and the step is bit for bit the step without recomputation:
 loss, every ``.grad`` and the generator's state after it (dropout is recomputed by replaying its draws).
 Step times are in ``bench/bench_transformers.py``.
@@ -20,10 +20,12 @@ from stagetorch.rng import ReplayRandom
 
 pytest.importorskip("transformers")
 
+SMALL = dict(layers=4, tokens=256)
+
 
 @pytest.mark.parametrize("name", ["GPT-2", "Llama", "BERT"])
 def test_the_smallest_budget_runs_below_gradient_checkpointing_and_bit_exact(name):
-    model, batch = model_and_batch(name)
+    model, batch = model_and_batch(name, **SMALL)
     step = step_of(model)
     with checkpointing(model):
         step(**batch)
@@ -53,7 +55,7 @@ def test_the_smallest_budget_runs_below_gradient_checkpointing_and_bit_exact(nam
 def test_an_attention_mask_at_batch_one_recomputes():
     """With an (all-ones) attention_mask, one example stages and recomputes as without (chunking such a batch
     is another matter: the mask functions index by batch position)."""
-    model, batch = model_and_batch("Llama", mask=True)
+    model, batch = model_and_batch("Llama", mask=True, **SMALL)
     step = step_of(model)
     staged = stagetorch.jit(step)
     staged.memory_budget = smallest_budget(staged, batch)

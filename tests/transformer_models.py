@@ -20,7 +20,7 @@ MiB = 2**20
 VOCAB, HIDDEN, HEADS, LAYERS, TOKENS = 97, 64, 4, 8, 512
 
 
-def _configs() -> dict[str, Callable[[], torch.nn.Module]]:
+def _configs(LAYERS: int = LAYERS, TOKENS: int = TOKENS) -> dict[str, Callable[[], torch.nn.Module]]:  # noqa: N803
     import transformers as tf
 
     small = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=HEADS, intermediate_size=2 * HIDDEN,
@@ -52,14 +52,15 @@ def _configs() -> dict[str, Callable[[], torch.nn.Module]]:
 MODELS = ("GPT-2", "Llama", "Mistral", "Qwen2", "BERT", "OPT", "GPT-NeoX", "T5", "BART")
 
 
-def model_and_batch(name: str, mask: bool = False, seed: int = 0) -> tuple[torch.nn.Module, dict]:
-    """The model (in training mode, its configured dropout on) and one example of ``TOKENS`` tokens."""
+def model_and_batch(name: str, mask: bool = False, seed: int = 0, layers: int = LAYERS,
+                    tokens: int = TOKENS) -> tuple[torch.nn.Module, dict]:
+    """The model (in training mode, its configured dropout on) and one example of ``tokens`` tokens."""
     torch.manual_seed(seed)
     with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")
-        model = _configs()[name]()
+        model = _configs(layers, tokens)[name]()
     model.train()
-    ids = torch.randint(3, VOCAB, (1, TOKENS), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(3, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(seed))
     batch = dict(input_ids=ids, labels=ids.clone())
     if mask:
         batch["attention_mask"] = torch.ones_like(ids)
