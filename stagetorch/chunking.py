@@ -318,7 +318,8 @@ class Split:
                     continue
                 lab = labels.get(v)
                 base = (mapping.get(v.base) or fed.get(v.base)) if v.base is not None else None
-                nv = Var(_chunk_aval(v, lab, n), base=base)
+                # (A var of no bytes, a layout token of stagetorch.rng, has none in a chunk either.)
+                nv = Var(_chunk_aval(v, lab, n), base=base, storage_nbytes=0 if v.storage_nbytes == 0 else None)
                 outvars.append(nv)
             new = Eqn(prim, new_args, new_kwargs, tuple(outvars), e.source)
             for v, nv in zip(e.outvars, outvars):

@@ -80,6 +80,8 @@ _EFFECT_KIND: dict = {}
 def _effect_kind(prim: Any) -> str:
     """``"always"``, ``"writes"`` (when :func:`writes` finds a var) or ``"never"``: what ``prim``'s schema
     alone says, remembered per op because passes ask for every equation of every graph they see."""
+    if getattr(prim, "pure", False):
+        return "never"  # a prim a pass inserted that says it has none (stagetorch.rng's)
     schema = getattr(prim, "_schema", None)
     if not isinstance(prim, torch._ops.OpOverload) or schema is None or prim.namespace not in ("aten", "prims"):
         return "always"

@@ -159,6 +159,10 @@ def slot(prim: Any, name: str) -> Callable[..., Any] | None:
 
 
 def _slot(prim: Any, name: str) -> Callable[..., Any] | None:
+    # A prim a pass makes from an op (stagetorch.rng's replay of a random op) answers for its own rules.
+    own_rule = getattr(type(prim), "stagetorch_rule", None)
+    if own_rule is not None and not isinstance(prim, torch._ops.OpOverload):
+        return own_rule(prim, name)
     own = _RULES.get(prim)
     if own is not None and getattr(own, name) is not None:
         return getattr(own, name)

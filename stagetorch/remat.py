@@ -3,13 +3,15 @@ forward use and recomputed just before their first backward use.
 
 Which values may be dropped is decided here, from the graph alone (a pure function of it, so a policy can
 never disagree between the forward and its recomputation): a storage can be recomputed only when every
-equation that made it can run again with the same result and no other effect — no in-place write, no
-random draw (dropout's mask is kept, not redrawn), no op outside ATen, and no read of a storage that is
-written after the read. BatchNorm in training mode is recomputed without its running statistics (its
-outputs are the same; the statistics are updated once, in the forward). Which of those to drop is the caller's choice (``keep``); the planner makes it.
+equation that made it can run again with the same result and no other effect — no in-place write, no op
+outside ATen, and no read of a storage that is written after the read. BatchNorm in training mode is
+recomputed without its running statistics (its outputs are the same; the statistics are updated once, in
+the forward). A random op (dropout) is recomputed with the draws it made: the forward saves the
+generator's state just before it, and the recomputation runs it under that state and puts the generator
+back (:mod:`stagetorch.rng`). Which of those to drop is the caller's choice (``keep``); the planner makes it.
 
 The pass emits an ordinary Graph, so the memory interpreter costs it exactly and the eager interpreter and
-the chunked executor run it unchanged. It knows the IR and the passes layer only.
+the chunked executor run it unchanged. It knows the IR, the passes layer and the generator's replay only.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import attrs
 import torch
 
 from .ir import Eqn, Graph, Var, iter_vars
-from .passes import dce, has_effect, writes
+from .passes import dce, has_effect, is_random, writes
+from .rng import LAYOUT_OF, METADATA_ONLY, LayoutOf, ReplayRandom, SaveRngState, device_of, replayable
 
 __all__ = ["RECOMPUTED", "Candidates", "candidates", "remat", "recomputed_eqns"]
 
@@ -71,9 +74,56 @@ def _replay(e: Eqn) -> Eqn:
     return e if pure is None or not has_effect(e) else pure(e)
 
 
-def _replayable(graph: Graph) -> list[bool]:
+def _beside_writes(e: Eqn) -> bool:
+    """Whether running ``e`` again does something besides writing its written arguments: a draw that cannot
+    be replayed (:func:`stagetorch.rng.replayable`), or an op outside ATen, or one that returns nothing."""
+    if is_random(e):
+        return not replayable(e)
+    prim = e.prim
+    return not (isinstance(prim, torch._ops.OpOverload) and prim.namespace in ("aten", "prims") and prim._schema.returns)
+
+
+def _written_whole(graph: Graph, boundary: int) -> set[Var]:
+    """Storages the forward makes and then writes in place, that can be recomputed whole by running again
+    the equation that made them and every write, in order, on a fresh copy: CPU dropout's noise
+    (``empty_like``, ``bernoulli_``, ``div_``). Each write is by a forward equation that writes that storage
+    only and has no other effect, and nothing else reads the storage before its last write or through a
+    value of an earlier version (which the copy, written on, would no longer hold)."""
+    made: dict[Var, int] = {}
+    writers: dict[Var, list[int]] = {}
+    for i, e in enumerate(graph.eqns):
+        for v in writes(e):
+            writers.setdefault(v.root, []).append(i)
+        if i < boundary:
+            for v in e.outvars:
+                if v is not None:
+                    made.setdefault(v.root, i)
+    inputs = {v.root for v in graph.invars}
+    out = {r for r, ks in writers.items() if r in made and r not in inputs and made[r] not in ks and ks[-1] < boundary}
+    for r in list(out):
+        if any(len({v.root for v in writes(graph.eqns[k])}) != 1 or _beside_writes(graph.eqns[k]) for k in writers[r]):
+            out.discard(r)
+    if not out:
+        return out
+    last = {r: writers[r][-1] for r in out}
+    final = {v for r, k in last.items() for v in graph.eqns[k].outvars if v is not None and v.root is r}
+    defined: dict[Var, int] = {}
+    for i, e in enumerate(graph.eqns):
+        written = {v.root for v in writes(e)}
+        for v in e.invars:
+            r = v.root
+            if r in out and r not in written and (i <= last[r] or (v not in final and defined[v] <= last[r])):
+                out.discard(r)
+        for v in e.outvars:
+            if v is not None:
+                defined[v] = i
+    return out
+
+
+def _replayable(graph: Graph, whole: set[Var]) -> list[bool]:
     """Per equation: may it (or its pure form) run a second time, later in the program, with the same
-    result and no effect?"""
+    result and no effect? A random op replays its draws; a write into a storage recomputed whole
+    (``whole``: see :func:`_written_whole`) writes its fresh copy."""
     last_write: dict[Var, int] = {}
     for i, e in enumerate(graph.eqns):
         for v in writes(e):
@@ -81,14 +131,20 @@ def _replayable(graph: Graph) -> list[bool]:
     out = []
     for i, e in enumerate(graph.eqns):
         r = _replay(e)
-        out.append(not has_effect(r) and all(last_write.get(v.root, -1) < i for v in r.invars))
+        written = writes(r)
+        if written:
+            again = all(v.root in whole for v in written) and not _beside_writes(r)
+        else:
+            again = not has_effect(r) or (is_random(r) and replayable(r))
+        out.append(again and all(last_write.get(v.root, -1) < i or v.root in whole for v in r.invars))
     return out
 
 
 def candidates(graph: Graph) -> Candidates:
     """The storages ``remat`` may drop (see :class:`Candidates`)."""
     boundary = _boundary(graph)
-    ok = _replayable(graph)
+    whole = _written_whole(graph, boundary)
+    ok = _replayable(graph, whole)
     made: dict[Var, int] = {}  # root -> equation that first made it, forward only
     recomputable: dict[Var, bool] = {}
     inputs = {v.root for v in graph.invars}
@@ -100,7 +156,8 @@ def candidates(graph: Graph) -> Candidates:
             made.setdefault(r, i)
             recomputable[r] = recomputable.get(r, True) and ok[i]
         for v in writes(e):
-            recomputable[v.root] = False
+            if v.root not in whole:
+                recomputable[v.root] = False
     kept_to_end = {v.root for v in graph.outvars if isinstance(v, Var)} | {v.root for _, v in graph.grads}
     read_late: list[Var] = []
     seen: set[Var] = set()
@@ -142,6 +199,10 @@ def remat(
                 producer[v] = e
     sub: dict[Var, Var] = {}  # original var -> the var that stands for it from here on
     out: list[Eqn] = list(graph.eqns[: cands.boundary])
+    # By the id of a forward equation recomputed: what the forward saves for it just before it runs (the
+    # generator's state for a random op, a layout token for a metadata-only op), by kind: (prim, what it
+    # reads, the var it saves into).
+    saves: dict[int, dict[object, tuple]] = {}
 
     def fresh(v: Var) -> Var:
         base = None if v.base is None else sub.get(v.base, v.base)
@@ -160,12 +221,26 @@ def remat(
                     if o is not None:
                         sub[o] = n
                 r = _replay(e)
-                out.append(Eqn(r.prim, _subst(r.args, sub), _subst(r.kwargs, sub), outs,
-                               attrs.evolve(e.source, backward=RECOMPUTED)))
+                prim, args, source = r.prim, _subst(r.args, sub), attrs.evolve(e.source, backward=RECOMPUTED)
+                kwargs = _subst(r.kwargs, sub)
+                shaped_like = _shaped_like(r, drop)
+                if shaped_like is not None:  # from a token of the argument's layout, not the argument
+                    saved = saves.setdefault(id(e), {})
+                    if LAYOUT_OF not in saved:
+                        saved[LAYOUT_OF] = (LAYOUT_OF, shaped_like, LayoutOf.var(shaped_like))
+                    args, kwargs = (saved[LAYOUT_OF][2], *args[1:]), {**kwargs, "device": shaped_like.aval.device}
+                if is_random(r):
+                    device = device_of(r)
+                    saved = saves.setdefault(id(e), {})
+                    if SaveRngState not in saved:
+                        saved[SaveRngState] = (SaveRngState.of(device), None, Var(SaveRngState.of(device).aval()))
+                    prim, args = ReplayRandom.of(r.prim, device), (saved[SaveRngState][2], *args)
+                out.append(Eqn(prim, args, kwargs, outs, source))
                 burst.append(e)
                 continue
             stack.append((e, True))
-            needs = [u for u in e.invars if u.root in drop and u not in sub]
+            shaped_like = _shaped_like(e, drop)
+            needs = [u for u in e.invars if u.root in drop and u not in sub and u is not shaped_like]
             # A view's storage comes with its base: recompute the base too, so the copy has one.
             needs += [o.base for o in e.outvars if o is not None and o.base is not None and o.base.root in drop
                       and o.base not in sub and o.base in producer]
@@ -192,10 +267,33 @@ def remat(
             out.append(e)
         else:
             out.append(attrs.evolve(e, args=args, kwargs=kwargs, outvars=outs))
+    if saves:
+        out[: cands.boundary] = _saving(graph.eqns[: cands.boundary], saves)
     outvars = [sub.get(v, v) if isinstance(v, Var) else v for v in graph.outvars]
     grads = [(i, sub.get(v, v)) for i, v in graph.grads]
     # Forward values that only the backward read, and that it now recomputes, are left with no reader.
     return dce(attrs.evolve(graph, eqns=out, outvars=outvars, grads=grads))
+
+
+def _saving(forward: list[Eqn], saves: dict[int, dict[object, tuple]]) -> list[Eqn]:
+    """``forward`` with what the recomputation of an equation needs saved right before it (``saves``, by
+    the equation's id: see :func:`remat`). A generator state's save reads the equation's arguments (and
+    ignores them), so that it runs in the same phase and chunk as the equation."""
+    out: list[Eqn] = []
+    for e in forward:
+        for prim, reads, var in saves.get(id(e), {}).values():
+            out.append(Eqn(prim, tuple(e.invars) if reads is None else (reads,), {}, (var,), e.source))
+        out.append(e)
+    return out
+
+
+def _shaped_like(e: Eqn, drop: Collection[Var]) -> Var | None:
+    """The first argument of ``e``, when ``e`` reads only its layout (``empty_like``) and it is dropped:
+    then ``e`` is recomputed from a token of that layout (:class:`~stagetorch.rng.LayoutOf`)."""
+    if getattr(e.prim, "overloadpacket", None) not in METADATA_ONLY or not e.args:
+        return None
+    x = e.args[0]
+    return x if isinstance(x, Var) and x.root in drop else None
 
 
 def _rebase(v: Var | None, sub: dict[Var, Var], reads: set[Var]) -> Var | None:

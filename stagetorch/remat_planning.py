@@ -19,6 +19,7 @@ it runs nothing, and it builds no executable (the caller passes a function that 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import operator
@@ -33,10 +34,11 @@ from .devices import bytes_ceiling, format_bytes
 from .errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError
 from .flops import eqn_calls, eqn_flops, graph_calls, graph_flops
 from .ir import Graph, Var, op_name
-from .passes import has_effect
+from .passes import has_effect, is_random
 from .planning import SAFETY_MARGIN, Plan
 from .registry import slot
 from .remat import Candidates, candidates, remat
+from .rng import METADATA_ONLY, SaveRngState, device_of, replayable
 
 # What the chunk planner raises when a graph cannot run in chunks that fit: then only recomputation can help.
 _CANNOT = (OutOfMemoryError, BatchCouplingError, UnsupportedOpError)
@@ -116,6 +118,24 @@ class _Simulator:
         self.effect = [has_effect(e) for e in graph.eqns]
         self.flops = [eqn_flops(e) for e in graph.eqns]
         self.calls = [eqn_calls(e) for e in graph.eqns]
+        # A random forward equation that is recomputed gets its generator state saved before it (remat's
+        # _saving_states): per such equation, the id of that state (past every var's) and its bytes. The
+        # save's events have the index SAVE, an equation of no workspace, effect or FLOPs.
+        self.state_of: dict[int, tuple[int, int]] = {}
+        for k in range(cands.boundary):
+            e = graph.eqns[k]
+            if is_random(e) and replayable(e):
+                aval = SaveRngState.of(device_of(e)).aval()
+                self.state_of[k] = (n + len(self.state_of), allocated(aval.nbytes, aval.device))
+        # A metadata-only forward equation (empty_like) is recomputed from a token of its first argument's
+        # layout, of no bytes, when that argument is dropped (remat's _shaped_like): per such equation, the
+        # id of that argument.
+        self.shaped_like = {k: self.reads[k][0] for k in range(cands.boundary)
+                            if getattr(graph.eqns[k].prim, "overloadpacket", None) in METADATA_ONLY
+                            and graph.eqns[k].args and isinstance(graph.eqns[k].args[0], Var)}
+        self.SAVE = len(graph.eqns)
+        self.workspace.append(0)
+        self.effect.append(False)
         self.producer = [-1] * n
         for k in range(cands.boundary):
             for i in self.outs[k]:
@@ -146,7 +166,11 @@ class _Simulator:
         seg = [segment.get(r, -1) for r in self.root] if segment else None
         # Ids: a var's own index for the original, a new id >= n for each copy; per id, the storage it lives
         # in (a root's id) and the id of its base (-1: none).
+        states, shaped_like = self.state_of, self.shaped_like
         store, base_id = list(self.root), list(base)
+        store += [sid for sid, _ in states.values()]
+        base_id += [-1] * len(states)
+        saved: set[int] = set()  # the random equations a replay reads the state of
         sub: dict[int, int] = {}  # var -> the id of its copy that stands for it from here on
 
         def copy_of(o: int) -> int:
@@ -175,13 +199,18 @@ class _Simulator:
                     new = tuple(copy_of(o) for o in outs)
                     sub.update(zip(outs, new))
                     bases = tuple(base_id[o] for o in new if base_id[o] >= 0)
-                    reads = tuple(sub.get(u, u) for u in reads_of[k])
+                    like = shaped_like.get(k, -1)
+                    reads = tuple(sub.get(u, u) for u in reads_of[k] if u != like or not dropped[u])
+                    if k in states:
+                        reads += (states[k][0],)
+                        saved.add(k)
                     events.append((k, True, reads, new, bases, tuple(store[u] for u in reads),
                                    tuple(zip((store[o] for o in new), sizes[k]))))
                     burst.append(k)
                     continue
                 stack.append((k, True))
-                needs = [u for u in cand_reads[k] if dropped[u] and u not in sub]
+                like = shaped_like.get(k, -1)
+                needs = [u for u in cand_reads[k] if dropped[u] and u not in sub and u != like]
                 needs += [b for b in out_bases[k] if dropped[b] and b not in sub and producer[b] >= 0]
                 stack.extend((producer[u], False) for u in reversed(needs))
 
@@ -212,6 +241,15 @@ class _Simulator:
                                tuple(store[u] for u in reads), tuple(zip((store[o] for o in outs), sizes[k]))))
             else:
                 events.append(as_is[k])
+        if saved:
+            forward = []
+            for k in range(self.cands.boundary):
+                if k in saved:
+                    sid, size = states[k]
+                    reads = self.reads[k]
+                    forward.append((self.SAVE, False, reads, (sid,), (), tuple(self.root[u] for u in reads), ((sid, size),)))
+                forward.append(as_is[k])
+            events[: self.cands.boundary] = forward
         kept = [sub.get(v, v) for v in self.kept]
         # Dead-code elimination, as passes.dce does it.
         needed = set(kept)
@@ -382,18 +420,20 @@ def _chain(sim: _Simulator) -> list[tuple[list[Var], list[Var], int, int, int, i
                 last[r] = k
         for o in sim.outs[k]:
             made.setdefault(sim.root[o], k)
-    # crossing[t]: how many forward storages are made before equation t and read at or after it.
-    delta = [0] * (boundary + 1)
-    for r, k in last.items():
-        delta[made[r] + 1] += 1
-        delta[k + 1] -= 1
-    cuts, live = [], 0
-    for t in range(1, boundary):
-        live += delta[t]
-        if live <= 1 and delta[t + 1] >= 0:
-            cuts.append(t)
     index = sim.index
     where = [made[index[r]] for r in cands.roots]
+    cuts = _cuts(made, last, boundary, set())
+    # A storage every layer reads (a causal mask, rotary tables made once) crosses every point between
+    # layers: then one segment holds most of the bytes. Cut again without counting the longest-lived
+    # storages (the fewest that break the chain up), held as the outputs of the segment that made them.
+    nbytes = list(zip(where, cands.nbytes))
+    if _largest_segment(cuts, nbytes) * 2 > sum(cands.nbytes):
+        by_life = sorted(last, key=lambda r: made[r] - last[r])
+        for most in (1, 2, 4, 8):
+            finer = _cuts(made, last, boundary, set(by_life[:most]))
+            if _largest_segment(finer, nbytes) * 2 <= sum(cands.nbytes):
+                cuts = finer
+                break
     segments: list[tuple[list[Var], list[Var], int, int, int, int]] = []
     start, pos = 0, 0
     for end in [*cuts, boundary]:
@@ -412,6 +452,32 @@ def _chain(sim: _Simulator) -> list[tuple[list[Var], list[Var], int, int, int, i
                              sum(f for f, _ in flops), sum(f for f, end_op in flops if not end_op)))
             start = end
     return segments
+
+
+def _cuts(made: dict[int, int], last: dict[int, int], boundary: int, skip: set[int]) -> list[int]:
+    """The equations before which at most one forward storage (``skip`` not counted) made earlier is read
+    at or after it, at the end of each stretch of such points."""
+    delta = [0] * (boundary + 1)
+    for r, k in last.items():
+        if r not in skip:
+            delta[made[r] + 1] += 1
+            delta[k + 1] -= 1
+    cuts, live = [], 0
+    for t in range(1, boundary):
+        live += delta[t]
+        if live <= 1 and delta[t + 1] >= 0:
+            cuts.append(t)
+    return cuts
+
+
+def _largest_segment(cuts: list[int], nbytes: list[tuple[int, int]]) -> int:
+    """The most candidate bytes (``nbytes``: the equation that makes each, and its bytes) between consecutive
+    cuts."""
+    edges = [0, *cuts]
+    sizes = [0] * (len(edges) + 1)
+    for k, n in nbytes:
+        sizes[bisect.bisect_right(edges, k)] += n
+    return max(sizes)
 
 
 # The dynamic program's resolution: segments (consecutive ones are merged beyond this) and memory steps.
@@ -710,6 +776,24 @@ def plan_joint(
         if best[1] > 0 and len(graph.eqns) <= _BIG:
             best = _polished(best, usable, chunk_plan, base_flops, base_calls, device)
         return best[2]
+    # Below every set of the frontier: the least-peak one, deeper (tried only here, where nothing else fits,
+    # as it simulates many sets).
+    deeper = _descended(min(points, key=lambda p: p.peak_bytes))
+    if deeper is not None:
+        if not (whole_only and deeper.peak_bytes > usable):
+            try:
+                plan = chunk_plan(deeper.graph, deeper.peak_bytes)
+            except _CANNOT:
+                pass
+            else:
+                plan = RematPlan(**attrs.asdict(plan, recurse=False), recompute=deeper, base_flops=base_flops)
+                score = step_cost(base_flops + deeper.extra_flops, base_calls + deeper.extra_calls,
+                                  len(plan.chunk_sizes), device)
+                best = (score, len(points), plan)
+                if len(graph.eqns) <= _BIG:
+                    best = _polished(best, usable, chunk_plan, base_flops, base_calls, device)
+                return best[2]
+        points = [*points, deeper]
     if first_error is None:
         try:
             chunk_plan(graph)
@@ -725,6 +809,29 @@ def plan_joint(
     )
     error.smallest_budget = smallest
     raise error from first_error
+
+
+# How many kept candidates the descent below the frontier drops, at most (one per step; each step simulates
+# the set without each kept candidate in turn).
+_DESCENT_STEPS = 4
+
+
+def _descended(p: Recompute) -> Recompute | None:
+    """``p`` with kept candidates dropped one at a time, each the one whose drop lowers the peak most, while
+    that lowers it (None when none does). The frontier's families keep checkpoints by segment, by kind or
+    by the dynamic program's coarse memory model; at its least peak, a checkpoint or two more can often go
+    (a transformer's: one per layer, as per-layer checkpointing keeps, not two in some layers)."""
+    sim = p.sim
+    if sim is None:
+        return None
+    start = p
+    for _ in range(_DESCENT_STEPS):
+        moves = [_point(sim, p.keep - {r}, p.transient) for r in sim.cands.roots if r in p.keep]
+        best = min(moves, key=lambda q: (q.peak_bytes, q.extra_flops), default=None)
+        if best is None or best.peak_bytes >= p.peak_bytes:
+            break
+        p = best
+    return None if p is start else p
 
 
 # How many times the polish goes over a winning set's dropped candidates (it stops early when a pass keeps none).

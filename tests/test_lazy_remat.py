@@ -21,6 +21,7 @@ from stagetorch.devices import parse_bytes
 from stagetorch.errors import OutOfMemoryError
 from stagetorch.planning import SAFETY_MARGIN
 from stagetorch.remat_planning import RematPlan
+from stagetorch.rng import ReplayRandom
 
 pytestmark = pytest.mark.usefixtures("lazy_mode")
 
@@ -124,12 +125,18 @@ def dropout_chain(n: int = 8, d: int = 64) -> nn.Module:
 
 def test_dropout_under_recomputation_draws_the_same_masks_and_leaves_the_same_generator(plans):
     """The same seed gives the same result with and without recomputation, and the generator ends each
-    step where eager's does (the mask is kept, never redrawn)."""
+    step where eager's does: at the smallest budget, dropout is recomputed under the generator state saved
+    before it, which draws the same masks and puts the generator back."""
     torch.manual_seed(0)
     model = dropout_chain()
     reference = copy.deepcopy(model)
     x = torch.randn(1, 1024, 64)
-    budget = int(0.7 * _no_recompute_peak(model, x))
+    with pytest.raises(OutOfMemoryError) as info:
+        model(stagetorch.lazy(x, memory_budget=1024)).square().mean().backward()
+    model.zero_grad(set_to_none=True)
+    plans.clear()
+    budget = info.value.smallest_budget
+    assert budget < 0.5 * _no_recompute_peak(model, x)
     for step in range(3):
         results, states = [], []
         for m, options in ((model, dict(memory_budget=budget)), (reference, None)):
@@ -142,6 +149,7 @@ def test_dropout_under_recomputation_draws_the_same_masks_and_leaves_the_same_ge
         assert results[0][0] == results[1][0] and all(map(torch.equal, results[0][1], results[1][1])), step
         assert torch.equal(*states), step
     assert isinstance(plans[-1], RematPlan) and plans[-1].extra_flops > 0
+    assert any(isinstance(e.prim, ReplayRandom) for e in plans[-1].recompute.graph.eqns)
     assert len(plans) == 3 and plans[-1].peak <= budget
 
 

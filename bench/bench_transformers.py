@@ -1,0 +1,108 @@
+"""Recomputation on real model code against what its users already have: ``model.gradient_checkpointing_enable()``.
+
+Tiny configs of `transformers` models (8 layers, or 4 + 4 for encoder-decoders; hidden 64, 4 heads, vocab
+97, the configs' own dropout), one example of 512 tokens, float32, CPU, a training step
+``loss = model(**batch).loss; loss.backward()``. Per model: the eager step's peak; transformers' per-layer
+checkpointing, its peak and step time; stagetorch at the smallest budget it accepts (the budget the
+``OutOfMemoryError`` of a tiny one names), its predicted and measured peak and step time. Peaks are measured
+at the CPU allocator (``tests/memtrack.py``'s ``AllocatorPeak``: every byte it hands out, the model's
+parameters, the batch and the gradients held before the step counted as resident); step times are medians of
+interleaved runs (checkpointing, stagetorch, checkpointing, ...), in the same process.
+
+    PYTHONPATH=.:tests python bench/bench_transformers.py [--models gpt2,llama] [--repeats 5] [--mask]
+
+``--mask`` passes an all-ones ``attention_mask`` too (batch 1, so nothing is padded). The column
+"chunked exact, 3 chunks" is left for the chunked runs of a batch of 3 (``tests/test_transformers_zoo.py``).
+Results in bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from transformer_models import (  # noqa: E402
+    MODELS,
+    allocator_peak,
+    checkpointing,
+    model_and_batch,
+    smallest_budget,
+    step_of,
+)
+
+import stagetorch  # noqa: E402
+
+MiB = 2**20
+
+
+def measure(name: str, repeats: int = 5, mask: bool = False) -> dict:
+    """One row of the table (bytes and seconds)."""
+    model, batch = model_and_batch(name, mask)
+    step = step_of(model)
+    row: dict = {"model": name, "eager_peak": allocator_peak(step, model, batch)}
+    with checkpointing(model):
+        step(**batch)  # warm
+        row["ckpt_peak"] = allocator_peak(step, model, batch)
+    staged = stagetorch.jit(step)
+    budget = row["budget"] = smallest_budget(staged, batch)
+    staged.memory_budget = budget
+    plan = staged.plan(**batch)
+    row["predicted"], row["plan"] = plan.peak, str(plan)
+    staged(**batch)  # warm
+    row["stagetorch_peak"] = allocator_peak(staged, model, batch)
+    times: dict[str, list[float]] = {"ckpt": [], "stagetorch": []}
+    for _ in range(repeats):
+        for kind in ("ckpt", "stagetorch"):
+            model.zero_grad(set_to_none=True)
+            with checkpointing(model) if kind == "ckpt" else contextlib.nullcontext():
+                start = time.perf_counter()
+                (step if kind == "ckpt" else staged)(**batch)
+                times[kind].append(time.perf_counter() - start)
+    row["ckpt_time"] = statistics.median(times["ckpt"])
+    row["stagetorch_time"] = statistics.median(times["stagetorch"])
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| model | eager peak | checkpointing: peak | step | stagetorch: smallest budget | predicted | measured "
+        "| step | chunked exact, 3 chunks |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['error']} |  |  |  |  |  |  |  |")
+            continue
+        lines.append(
+            f"| {r['model']} | {r['eager_peak'] / MiB:.1f} MiB | {r['ckpt_peak'] / MiB:.2f} MiB | "
+            f"{r['ckpt_time'] * 1e3:.0f} ms | {r['budget'] / MiB:.2f} MiB | {r['predicted'] / MiB:.2f} MiB | "
+            f"**{r['stagetorch_peak'] / MiB:.2f} MiB** ({r['stagetorch_peak'] / r['ckpt_peak']:.2f}x) | "
+            f"{r['stagetorch_time'] * 1e3:.0f} ms ({r['stagetorch_time'] / r['ckpt_time']:.2f}x) |  |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--mask", action="store_true", help="pass an all-ones attention_mask too")
+    args = parser.parse_args(argv)
+    rows = []
+    for name in args.models.split(","):
+        try:
+            rows.append(measure(name, args.repeats, args.mask))
+        except Exception as e:  # a model that fails is a row saying how, not the end of the table
+            rows.append({"model": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    print(table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
