@@ -14,17 +14,39 @@ other; ``offs`` holds the groups' cumulative ends. Its layouts:
 Its meta kernel accepts bfloat16 only (the CUDA kernel's fast path), while the CPU kernel runs float32,
 float16 and bfloat16: the shape rule here follows the kernel, and the tracer believes it where the meta
 kernel refuses.
+
+Routing, for chunked runs. An MoE layer sorts the (token, expert) pairs of the whole batch by expert, runs
+each expert on its group of rows, and puts the rows back in token order. A chunk that runs the same code on
+its own tokens sorts them into another order and forms other groups, yet every row it puts back equals the
+whole batch's row for that token: each row of the sorted block is computed from its own token, its own
+expert's weights and nothing else, a row's group being a function of its own expert id. The labels below
+let the batch rules follow that argument op by op (each a :class:`~stagetorch.batching.Batched`, so the
+executor sizes them per chunk; the generic rules keep their class, and refuse to combine them with plainly
+batched values):
+
+- :class:`Routed`: a chunk's rows in the order its sort chose; never a slice of the whole batch's value,
+  so it may only feed row-wise ops, the grouped product, and the ops that put rows back;
+- :class:`Positions`: per row in batch order, its position among the routed rows (the inverse of the sort);
+- :class:`GroupCounts`: the chunk's rows per expert (or their running sums, a grouped product's ``offs``).
+
+Where a rule relies on what an index holds (``perm // top_k``, the sorted ids that set the groups), it checks
+it when the chunk runs, and refuses with a :class:`~stagetorch.BatchCouplingError` if not.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
+import attrs
 import torch
 
-from ..errors import ShapeError
-from ..ir import Aval, Eqn, Var
+from .. import batching
+from ..batching import Batched, Chunked, LabelFn, Reduced, coupling
+from ..errors import BatchCouplingError, ShapeError, UnsupportedOpError
+from ..ir import Aval, Eqn, Var, op_name
+from . import indexing, reductions, views
 
 aten = torch.ops.aten
 
@@ -87,6 +109,341 @@ def grouped_mm_flops(eqn: Eqn) -> int:
     return 2 * math.prod(out) * k
 
 
+
+# ---------------------------------------------------------------------------------------------------------
+# Labels of routed values, and the batch rules that make and read them.
+
+
+@attrs.frozen
+class Routed(Batched):
+    """A chunk's rows along ``dim`` in the order its sort chose: row ``r`` belongs to the row ``perm[r]`` of
+    the sort's input (``perm``: the sort's indices; ``keys``: its sorted values, the expert ids)."""
+
+    perm: Any = None
+    keys: Any = attrs.field(default=None, eq=False)  # the same sort's: one routing, whichever value names it
+
+
+@attrs.frozen
+class Positions(Batched):
+    """Per row in batch order, its position among the rows :class:`Routed` by ``perm`` (its inverse)."""
+
+    perm: Any = None
+    keys: Any = attrs.field(default=None, eq=False)
+
+
+@attrs.frozen
+class GroupCounts(Batched):
+    """How many of a chunk's rows routed by ``perm`` go to each expert, or their running sums: ``size``
+    entries whatever the chunk."""
+
+    perm: Any = None
+    keys: Any = attrs.field(default=None, eq=False)
+    size: int = 0
+
+    def extent(self, batch: int) -> int:
+        return self.size
+
+
+_ROUTING = (Routed, Positions, GroupCounts)
+
+
+def _routing(*labels: Any) -> bool:
+    return any(isinstance(lab, _ROUTING) for lab in labels)
+
+
+def _delegate(table: dict, op: Any, eqn: Eqn, label: LabelFn) -> Chunked:
+    """The rule another family gives ``op``, for values without routing labels."""
+    rule = table.get(op) or table.get(getattr(op, "overloadpacket", op))
+    if rule is None:
+        raise UnsupportedOpError(
+            f"{op_name(eqn.prim)} at {eqn.source} reads a per-example value, and stagetorch has no batch rule "
+            "for it in this use.\nWhat to do: run without chunking (a larger memory_budget)."
+        )
+    return rule(eqn, label)
+
+
+def _refused(why: str) -> BatchCouplingError:
+    return BatchCouplingError(
+        f"An MoE layer's routing {why}, so running the batch in chunks would change the result.\nWhat to do: run "
+        "without chunking (a larger memory_budget)."
+    )
+
+
+def sort(eqn: Eqn, label: LabelFn) -> Chunked:
+    """``sort`` over the batch dim of a 1-d value (a router's expert ids, one per (token, expert) pair): the
+    chunk sorts its own rows; both outputs are :class:`Routed` by the indices."""
+    x = eqn.args[0]
+    lab = label(x)
+    stable = eqn.prim is aten.sort.stable
+    dim = eqn.kwargs.get("dim", -1) if stable else (eqn.args[1] if len(eqn.args) > 1 else eqn.kwargs.get("dim", -1))
+    if lab is None or dim % max(x.aval.ndim, 1) != lab.dim:
+        return _delegate(reductions.BATCH, eqn.prim, eqn, label)
+    if _routing(lab) or x.aval.ndim != 1 or lab.outer != 1:
+        raise coupling(
+            eqn,
+            "sorts along the batch dim of a value other than a 1-d list of per-example rows",
+            "sort one key per row (a flat list of expert ids), or run without chunking (a larger memory_budget)",
+        )
+    values, perm = eqn.outvars
+    out = Routed(0, lab.k, 1, perm=perm, keys=values)
+    return Chunked((out, out))
+
+
+def count() -> Callable[[Eqn, LabelFn], Chunked]:
+    """``histc``: over plainly batched values a count that chunks add up; over routed expert ids the chunk's
+    own group sizes (a grouped product's ``offs`` to be)."""
+
+    def rule(eqn: Eqn, label: LabelFn) -> Chunked:
+        x = eqn.args[0]
+        lab = label(x)
+        if type(lab) is Batched:
+            return Chunked((Reduced("sum"),))
+        if isinstance(lab, Routed) and x.aval.ndim == 1:
+            return Chunked((GroupCounts(0, perm=lab.perm, keys=lab.keys, size=eqn.outvars[0].aval.shape[0]),))
+        raise coupling(eqn, "counts values whose order a routing chose", "count expert ids as a flat list")
+
+    return rule
+
+
+def cumsum(eqn: Eqn, label: LabelFn) -> Chunked:
+    """A running sum of group sizes is the grouped product's ``offs``: the chunk's own."""
+    lab = label(eqn.args[0])
+    if isinstance(lab, GroupCounts):
+        return Chunked((lab,))
+    if _routing(lab):
+        raise coupling(eqn, "sums routed rows in their routed order", "sum in token order")
+    return _delegate(reductions.BATCH, eqn.prim, eqn, label)
+
+
+def _check_groups(offs: torch.Tensor, keys: torch.Tensor) -> None:
+    """Each group of rows must hold whole runs of equal sorted ids: then a row's group is a function of its
+    own expert id, as in the whole batch, and not of where the chunk's sort placed it."""
+    ends = offs.long()
+    inner = ends[(ends > 0) & (ends < keys.shape[0])]
+    if inner.numel() and bool((keys[inner - 1] == keys[inner]).any()):
+        raise _refused("splits the rows of one expert id between groups of the grouped product")
+
+
+def _grouped_routed(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, keys: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    _check_groups(offs, keys)
+    return aten._grouped_mm(a, b, offs, **kwargs)
+
+
+_bmm_like = batching.contraction("gmk,gkn->gmn")
+
+
+def grouped_mm_batch(eqn: Eqn, label: LabelFn) -> Chunked:
+    """``_grouped_mm`` over rows :class:`Routed` by one sort, with ``offs`` counted from the same sort's ids:
+    2-d x 3-d gives routed rows (each row times its own expert); 2-d x 2-d (the expert weights' gradient) a sum
+    over each expert's rows, which chunks add up. 3-d x 3-d is a batched product."""
+    a, b = eqn.args[0], eqn.args[1]
+    offs = eqn.args[2] if len(eqn.args) > 2 else eqn.kwargs.get("offs")
+    if offs is None:
+        return _bmm_like(eqn, label)
+    la, lb, lo = label(a), label(b), label(offs)
+    rest = {k: v for k, v in eqn.kwargs.items() if k != "offs"}
+    rest.update(zip(("bias", "out_dtype"), eqn.args[3:]))
+    if not isinstance(lo, GroupCounts):
+        raise coupling(
+            eqn,
+            "groups rows by position with offsets not counted from the routing that ordered them",
+            "sort the rows by expert id and count the offsets from the sorted ids (histc + cumsum), or run "
+            "without chunking (a larger memory_budget)",
+        )
+
+    def call(n: int) -> tuple[Any, tuple, dict]:
+        return _grouped_routed, (a, b, offs, lo.keys, rest), {}
+
+    routed = [(lab, d) for lab, d in ((la, 0 if a.aval.ndim == 2 and b.aval.ndim == 3 else 1), (lb, 0)) if lab is not None]
+    if any(not isinstance(lab, Routed) or lab.perm is not lo.perm or lab.dim != d for lab, d in routed):
+        raise coupling(eqn, "multiplies rows in an order other than the routing's", "route the rows with one sort")
+    if a.aval.ndim == 2 and b.aval.ndim == 3 and la is not None and lb is None:
+        return Chunked((la,), call=call)
+    if a.aval.ndim == 2 and b.aval.ndim == 2 and la is not None and lb is not None:
+        return Chunked((Reduced("sum"),), call=call)
+    raise coupling(eqn, "groups per-example values in a layout stagetorch cannot chunk", "run without chunking")
+
+
+def _gather_routed(x: torch.Tensor, idx: torch.Tensor, perm: torch.Tensor, fan_out: int) -> torch.Tensor:
+    if not torch.equal(idx, torch.div(perm, fan_out, rounding_mode="floor")):
+        raise _refused(f"gathers rows other than each routed row's own (perm // {fan_out})")
+    return aten.index.Tensor(x, [idx])
+
+
+def _one_index(eqn: Eqn, indices: list) -> Var:
+    if len(indices) != 1 or not isinstance(indices[0], Var) or indices[0].aval.ndim != 1:
+        raise coupling(eqn, "indexes routed rows with other than one flat index", "index with one flat index")
+    return indices[0]
+
+
+def index(eqn: Eqn, label: LabelFn) -> Chunked:
+    """``x[i]`` around a routing: gathering each routed row's token (``x[perm // top_k]``), looking up a
+    shared table by routed ids, and putting routed rows back in token order (``y[inv_perm]``)."""
+    x, indices = eqn.args[0], list(eqn.args[1])
+    lx = label(x)
+    lis = [label(t) for t in indices if isinstance(t, Var)]
+    if not _routing(lx, *lis):
+        return _delegate(indexing.BATCH, eqn.prim, eqn, label)
+    idx = _one_index(eqn, indices)
+    li = label(idx)
+    if lx is None and isinstance(li, Routed):
+        return Chunked((li,))
+    if type(lx) is Batched and isinstance(li, Routed) and lx.dim == 0 and lx.outer == 1 and li.k % lx.k == 0:
+        fan_out, perm = li.k // lx.k, li.perm
+
+        def call(n: int) -> tuple[Any, tuple, dict]:
+            return _gather_routed, (x, idx, perm, fan_out), {}
+
+        return Chunked((li,), call=call)
+    if isinstance(lx, Routed) and isinstance(li, Positions) and li.perm is lx.perm and lx.dim == 0 and li.k == lx.k:
+        return Chunked((Batched(0, li.k),))
+    raise coupling(eqn, "indexes routed rows with an index of another routing or order", "put rows back with the inverse of their own sort")
+
+
+def _arange_into(dest: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``dest[perm] = arange(len)``, the inverse of a chunk's sort: the whole batch's ``arange`` is the
+    chunk's positions ``0..rows-1``."""
+    own = torch.arange(values.shape[0], device=values.device, dtype=values.dtype)
+    if not torch.equal(values, own):
+        raise _refused("writes values other than the positions 0, 1, 2, ... at its sorted indices")
+    return dest.index_put_([idx], own[: idx.shape[0]])
+
+
+def _scatter_rows(dest: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, rows: int, perm: Any, fan_out: int) -> torch.Tensor:
+    """``dest.index_put([idx], values, accumulate=True)`` into zeros, at the chunk's size (``dest`` may be the
+    whole batch's zeros, made by a factory that is the same in every chunk)."""
+    if perm is not None and not torch.equal(idx, torch.div(perm, fan_out, rounding_mode="floor")):
+        raise _refused(f"adds rows back at positions other than each routed row's own (perm // {fan_out})")
+    if dest.shape[0] != rows:
+        if bool(dest.any()):
+            raise _refused("adds routed rows into a tensor that is not zeros")
+        dest = dest.new_zeros((rows, *dest.shape[1:]))
+    return aten.index_put.default(dest, [idx], values, True)
+
+
+def index_put(eqn: Eqn, label: LabelFn) -> Chunked:
+    """``index_put`` around a routing: ``inv_perm[perm] = arange(n)`` (the sort's inverse) and the backward of
+    the gathers in :func:`index`, which add rows into zeros."""
+    dest, indices, values = eqn.args[0], list(eqn.args[1]), eqn.args[2]
+    accumulate = eqn.args[3] if len(eqn.args) > 3 else eqn.kwargs.get("accumulate", False)
+    ld, lv = label(dest), label(values)
+    lis = [label(t) for t in indices if isinstance(t, Var)]
+    if not _routing(ld, lv, *lis):
+        return _delegate(indexing.BATCH, eqn.prim, eqn, label)
+    idx = _one_index(eqn, indices)
+    li = label(idx)
+    if not accumulate:
+        if (
+            isinstance(li, Routed) and idx is li.perm and isinstance(ld, Routed) and ld.perm is li.perm
+            and lv is None and isinstance(values, Var) and values.aval.shape == idx.aval.shape
+        ):
+
+            def call(n: int) -> tuple[Any, tuple, dict]:
+                return _arange_into, (dest, idx, values), {}
+
+            return Chunked((Positions(0, li.k, perm=li.perm, keys=li.keys),), call=call)
+        raise coupling(eqn, "writes at routed positions other than the sort's inverse", "write arange at the sort's indices")
+    if ld is not None:
+        raise coupling(eqn, "adds routed rows into per-example values", "add them into zeros")
+    if isinstance(li, Positions) and type(lv) is Batched and lv.dim == 0 and lv.k == li.k:
+        out: Batched = Routed(0, li.k, perm=li.perm, keys=li.keys)
+        perm, fan_out = None, 1
+    elif isinstance(li, Routed) and isinstance(lv, Routed) and lv.perm is li.perm and lv.dim == 0:
+        rows_per_example = dest.aval.shape[0] / label.batch
+        if rows_per_example != int(rows_per_example) or li.k % int(rows_per_example):
+            raise coupling(eqn, "adds routed rows into a tensor whose rows are not per example", "add them into zeros with one row per token")
+        out = Batched(0, int(rows_per_example))
+        perm, fan_out = li.perm, li.k // out.k
+    else:
+        raise coupling(eqn, "adds rows at positions of another routing", "add them back with their own sort's indices")
+
+    def call(n: int) -> tuple[Any, tuple, dict]:
+        return _scatter_rows, (dest, idx, values, out.extent(n), perm, fan_out), {}
+
+    return Chunked((out,), call=call)
+
+
+def _zeros_at(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` at ``size`` entries along ``dim``: where a factory the same in every chunk made it at the whole
+    batch's size, it must be zeros (a gradient's start), and the chunk's are zeros too."""
+    if x.shape[dim] == size:
+        return x
+    if bool(x.any()):
+        raise BatchCouplingError(
+            "A scatter into a tensor of the whole batch's size, not made of zeros, from per-example values: "
+            "running the batch in chunks would change the result.\nWhat to do: scatter into zeros, or run "
+            "without chunking (a larger memory_budget)."
+        )
+    shape = list(x.shape)
+    shape[dim] = size
+    return x.new_zeros(shape)
+
+
+def _scatter_rows_of(prim: Any, dim: int, extent: int) -> Callable[..., torch.Tensor]:
+    def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return prim(_zeros_at(x, dim, extent), *args, **kwargs)
+
+    return run
+
+
+def _scatter_into_zeros(prim: Any) -> Callable[..., torch.Tensor]:
+    def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if bool(x.any()):
+            raise BatchCouplingError(
+                "A scatter_add over the batch dim into a tensor that is not zeros: each chunk would add it "
+                "again.\nWhat to do: scatter into zeros and add the tensor after, or run without chunking."
+            )
+        return prim(x, *args, **kwargs)
+
+    return run
+
+
+def scatter(eqn: Eqn, label: LabelFn) -> Chunked:
+    """``scatter``/``scatter_add(x, dim, index, src)`` with per-example ``index`` and ``src`` into a shared
+    ``x``: along another dim each example's rows land in its own rows of ``x`` (the backward of ``topk``
+    scatters into ``new_zeros`` of the whole batch's size); along the batch dim ``scatter_add`` into zeros
+    counts over the batch (a router's tokens per expert), a sum the chunks add up."""
+    x, dim, index = eqn.args[0], eqn.args[1], eqn.args[2]
+    lx, li = label(x), label(index)
+    others = [label(v) for v in eqn.args[3:] if isinstance(v, Var)]
+    if _routing(lx, li, *others) or lx is not None or li is None or x.aval.ndim != index.aval.ndim:
+        return _delegate(views.BATCH, eqn.prim, eqn, label)
+    dim %= x.aval.ndim
+    if any(lab is not None and lab != li for lab in others):
+        raise coupling(eqn, "scatters values batched otherwise than their index", "batch them alike")
+    if dim != li.dim:
+        if x.aval.shape[li.dim] != li.extent(label.batch):
+            raise coupling(eqn, "scatters per-example rows into a tensor without a row per example", "scatter into zeros shaped like the batch")
+
+        def call(n: int) -> tuple[Any, tuple, dict]:
+            return _scatter_rows_of(eqn.prim, li.dim, li.extent(n)), eqn.args, eqn.kwargs
+
+        return Chunked((li,), call=call, slice={x: li})
+    if eqn.prim.overloadpacket is aten.scatter_add:
+
+        def call(n: int) -> tuple[Any, tuple, dict]:
+            return _scatter_into_zeros(eqn.prim), eqn.args, eqn.kwargs
+
+        return Chunked((Reduced("sum"),), call=call)
+    raise coupling(eqn, "scatters over the batch dim, where a later example overwrites an earlier one", "use scatter_add")
+
+
 SHAPE: dict = {aten._grouped_mm: grouped_mm}
 
 FLOPS: dict = {aten._grouped_mm: grouped_mm_flops}
+
+BATCH: dict = {
+    aten._grouped_mm: grouped_mm_batch,
+    aten.sort.default: sort,
+    aten.sort.stable: sort,
+    aten.histc: count(),
+    aten.cumsum: cumsum,
+    aten.index.Tensor: index,
+    aten.index_put: index_put,
+    aten.index_put_: index_put,
+    aten.scatter.src: scatter,
+    aten.scatter.value: scatter,
+    aten.scatter_add: scatter,
+    # ``perm // top_k``, a routed row's token: torch does not tag floor_divide pointwise.
+    aten.floor_divide: batching.elementwise,
+}
