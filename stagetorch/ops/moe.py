@@ -29,8 +29,10 @@ batched values):
 - :class:`Positions`: per row in batch order, its position among the routed rows (the inverse of the sort);
 - :class:`GroupCounts`: the chunk's rows per expert (or their running sums, a grouped product's ``offs``).
 
-Where a rule relies on what an index holds (``perm // top_k``, the sorted ids that set the groups), it checks
-it when the chunk runs, and refuses with a :class:`~stagetorch.BatchCouplingError` if not.
+Where a rule relies on what an index holds (``perm // top_k``, the sort's inverse, offsets counted from the
+sorted ids), the label says which Var holds it, set by the rule of the op that computed it: a value computed
+from it by any other op does not inherit the claim. What only the data can say (the inverse is written from
+``arange``, a group holds whole runs of one id) is checked when a chunk runs.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from .. import batching
 from ..batching import Batched, Chunked, LabelFn, Reduced, coupling
 from ..errors import BatchCouplingError, ShapeError, UnsupportedOpError
 from ..ir import Aval, Eqn, Var, op_name
-from . import indexing, reductions, views
+from . import elementwise, indexing, reductions, views
 
 aten = torch.ops.aten
 
@@ -117,27 +119,36 @@ def grouped_mm_flops(eqn: Eqn) -> int:
 @attrs.frozen
 class Routed(Batched):
     """A chunk's rows along ``dim`` in the order its sort chose: row ``r`` belongs to the row ``perm[r]`` of
-    the sort's input (``perm``: the sort's indices; ``keys``: its sorted values, the expert ids)."""
+    the sort's input (``perm``: the sort's indices; ``keys``: its sorted values, the expert ids).
+
+    ``holds`` says what the value itself is, where a rule relies on it: ``("perm", v, d)`` when the Var ``v``
+    holds ``perm // d``, ``("keys", v)`` when ``v`` holds the sorted ids (or a cast of them). The generic
+    rules copy a label to what they compute, ``v`` and all; a rule believes ``holds`` of its argument ``x``
+    only where ``v is x``."""
 
     perm: Any = None
-    keys: Any = attrs.field(default=None, eq=False)  # the same sort's: one routing, whichever value names it
+    keys: Any = attrs.field(default=None, eq=False)  # one routing, whichever of its values names it
+    holds: Any = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen
 class Positions(Batched):
-    """Per row in batch order, its position among the rows :class:`Routed` by ``perm`` (its inverse)."""
+    """Per row in batch order, its position among the rows :class:`Routed` by ``perm`` (its inverse), held
+    by the Var ``holds``."""
 
     perm: Any = None
     keys: Any = attrs.field(default=None, eq=False)
+    holds: Any = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen
 class GroupCounts(Batched):
-    """How many of a chunk's rows routed by ``perm`` go to each expert, or their running sums: ``size``
-    entries whatever the chunk."""
+    """How many of a chunk's rows routed by ``perm`` go to each expert (``holds == ("counts", v)``: ``histc``
+    of the sorted ids) or their running sums (``("offsets", v)``): ``size`` entries whatever the chunk."""
 
     perm: Any = None
     keys: Any = attrs.field(default=None, eq=False)
+    holds: Any = attrs.field(default=None, eq=False)
     size: int = 0
 
     def extent(self, batch: int) -> int:
@@ -149,6 +160,12 @@ _ROUTING = (Routed, Positions, GroupCounts)
 
 def _routing(*labels: Any) -> bool:
     return any(isinstance(lab, _ROUTING) for lab in labels)
+
+
+def _holds(lab: Any, x: Any, kind: str) -> tuple | None:
+    """``lab.holds`` when it speaks of ``x`` itself and is of ``kind``."""
+    holds = getattr(lab, "holds", None)
+    return holds if isinstance(holds, tuple) and holds[0] == kind and holds[1] is x else None
 
 
 def _delegate(table: dict, op: Any, eqn: Eqn, label: LabelFn) -> Chunked:
@@ -185,39 +202,63 @@ def sort(eqn: Eqn, label: LabelFn) -> Chunked:
             "sort one key per row (a flat list of expert ids), or run without chunking (a larger memory_budget)",
         )
     values, perm = eqn.outvars
-    out = Routed(0, lab.k, 1, perm=perm, keys=values)
-    return Chunked((out, out))
+    routed = Routed(0, lab.k, 1, perm=perm, keys=values)
+    return Chunked((attrs.evolve(routed, holds=("keys", values)), attrs.evolve(routed, holds=("perm", perm, 1))))
+
+
+def cast(eqn: Eqn, label: LabelFn) -> Chunked:
+    """``_to_copy``: a cast of the sorted ids still holds them (``histc`` on CPU wants floats; expert ids are
+    small integers, exact in any float type)."""
+    x = eqn.args[0]
+    lab = label(x)
+    decision = _delegate(_ELEMENTWISE, eqn.prim, eqn, label)
+    if _holds(lab, x, "keys") is not None and not eqn.outvars[0].aval.dtype.is_complex:
+        return attrs.evolve(decision, out=(attrs.evolve(lab, holds=("keys", eqn.outvars[0])),))
+    return decision
+
+
+def floor_divide(eqn: Eqn, label: LabelFn) -> Chunked:
+    """``perm // top_k``: a routed (token, expert) pair's token."""
+    x, d = eqn.args[0], eqn.args[1]
+    lab = label(x)
+    decision = batching.elementwise(eqn, label)
+    held = _holds(lab, x, "perm")
+    if held is not None and isinstance(d, int) and not isinstance(d, bool) and d > 0:
+        return attrs.evolve(decision, out=(attrs.evolve(lab, holds=("perm", eqn.outvars[0], held[2] * d)),))
+    return decision
 
 
 def count() -> Callable[[Eqn, LabelFn], Chunked]:
-    """``histc``: over plainly batched values a count that chunks add up; over routed expert ids the chunk's
-    own group sizes (a grouped product's ``offs`` to be)."""
+    """``histc``: over plainly batched values a count that chunks add up; over the sorted expert ids the
+    chunk's own group sizes (a grouped product's ``offs`` to be)."""
 
     def rule(eqn: Eqn, label: LabelFn) -> Chunked:
         x = eqn.args[0]
         lab = label(x)
         if type(lab) is Batched:
             return Chunked((Reduced("sum"),))
-        if isinstance(lab, Routed) and x.aval.ndim == 1:
-            return Chunked((GroupCounts(0, perm=lab.perm, keys=lab.keys, size=eqn.outvars[0].aval.shape[0]),))
-        raise coupling(eqn, "counts values whose order a routing chose", "count expert ids as a flat list")
+        if isinstance(lab, Routed) and _holds(lab, x, "keys") is not None:
+            counts = eqn.outvars[0]
+            return Chunked((GroupCounts(0, perm=lab.perm, keys=lab.keys, holds=("counts", counts), size=counts.aval.shape[0]),))
+        raise coupling(eqn, "counts routed values other than the sorted expert ids", "count the sorted ids")
 
     return rule
 
 
 def cumsum(eqn: Eqn, label: LabelFn) -> Chunked:
-    """A running sum of group sizes is the grouped product's ``offs``: the chunk's own."""
-    lab = label(eqn.args[0])
-    if isinstance(lab, GroupCounts):
-        return Chunked((lab,))
+    """The running sum of the group sizes is the grouped product's ``offs``: the chunk's own."""
+    x = eqn.args[0]
+    lab = label(x)
+    if isinstance(lab, GroupCounts) and _holds(lab, x, "counts") is not None:
+        return Chunked((attrs.evolve(lab, holds=("offsets", eqn.outvars[0])),))
     if _routing(lab):
-        raise coupling(eqn, "sums routed rows in their routed order", "sum in token order")
+        raise coupling(eqn, "sums routed values other than the group sizes", "sum the counts of the sorted ids")
     return _delegate(reductions.BATCH, eqn.prim, eqn, label)
 
 
 def _check_groups(offs: torch.Tensor, keys: torch.Tensor) -> None:
-    """Each group of rows must hold whole runs of equal sorted ids: then a row's group is a function of its
-    own expert id, as in the whole batch, and not of where the chunk's sort placed it."""
+    """Each group must hold whole runs of equal sorted ids (as ``histc`` with one bin per id gives): then a
+    row's group is a function of its own expert id, and not of where the chunk's sort placed it."""
     ends = offs.long()
     inner = ends[(ends > 0) & (ends < keys.shape[0])]
     if inner.numel() and bool((keys[inner - 1] == keys[inner]).any()):
@@ -229,6 +270,7 @@ def _grouped_routed(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, keys: 
     return aten._grouped_mm(a, b, offs, **kwargs)
 
 
+_ELEMENTWISE = elementwise.BATCH
 _bmm_like = batching.contraction("gmk,gkn->gmn")
 
 
@@ -243,7 +285,7 @@ def grouped_mm_batch(eqn: Eqn, label: LabelFn) -> Chunked:
     la, lb, lo = label(a), label(b), label(offs)
     rest = {k: v for k, v in eqn.kwargs.items() if k != "offs"}
     rest.update(zip(("bias", "out_dtype"), eqn.args[3:]))
-    if not isinstance(lo, GroupCounts):
+    if not isinstance(lo, GroupCounts) or _holds(lo, offs, "offsets") is None:
         raise coupling(
             eqn,
             "groups rows by position with offsets not counted from the routing that ordered them",
@@ -258,16 +300,10 @@ def grouped_mm_batch(eqn: Eqn, label: LabelFn) -> Chunked:
     if any(not isinstance(lab, Routed) or lab.perm is not lo.perm or lab.dim != d for lab, d in routed):
         raise coupling(eqn, "multiplies rows in an order other than the routing's", "route the rows with one sort")
     if a.aval.ndim == 2 and b.aval.ndim == 3 and la is not None and lb is None:
-        return Chunked((la,), call=call)
+        return Chunked((attrs.evolve(la, holds=None),), call=call)
     if a.aval.ndim == 2 and b.aval.ndim == 2 and la is not None and lb is not None:
         return Chunked((Reduced("sum"),), call=call)
     raise coupling(eqn, "groups per-example values in a layout stagetorch cannot chunk", "run without chunking")
-
-
-def _gather_routed(x: torch.Tensor, idx: torch.Tensor, perm: torch.Tensor, fan_out: int) -> torch.Tensor:
-    if not torch.equal(idx, torch.div(perm, fan_out, rounding_mode="floor")):
-        raise _refused(f"gathers rows other than each routed row's own (perm // {fan_out})")
-    return aten.index.Tensor(x, [idx])
 
 
 def _one_index(eqn: Eqn, indices: list) -> Var:
@@ -277,7 +313,7 @@ def _one_index(eqn: Eqn, indices: list) -> Var:
 
 
 def index(eqn: Eqn, label: LabelFn) -> Chunked:
-    """``x[i]`` around a routing: gathering each routed row's token (``x[perm // top_k]``), looking up a
+    """``x[i]`` around a routing: gathering each routed pair's token (``x[perm // top_k]``), looking up a
     shared table by routed ids, and putting routed rows back in token order (``y[inv_perm]``)."""
     x, indices = eqn.args[0], list(eqn.args[1])
     lx = label(x)
@@ -286,18 +322,19 @@ def index(eqn: Eqn, label: LabelFn) -> Chunked:
         return _delegate(indexing.BATCH, eqn.prim, eqn, label)
     idx = _one_index(eqn, indices)
     li = label(idx)
-    if lx is None and isinstance(li, Routed):
-        return Chunked((li,))
-    if type(lx) is Batched and isinstance(li, Routed) and lx.dim == 0 and lx.outer == 1 and li.k % lx.k == 0:
-        fan_out, perm = li.k // lx.k, li.perm
-
-        def call(n: int) -> tuple[Any, tuple, dict]:
-            return _gather_routed, (x, idx, perm, fan_out), {}
-
-        return Chunked((li,), call=call)
-    if isinstance(lx, Routed) and isinstance(li, Positions) and li.perm is lx.perm and lx.dim == 0 and li.k == lx.k:
+    rows = attrs.evolve(li, holds=None) if isinstance(li, Routed) else None
+    if lx is None and rows is not None:
+        return Chunked((rows,))
+    held = _holds(li, idx, "perm")
+    if type(lx) is Batched and held is not None and lx.dim == 0 and lx.outer == 1 and li.k == lx.k * held[2]:
+        return Chunked((rows,))
+    if isinstance(lx, Routed) and isinstance(li, Positions) and li.holds is idx and li.perm is lx.perm and lx.dim == 0 and li.k == lx.k:
         return Chunked((Batched(0, li.k),))
-    raise coupling(eqn, "indexes routed rows with an index of another routing or order", "put rows back with the inverse of their own sort")
+    raise coupling(
+        eqn,
+        "indexes with a routed index other than each row's own (perm // top_k, or the sort's inverse)",
+        "gather with perm // top_k and put rows back with the sort's inverse, or run without chunking",
+    )
 
 
 def _arange_into(dest: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -309,16 +346,10 @@ def _arange_into(dest: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) ->
     return dest.index_put_([idx], own[: idx.shape[0]])
 
 
-def _scatter_rows(dest: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, rows: int, perm: Any, fan_out: int) -> torch.Tensor:
-    """``dest.index_put([idx], values, accumulate=True)`` into zeros, at the chunk's size (``dest`` may be the
+def _scatter_rows(dest: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, rows: int) -> torch.Tensor:
+    """``dest.index_put([idx], values, accumulate=True)`` into zeros, at the chunk's size (``dest`` is the
     whole batch's zeros, made by a factory that is the same in every chunk)."""
-    if perm is not None and not torch.equal(idx, torch.div(perm, fan_out, rounding_mode="floor")):
-        raise _refused(f"adds rows back at positions other than each routed row's own (perm // {fan_out})")
-    if dest.shape[0] != rows:
-        if bool(dest.any()):
-            raise _refused("adds routed rows into a tensor that is not zeros")
-        dest = dest.new_zeros((rows, *dest.shape[1:]))
-    return aten.index_put.default(dest, [idx], values, True)
+    return aten.index_put.default(_zeros_at(dest, 0, rows), [idx], values, True)
 
 
 def index_put(eqn: Eqn, label: LabelFn) -> Chunked:
@@ -332,33 +363,35 @@ def index_put(eqn: Eqn, label: LabelFn) -> Chunked:
         return _delegate(indexing.BATCH, eqn.prim, eqn, label)
     idx = _one_index(eqn, indices)
     li = label(idx)
+    held = _holds(li, idx, "perm")
     if not accumulate:
         if (
-            isinstance(li, Routed) and idx is li.perm and isinstance(ld, Routed) and ld.perm is li.perm
+            held is not None and held[2] == 1 and isinstance(ld, Routed) and ld.perm is li.perm
             and lv is None and isinstance(values, Var) and values.aval.shape == idx.aval.shape
         ):
 
             def call(n: int) -> tuple[Any, tuple, dict]:
                 return _arange_into, (dest, idx, values), {}
 
-            return Chunked((Positions(0, li.k, perm=li.perm, keys=li.keys),), call=call)
+            return Chunked((Positions(0, li.k, perm=li.perm, keys=li.keys, holds=eqn.outvars[0]),), call=call)
         raise coupling(eqn, "writes at routed positions other than the sort's inverse", "write arange at the sort's indices")
     if ld is not None:
         raise coupling(eqn, "adds routed rows into per-example values", "add them into zeros")
-    if isinstance(li, Positions) and type(lv) is Batched and lv.dim == 0 and lv.k == li.k:
+    if isinstance(li, Positions) and li.holds is idx and type(lv) is Batched and lv.dim == 0 and lv.k == li.k:
         out: Batched = Routed(0, li.k, perm=li.perm, keys=li.keys)
-        perm, fan_out = None, 1
-    elif isinstance(li, Routed) and isinstance(lv, Routed) and lv.perm is li.perm and lv.dim == 0:
-        rows_per_example = dest.aval.shape[0] / label.batch
-        if rows_per_example != int(rows_per_example) or li.k % int(rows_per_example):
-            raise coupling(eqn, "adds routed rows into a tensor whose rows are not per example", "add them into zeros with one row per token")
-        out = Batched(0, int(rows_per_example))
-        perm, fan_out = li.perm, li.k // out.k
+    elif held is not None and isinstance(lv, Routed) and lv.perm is li.perm and lv.dim == 0 and li.k % held[2] == 0:
+        out = Batched(0, li.k // held[2])
     else:
-        raise coupling(eqn, "adds rows at positions of another routing", "add them back with their own sort's indices")
+        raise coupling(
+            eqn,
+            "adds rows back at positions other than each routed row's own (perm // top_k, or the sort's inverse)",
+            "add them back with their own sort's indices, or run without chunking",
+        )
+    if dest.aval.shape[0] != out.extent(label.batch):
+        raise coupling(eqn, "adds routed rows into a tensor without a row per token", "add them into zeros with one row per token")
 
     def call(n: int) -> tuple[Any, tuple, dict]:
-        return _scatter_rows, (dest, idx, values, out.extent(n), perm, fan_out), {}
+        return _scatter_rows, (dest, idx, values, out.extent(n)), {}
 
     return Chunked((out,), call=call)
 
@@ -444,6 +477,6 @@ BATCH: dict = {
     aten.scatter.src: scatter,
     aten.scatter.value: scatter,
     aten.scatter_add: scatter,
-    # ``perm // top_k``, a routed row's token: torch does not tag floor_divide pointwise.
-    aten.floor_divide: batching.elementwise,
+    aten.floor_divide: floor_divide,
+    aten._to_copy: cast,
 }
