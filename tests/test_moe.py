@@ -250,6 +250,28 @@ def test_a_gather_of_other_rows_than_each_routed_rows_own_is_refused():
         budget_for(staged, x, ids)
 
 
+def _routed(x, ids):
+    keys, perm = torch.sort(ids.reshape(-1))
+    return keys, perm, x[perm // 2]
+
+
+@pytest.mark.parametrize(
+    "fn, match",
+    [
+        # Sorted rows as a result: each chunk orders its rows its own way, so they cannot be concatenated.
+        (lambda x, ids: _routed(x, ids)[2], "makes a result"),
+        # A shared value of one entry per row, lined up against sorted rows: which rows a chunk gets is its own.
+        (lambda x, ids: (_routed(x, ids)[2] + torch.arange(x.shape[0] * 2.0)[:, None]).sum(0), "lines up a shared value"),
+    ],
+    ids=["sorted rows returned", "shared rows added"],
+)
+def test_rows_a_chunk_orders_its_own_way_are_never_concatenated_or_cut(fn, match):
+    x, ids = torch.randn(12, 8), torch.randint(0, 4, (12, 2))
+    staged = stagetorch.jit(fn, remat=False)
+    with pytest.raises(stagetorch.BatchCouplingError, match=match):
+        budget_for(staged, x, ids)
+
+
 def test_the_eager_experts_loop_names_its_data_dependent_line():
     """transformers' "eager" experts loop over the experts a batch hits (``nonzero``): a size no bound holds."""
     model, b = build("mixtral"), batch(False)

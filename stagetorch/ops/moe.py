@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -126,6 +126,7 @@ class Routed(Batched):
     rules copy a label to what they compute, ``v`` and all; a rule believes ``holds`` of its argument ``x``
     only where ``v is x``."""
 
+    chunk_local: ClassVar[bool] = True  # see stagetorch.chunking._check_chunk_local
     perm: Any = None
     keys: Any = attrs.field(default=None, eq=False)  # one routing, whichever of its values names it
     holds: Any = attrs.field(default=None, eq=False)
@@ -136,6 +137,7 @@ class Positions(Batched):
     """Per row in batch order, its position among the rows :class:`Routed` by ``perm`` (its inverse), held
     by the Var ``holds``."""
 
+    chunk_local: ClassVar[bool] = True  # see stagetorch.chunking._check_chunk_local
     perm: Any = None
     keys: Any = attrs.field(default=None, eq=False)
     holds: Any = attrs.field(default=None, eq=False)
@@ -146,6 +148,7 @@ class GroupCounts(Batched):
     """How many of a chunk's rows routed by ``perm`` go to each expert (``holds == ("counts", v)``: ``histc``
     of the sorted ids) or their running sums (``("offsets", v)``): ``size`` entries whatever the chunk."""
 
+    chunk_local: ClassVar[bool] = True  # see stagetorch.chunking._check_chunk_local
     perm: Any = None
     keys: Any = attrs.field(default=None, eq=False)
     holds: Any = attrs.field(default=None, eq=False)
