@@ -261,6 +261,44 @@ def test_a_gather_of_other_rows_than_each_routed_rows_own_is_refused():
         budget_for(staged, x, ids)
 
 
+def with_router_loss():
+    """Mixtral with its load-balancing loss (a product of two batch-wide sums: tokens per expert and router
+    probability per expert) added to the loss."""
+    model = build("mixtral")
+    model.config.output_router_logits = True
+    with torch.no_grad():  # transformers installs its output-capturing hooks on the first call
+        model(input_ids=batch(False)[0][:1])
+    return model
+
+
+def test_mixtral_router_loss_chunks_exactly_without_a_mask():
+    model = with_router_loss()
+    ids, _, labels = batch(False)
+
+    def step_of(m):
+        def step(ids, labels):
+            out = m(input_ids=ids, labels=labels)
+            out.loss.backward()
+            return out.loss
+
+        return step
+
+    reference = copy.deepcopy(model)
+    expected = step_of(reference)(ids, labels).detach(), [p.grad for p in reference.parameters()]
+    staged = stagetorch.jit(step_of(model), remat=False)
+    budget_for(staged, ids, labels)
+    assert len(set(staged.plan(ids, labels).chunk_sizes)) > 1
+    assert_close(model, staged(ids, labels), expected, TOL)
+
+
+def test_mixtral_router_loss_with_a_mask_is_refused_by_name():
+    """With a mask the count is ``zeros(E).scatter_add_(...)``: an in-place update of a shared tensor."""
+    model, b = with_router_loss(), batch(True)
+    staged = stagetorch.jit(step_of(model), remat=False)
+    with pytest.raises(stagetorch.BatchCouplingError, match=r"aten\.scatter_add_ at .*modeling_mixtral\.py:\d+"):
+        budget_for(staged, *b)
+
+
 def _routed(x, ids):
     keys, perm = torch.sort(ids.reshape(-1))
     return keys, perm, x[perm // 2]

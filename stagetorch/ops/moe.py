@@ -455,7 +455,7 @@ def scatter(eqn: Eqn, label: LabelFn) -> Chunked:
             return _scatter_rows_of(eqn.prim, li.dim, li.extent(n)), eqn.args, eqn.kwargs
 
         return Chunked((li,), call=call, slice={x: li})
-    if eqn.prim.overloadpacket is aten.scatter_add:
+    if eqn.prim.overloadpacket in (aten.scatter_add, aten.scatter_add_):
 
         def call(n: int) -> tuple[Any, tuple, dict]:
             return _scatter_into_zeros(eqn.prim), eqn.args, eqn.kwargs
@@ -480,6 +480,7 @@ BATCH: dict = {
     aten.scatter.src: scatter,
     aten.scatter.value: scatter,
     aten.scatter_add: scatter,
+    aten.scatter_add_: scatter,
     aten.floor_divide: floor_divide,
     aten._to_copy: cast,
 }
