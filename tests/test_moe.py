@@ -299,6 +299,23 @@ def test_mixtral_router_loss_with_a_mask_is_refused_by_name():
         budget_for(staged, *b)
 
 
+def test_offsets_counted_from_ids_sorted_descending_are_refused():
+    """``histc`` counts in ascending order of id: over rows sorted descending, a row lands in another expert's
+    group, one that depends on which rows its chunk holds."""
+    w = torch.randn(4, 8, 8, requires_grad=True)
+
+    def layer(x, ids):
+        keys, perm = torch.sort(ids.reshape(-1), descending=True)
+        offs = torch.cumsum(torch.histc(keys.float(), bins=4, min=0, max=3), 0, dtype=torch.int32)
+        loss = aten._grouped_mm(x[perm // 2], w, offs).square().sum()
+        loss.backward()
+        return loss
+
+    x, ids = torch.randn(12, 8, requires_grad=True), torch.randint(0, 4, (12, 2))
+    with pytest.raises(stagetorch.BatchCouplingError, match=r"aten\.histc at .*test_moe\.py:\d+"):
+        budget_for(stagetorch.jit(layer, remat=False), x, ids)
+
+
 def _routed(x, ids):
     keys, perm = torch.sort(ids.reshape(-1))
     return keys, perm, x[perm // 2]

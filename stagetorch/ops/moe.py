@@ -31,8 +31,9 @@ batched values):
 
 Where a rule relies on what an index holds (``perm // top_k``, the sort's inverse, offsets counted from the
 sorted ids), the label says which Var holds it, set by the rule of the op that computed it: a value computed
-from it by any other op does not inherit the claim. What only the data can say (the inverse is written from
-``arange``, a group holds whole runs of one id) is checked when a chunk runs.
+from it by any other op does not inherit the claim. Offsets counted by ``histc`` from the sorted ids (with
+any bins: they are monotone in the id) put each row in the group of its own id. What only the data can say
+(the inverse is written from ``arange``) is checked when a chunk runs.
 """
 
 from __future__ import annotations
@@ -111,7 +112,6 @@ def grouped_mm_flops(eqn: Eqn) -> int:
     return 2 * math.prod(out) * k
 
 
-
 # ---------------------------------------------------------------------------------------------------------
 # Labels of routed values, and the batch rules that make and read them.
 
@@ -119,7 +119,7 @@ def grouped_mm_flops(eqn: Eqn) -> int:
 @attrs.frozen
 class Routed(Batched):
     """A chunk's rows along ``dim`` in the order its sort chose: row ``r`` belongs to the row ``perm[r]`` of
-    the sort's input (``perm``: the sort's indices; ``keys``: its sorted values, the expert ids).
+    the sort's input (``perm``: the sort's indices, which name the routing).
 
     ``holds`` says what the value itself is, where a rule relies on it: ``("perm", v, d)`` when the Var ``v``
     holds ``perm // d``, ``("keys", v)`` when ``v`` holds the sorted ids (or a cast of them). The generic
@@ -128,8 +128,7 @@ class Routed(Batched):
 
     chunk_local: ClassVar[bool] = True  # see stagetorch.chunking._check_chunk_local
     perm: Any = None
-    keys: Any = attrs.field(default=None, eq=False)  # one routing, whichever of its values names it
-    holds: Any = attrs.field(default=None, eq=False)
+    holds: Any = attrs.field(default=None, eq=False)  # what one value holds, not how the rows are laid out
 
 
 @attrs.frozen
@@ -139,7 +138,6 @@ class Positions(Batched):
 
     chunk_local: ClassVar[bool] = True  # see stagetorch.chunking._check_chunk_local
     perm: Any = None
-    keys: Any = attrs.field(default=None, eq=False)
     holds: Any = attrs.field(default=None, eq=False)
 
 
@@ -150,7 +148,6 @@ class GroupCounts(Batched):
 
     chunk_local: ClassVar[bool] = True  # see stagetorch.chunking._check_chunk_local
     perm: Any = None
-    keys: Any = attrs.field(default=None, eq=False)
     holds: Any = attrs.field(default=None, eq=False)
     size: int = 0
 
@@ -205,8 +202,11 @@ def sort(eqn: Eqn, label: LabelFn) -> Chunked:
             "sort one key per row (a flat list of expert ids), or run without chunking (a larger memory_budget)",
         )
     values, perm = eqn.outvars
-    routed = Routed(0, lab.k, 1, perm=perm, keys=values)
-    return Chunked((attrs.evolve(routed, holds=("keys", values)), attrs.evolve(routed, holds=("perm", perm, 1))))
+    routed = Routed(0, lab.k, 1, perm=perm)
+    descending = eqn.kwargs.get("descending", False) if stable else (eqn.args[2] if len(eqn.args) > 2 else eqn.kwargs.get("descending", False))
+    # Groups are counted in ascending order of id: descending ids would put rows in other experts' groups.
+    keys = None if descending else ("keys", values)
+    return Chunked((attrs.evolve(routed, holds=keys), attrs.evolve(routed, holds=("perm", perm, 1))))
 
 
 def cast(eqn: Eqn, label: LabelFn) -> Chunked:
@@ -242,7 +242,7 @@ def count() -> Callable[[Eqn, LabelFn], Chunked]:
             return Chunked((Reduced("sum"),))
         if isinstance(lab, Routed) and _holds(lab, x, "keys") is not None:
             counts = eqn.outvars[0]
-            return Chunked((GroupCounts(0, perm=lab.perm, keys=lab.keys, holds=("counts", counts), size=counts.aval.shape[0]),))
+            return Chunked((GroupCounts(0, perm=lab.perm, holds=("counts", counts), size=counts.aval.shape[0]),))
         raise coupling(eqn, "counts routed values other than the sorted expert ids", "count the sorted ids")
 
     return rule
@@ -259,20 +259,6 @@ def cumsum(eqn: Eqn, label: LabelFn) -> Chunked:
     return _delegate(reductions.BATCH, eqn.prim, eqn, label)
 
 
-def _check_groups(offs: torch.Tensor, keys: torch.Tensor) -> None:
-    """Each group must hold whole runs of equal sorted ids (as ``histc`` with one bin per id gives): then a
-    row's group is a function of its own expert id, and not of where the chunk's sort placed it."""
-    ends = offs.long()
-    inner = ends[(ends > 0) & (ends < keys.shape[0])]
-    if inner.numel() and bool((keys[inner - 1] == keys[inner]).any()):
-        raise _refused("splits the rows of one expert id between groups of the grouped product")
-
-
-def _grouped_routed(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, keys: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    _check_groups(offs, keys)
-    return aten._grouped_mm(a, b, offs, **kwargs)
-
-
 _ELEMENTWISE = elementwise.BATCH
 _bmm_like = batching.contraction("gmk,gkn->gmn")
 
@@ -286,8 +272,6 @@ def grouped_mm_batch(eqn: Eqn, label: LabelFn) -> Chunked:
     if offs is None:
         return _bmm_like(eqn, label)
     la, lb, lo = label(a), label(b), label(offs)
-    rest = {k: v for k, v in eqn.kwargs.items() if k != "offs"}
-    rest.update(zip(("bias", "out_dtype"), eqn.args[3:]))
     if not isinstance(lo, GroupCounts) or _holds(lo, offs, "offsets") is None:
         raise coupling(
             eqn,
@@ -295,17 +279,13 @@ def grouped_mm_batch(eqn: Eqn, label: LabelFn) -> Chunked:
             "sort the rows by expert id and count the offsets from the sorted ids (histc + cumsum), or run "
             "without chunking (a larger memory_budget)",
         )
-
-    def call(n: int) -> tuple[Any, tuple, dict]:
-        return _grouped_routed, (a, b, offs, lo.keys, rest), {}
-
     routed = [(lab, d) for lab, d in ((la, 0 if a.aval.ndim == 2 and b.aval.ndim == 3 else 1), (lb, 0)) if lab is not None]
     if any(not isinstance(lab, Routed) or lab.perm is not lo.perm or lab.dim != d for lab, d in routed):
         raise coupling(eqn, "multiplies rows in an order other than the routing's", "route the rows with one sort")
     if a.aval.ndim == 2 and b.aval.ndim == 3 and la is not None and lb is None:
-        return Chunked((attrs.evolve(la, holds=None),), call=call)
+        return Chunked((attrs.evolve(la, holds=None),))
     if a.aval.ndim == 2 and b.aval.ndim == 2 and la is not None and lb is not None:
-        return Chunked((Reduced("sum"),), call=call)
+        return Chunked((Reduced("sum"),))
     raise coupling(eqn, "groups per-example values in a layout stagetorch cannot chunk", "run without chunking")
 
 
@@ -376,12 +356,12 @@ def index_put(eqn: Eqn, label: LabelFn) -> Chunked:
             def call(n: int) -> tuple[Any, tuple, dict]:
                 return _arange_into, (dest, idx, values), {}
 
-            return Chunked((Positions(0, li.k, perm=li.perm, keys=li.keys, holds=eqn.outvars[0]),), call=call)
+            return Chunked((Positions(0, li.k, perm=li.perm, holds=eqn.outvars[0]),), call=call)
         raise coupling(eqn, "writes at routed positions other than the sort's inverse", "write arange at the sort's indices")
     if ld is not None:
         raise coupling(eqn, "adds routed rows into per-example values", "add them into zeros")
     if isinstance(li, Positions) and li.holds is idx and type(lv) is Batched and lv.dim == 0 and lv.k == li.k:
-        out: Batched = Routed(0, li.k, perm=li.perm, keys=li.keys)
+        out: Batched = Routed(0, li.k, perm=li.perm)
     elif held is not None and isinstance(lv, Routed) and lv.perm is li.perm and lv.dim == 0 and li.k % held[2] == 0:
         out = Batched(0, li.k // held[2])
     else:
