@@ -110,6 +110,30 @@ def _combine_kind(label: Any) -> str:
     return "same"
 
 
+def _check_chunk_local(analysis: BatchAnalysis, results: list[Var]) -> None:
+    """Refuse what would combine or cut a chunk-local value: one whose label says its rows are the chunk's
+    own in an order the chunk chose (an MoE layer's tokens sorted by expert, ``chunk_local`` on the label's
+    class). Such a value is no slice of the whole batch's, so it can be neither a result the chunks are
+    concatenated into nor the rows a shared value is cut to."""
+    labels, graph = analysis.labels, analysis.graph
+    for i, decision in analysis.decisions.items():
+        e = graph.eqns[i]
+        if any(getattr(cut, "chunk_local", False) for cut in decision.slice.values()):
+            raise coupling(
+                e,
+                "lines up a shared value against rows that each chunk orders its own way",
+                "combine the reordered rows only with each other and with values of one row per token",
+            )
+        bad = next((v for v in e.outvars if v in results and getattr(labels.get(v), "chunk_local", False)), None)
+        if bad is not None:
+            raise coupling(
+                e,
+                "makes a result (an output, or a value read after the batch) whose rows each chunk orders its own "
+                "way",
+                "return values in token order (put reordered rows back first)",
+            )
+
+
 class Split:
     """A graph split by its batch analysis into shared, body and post graphs."""
 
@@ -133,6 +157,7 @@ class Split:
         for v in [*final, *post_reads]:
             if v in body_defined and v not in self.body_results:
                 self.body_results.append(v)
+        _check_chunk_local(analysis, self.body_results)
         self.globals: list[Var] = [v for v in body_defined if isinstance(labels.get(v), Global)]
         self.body_idx = body_idx
         # Batch-wide values (a loss, a sum over examples) that per-example work reads: a pre-pass computes

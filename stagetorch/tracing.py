@@ -682,7 +682,7 @@ class Recorder:
         if entry is not None:
             out = _from_entry(entry, args, self.fake_mode)
         else:
-            out = self._dispatch(func, args, kwargs, src)
+            out = self._dispatch(func, args, kwargs, src, self.fake_mode)
             _check_rule(func, args, kwargs, src)
             out = _relayout(func, args, kwargs, out, self.fake_mode)
             if key is not None:
@@ -699,8 +699,10 @@ class Recorder:
         return out
 
     @staticmethod
-    def _dispatch(func: Any, args: tuple, kwargs: dict, src: SourceInfo) -> Any:
-        """Run the fake kernel; its failures become stagetorch's named errors."""
+    def _dispatch(func: Any, args: tuple, kwargs: dict, src: SourceInfo, mode: FakeTensorMode) -> Any:
+        """Run the fake kernel; its failures become stagetorch's named errors, except where an explicit
+        shape rule accepts what the meta kernel refuses (``_grouped_mm``'s meta kernel wants bfloat16, its CPU
+        kernel runs float32): the rule speaks for the kernel, as it does in the shape interpreter."""
         try:
             return func(*args, **kwargs)
         except StagingError:
@@ -708,8 +710,14 @@ class Recorder:
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
             raise ConcretizationError(_concretization_message(func, src)) from e
         except UnsupportedOperatorException as e:
+            out = _from_rule(func, args, kwargs, mode)
+            if out is not None:
+                return out
             raise UnsupportedOpError(_unsupported_message(func, src)) from e
         except (RuntimeError, ValueError, IndexError, TypeError) as e:
+            out = _from_rule(func, args, kwargs, mode)
+            if out is not None:
+                return out
             if "fake" in str(e).lower() and ("impl" in str(e).lower() or "kernel" in str(e).lower()):
                 raise UnsupportedOpError(_unsupported_message(func, src, str(e))) from e
             raise ShapeError(_shape_message(func, args, kwargs, src, _rule_says(func, args, kwargs) or e)) from e
@@ -855,6 +863,30 @@ def _relayout(func: Any, args: tuple, kwargs: dict, out: Any, mode: FakeTensorMo
                 empty = torch.empty_strided(t.shape, stride, dtype=t.dtype, device="meta")
             outs[k] = FakeTensor(mode, empty, t.fake_device)
     return outs[0] if single else type(out)(outs)
+
+
+def _from_rule(func: Any, args: tuple, kwargs: dict, mode: FakeTensorMode) -> Any:
+    """Fresh contiguous fakes of the avals the op's explicit shape rule gives for these operands; None where
+    it has no rule, the rule refuses them, or the op returns other than tensors."""
+    rule = slot(func, "shape")
+    schema = getattr(func, "_schema", None)
+    if rule is None or schema is None or not all(isinstance(r.type, torch.TensorType) for r in schema.returns):
+        return None
+    abstract = map_leaves((args, kwargs), torch.Tensor, Aval.of)
+    try:
+        avals = rule(*abstract[0], **abstract[1])
+    except Exception:  # noqa: BLE001 - the kernel's own error is the one to report
+        return None
+    single = isinstance(avals, Aval)
+    outs = [avals] if single else list(avals)
+    if len(outs) != len(schema.returns) or not all(isinstance(a, Aval) for a in outs):
+        return None
+    fakes = []
+    for a in outs:
+        with torch._C._DisableTorchDispatch():
+            empty = torch.empty(a.shape, dtype=a.dtype, device="meta")
+        fakes.append(FakeTensor(mode, empty, a.device))
+    return fakes[0] if single else tuple(fakes)
 
 
 def _check_rule(func: Any, args: tuple, kwargs: dict, src: SourceInfo) -> None:

@@ -119,6 +119,9 @@ DIRECT_CALLS = (
     lambda: aten.masked_fill(torch.zeros(3), torch.ones(2, 3, dtype=torch.bool), 1.5),
     lambda: aten.masked_fill(torch.zeros(3, dtype=torch.int64), torch.ones(2, 1, dtype=torch.bool), 1.5),
     lambda: aten.div(torch.arange(4), torch.arange(1, 5, dtype=torch.int32), rounding_mode="floor"),
+    # The grouped product in bfloat16, the one dtype its meta kernel takes (float32: tests/test_moe.py).
+    lambda: aten._grouped_mm(torch.randn(10, 8, dtype=torch.bfloat16), torch.randn(3, 8, 16, dtype=torch.bfloat16),
+                             torch.tensor([3, 3, 8], dtype=torch.int32)),
 )
 
 

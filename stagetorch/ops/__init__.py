@@ -18,6 +18,7 @@ from . import (
     indexing,
     linalg,
     losses,
+    moe,
     norms,
     pooling,
     recurrent,
@@ -30,6 +31,7 @@ __all__ = ["register", "rules", "lookup", "Rule", "pointwise", "per_example", "c
 
 for _family in (
     elementwise, linalg, conv, pooling, norms, attention, recurrent, losses, reductions, views, embedding, dropout, indexing,
+    moe,
 ):
     for _slot in ("SHAPE", "MEMORY", "BATCH", "FLOPS", "CALLS", "LAYOUT", "WORKSPACE"):
         for _op, _fn in getattr(_family, _slot, {}).items():
