@@ -21,8 +21,8 @@ from ._tree import map_leaves
 from .ir import Eqn, Graph, SourceInfo, Var, iter_vars
 
 __all__ = [
-    "Liveness", "liveness", "scheduled", "writes", "is_random", "has_effect", "dce", "AliasRule", "ALIASES", "Folded",
-    "fold_partials",
+    "Liveness", "liveness", "scheduled", "steals", "add_into", "writes", "is_random", "has_effect", "dce", "AliasRule",
+    "ALIASES", "Folded", "fold_partials",
 ]
 
 aten = torch.ops.aten
@@ -191,6 +191,9 @@ class Liveness:
     (:data:`ALIASES`); ``alias`` maps such an output to the var whose tensor it is. ``frees[i]`` lists the
     tensors (by var, never an alias) to drop after equation ``i``: their last reader, or their maker when
     nobody reads or keeps them. Inputs and kept values are never dropped.
+
+    ``steal`` maps the output of a gradient accumulation to the operand whose storage it is written into
+    (:func:`steals`): a storage of its own for the executor's tensors, but the operand's for the memory.
     """
 
     last_use: dict[Var, int]
@@ -198,14 +201,15 @@ class Liveness:
     runs: list[bool] = attrs.field(factory=list)
     alias: dict[Var, Var] = attrs.field(factory=dict)
     frees: list[Sequence[Var]] = attrs.field(factory=list)
+    steal: dict[Var, Var] = attrs.field(factory=dict)
 
     def tensor(self, v: Var) -> Var:
         """The var whose tensor ``v`` is at run time (``v`` itself unless it is an alias)."""
         return self.alias.get(v, v)
 
     def storage(self, v: Var) -> Var:
-        """The root var of the storage ``v`` lives in, aliases followed."""
-        return _storage(v, self.alias)
+        """The root var of the storage ``v`` lives in, aliases and stolen operands followed."""
+        return _storage(v, {**self.alias, **self.steal} if self.steal else self.alias)
 
 
 def _storage(v: Var, alias: Mapping[Var, Var]) -> Var:
@@ -235,6 +239,8 @@ def liveness(graph: Graph, keep: Sequence[Var] = ()) -> Liveness:
     runs = [
         k and not (e.outvars and (e.outvars[0] in alias or e.outvars[0] in skipped)) for k, e in zip(live, graph.eqns)
     ]
+    steal = {out: x for out, x in steals(graph, kept).items() if x not in alias and x not in skipped}
+    shares = {**alias, **steal} if steal else alias  # where each value's storage is
     last: dict[Var, int] = {}
     tensor_last: dict[Var, int] = {}
     defined: dict[Var, int] = {v.root: -1 for v in graph.invars}
@@ -243,13 +249,13 @@ def liveness(graph: Graph, keep: Sequence[Var] = ()) -> Liveness:
             continue
         for v in reads[i]:
             tensor_last[alias.get(v, v)] = i
-            last[_storage(v, alias)] = i
+            last[_storage(v, shares)] = i
         for v in e.outvars:
             if v is not None:
-                defined.setdefault(_storage(v, alias), i)
+                defined.setdefault(_storage(v, shares), i)
     kept_tensors = {alias.get(v, v) for v in kept}
     for v in kept:
-        last[_storage(v, alias)] = n
+        last[_storage(v, shares)] = n
     inputs = set(graph.invars)
     # Most equations free nothing: they share one empty tuple, and a list is made only where needed.
     frees: list = [()] * n
@@ -268,7 +274,58 @@ def liveness(graph: Graph, keep: Sequence[Var] = ()) -> Liveness:
             for v in e.outvars:
                 if v is not None and v not in tensor_last and v not in kept_tensors:
                     free(i, v)
-    return Liveness(last, defined, runs, alias, frees)
+    return Liveness(last, defined, runs, alias, frees, steal)
+
+
+def steals(graph: Graph, kept: set[Var] | None = None) -> dict[Var, Var]:
+    """The gradient accumulations that write into a dying operand, as autograd's engine does: for each
+    backward ``add.Tensor(x, y)`` where ``x`` (or ``y``, without ``alpha``) owns its whole storage, has the
+    output's shape and dtype, is neither an input nor kept (``kept``: the outputs and gradients if not
+    given), and is read by this equation only and by no view, the output mapped to that operand.
+
+    Without it the staged backward held three gradients of a weight where eager holds two (its input
+    buffer adds the second contribution into the first in place): a weight decay term's backward ran at
+    1.32x eager's peak. A rule on the graph alone (the reads, not the schedule), so the recomputation
+    planner's simulator applies it as the memory interpreter does."""
+    if kept is None:
+        kept = {v for v in graph.outvars if isinstance(v, Var)} | {v for _, v in graph.grads}
+    reads: dict[Var, int] = {}
+    owners: dict[Var, int] = {}  # per root: how many vars live in it
+    for v in graph.invars:
+        owners[v.root] = owners.get(v.root, 0) + 1
+    candidates = []
+    for e in graph.eqns:
+        for v in e.invars:
+            reads[v] = reads.get(v, 0) + 1
+        for v in e.outvars:
+            if v is not None:
+                owners[v.root] = owners.get(v.root, 0) + 1
+        if e.prim is aten.add.Tensor and e.source.backward and len(e.outvars) == 1 and e.outvars[0] is not None:
+            candidates.append(e)
+    inputs = {v.root for v in graph.invars}
+    out: dict[Var, Var] = {}
+    for e in candidates:
+        y = e.outvars[0]
+        positions = (0, 1) if e.kwargs.get("alpha", 1) == 1 else (0,)
+        for p in positions:
+            x, other = e.args[p], e.args[1 - p]
+            if (
+                type(x) is Var and x.base is None and x not in inputs and x not in kept and x.aval == y.aval
+                and x.owned_nbytes == x.aval.nbytes and reads.get(x) == 1 and owners.get(x) == 1
+                and not (isinstance(other, Var) and other.root is x) and y.base is None
+            ):
+                out[y] = x
+                break
+    return out
+
+
+def add_into(x: torch.Tensor, y: torch.Tensor, alpha: Any = 1) -> torch.Tensor:
+    """``x + alpha * y`` written into ``x`` (a stolen operand: :func:`steals`). Where ``x``'s layout is not
+    the one the out-of-place sum would take (``x`` strided otherwise than ``y`` and not contiguous), a new
+    tensor as ``add`` makes: the values are the same, only the memory differs from the plan."""
+    if x.is_contiguous() or x.stride() == y.stride():
+        return x.add_(y, alpha=alpha)
+    return torch.add(x, y, alpha=alpha)
 
 
 def scheduled(graph: Graph, live: Liveness | None = None) -> Graph:
@@ -277,7 +334,7 @@ def scheduled(graph: Graph, live: Liveness | None = None) -> Graph:
     and gradients alike. Its equations, in order, are the ones ``live.frees`` speaks of."""
     live = live if live is not None else liveness(graph)
     alias = live.alias
-    if not alias and all(live.runs):
+    if not alias and not live.steal and all(live.runs):
         return graph
 
     def tensor(v: Var) -> Var:
@@ -286,6 +343,14 @@ def scheduled(graph: Graph, live: Liveness | None = None) -> Graph:
     eqns = []
     for e, runs in zip(graph.eqns, live.runs):
         if not runs:
+            continue
+        out = e.outvars[0] if e.outvars else None
+        if out in live.steal:
+            # The accumulation into its dying operand (its own tensor: add_into may fall back to a new one).
+            x = live.steal[out]
+            y = e.args[1] if e.args[0] is x else e.args[0]
+            args = map_leaves((x, y), Var, tensor)
+            eqns.append(Eqn(add_into, args, map_leaves(e.kwargs, Var, tensor), e.outvars, e.source))
             continue
         if any(v in alias for v in e.invars):
             e = Eqn(e.prim, map_leaves(e.args, Var, tensor), map_leaves(e.kwargs, Var, tensor), e.outvars, e.source)
