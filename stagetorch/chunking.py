@@ -23,7 +23,7 @@ import torch
 
 from ._tree import map_leaves
 from .batching import BatchAnalysis, Batched, Global, Prepass, Reduced, coupling
-from .execute import Program
+from .execute import Program, Undo
 from .ir import Aval, Eqn, Graph, Literal, Var, iter_vars
 from .passes import fold_partials
 
@@ -176,7 +176,7 @@ class Split:
 
     @functools.cached_property
     def post_program(self) -> Program:
-        return Program(self.post)
+        return Program(self.post, final=True)  # the step's last program: its optimizer update is a commit
 
     def _shared_graph(self, idx: list[int], needed: set[Var]) -> Graph:
         g, an = self.graph, self.analysis
@@ -376,6 +376,7 @@ class _Run:
 
     batch: int
     offset: int = 0
+    undo: Undo | None = None  # what the programs save before they write the caller's state
 
 
 def _feed_values(feeds: list[tuple], env: dict[Var, Any], held: dict[Var, Any], start: int, n: int, run: _Run) -> list:
@@ -444,7 +445,7 @@ def _pass(
         program = body.program(first)
         try:
             feeds = body.first_feeds if first else body.rest_feeds
-            env_out = program.run_env(_feed_values(feeds, env, held, start, n, run))
+            env_out = program.run_env(_feed_values(feeds, env, held, start, n, run), run.undo)
         except Exception as e:
             if is_oom(e) and n > 1:
                 raise ChunkOutOfMemory(n) from e
@@ -520,6 +521,7 @@ def run_chunked(
     on_chunk: Callable[[int, int], None] | None = None,
     offset: int = 0,
     combine: Callable[[dict[Var, torch.Tensor], dict[Var, str]], None] | None = None,
+    undo: Undo | None = None,
 ) -> tuple[list, list[tuple[int, torch.Tensor]], list[int]]:
     """Run the split graph in chunks of ``sizes`` examples.
 
@@ -527,15 +529,17 @@ def run_chunked(
     the examples ``[offset, offset + sum(sizes))`` of the batch the graph was staged for, and
     ``combine(values, kinds)`` merges, in place, the partials of the reductions over those examples with
     those of the other parts; it is called once after each pre-pass and once after the chunk loop.
+    ``undo`` receives a copy of the caller's state each program writes outside its commit (see
+    :class:`~stagetorch.execute.Undo`): the caller restores it if the run fails.
 
     **Returns** the flat outputs, the (input position, gradient) pairs to accumulate, and the chunk sizes
     that actually ran (they differ from ``sizes`` after an out-of-memory retry).
     """
     g = split.graph
-    run = _Run(sum(sizes), offset)
+    run = _Run(sum(sizes), offset, undo)
     env: dict[Var, Any] = dict(zip(g.invars, inputs))
     shared = split.shared_program
-    senv = shared.run_env(inputs)
+    senv = shared.run_env(inputs, undo)
     env.update(zip(split.shared.outvars, shared.outputs(senv)))
     del senv
 
@@ -548,7 +552,7 @@ def run_chunked(
         if split.global_post.eqns:
             batch_wide = split.global_post
             program = Program(batch_wide)
-            values = program.outputs(program.run_env([env[v] for v in batch_wide.invars]))
+            values = program.outputs(program.run_env([env[v] for v in batch_wide.invars], undo))
             env.update(zip(batch_wide.outvars, values))
 
     combined, ran = _loop(split.body, env, sizes, on_chunk, run, combine)
@@ -556,7 +560,7 @@ def run_chunked(
     del combined
 
     post = split.post_program
-    env.update(zip(split.post.outvars, post.outputs(post.run_env([env[v] for v in split.post.invars]))))
+    env.update(zip(split.post.outvars, post.outputs(post.run_env([env[v] for v in split.post.invars], undo))))
 
     outs = [v.value if isinstance(v, Literal) else env[v] for v in g.outvars]
     grads = [(i, env[v]) for i, v in g.grads]
