@@ -109,11 +109,18 @@ _NOTHING = Undo()  # protects nothing: a program run outside a step's guarantee
 
 # Ops whose out= overload runs the functional op's own kernel into the given tensor, allocating nothing of
 # the output's size (each checked under the allocator by tests/test_commit.py): what optimizers compute.
-COMMIT_OPS = frozenset({
-    aten.add, aten.sub, aten.rsub, aten.mul, aten.div, aten.pow, aten.sqrt, aten.rsqrt, aten.reciprocal,
-    aten.neg, aten.abs, aten.sign, aten.maximum, aten.minimum, aten.clamp, aten.clamp_min, aten.clamp_max,
-    aten.lerp, aten.addcmul, aten.addcdiv, aten.exp, aten.log, aten.sigmoid, aten.tanh, aten.square,
-})
+# The out= overloads of rsub.Tensor and of the arithmetic ops' .Scalar forms compute into a temporary and
+# copy it (a traced step records a Python number's product as mul.Tensor, whose out= does not).
+COMMIT_OPS = frozenset(
+    getattr(packet, name)
+    for packet in (
+        aten.add, aten.sub, aten.rsub, aten.mul, aten.div, aten.pow, aten.sqrt, aten.rsqrt, aten.reciprocal,
+        aten.neg, aten.abs, aten.sign, aten.maximum, aten.minimum, aten.clamp, aten.clamp_min, aten.clamp_max,
+        aten.lerp, aten.addcmul, aten.addcdiv, aten.exp, aten.log, aten.sigmoid, aten.tanh, aten.square,
+    )
+    for name in packet.overloads()
+    if not name.endswith("out") and not (name.startswith("Scalar") and packet in (aten.add, aten.sub, aten.mul, aten.div, aten.rsub))
+) - {aten.rsub.Tensor}
 
 # Writes that allocate nothing of their argument's size (besides pointwise in-place ops).
 _SAFE_WRITES = frozenset({aten.copy_, aten.zero_, aten.fill_})
@@ -152,7 +159,8 @@ def commit_plan(run: Graph, keep: Sequence[Var] = (), final: bool = True) -> Com
     which of those writes need a copy to undo.
 
     The *commit* is the longest tail of the program in which every step is one that cannot fail for memory
-    once its outputs have a place: an in-place pointwise write, a view, the profiler's marks, or an op of
+    once its outputs have a place: an in-place pointwise write, a view, the profiler's marks, a pointwise
+    op on 0-dim tensors only (a few bytes, as each Python scalar an op wraps as a tensor), or an op of
     :data:`COMMIT_OPS` on operands of one dtype (a 0-dim one aside) whose result the program does not keep,
     run into its out= overload. It starts at the first write to an input in that tail. Its temporaries are
     placed, first fit by lifetime, in one workspace per device, allocated just before that write; a failure
@@ -186,8 +194,8 @@ def commit_plan(run: Graph, keep: Sequence[Var] = (), final: bool = True) -> Com
     for k in range(start, n):
         e = eqns[k]
         outs = [v for v in e.outvars if v is not None]
-        if not outs or _returns_alias(e) or _is_inert(e.prim):
-            continue
+        if not outs or e.prim not in COMMIT_OPS or _returns_alias(e):
+            continue  # a view, or an op on numbers that makes its few bytes itself
         overload, names = _out_overload(e.prim)
         ids = []
         for v in outs:
@@ -241,10 +249,11 @@ def _cannot_fail(e: Eqn, kept: set[Var]) -> bool:
     if _returns_alias(e):
         return "as_strided" not in packet.__name__  # a view: strides of its own would read other bytes
     outs = [v for v in e.outvars if v is not None]
-    return (
-        packet in COMMIT_OPS and _out_overload(prim)[0] is not None and _one_dtype(e)
-        and all(v.root not in kept and v.base is None for v in outs)
-    )
+    if any(v.root in kept or v.base is not None for v in outs):
+        return False
+    if torch.Tag.pointwise in prim.tags and all(v.aval.ndim == 0 for v in [*outs, *iter_vars((e.args, e.kwargs))]):
+        return True  # on numbers (a step count, a bias correction): a few bytes, as a wrapped Python scalar
+    return prim in COMMIT_OPS and _out_overload(prim)[0] is not None and _one_dtype(e)
 
 
 def _one_dtype(e: Eqn) -> bool:

@@ -21,7 +21,7 @@ from ._tree import map_leaves
 from .ir import Eqn, Graph, SourceInfo, Var, iter_vars
 
 __all__ = [
-    "Liveness", "liveness", "scheduled", "steals", "add_into", "writes", "is_random", "has_effect", "dce", "AliasRule",
+    "Liveness", "liveness", "scheduled", "steals", "add_into", "take_as", "writes", "is_random", "has_effect", "dce", "AliasRule",
     "ALIASES", "Folded", "fold_partials",
 ]
 
@@ -239,7 +239,18 @@ def liveness(graph: Graph, keep: Sequence[Var] = ()) -> Liveness:
     runs = [
         k and not (e.outvars and (e.outvars[0] in alias or e.outvars[0] in skipped)) for k, e in zip(live, graph.eqns)
     ]
-    steal = {out: x for out, x in steals(graph, kept).items() if x not in alias and x not in skipped}
+    # (An accumulation's operand must be its own tensor; a copied value may be an alias of one.)
+    steal = {
+        y: x for y, x in steals(graph, kept).items()
+        if x not in skipped and alias.get(x, x) not in skipped and not (x.base is None and x in alias)
+    }
+    if steal:
+        # A stolen copy's buffer is never made: its equation does not run, and the copy reads only the value.
+        for i, e in enumerate(graph.eqns):
+            if e.prim is aten.new_empty_strided.default and e.outvars[0] in steal:
+                runs[i] = False
+            elif e.prim is aten.copy_.default and e.args[0] in steal:
+                reads[i] = [v for v in reads[i] if v is not e.args[0]]
     shares = {**alias, **steal} if steal else alias  # where each value's storage is
     last: dict[Var, int] = {}
     tensor_last: dict[Var, int] = {}
@@ -278,45 +289,80 @@ def liveness(graph: Graph, keep: Sequence[Var] = ()) -> Liveness:
 
 
 def steals(graph: Graph, kept: set[Var] | None = None) -> dict[Var, Var]:
-    """The gradient accumulations that write into a dying operand, as autograd's engine does: for each
-    backward ``add.Tensor(x, y)`` where ``x`` (or ``y``, without ``alpha``) owns its whole storage, has the
-    output's shape and dtype, is neither an input nor kept (``kept``: the outputs and gradients if not
-    given), and is read by this equation only and by no view, the output mapped to that operand.
+    """Where the backward takes over a dying value's storage instead of allocating, as autograd's engine
+    does; keyed by the var whose storage is taken over, mapped to the value it is taken from:
 
-    Without it the staged backward held three gradients of a weight where eager holds two (its input
-    buffer adds the second contribution into the first in place): a weight decay term's backward ran at
-    1.32x eager's peak. A rule on the graph alone (the reads, not the schedule), so the recomputation
-    planner's simulator applies it as the memory interpreter does."""
+    - a gradient accumulation ``add.Tensor(x, y)`` (the output, to ``x``; or to ``y`` without ``alpha``):
+      eager's input buffer adds the second contribution into the first in place;
+    - AccumulateGrad's copy ``b = new_empty_strided(...); copy_(b, x)`` (``b``, to ``x``): eager's
+      AccumulateGrad steals the gradient as ``.grad`` where nothing else holds it.
+
+    Each only where the value taken (``x``) fills its whole storage, has the shape and dtype of what takes
+    it, is neither an input nor kept (``kept``: the outputs and gradients if not given), and nothing but
+    this equation (and views of it) reads its storage. Without them the staged backward held three
+    gradients of a weight where eager holds two (a weight decay term's backward ran at 1.32x eager's peak)
+    and one more weight's size for each ``.grad`` an optimizer reads in the step (SGD inside the step:
+    1.05x). A rule on the graph alone (its reads, not the schedule), so the recomputation planner's
+    simulator applies it as the memory interpreter does."""
     if kept is None:
         kept = {v for v in graph.outvars if isinstance(v, Var)} | {v for _, v in graph.grads}
-    reads: dict[Var, int] = {}
+    kept_roots = {v.root for v in kept}
+    inputs = {v.root for v in graph.invars}
+    reads: dict[Var, list[Eqn]] = {}  # per storage root: the equations that read it for its values
+    readers: dict[Var, list[Eqn]] = {}  # per var: every equation that reads it
     owners: dict[Var, int] = {}  # per root: how many vars live in it
     for v in graph.invars:
         owners[v.root] = owners.get(v.root, 0) + 1
-    candidates = []
     for e in graph.eqns:
+        outs = [v for v in e.outvars if v is not None]
+        view = (
+            outs and all(v.root is outs[0].root for v in outs) and not writes(e)
+            and any(type(a) is Var and a.root is outs[0].root for a in e.invars)
+        )
         for v in e.invars:
-            reads[v] = reads.get(v, 0) + 1
-        for v in e.outvars:
-            if v is not None:
-                owners[v.root] = owners.get(v.root, 0) + 1
-        if e.prim is aten.add.Tensor and e.source.backward and len(e.outvars) == 1 and e.outvars[0] is not None:
-            candidates.append(e)
-    inputs = {v.root for v in graph.invars}
+            readers.setdefault(v, []).append(e)
+            if not (view and v.root is outs[0].root) and e.prim is not aten.new_empty_strided.default:
+                reads.setdefault(v.root, []).append(e)
+        for v in outs:
+            owners[v.root] = owners.get(v.root, 0) + 1
+
+    def dying(x: Any, by: Eqn, taker: Var) -> bool:
+        if type(x) is not Var:
+            return False
+        r = x.root
+        return (
+            r not in inputs and r not in kept_roots and x.aval == taker.aval and r.owned_nbytes == x.aval.nbytes
+            and len(reads.get(r, ())) == 1 and reads[r][0] is by
+        )
+
     out: dict[Var, Var] = {}
-    for e in candidates:
+    for e in graph.eqns:
+        if not e.source.backward or len(e.outvars) != 1 or e.outvars[0] is None:
+            continue
         y = e.outvars[0]
-        positions = (0, 1) if e.kwargs.get("alpha", 1) == 1 else (0,)
-        for p in positions:
-            x, other = e.args[p], e.args[1 - p]
-            if (
-                type(x) is Var and x.base is None and x not in inputs and x not in kept and x.aval == y.aval
-                and x.owned_nbytes == x.aval.nbytes and reads.get(x) == 1 and owners.get(x) == 1
-                and not (isinstance(other, Var) and other.root is x) and y.base is None
-            ):
-                out[y] = x
-                break
+        if e.prim is aten.add.Tensor and y.base is None:
+            for p in ((0, 1) if e.kwargs.get("alpha", 1) == 1 else (0,)):
+                x, other = e.args[p], e.args[1 - p]
+                if dying(x, e, y) and x.base is None and owners.get(x) == 1 and not (
+                    isinstance(other, Var) and other.root is x
+                ):
+                    out[y] = x
+                    break
+        elif e.prim is aten.new_empty_strided.default and y.base is None and not e.kwargs.get("pin_memory"):
+            copy = readers.get(y, [])
+            if len(copy) == 1 and copy[0].prim is aten.copy_.default and copy[0].args[0] is y and len(copy[0].args) == 2:
+                x = copy[0].args[1]
+                if dying(x, copy[0], y) and x.root is not y and x.aval.device == y.aval.device:
+                    out[y] = x
     return out
+
+
+def take_as(x: torch.Tensor, size: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
+    """AccumulateGrad's copy of ``x`` laid out as ``stride``, where nothing else reads ``x`` (a stolen copy:
+    :func:`steals`): ``x`` itself where it is laid out so, else the copy."""
+    if all(a == b or n <= 1 for a, b, n in zip(x.stride(), stride, size)):
+        return x
+    return torch.empty_strided(size, stride, dtype=x.dtype, device=x.device).copy_(x)
 
 
 def add_into(x: torch.Tensor, y: torch.Tensor, alpha: Any = 1) -> torch.Tensor:
@@ -341,11 +387,18 @@ def scheduled(graph: Graph, live: Liveness | None = None) -> Graph:
         return alias.get(v, v)
 
     eqns = []
+    buffers = {e.outvars[0]: e for e in graph.eqns if e.prim is aten.new_empty_strided.default} if live.steal else {}
     for e, runs in zip(graph.eqns, live.runs):
         if not runs:
             continue
         out = e.outvars[0] if e.outvars else None
-        if out in live.steal:
+        if e.prim is aten.copy_.default and e.args[0] in live.steal:
+            # AccumulateGrad's copy of a dying gradient: the gradient itself where it is laid out so.
+            made = buffers[e.args[0]]
+            x = tensor(live.steal[e.args[0]])
+            eqns.append(Eqn(take_as, (x, made.args[1], made.args[2]), {}, e.outvars, e.source))
+            continue
+        if out in live.steal and e.prim is aten.add.Tensor:
             # The accumulation into its dying operand (its own tensor: add_into may fall back to a new one).
             x = live.steal[out]
             y = e.args[1] if e.args[0] is x else e.args[0]

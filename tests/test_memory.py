@@ -49,9 +49,11 @@ def test_estimate_matches_the_staged_step_really_executed(errors):
 
 
 def test_estimate_matches_the_eager_step(errors):
-    # Eager Python holds some tensors in locals past their last use; the estimate is of stagetorch's schedule.
-    rel = [abs(eager) for _, eager in errors.values()]
-    assert statistics.median(rel) <= 0.05 and max(rel) <= 0.10, errors
+    # Eager Python holds some tensors in locals past their last use; the estimate is of stagetorch's schedule,
+    # which never holds more than eager's and may hold less: it adds each gradient contribution into a dying
+    # one in place wherever it can, where autograd's engine does not always (MHA's packed q/k/v: -16%).
+    rel = [eager for _, eager in errors.values()]
+    assert statistics.median(map(abs, rel)) <= 0.05 and min(rel) >= -0.20 and max(rel) <= 0.02, errors
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer", "lstm", "gpt2"])
@@ -207,15 +209,15 @@ def _optimizer_step_in_jit(optimizer, remat, **options):
 
 @pytest.mark.parametrize("budget", [None, 2_500_000, 2_000_000], ids=["whole", "2-chunks", "5-chunks"])
 def test_an_optimizer_step_inside_jit_stays_within_its_budget_under_the_tracker(budget):
-    """The call holds, beside the program, a copy of every input the step updates in place (to restore it
-    if the step fails) and the .grad that zero_grad() inside the step replaces: the budget must cover them.
-    Before, this step measured 22-35% over its plan and over a 1.3 MB budget."""
+    """The call holds, beside the program, the .grad that zero_grad() inside the step replaces: the budget
+    must cover it. The optimizer's update is the program's commit, so nothing is copied to restore a failed
+    step (a copy of every parameter and moment, before). Before either, this step measured 22-35% over its
+    plan and over a 1.3 MB budget."""
     model, opt, staged, x, y = _optimizer_step_in_jit(torch.optim.AdamW, remat=False, weight_decay=0.1)
     staged.memory_budget = budget
     plan = staged.plan(x, y)
     params = [*model.parameters()]
-    moments = [t for st in opt.state.values() for t in st.values() if t.numel() > 1]
-    held = sum(t.untyped_storage().nbytes() for t in [*params, *moments, *(p.grad for p in params)])
+    held = sum(p.grad.untyped_storage().nbytes() for p in params)
     with LivePeak([*params, x, y, *(p.grad for p in params), *(t for st in opt.state.values() for t in st.values())]) as run:
         staged(x, y)
     assert len(plan.chunk_sizes) == {None: 1, 2_500_000: 2, 2_000_000: 5}[budget]
@@ -226,9 +228,8 @@ def test_an_optimizer_step_inside_jit_stays_within_its_budget_under_the_tracker(
 
 @pytest.mark.parametrize("remat", ["auto", False])
 def test_a_budget_the_held_bytes_push_below_the_floor_names_the_memory_budget_that_fits(remat):
-    """The error's smallest budget is the program's; the call also holds the old .grad and the restore
-    copies beside it, so the error names the memory_budget that covers both, and that one runs (under the
-    tracker, within itself)."""
+    """The error's smallest budget is the program's; the call also holds the old .grad beside it, so the
+    error names the memory_budget that covers both, and that one runs (under the tracker, within itself)."""
     model, opt, staged, x, y = _optimizer_step_in_jit(torch.optim.SGD, remat=remat, momentum=0.9)
     params = [*model.parameters()]
     before = [t.clone() for t in [*params, *(p.grad for p in params)]]
@@ -237,7 +238,7 @@ def test_a_budget_the_held_bytes_push_below_the_floor_names_the_memory_budget_th
         staged(x, y)
     assert all(map(torch.equal, before, [*params, *(p.grad for p in params)]))  # the failed call changed nothing
     message = str(info.value)
-    assert "the old .grad of 4 parameter(s)" in message and "copies of the 8 input(s)" in message, message
+    assert "the old .grad of 4 parameter(s)" in message and "copies of" not in message, message  # a commit: none
     smallest = info.value.smallest_budget
     assert f"fits in is {format_bytes(bytes_ceiling(smallest))}." in message
     staged.memory_budget = bytes_ceiling(smallest)
