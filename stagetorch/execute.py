@@ -90,10 +90,6 @@ class Undo:
         if key in self.protected and key not in self.saved:
             self.saved[key] = (base, base.clone())
 
-    @property
-    def nbytes(self) -> int:
-        return sum(copy.untyped_storage().nbytes() for _, copy in self.saved.values())
-
     def restore(self) -> None:
         with torch.no_grad():
             for t, copy in self.saved.values():
@@ -257,11 +253,11 @@ def _cannot_fail(e: Eqn, kept: set[Var]) -> bool:
 
 
 def _one_dtype(e: Eqn) -> bool:
-    """Every tensor operand and output of ``e`` has one dtype (a 0-dim operand may have another of the same
-    kind): where they differ, an in-place or out= kernel computes into a temporary of the common dtype."""
+    """Every tensor operand and output of ``e`` has one dtype and device (a 0-dim operand may have another
+    dtype of the same kind, and live on the CPU): where they differ, an in-place or out= kernel computes into
+    a temporary of the common dtype, or copies across devices."""
     vs = list(iter_vars((e.args, e.kwargs))) + [v for v in e.outvars if v is not None]
-    dtypes = {v.aval.dtype for v in vs if v.aval.ndim}
-    if len(dtypes) > 1:
+    if len({v.aval.dtype for v in vs if v.aval.ndim}) > 1 or len({v.aval.device for v in vs if v.aval.ndim}) > 1:
         return False
     kinds = {(d.is_floating_point, d.is_complex, d == torch.bool) for d in {v.aval.dtype for v in vs}}
     return len(kinds) <= 1
