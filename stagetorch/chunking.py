@@ -25,7 +25,7 @@ from ._tree import map_leaves
 from .batching import BatchAnalysis, Batched, Global, Prepass, Reduced, coupling
 from .execute import Program, Undo
 from .ir import Aval, Eqn, Graph, Literal, Var, iter_vars
-from .passes import fold_partials
+from .passes import fold_partials, writes
 
 __all__ = ["Split", "run_chunked", "even_chunks", "is_oom", "ChunkOutOfMemory"]
 
@@ -121,6 +121,8 @@ class Split:
         body_idx = [i for i, p in enumerate(analysis.phases) if p == "body"]
         post_idx = [i for i, p in enumerate(analysis.phases) if p == "post"]
         shared_idx = [i for i, p in enumerate(analysis.phases) if p == "shared"]
+        if not analysis.needs_global:  # (a pre-pass runs post equations before the chunks)
+            shared_idx, post_idx = _writes_late(graph, shared_idx, post_idx, body_idx)
 
         final = [v for v in graph.outvars if isinstance(v, Var)] + [v for _, v in graph.grads]
         body_defined = {v for i in body_idx for v in graph.eqns[i].outvars if v is not None}
@@ -359,6 +361,30 @@ class Split:
 
 # ---------------------------------------------------------------------------------------------------------
 # Running a split.
+
+
+def _writes_late(graph: Graph, shared: list[int], post: list[int], body: list[int]) -> tuple[list[int], list[int]]:
+    """Shared and post equations, with the shared writes to the graph's inputs that no chunk reads (AdamW's
+    ``exp_avg_sq.mul_(beta2)`` and step count, which need no gradient) moved after the chunks, with what
+    reads their results: run before the chunk loop, the step had to copy what they write (to restore it if a
+    chunk fails) and hold the copy through every chunk; after it, they are the post program's commit."""
+    inputs = {v.root for v in graph.invars}
+    moved: list[int] = []
+    made: set[Var] = set()  # vars the moved equations make, and the inputs they write (by root)
+    for i in shared:
+        e = graph.eqns[i]
+        written = [x.root for x in writes(e) if x.root in inputs]
+        if written or any(v in made or v.root in made for v in e.invars):
+            moved.append(i)
+            made.update(written)
+            made.update(v for v in e.outvars if v is not None)
+    if not moved:
+        return shared, post
+    for i in body:
+        if any(v in made or v.root in made for v in graph.eqns[i].invars):
+            return shared, post  # a chunk reads what they write: they must run before the chunks
+    late = set(moved)
+    return [i for i in shared if i not in late], sorted([*post, *moved])
 
 
 def _cut(x: torch.Tensor, lab: Batched, start: int, n: int) -> torch.Tensor:

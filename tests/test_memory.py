@@ -207,7 +207,7 @@ def _optimizer_step_in_jit(optimizer, remat, **options):
     return model, opt, staged, x, y
 
 
-@pytest.mark.parametrize("budget", [None, 2_500_000, 2_000_000], ids=["whole", "2-chunks", "5-chunks"])
+@pytest.mark.parametrize("budget", [None, 2_500_000, 2_000_000], ids=["whole", "2-chunks", "3-chunks"])
 def test_an_optimizer_step_inside_jit_stays_within_its_budget_under_the_tracker(budget):
     """The call holds, beside the program, the .grad that zero_grad() inside the step replaces: the budget
     must cover it. The optimizer's update is the program's commit, so nothing is copied to restore a failed
@@ -220,7 +220,7 @@ def test_an_optimizer_step_inside_jit_stays_within_its_budget_under_the_tracker(
     held = sum(p.grad.untyped_storage().nbytes() for p in params)
     with LivePeak([*params, x, y, *(p.grad for p in params), *(t for st in opt.state.values() for t in st.values())]) as run:
         staged(x, y)
-    assert len(plan.chunk_sizes) == {None: 1, 2_500_000: 2, 2_000_000: 5}[budget]
+    assert len(plan.chunk_sizes) == {None: 1, 2_500_000: 2, 2_000_000: 3}[budget]  # 5 with the copies
     assert abs(run.peak - (plan.peak + held)) <= 0.02 * run.peak
     if budget is not None:
         assert run.peak <= budget
