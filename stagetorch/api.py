@@ -24,7 +24,7 @@ from .costing import MemoryReport, Schedule, allocated, peak_bytes, timeline
 from .costing import report as costing_report
 from .devices import bytes_ceiling, format_bytes, free_memory
 from .errors import BatchCouplingError, OutOfMemoryError, ShapeError, StagingError, UnsupportedOpError
-from .execute import Program, accumulate_grad
+from .execute import Program, Undo, accumulate_grad, grad_to_install
 from .flops import graph_flops
 from .ir import Aval, Eqn, Graph, Var, op_name
 from .passes import writes
@@ -124,6 +124,7 @@ class Executable:
     _split: Split | None = None
     plans: dict[int, Plan] = attrs.field(factory=dict)
     _mutated: list[int] | None = None  # see the ``mutated`` property
+    _guarded: list[int] | None = None  # see the ``guarded`` property
     _full_peak: int | None = None
     # The largest chunk known to run: set when a larger one ran out of memory, so later calls plan with it.
     cap: int | None = None
@@ -140,22 +141,34 @@ class Executable:
 
     @property
     def mutated(self) -> list[int]:
-        """Positions of the inputs the program updates in place (copied before a run, to restore on failure)."""
+        """Positions of the inputs the program updates in place: the caller's state a failed run restores."""
         if self._mutated is None:
             self._mutated = _mutated_inputs(self.graph)
         return self._mutated
 
     @property
+    def guarded(self) -> list[int]:
+        """Positions of the inputs a run copies before it writes them, to restore them if it fails: those it
+        writes outside its commit (see :func:`stagetorch.execute.commit_plan`). An optimizer stepped last
+        is a commit and copies nothing; a forward's BatchNorm statistics are copied."""
+        if self._guarded is None:
+            position = {v: i for i, v in enumerate(self.graph.invars)}
+            roots = {v.root: i for v, i in position.items()}
+            saved = self.program.commit.saved_inputs
+            self._guarded = sorted({roots[v.root] for v in saved if v.root in roots})
+        return self._guarded
+
+    @property
     def restore_bytes(self) -> int:
-        """Bytes of the copies a run makes of the inputs the program updates in place, beside the program
-        (none when it updates none). A caller that plans for its own budget leaves them out of it."""
+        """Bytes of the copies a run makes of the inputs it writes outside its commit, beside the program
+        (none when it writes none there). A caller that plans for its own budget leaves them out of it."""
         device = self.graph.device
-        return sum({v: allocated(v.aval.nbytes, device) for v in (self.graph.invars[i] for i in self.mutated)}.values())
+        return sum({v: allocated(v.aval.nbytes, device) for v in (self.graph.invars[i] for i in self.guarded)}.values())
 
     @property
     def program(self) -> Program:
         if self._program is None:
-            self._program = Program(self.graph)
+            self._program = Program(self.graph, final=True)
         return self._program
 
     def split(self) -> Split:
@@ -248,9 +261,11 @@ class Executable:
         """Run on real ``inputs`` (parallel to ``graph.invars``) within ``budget`` bytes.
 
         **Returns** the flat outputs and the (input position, gradient) pairs to accumulate into ``.grad``.
-        If anything fails, inputs the program updates in place (buffers) are restored first. If the device
-        runs out of memory where the plan said the step fits, the step is redone in smaller chunks, and
-        later calls plan with the chunk size that ran.
+        If anything fails, inputs the program updates in place (parameters, buffers, ``.grad``, optimizer
+        state) are restored first: from the copies its programs took before writing them, or untouched
+        because the failure came before the commit that writes them (:func:`~stagetorch.execute.commit_plan`).
+        If the device runs out of memory where the plan said the step fits, the step is redone in smaller
+        chunks, and later calls plan with the chunk size that ran.
         """
         if self._overlap is None:
             self._see_inputs(inputs)
@@ -269,22 +284,22 @@ class Executable:
             except Exception as e:
                 if not is_oom(e) or self.batch == 1:
                     raise
-                return self._recover(inputs, [], e, on_chunk, name)
-        saved = [(inputs[i], inputs[i].clone()) for i in mutated]
+                return self._recover(inputs, e, on_chunk, name)
+        undo = Undo(inputs[i] for i in mutated)
         try:
             if plan.chunked:
                 log.info("stagetorch: %s: %s", name, plan)
-                outs, grads, ran = run_chunked(self.split(), inputs, plan.chunk_sizes, on_chunk=on_chunk)
+                outs, grads, ran = run_chunked(self.split(), inputs, plan.chunk_sizes, on_chunk=on_chunk, undo=undo)
                 self._remember(plan.chunk_sizes, ran, name)
                 return outs, grads
-            return self.program.run(inputs)
+            return self.program.run(inputs, undo)
         except Exception as e:
-            _restore(saved)
+            undo.restore()
             if not is_oom(e) or plan.chunked or self.batch == 1:
                 raise
-            return self._recover(inputs, saved, e, on_chunk, name)
+            return self._recover(inputs, e, on_chunk, name)
         except BaseException:
-            _restore(saved)
+            undo.restore()
             raise
 
     def signature(self) -> distributed.Signature:
@@ -307,7 +322,7 @@ class Executable:
         ``budget`` less the copies a run makes (``restore_bytes``): chunks, and with ``remat`` recomputation
         where the smallest chunk does not fit (or it is cheaper). **Returns** the ``OutOfMemoryError`` that
         says none fits (every rank must learn it first)."""
-        held = self.restore_bytes  # run_shard copies what the program updates in place, beside it
+        held = self.restore_bytes  # run_shard copies what the program writes outside its commit, beside it
         budget = max(budget - held, 0)
         # Plans are kept per budget to about 0.4% (its top 9 bits), as plan() keeps them (a plan made for
         # a budget up to 0.4% larger is within this one's safety margin); an error only for its own budget:
@@ -329,7 +344,7 @@ class Executable:
                 else:
                     plan = chunk_plan(self.graph)
             except OutOfMemoryError as e:
-                plan = held_beside(e, held, [COPIES.format(len(self.mutated))])
+                plan = held_beside(e, held, [COPIES.format(len(self.guarded))])
             except (BatchCouplingError, UnsupportedOpError) as e:
                 # A shard runs through the split graphs at any budget: no budget runs a step that cannot be
                 # split, so the chunk planner's own error, without the smallest budget recomputation names.
@@ -348,11 +363,11 @@ class Executable:
         restored first."""
         recompute = plan.recompute if isinstance(plan, RematPlan) else None
         split = self.split() if recompute is None else self._for(recompute.graph).split()
-        saved = [(inputs[i], inputs[i].clone()) for i in self.mutated]
+        undo = Undo(inputs[i] for i in self.mutated)
         try:
-            return distributed.run_shard(split, inputs, plan.chunk_sizes, offset, group, on_chunk=on_chunk)
+            return distributed.run_shard(split, inputs, plan.chunk_sizes, offset, group, on_chunk=on_chunk, undo=undo)
         except BaseException:
-            _restore(saved)
+            undo.restore()
             raise
 
     def _see_inputs(self, inputs: list) -> None:
@@ -371,18 +386,19 @@ class Executable:
             if self._split is not None:
                 self._split.input_overlap = overlap
 
-    def _recover(self, inputs: list, saved: list, error: Exception, on_chunk: Any, name: str) -> tuple[list, list]:
-        """The whole batch ran out of memory although the plan said it fits: redo it in two halves (and
-        smaller, if those fail too)."""
+    def _recover(self, inputs: list, error: Exception, on_chunk: Any, name: str) -> tuple[list, list]:
+        """The whole batch ran out of memory although the plan said it fits (the inputs it wrote already
+        restored): redo it in two halves (and smaller, if those fail too)."""
         try:
             split = self.split()
         except BatchCouplingError as coupled:
             raise error from coupled
         half = self.batch // 2
+        undo = Undo(inputs[i] for i in self.mutated)
         try:
-            outs, grads, ran = run_chunked(split, inputs, [half, self.batch - half], on_chunk=on_chunk)
+            outs, grads, ran = run_chunked(split, inputs, [half, self.batch - half], on_chunk=on_chunk, undo=undo)
         except BaseException:
-            _restore(saved)
+            undo.restore()
             raise
         self._remember((self.batch,), ran, name)
         return outs, grads
@@ -423,12 +439,6 @@ def held_beside(error: StagingError, held: int, why: list[str]) -> StagingError:
     )
     wider.smallest_budget = error.smallest_budget + held
     return wider
-
-
-def _restore(saved: list) -> None:
-    with torch.no_grad():
-        for t, copy in saved:
-            t.copy_(copy)
 
 
 @attrs.define
@@ -637,13 +647,14 @@ class Staged:
         return free_memory(executable.graph.device, self.memory_budget)
 
     def _held(self, entry: _Entry, inputs: list) -> tuple[int, list[str]]:
-        """What a call holds beside the program while it runs, and why: the copies of the inputs it updates
-        in place (kept to restore them if the step fails: an optimizer's parameters and moments), each
+        """What a call holds beside the program while it runs, and why: the copies of the inputs it writes
+        outside its commit (kept to restore them if the step fails: BatchNorm's statistics; an optimizer's
+        parameters and moments only where something that can fail runs after its update), each
         ``.grad`` the step replaces or clears (the old one lives until the program has run), and each
         ``.grad`` it adds into after the program (gradient accumulation). Without them an optimizer step
         inside ``jit`` ran up to 35% over its plan, and an accumulating step over its budget."""
         executable, traced = entry.executable, entry.traced
-        copies = {inputs[i].untyped_storage().data_ptr(): inputs[i].untyped_storage().nbytes() for i in executable.mutated}
+        copies = {inputs[i].untyped_storage().data_ptr(): inputs[i].untyped_storage().nbytes() for i in executable.guarded}
         old = _grad_storages(inputs, (*traced.assign_grads, *traced.clear_grads))
         fed = {*traced.grad_params, *traced.assign_grads, *traced.clear_grads}
         added = _grad_storages(inputs, [i for i, _ in executable.graph.grads if i not in fed])
@@ -680,13 +691,22 @@ class Staged:
             self._caps[executable.batch] = executable.cap
         traced = entry.traced
         first = len(inputs) - len(executable.consts) - len(traced.grad_params)
+        # Installing the gradients allocates only a copy of a gradient laid out otherwise than its
+        # parameter, where no .grad will be there to add into: made before any .grad changes, so that
+        # failing to make it leaves every .grad as it was (the rest assigns, or adds in place).
+        fed = {i for i in traced.grad_params if inputs[i].grad is None}
+        assigned = set(traced.assign_grads)
+        grads = [
+            (i, grad_to_install(inputs[i], g) if i in assigned or (inputs[i].grad is None and i not in fed) else g)
+            for i, g in grads
+        ]
         for i, g in zip(traced.grad_params, inputs[first:]):
             if inputs[i].grad is None:
                 inputs[i].grad = g  # the zeros fed for it, which the step wrote
         for i in traced.assign_grads:
             inputs[i].grad = None
         for i, g in grads:
-            accumulate_grad(inputs[i], g)
+            accumulate_grad(inputs[i], g, fresh=True)
         for i in traced.clear_grads:
             inputs[i].grad = None
         n = traced.graph.out_tree.num_leaves

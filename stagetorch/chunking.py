@@ -23,9 +23,9 @@ import torch
 
 from ._tree import map_leaves
 from .batching import BatchAnalysis, Batched, Global, Prepass, Reduced, coupling
-from .execute import Program
+from .execute import Program, Undo
 from .ir import Aval, Eqn, Graph, Literal, Var, iter_vars
-from .passes import fold_partials
+from .passes import fold_partials, writes
 
 __all__ = ["Split", "run_chunked", "even_chunks", "is_oom", "ChunkOutOfMemory"]
 
@@ -145,6 +145,8 @@ class Split:
         body_idx = [i for i, p in enumerate(analysis.phases) if p == "body"]
         post_idx = [i for i, p in enumerate(analysis.phases) if p == "post"]
         shared_idx = [i for i, p in enumerate(analysis.phases) if p == "shared"]
+        if not analysis.needs_global:  # (a pre-pass runs post equations before the chunks)
+            shared_idx, post_idx = _writes_late(graph, shared_idx, post_idx, body_idx)
 
         final = [v for v in graph.outvars if isinstance(v, Var)] + [v for _, v in graph.grads]
         body_defined = {v for i in body_idx for v in graph.eqns[i].outvars if v is not None}
@@ -201,7 +203,7 @@ class Split:
 
     @functools.cached_property
     def post_program(self) -> Program:
-        return Program(self.post)
+        return Program(self.post, final=True)  # the step's last program: its optimizer update is a commit
 
     def _shared_graph(self, idx: list[int], needed: set[Var]) -> Graph:
         g, an = self.graph, self.analysis
@@ -387,6 +389,30 @@ class Split:
 # Running a split.
 
 
+def _writes_late(graph: Graph, shared: list[int], post: list[int], body: list[int]) -> tuple[list[int], list[int]]:
+    """Shared and post equations, with the shared writes to the graph's inputs that no chunk reads (AdamW's
+    ``exp_avg_sq.mul_(beta2)`` and step count, which need no gradient) moved after the chunks, with what
+    reads their results: run before the chunk loop, the step had to copy what they write (to restore it if a
+    chunk fails) and hold the copy through every chunk; after it, they are the post program's commit."""
+    inputs = {v.root for v in graph.invars}
+    moved: list[int] = []
+    made: set[Var] = set()  # vars the moved equations make, and the inputs they write (by root)
+    for i in shared:
+        e = graph.eqns[i]
+        written = [x.root for x in writes(e) if x.root in inputs]
+        if written or any(v in made or v.root in made for v in e.invars):
+            moved.append(i)
+            made.update(written)
+            made.update(v for v in e.outvars if v is not None)
+    if not moved:
+        return shared, post
+    for i in body:
+        if any(v in made or v.root in made for v in graph.eqns[i].invars):
+            return shared, post  # a chunk reads what they write: they must run before the chunks
+    late = set(moved)
+    return [i for i in shared if i not in late], sorted([*post, *moved])
+
+
 def _cut(x: torch.Tensor, lab: Batched, start: int, n: int) -> torch.Tensor:
     """Examples ``[start, start + n)`` of ``x`` (a view when the batch is not under an outer dim)."""
     if lab.outer == 1:
@@ -402,6 +428,7 @@ class _Run:
 
     batch: int
     offset: int = 0
+    undo: Undo | None = None  # what the programs save before they write the caller's state
 
 
 def _feed_values(feeds: list[tuple], env: dict[Var, Any], held: dict[Var, Any], start: int, n: int, run: _Run) -> list:
@@ -470,7 +497,7 @@ def _pass(
         program = body.program(first)
         try:
             feeds = body.first_feeds if first else body.rest_feeds
-            env_out = program.run_env(_feed_values(feeds, env, held, start, n, run))
+            env_out = program.run_env(_feed_values(feeds, env, held, start, n, run), run.undo)
         except Exception as e:
             if is_oom(e) and n > 1:
                 raise ChunkOutOfMemory(n) from e
@@ -546,6 +573,7 @@ def run_chunked(
     on_chunk: Callable[[int, int], None] | None = None,
     offset: int = 0,
     combine: Callable[[dict[Var, torch.Tensor], dict[Var, str]], None] | None = None,
+    undo: Undo | None = None,
 ) -> tuple[list, list[tuple[int, torch.Tensor]], list[int]]:
     """Run the split graph in chunks of ``sizes`` examples.
 
@@ -553,15 +581,17 @@ def run_chunked(
     the examples ``[offset, offset + sum(sizes))`` of the batch the graph was staged for, and
     ``combine(values, kinds)`` merges, in place, the partials of the reductions over those examples with
     those of the other parts; it is called once after each pre-pass and once after the chunk loop.
+    ``undo`` receives a copy of the caller's state each program writes outside its commit (see
+    :class:`~stagetorch.execute.Undo`): the caller restores it if the run fails.
 
     **Returns** the flat outputs, the (input position, gradient) pairs to accumulate, and the chunk sizes
     that actually ran (they differ from ``sizes`` after an out-of-memory retry).
     """
     g = split.graph
-    run = _Run(sum(sizes), offset)
+    run = _Run(sum(sizes), offset, undo)
     env: dict[Var, Any] = dict(zip(g.invars, inputs))
     shared = split.shared_program
-    senv = shared.run_env(inputs)
+    senv = shared.run_env(inputs, undo)
     env.update(zip(split.shared.outvars, shared.outputs(senv)))
     del senv
 
@@ -574,7 +604,7 @@ def run_chunked(
         if split.global_post.eqns:
             batch_wide = split.global_post
             program = Program(batch_wide)
-            values = program.outputs(program.run_env([env[v] for v in batch_wide.invars]))
+            values = program.outputs(program.run_env([env[v] for v in batch_wide.invars], undo))
             env.update(zip(batch_wide.outvars, values))
 
     combined, ran = _loop(split.body, env, sizes, on_chunk, run, combine)
@@ -582,7 +612,7 @@ def run_chunked(
     del combined
 
     post = split.post_program
-    env.update(zip(split.post.outvars, post.outputs(post.run_env([env[v] for v in split.post.invars]))))
+    env.update(zip(split.post.outvars, post.outputs(post.run_env([env[v] for v in split.post.invars], undo))))
 
     outs = [v.value if isinstance(v, Literal) else env[v] for v in g.outvars]
     grads = [(i, env[v]) for i, v in g.grads]

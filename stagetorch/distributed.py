@@ -276,9 +276,11 @@ def run_shard(
     group: ShardGroup,
     *,
     on_chunk: Callable[[int, int], None] | None = None,
+    undo: Any = None,
 ) -> tuple[list, list[tuple[int, torch.Tensor]]]:
     """Run this rank's examples ``[offset, offset + sum(sizes))`` of the staged global batch in chunks of
-    ``sizes``, merging the reductions with the other ranks'. **Returns** outputs and gradients, global."""
+    ``sizes``, merging the reductions with the other ranks'. **Returns** outputs and gradients, global.
+    ``undo``: as :func:`~stagetorch.chunking.run_chunked`'s."""
     merges = 1 + bool(split.globals) + bool(split.reduced_for_globals)
     done = 0
     merging = False
@@ -296,7 +298,7 @@ def run_shard(
         done += 1
 
     try:
-        return run_chunked(split, inputs, sizes, on_chunk=on_chunk, offset=offset, combine=merge)[:2]
+        return run_chunked(split, inputs, sizes, on_chunk=on_chunk, offset=offset, combine=merge, undo=undo)[:2]
     except Exception as e:
         # The other ranks wait in the next status exchange: take part with this failure, so that every
         # rank raises now. A failure inside a merge (another rank's, or the collective's) is already shared.

@@ -3,6 +3,13 @@
 It only compiles: which equations run, which var is which tensor and where each tensor dies is the schedule
 of :func:`stagetorch.passes.liveness`, the one the memory interpreter costs. It knows the IR and that
 schedule; chunking builds graphs for it to run, and the staged callable gives it the real inputs.
+
+A step that fails must leave the caller's state (parameters, buffers, ``.grad``, optimizer state) as it
+was. A program writes that state in two ways (see :func:`commit_plan` and ``docs/chunking.md``): a write
+after which something can still fail saves a copy of what it writes first (:class:`Undo`); the writes of
+the program's *commit*, its last stretch, where nothing can fail for memory, save nothing. The commit's
+temporaries are made in one workspace allocated before its first write, so an optimizer step inside the
+program costs no copy of the model.
 """
 
 from __future__ import annotations
@@ -10,17 +17,20 @@ from __future__ import annotations
 import itertools
 import keyword
 import linecache
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import attrs
 import torch
 
 from . import _gc
 from ._tree import flatten
-from .ir import Eqn, Graph, Literal, Var, op_name
-from .passes import liveness, scheduled
+from .ir import Eqn, Graph, Literal, Var, iter_vars, op_name
+from .passes import add_into, is_random, liveness, scheduled, writes
 
-__all__ = ["Program", "accumulate_grad"]
+__all__ = ["Program", "Undo", "Commit", "commit_plan", "accumulate_grad", "grad_to_install"]
+
+aten = torch.ops.aten
 
 
 class Program:
@@ -29,7 +39,9 @@ class Program:
     schedule, the one the memory interpreter costs; this class only turns it into code."""
 
     @_gc.paused()  # building a big program allocates many objects that all stay alive, as tracing does
-    def __init__(self, graph: Graph, keep: Sequence[Var] = ()):
+    def __init__(self, graph: Graph, keep: Sequence[Var] = (), final: bool = False):
+        """``final``: nothing of the step runs after this program, so its last stretch may be a commit
+        (:func:`commit_plan`); a program something runs after saves whatever it writes of its inputs."""
         self.graph = graph
         live = liveness(graph, keep)
         run = scheduled(graph, live)  # aliases replaced by their tensors: one slot (a local) per var
@@ -40,35 +52,261 @@ class Program:
         self.out_slots = [slot_of[v] if isinstance(v, Var) else v for v in run.outvars]
         self.grad_slots = [(i, slot_of[v]) for i, v in run.grads]
         in_slots = [slot_of[v] for v in run.invars]
-        self._run = _compile(steps, slot_of, in_slots, nslots, self.out_slots, self.grad_slots)
+        self.commit = commit_plan(run, keep, final)
+        self._run = _compile(steps, slot_of, in_slots, nslots, self.out_slots, self.grad_slots, self.commit)
 
-    def run_env(self, inputs: Sequence[torch.Tensor]) -> list:
+    def run_env(self, inputs: Sequence[torch.Tensor], undo: Undo | None = None) -> list:
         """Run on real inputs (parallel to the graph's invars); returns the environment of the slots the
-        outputs and gradients live in."""
+        outputs and gradients live in. ``undo`` receives a copy of each protected input before the program
+        first writes it outside its commit."""
         # Below autograd, not under no_grad: some kernels (mkldnn RNN) skip saving what their backward
         # needs when grad mode is off, and the staged backward needs it.
         with torch._C._AutoDispatchBelowAutograd():
-            return self._run(inputs)
+            return self._run(inputs, _NOTHING if undo is None else undo)
 
     def outputs(self, env: list) -> list:
         return [x.value if isinstance(x, Literal) else env[x] for x in self.out_slots]
 
-    def run(self, inputs: Sequence[torch.Tensor]) -> tuple[list, list[tuple[int, torch.Tensor]]]:
+    def run(self, inputs: Sequence[torch.Tensor], undo: Undo | None = None) -> tuple[list, list[tuple[int, torch.Tensor]]]:
         """Run; return the flat outputs and the (input position, gradient) pairs to accumulate."""
         with torch._C._AutoDispatchBelowAutograd():  # as run_env (a step's hot path: one call less)
-            env = self._run(inputs)
+            env = self._run(inputs, _NOTHING if undo is None else undo)
         return self.outputs(env), [(i, env[s]) for i, s in self.grad_slots]
+
+
+class Undo:
+    """What a failed step puts back: a copy of each protected tensor (the caller's state the step writes),
+    taken just before a program first writes it outside its commit, when the step is past its largest
+    allocations (a forward's BatchNorm statistics are copied in the forward, an optimizer's state only
+    where its update cannot be a commit). ``protected``: the tensors whose storage is the caller's."""
+
+    def __init__(self, protected: Iterable[torch.Tensor] = ()):
+        self.protected = {t.untyped_storage().data_ptr() for t in protected}
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def save(self, t: torch.Tensor) -> None:
+        base = t if t._base is None else t._base
+        key = base.untyped_storage().data_ptr()
+        if key in self.protected and key not in self.saved:
+            self.saved[key] = (base, base.clone())
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for t, copy in self.saved.values():
+                t.copy_(copy)
+        self.saved.clear()
+
+
+_NOTHING = Undo()  # protects nothing: a program run outside a step's guarantee
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The commit: the last stretch of a program, where nothing can fail for memory.
+
+# Ops whose out= overload runs the functional op's own kernel into the given tensor, allocating nothing of
+# the output's size (each checked under the allocator by tests/test_commit.py): what optimizers compute.
+# The out= overloads of rsub.Tensor and of the arithmetic ops' .Scalar forms compute into a temporary and
+# copy it (a traced step records a Python number's product as mul.Tensor, whose out= does not).
+COMMIT_OPS = frozenset(
+    getattr(packet, name)
+    for packet in (
+        aten.add, aten.sub, aten.rsub, aten.mul, aten.div, aten.pow, aten.sqrt, aten.rsqrt, aten.reciprocal,
+        aten.neg, aten.abs, aten.sign, aten.maximum, aten.minimum, aten.clamp, aten.clamp_min, aten.clamp_max,
+        aten.lerp, aten.addcmul, aten.addcdiv, aten.exp, aten.log, aten.sigmoid, aten.tanh, aten.square,
+    )
+    for name in packet.overloads()
+    if not name.endswith("out") and not (name.startswith("Scalar") and packet in (aten.add, aten.sub, aten.mul, aten.div, aten.rsub))
+) - {aten.rsub.Tensor}
+
+# Writes that allocate nothing of their argument's size (besides pointwise in-place ops).
+_SAFE_WRITES = frozenset({aten.copy_, aten.zero_, aten.fill_})
+
+# Calls with no memory and no failure of their own: the profiler's record_function around optimizer.step.
+_INERT = frozenset({"profiler::_record_function_enter_new", "profiler::_record_function_exit"})
+
+_ALIGN = 64  # bytes: each temporary of the commit's workspace starts on a boundary any dtype accepts
+
+
+@attrs.frozen
+class Commit:
+    """How a program protects the caller's state (see :func:`commit_plan`).
+
+    ``saves[k]``: the vars (inputs or views of them) whose storage step ``k`` writes outside the commit,
+    saved to the :class:`Undo` before it runs. ``start``: the step of the commit's first write (None: no
+    commit). ``places``: per step of the commit that allocates, its out= overload, the names of its output
+    arguments and, per output, the index of its place in ``layout``: (device, offset, bytes, dtype, shape).
+    ``workspace``: bytes per device of the one allocation the commit makes, before its first write.
+    """
+
+    saves: dict[int, list[Var]] = attrs.field(factory=dict)
+    start: int | None = None
+    places: dict[int, tuple[Any, tuple[str, ...], tuple[int, ...]]] = attrs.field(factory=dict)
+    layout: tuple[tuple[torch.device, int, int, torch.dtype, tuple[int, ...]], ...] = ()
+    workspace: dict[torch.device, int] = attrs.field(factory=dict)
+
+    @property
+    def saved_inputs(self) -> list[Var]:
+        """The vars saved, in order, each once."""
+        return list(dict.fromkeys(v for vs in self.saves.values() for v in vs))
+
+
+def commit_plan(run: Graph, keep: Sequence[Var] = (), final: bool = True) -> Commit:
+    """Where the scheduled graph ``run`` writes storage it did not make (its inputs: the caller's state), and
+    which of those writes need a copy to undo.
+
+    The *commit* is the longest tail of the program in which every step is one that cannot fail for memory
+    once its outputs have a place: an in-place pointwise write, a view, the profiler's marks, a pointwise
+    op on 0-dim tensors only (a few bytes, as each Python scalar an op wraps as a tensor), or an op of
+    :data:`COMMIT_OPS` on operands of one dtype (a 0-dim one aside) whose result the program does not keep,
+    run into its out= overload. It starts at the first write to an input in that tail. Its temporaries are
+    placed, first fit by lifetime, in one workspace per device, allocated just before that write; a failure
+    to allocate it comes before anything is written. A write outside the commit (a forward's BatchNorm
+    statistics, an optimizer followed by a forward or a custom op, any write of a program that is not
+    ``final``) saves what it writes first. An optimizer stepped last in a step is a commit: its parameters
+    and moments are written in place with nothing copied."""
+    eqns = run.eqns
+    n = len(eqns)
+    made = {v for e in eqns for v in e.outvars if v is not None and v.base is None}  # storage the program makes
+    kept = {_root(v) for v in run.outvars if isinstance(v, Var)} | {_root(v) for _, v in run.grads}
+    kept |= {_root(v) for v in keep}
+    state_writes = [[x for x in writes(e) if _root(x) not in made] for e in eqns]
+    safe = [final and _cannot_fail(e, kept) for e in eqns]
+    first_safe = n
+    while first_safe > 0 and safe[first_safe - 1]:
+        first_safe -= 1
+    start = next((k for k in range(first_safe, n) if state_writes[k]), None)
+    end = n if start is None else start
+    saves = {k: state_writes[k] for k in range(end) if state_writes[k]}
+    if start is None:
+        return Commit(saves)
+    last: dict[Var, int] = {}
+    for k, e in enumerate(eqns):
+        for v in e.invars:
+            last[_root(v)] = k
+    places: dict[int, tuple[Any, tuple[str, ...], tuple[int, ...]]] = {}
+    layout: list[tuple[torch.device, int, int, torch.dtype, tuple[int, ...]]] = []
+    active: dict[torch.device, list[tuple[int, int, int]]] = {}  # (offset, bytes, last step) per device
+    workspace: dict[torch.device, int] = {}
+    for k in range(start, n):
+        e = eqns[k]
+        outs = [v for v in e.outvars if v is not None]
+        if not outs or e.prim not in COMMIT_OPS or _returns_alias(e):
+            continue  # a view, or an op on numbers that makes its few bytes itself
+        overload, names = _out_overload(e.prim)
+        ids = []
+        for v in outs:
+            device, size = v.aval.device, -(-v.aval.nbytes // _ALIGN) * _ALIGN
+            blocks = active.setdefault(device, [])
+            blocks[:] = [b for b in blocks if b[2] >= k]
+            offset = 0
+            for o, b, _ in sorted(blocks):
+                if offset + size <= o:
+                    break
+                offset = max(offset, o + b)
+            blocks.append((offset, size, last.get(v, k)))
+            workspace[device] = max(workspace.get(device, 0), offset + size)
+            ids.append(len(layout))
+            layout.append((device, offset, v.aval.nbytes, v.aval.dtype, v.aval.shape))
+        places[k] = (overload, names, tuple(ids))
+    return Commit(saves, start, places, tuple(layout), workspace)
+
+
+def _root(v: Var) -> Var:
+    return v.root
+
+
+def _is_inert(prim: Any) -> bool:
+    name = getattr(prim, "name", None)
+    return isinstance(prim, torch._ops.OperatorBase) and callable(name) and name().split(".")[0] in _INERT
+
+
+def _returns_alias(e: Eqn) -> bool:
+    schema = getattr(e.prim, "_schema", None)
+    return schema is not None and bool(schema.returns) and all(r.alias_info is not None for r in schema.returns)
+
+
+def _cannot_fail(e: Eqn, kept: set[Var]) -> bool:
+    """Whether step ``e`` of a commit allocates nothing of a tensor's size once its outputs have a place
+    in the workspace (see :func:`commit_plan`)."""
+    prim = e.prim
+    if prim is add_into:
+        return False  # it may fall back to a new tensor
+    if _is_inert(prim):
+        return True
+    if not isinstance(prim, torch._ops.OpOverload) or prim.namespace != "aten" or is_random(e):
+        return False
+    schema = prim._schema
+    packet = prim.overloadpacket
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        pointwise = torch.Tag.pointwise in prim.tags or packet in _SAFE_WRITES or (
+            packet.__name__.startswith("_foreach_") and packet.__name__.endswith("_")
+        )
+        return pointwise and (not schema.returns or _returns_alias(e)) and _one_dtype(e)
+    if _returns_alias(e):
+        return "as_strided" not in packet.__name__  # a view: strides of its own would read other bytes
+    outs = [v for v in e.outvars if v is not None]
+    if any(v.root in kept or v.base is not None for v in outs):
+        return False
+    if torch.Tag.pointwise in prim.tags and all(v.aval.ndim == 0 for v in [*outs, *iter_vars((e.args, e.kwargs))]):
+        return True  # on numbers (a step count, a bias correction): a few bytes, as a wrapped Python scalar
+    return prim in COMMIT_OPS and _out_overload(prim)[0] is not None and _one_dtype(e)
+
+
+def _one_dtype(e: Eqn) -> bool:
+    """Every tensor operand and output of ``e`` has one dtype and device (a 0-dim operand may have another
+    dtype of the same kind, and live on the CPU): where they differ, an in-place or out= kernel computes into
+    a temporary of the common dtype, or copies across devices."""
+    vs = list(iter_vars((e.args, e.kwargs))) + [v for v in e.outvars if v is not None]
+    if len({v.aval.dtype for v in vs if v.aval.ndim}) > 1 or len({v.aval.device for v in vs if v.aval.ndim}) > 1:
+        return False
+    kinds = {(d.is_floating_point, d.is_complex, d == torch.bool) for d in {v.aval.dtype for v in vs}}
+    return len(kinds) <= 1
+
+
+_OUT_OVERLOADS: dict[Any, tuple[Any, tuple[str, ...]]] = {}
+
+
+def _out_overload(prim: Any) -> tuple[Any, tuple[str, ...]]:
+    """The out= overload of ``prim`` (the same arguments, and outputs to write) and the names of its output
+    arguments; (None, ()) if it has none."""
+    found = _OUT_OVERLOADS.get(prim)
+    if found is None:
+        found = (None, ())
+        packet = prim.overloadpacket
+        args = [(a.name, str(a.type)) for a in prim._schema.arguments]
+        for name in packet.overloads():
+            o = getattr(packet, name)
+            outs = [a for a in o._schema.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
+            rest = [(a.name, str(a.type)) for a in o._schema.arguments if a not in outs]
+            if outs and rest == args and len(outs) == len(prim._schema.returns):
+                found = (o, tuple(a.name for a in outs))
+                break
+        _OUT_OVERLOADS[prim] = found
+    return found
+
+
+def _carve(layout: tuple, workspace: dict[torch.device, int]) -> list[torch.Tensor]:
+    """The commit's temporaries: views into one allocation per device (the commit's only allocation)."""
+    spaces = {d: torch.empty(size, dtype=torch.uint8, device=d) for d, size in workspace.items()}
+    return [spaces[d][o:o + size].view(dtype).view(shape) for d, o, size, dtype, shape in layout]
+
+
+def grad_to_install(param: torch.Tensor, grad: torch.Tensor, fresh: bool = False) -> torch.Tensor:
+    """The tensor autograd's AccumulateGrad would make ``param.grad`` from ``grad`` where ``.grad`` is None:
+    ``grad`` itself, or a copy laid out as ``param`` (the one allocation of installing a gradient).
+    ``fresh``: ``grad`` is known to live in storage of its own (not a view of an input)."""
+    if grad.stride() != param.stride() or (
+        not fresh and grad.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
+    ):
+        return torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device=param.device).copy_(grad)
+    return grad
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, fresh: bool = False) -> None:
     """What autograd's AccumulateGrad does for a dense leaf: set ``.grad`` or add into it in place.
     ``fresh``: ``grad`` is known to live in storage of its own (not a view of an input)."""
     if param.grad is None:
-        if grad.stride() != param.stride() or (
-            not fresh and grad.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
-        ):
-            grad = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device=param.device).copy_(grad)
-        param.grad = grad
+        param.grad = grad_to_install(param, grad, fresh)
     else:
         with torch.no_grad():
             param.grad.add_(grad)
@@ -87,8 +325,8 @@ def _has_var(tree: Any) -> bool:
 
 def _compile(
     steps: list[tuple[Eqn, list[int]]], slot_of: dict[Var, int], in_slots: list[int], nslots: int,
-    out_slots: list, grad_slots: list[tuple[int, int]],
-) -> Callable[[Sequence[torch.Tensor]], list]:
+    out_slots: list, grad_slots: list[tuple[int, int]], commit: Commit,
+) -> Callable[[Sequence[torch.Tensor], Undo], list]:
     """Generate the program as one Python function, as torch.fx does: a local per slot, each equation a
     call on locals, ``sN = None`` where a value dies. Against a loop over equations with argument binders,
     this removes most of the interpreter's per-equation cost. Constants and ops are the function's globals;
@@ -111,9 +349,11 @@ def _compile(
             return f"[{items}]" if isinstance(x, list) else f"({items},)"
         return const(x)
 
-    lines = ["def program(inputs):"]
+    lines = ["def program(inputs, _undo):"]
     for k, slot in enumerate(in_slots):
         lines.append(f"    s{slot} = inputs[{k}]")
+    if commit.start is not None:
+        names["_carve"], names["_layout"], names["_workspace"] = _carve, commit.layout, commit.workspace
     for n, (e, free) in enumerate(steps):
         op = f"_p{n}"
         names[op] = getattr(e.prim, "_op", e.prim)  # the overload's C++ entry point
@@ -123,13 +363,25 @@ def _compile(
                 args += [f"{k}={expr(v)}" for k, v in e.kwargs.items()]
             else:
                 args.append("**{" + ", ".join(f"{k!r}: {expr(v)}" for k, v in e.kwargs.items()) + "}")
-        call = f"{op}({', '.join(args)})"
         outs = [(j, slot_of[v]) for j, v in enumerate(e.outvars) if v is not None]
+        comment = f"  # {op_name(e.prim)} at {e.source}".replace("\n", " ")
+        lines.extend(f"    _undo.save({expr(v)})" for v in commit.saves.get(n, ()))
+        if n == commit.start:
+            lines.append("    _w = _carve(_layout, _workspace)  # the commit's temporaries: nothing is written yet")
+        if n in commit.places:
+            overload, out_names, ids = commit.places[n]
+            names[op] = overload
+            args += [f"{k}=_w[{i}]" for k, i in zip(out_names, ids)]
+            lines.append(f"    {op}({', '.join(args)}){comment}")
+            lines.extend(f"    s{slot} = _w[{i}]" for (_, slot), i in zip(outs, ids))
+            if free:
+                lines.append("    " + " = ".join(f"s{slot}" for slot in free) + " = None")
+            continue
+        call = f"{op}({', '.join(args)})"
         schema = getattr(e.prim, "_schema", None)
         single = (
             schema is not None and len(schema.returns) == 1 and isinstance(schema.returns[0].type, torch.TensorType)
         )
-        comment = f"  # {op_name(e.prim)} at {e.source}".replace("\n", " ")
         if single and len(e.outvars) == 1:
             target = f"s{outs[0][1]}" if outs else "_"
             lines.append(f"    {target} = {call}{comment}")

@@ -34,7 +34,7 @@ from .devices import bytes_ceiling, format_bytes
 from .errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError
 from .flops import eqn_calls, eqn_flops, graph_calls, graph_flops
 from .ir import Graph, Var, op_name
-from .passes import has_effect, is_random
+from .passes import has_effect, is_random, steals
 from .planning import SAFETY_MARGIN, Plan
 from .registry import slot
 from .remat import Candidates, candidates, remat
@@ -101,9 +101,15 @@ class _Simulator:
         n = self.n = len(index)
         self.root = [0] * n
         self.base = [-1] * n
+        # A gradient accumulation into its dying operand lives in that operand's storage (passes.steals).
+        stolen = {v: x.root for v, x in steals(graph).items()}
         for v, i in index.items():
             self.root[i] = index[v.root]
             self.base[i] = -1 if v.base is None else index[v.base]
+        for v in stolen:  # in program order: an operand's own storage is settled before its accumulation's
+            self.root[index[v]] = self.root[index[stolen[v]]]
+        if stolen:
+            self.root = [self.root[r] for r in self.root]
         self.reads: list[tuple[int, ...]] = []
         self.outs: list[tuple[int, ...]] = []
         self.sizes: list[tuple[int, ...]] = []

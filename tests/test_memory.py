@@ -49,9 +49,11 @@ def test_estimate_matches_the_staged_step_really_executed(errors):
 
 
 def test_estimate_matches_the_eager_step(errors):
-    # Eager Python holds some tensors in locals past their last use; the estimate is of stagetorch's schedule.
-    rel = [abs(eager) for _, eager in errors.values()]
-    assert statistics.median(rel) <= 0.05 and max(rel) <= 0.10, errors
+    # Eager Python holds some tensors in locals past their last use; the estimate is of stagetorch's schedule,
+    # which never holds more than eager's and may hold less: it adds each gradient contribution into a dying
+    # one in place wherever it can, where autograd's engine does not always (MHA's packed q/k/v: -16%).
+    rel = [eager for _, eager in errors.values()]
+    assert statistics.median(map(abs, rel)) <= 0.05 and min(rel) >= -0.20 and max(rel) <= 0.02, errors
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer", "lstm", "gpt2"])
@@ -210,20 +212,20 @@ def _optimizer_step_in_jit(optimizer, remat, **options):
     return model, opt, staged, x, y
 
 
-@pytest.mark.parametrize("budget", [None, 2_500_000, 2_000_000], ids=["whole", "2-chunks", "5-chunks"])
+@pytest.mark.parametrize("budget", [None, 2_500_000, 2_000_000], ids=["whole", "2-chunks", "3-chunks"])
 def test_an_optimizer_step_inside_jit_stays_within_its_budget_under_the_tracker(budget):
-    """The call holds, beside the program, a copy of every input the step updates in place (to restore it
-    if the step fails) and the .grad that zero_grad() inside the step replaces: the plan's peak counts them
-    and the budget covers them. Before, this step measured 22-35% over its plan and over a 1.3 MB budget."""
+    """The call holds, beside the program, the .grad that zero_grad() inside the step replaces: the budget
+    must cover it. The optimizer's update is the program's commit, so nothing is copied to restore a failed
+    step (a copy of every parameter and moment, before). Before either, this step measured 22-35% over its
+    plan and over a 1.3 MB budget."""
     model, opt, staged, x, y = _optimizer_step_in_jit(torch.optim.AdamW, remat=False, weight_decay=0.1)
     staged.memory_budget = budget
     plan = staged.plan(x, y)
     params = [*model.parameters()]
-    moments = [t for st in opt.state.values() for t in st.values() if t.numel() > 1]
-    held = sum(t.untyped_storage().nbytes() for t in [*params, *moments, *(p.grad for p in params)])
+    held = sum(p.grad.untyped_storage().nbytes() for p in params)
     with AllocatorPeak([*params, x, y, *(p.grad for p in params), *(t for st in opt.state.values() for t in st.values())]) as run:
         staged(x, y)
-    assert len(plan.chunk_sizes) == {None: 1, 2_500_000: 2, 2_000_000: 5}[budget]
+    assert len(plan.chunk_sizes) == {None: 1, 2_500_000: 2, 2_000_000: 3}[budget]  # 5 with the copies
     assert abs(plan.held_bytes - held) <= 64 and abs(run.peak - plan.peak) <= 0.02 * run.peak
     if budget is not None:
         assert run.peak <= budget
@@ -231,9 +233,8 @@ def test_an_optimizer_step_inside_jit_stays_within_its_budget_under_the_tracker(
 
 @pytest.mark.parametrize("remat", ["auto", False])
 def test_a_budget_the_held_bytes_push_below_the_floor_names_the_memory_budget_that_fits(remat):
-    """The error's smallest budget is the program's; the call also holds the old .grad and the restore
-    copies beside it, so the error names the memory_budget that covers both, and that one runs (under the
-    tracker, within itself)."""
+    """The error's smallest budget is the program's; the call also holds the old .grad beside it, so the
+    error names the memory_budget that covers both, and that one runs (under the tracker, within itself)."""
     model, opt, staged, x, y = _optimizer_step_in_jit(torch.optim.SGD, remat=remat, momentum=0.9)
     params = [*model.parameters()]
     before = [t.clone() for t in [*params, *(p.grad for p in params)]]
@@ -242,7 +243,7 @@ def test_a_budget_the_held_bytes_push_below_the_floor_names_the_memory_budget_th
         staged(x, y)
     assert all(map(torch.equal, before, [*params, *(p.grad for p in params)]))  # the failed call changed nothing
     message = str(info.value)
-    assert "the old .grad of 4 parameter(s)" in message and "copies of the 8 input(s)" in message, message
+    assert "the old .grad of 4 parameter(s)" in message and "copies of" not in message, message  # a commit: none
     smallest = info.value.smallest_budget
     assert f"fits in is {format_bytes(bytes_ceiling(smallest))}." in message
     staged.memory_budget = bytes_ceiling(smallest)
@@ -306,13 +307,15 @@ def test_a_report_predicts_the_small_batches_where_a_workspace_bends():
 @pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.AdamW], ids=["sgd", "adamw"])
 def test_the_report_of_an_optimizer_step_inside_jit_is_what_the_call_takes(optimizer):
     """stagetorch.memory counts everything the call holds: the optimizer's state in its own category, and
-    beside the program the restore copies and the old .grad ("held"). Its peak is the allocator's."""
+    beside the program the old .grad ("held"; the update is the step's commit, so no parameter or moment is
+    copied to restore a failed step). Its peak is the allocator's."""
     options = {"momentum": 0.9} if optimizer is torch.optim.SGD else {}
     model, opt, staged, x, y = _optimizer_step_in_jit(optimizer, remat=False, **options)
     report = stagetorch.memory(staged.fn, remat=False)(x, y)
     state = [t for st in opt.state.values() for t in st.values()]
     assert report.by_category["optimizer"] == sum(t.nbytes for t in state)
-    assert report.by_category["held"] == staged.plan(x, y).held_bytes > 0 and "restore" in report.note
+    grads = sum(p.grad.untyped_storage().nbytes() for p in model.parameters())
+    assert report.by_category["held"] == staged.plan(x, y).held_bytes == grads and "restore" not in report.note
     assert sum(report.by_category.values()) == report.peak_bytes
     params = [*model.parameters()]
     with AllocatorPeak([*params, x, y, *(p.grad for p in params), *state]) as run:

@@ -317,14 +317,14 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
                 try:
                     results, _ = executable.run(inputs, max(budget - held, 0), name="lazy")
                 except StagingError as e:
-                    wider = held_beside(e, held, [COPIES.format(len(executable.mutated))])
+                    wider = held_beside(e, held, [COPIES.format(len(executable.guarded))])
                     if wider is e:
                         raise
                     raise wider from e
-                # Per-example values this flush made stay per-example for the flushes that read them (the
-                # hidden states before a data-dependent mask check): they are cut to each chunk, not shared.
-                labels = executable.split().analysis.labels
-                self.made.update((v, labels[v]) for v in executable.graph.outvars if isinstance(labels.get(v), Batched))
+                made = flushes.get(("made", id(executable)))
+                if made is None:  # after its first run: an executable learns about its inputs there
+                    made = flushes[("made", id(executable))] = _per_example_outputs(executable)
+                self.made.update(made)
             else:
                 results = shard.run(self.shard, executable, inputs, budget)
         except BaseException:
@@ -355,6 +355,17 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
             if v in alive or (later is not None and v in later):
                 kept[v] = x
         self.values = kept
+
+
+def _per_example_outputs(executable: Executable) -> dict[Var, Batched]:
+    """The batch labels of a flush's per-example outputs: the flushes that read them (the hidden states before
+    a data-dependent mask check) cut them to each chunk rather than hold them whole as shared values. A flush
+    that mixes the examples (it can only run whole) labels nothing: later flushes read its values whole."""
+    try:
+        labels = executable.split().analysis.labels
+    except StagingError:
+        return {}
+    return {v: labels[v] for v in executable.graph.outvars if isinstance(labels.get(v), Batched)}
 
 
 def lazy(
