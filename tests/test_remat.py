@@ -603,7 +603,7 @@ def test_pointwise_flops_are_by_size_and_views_free():
 # The seed models: a budget sweep, measured.
 
 
-_OVER = {"densenet": 0.03, "lstm": 0.05}
+_OVER = {"densenet": 0.08, "lstm": 0.05}
 
 
 @pytest.mark.parametrize("name", sorted(remat_models.SEEDS))
