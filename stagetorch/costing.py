@@ -111,6 +111,7 @@ class Lifetimes:
     end: list[int]
     rows: list[int]
     ruled: bool
+    workspaces: int = 0  # how many entries, at the end, are workspaces
 
     def peak(self, nbytes: np.ndarray) -> int:
         """The timeline's peak with each root holding ``nbytes`` (parallel to :attr:`nbytes`, before rounding)."""
@@ -226,7 +227,7 @@ def timeline(graph: Graph, workspaces: bool = True) -> Timeline:
     ws_rows = [row for _, _, row in ws_entries]
     lifetimes = Lifetimes(
         raw + [b for b, _, _ in ws_entries], rounded + [c for _, c, _ in ws_entries], start + ws_rows, end + ws_rows,
-        ran, ruled,
+        ran, ruled, len(ws_entries),
     )
     # The roots live at the peak, from their lifetimes (a copy of the live set at each new peak would cost
     # the square of a forward pass's length).

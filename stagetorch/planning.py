@@ -144,14 +144,23 @@ class _Memo:
         return hit
 
 
-def _linear(small: Sequence[int], large: Sequence[int], a: int, b: int) -> tuple[np.ndarray, np.ndarray] | None:
+def _linear(small: Sequence[int], large: Sequence[int], a: int, b: int, affine: int = 0) -> tuple[np.ndarray, np.ndarray] | None:
     """Sizes measured for ``a`` and ``b`` examples as (fixed, per example) arrays: each the same at both, or
-    the same multiple of each; None when one is neither."""
+    the same multiple of each; None when one is neither. The last ``affine`` entries (kernel workspaces, a
+    fixed part beside a per-example one) may be any line through the two."""
     x, y = np.asarray(small, dtype=np.int64), np.asarray(large, dtype=np.int64)
     if x.shape != y.shape:
         return None
     fixed = x == y
-    if not (fixed | ((x * b == y * a) & (x % a == 0))).all():
+    exact = fixed | ((x * b == y * a) & (x % a == 0))
+    if affine:
+        slope = (y - x) // (b - a)
+        lined = (np.arange(len(x)) >= len(x) - affine) & ((y - x) % (b - a) == 0)
+        if not (exact | lined).all():
+            return None
+        per = np.where(fixed, 0, np.where(exact, x // max(a, 1), slope))
+        return np.where(fixed, x, np.where(exact, 0, x - slope * a)), per
+    if not exact.all():
         return None
     return np.where(fixed, x, 0), np.where(fixed, 0, x // a)
 
@@ -176,6 +185,9 @@ class _Sizes:
         self.cost = cost if isinstance(cost, _Memo) else _Memo(cost)
         self.samples = samples if samples is not None and min(samples) >= 2 and samples[0] != samples[1] else None
         self._models: dict[str, Callable[[int], tuple[int, int, int, int]] | None] = {}
+        # A kernel's workspace was extrapolated along the line through the samples: a workspace that is the
+        # larger of two lines may leave it, so the planner checks the sizes it chooses on built graphs.
+        self.approximate = False
 
     def _make(self, kind: str) -> Callable[[int], BodyGraph]:
         return {"body": self.split.body, "normaliser": self.split.normaliser_pass,
@@ -204,7 +216,8 @@ class _Sizes:
                 return None
             if (lx.start, lx.end, lx.rows, lx.rounded) != (ly.start, ly.end, ly.rows, ly.rounded):
                 return None
-            roots = _linear(lx.nbytes, ly.nbytes, a, b)
+            roots = _linear(lx.nbytes, ly.nbytes, a, b, affine=lx.workspaces)
+            self.approximate = self.approximate or bool(lx.workspaces)
             inputs = _linear([v.aval.nbytes for v in x.invars], [v.aval.nbytes for v in y.invars], a, b)
             if roots is None or inputs is None:
                 return None
@@ -284,6 +297,10 @@ def plan_chunks(
     largest = min(int((usable - fixed) // per_example), batch - 1, cap or batch)
     while largest >= 1 and peak(largest) > usable:
         largest -= max(1, largest // 16)
+    if sizes_of.approximate:
+        sizes_of = _Sizes(s, sizes_of.cost)  # every size built and costed
+        while largest >= 1 and sizes_of.chunked_peak(largest) > usable:
+            largest -= max(1, largest // 16)
     if largest < 1:
         raise _too_big(graph, s, budget, cost)
     sizes = even_chunks(batch, largest)

@@ -103,7 +103,9 @@ class SaveRngState:
         return Aval((_state_nbytes(self.device.type),), torch.uint8, torch.device("cpu"))
 
     def __call__(self, *reads: Any) -> torch.Tensor:
-        return _get(self.device)
+        # Handed out through a dispatched op (an alias of the same storage), so that a TorchDispatchMode (a
+        # user's, or tests/memtrack.py's live-tensor tracker) sees the tensor the step holds.
+        return torch.ops.aten.alias.default(_get(self.device))
 
     def __repr__(self) -> str:
         return f"save_rng_state({self.device})"

@@ -136,11 +136,13 @@ def test_an_alias_rule_is_one_rule_for_the_executor_and_the_costing(monkeypatch)
     x = torch.randn(1 << 16)
     g = stagetorch.make_ir(fn)(x)
     before = peak_bytes(g)
-    assert _measured(g, [x]) == (before, before)
+    live, allocated = _measured(g, [x])
+    assert live == before and abs(allocated - before) <= 64  # the allocator also sees a wrapped scalar's bytes
     monkeypatch.setitem(passes.ALIASES, torch.ops.aten.clone.default, AliasRule(_move_source))
     assert not all(liveness(g).runs)
     after = peak_bytes(g)
     assert after == 2 * x.nbytes + 4  # x and x * 2 (the clone is it), then the sum's 4 bytes beside them
-    assert _measured(g, [x]) == (after, after)
+    live, allocated = _measured(g, [x])
+    assert live == after and abs(allocated - after) <= 64
     (out,), _ = Program(g).run([x])
     assert torch.equal(out, (x * 2).sum())

@@ -269,7 +269,7 @@ def test_the_dropout_chain_plans_as_low_as_the_chain_without_dropout():
         staged = stagetorch.jit(step_of(model))
         budgets[p] = staged.memory_budget = _smallest_budget(staged, x)
         plan = staged.plan(x)
-        # At the allocator: the saved generator states are made outside the dispatcher (LivePeak's view).
+        # At the allocator, as the issue measured it.
         with AllocatorPeak([*model.parameters(), x]) as run:
             staged(x)
         assert plan.peak <= budgets[p] and abs(run.peak - plan.peak) <= 0.01 * plan.peak
@@ -700,7 +700,7 @@ def test_pointwise_flops_are_by_size_and_views_free():
 # The seed models: a budget sweep, measured.
 
 
-_OVER = {"densenet": 0.03, "lstm": 0.05}
+_OVER = {"densenet": 0.08, "lstm": 0.05}
 
 
 @pytest.mark.parametrize("name", sorted(remat_models.SEEDS))
