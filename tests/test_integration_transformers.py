@@ -1,0 +1,264 @@
+"""StagedTrainer against transformers.Trainer itself: the same weights after three optimizer steps on padded
+batches, whether the step runs whole, in chunks or recomputing; and a step it cannot stage changes nothing."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers.modeling_outputs import CausalLMOutput, SequenceClassifierOutput  # noqa: E402
+
+from stagetorch import ConcretizationError, UnsupportedOpError  # noqa: E402
+from stagetorch.integrations.transformers import StagedTrainer  # noqa: E402
+from stagetorch.remat_planning import RematPlan  # noqa: E402
+
+VOCAB, LENGTH, EXAMPLES, BATCH = 97, 12, 20, 4
+
+
+class TokenLM(torch.nn.Module):
+    """A causal LM of per-token ops only (no transformers masking code), which stagetorch chunks today: each
+    position sees the running mean of the unmasked embeddings before it. Its loss is the summed token loss
+    over ``num_items_in_batch`` when the Trainer passes it, as transformers' causal LMs do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 32)
+        self.mix = torch.nn.Linear(64, 32)
+        self.head = torch.nn.Linear(32, VOCAB)
+
+    def forward(self, input_ids, attention_mask, labels, num_items_in_batch=None, **kwargs):
+        h = self.embed(input_ids) * attention_mask.unsqueeze(-1)
+        seen = h.cumsum(1) / attention_mask.cumsum(1).clamp(min=1).unsqueeze(-1)
+        logits = self.head(torch.tanh(self.mix(torch.cat([h, seen], -1))))
+        flat, target = logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1)
+        if num_items_in_batch is None:
+            loss = F.cross_entropy(flat, target, ignore_index=-100)
+        else:
+            loss = F.cross_entropy(flat, target, ignore_index=-100, reduction="sum") / num_items_in_batch
+        return CausalLMOutput(loss=loss, logits=logits)
+
+
+class PooledClassifier(torch.nn.Module):
+    """A sequence classifier over the masked mean of residual per-token MLP features; a per-batch mean loss
+    (its forward takes no loss kwargs, so the Trainer divides by the accumulation steps). Wide per token, so
+    that activations, not weights, decide whether a batch fits, and deep enough that recomputing one layer's
+    activations in the backward can be what makes a step fit."""
+
+    def __init__(self, depth: int = 3, width: int = 512) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.up = torch.nn.ModuleList(torch.nn.Linear(16, width) for _ in range(depth))
+        self.down = torch.nn.ModuleList(torch.nn.Linear(width, 16) for _ in range(depth))
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, input_ids, attention_mask, labels):
+        h = self.embed(input_ids)
+        for up, down in zip(self.up, self.down):
+            h = h + down(torch.tanh(up(h)))
+        m = attention_mask.unsqueeze(-1).to(h.dtype)
+        logits = self.head((h * m).sum(1) / m.sum(1))
+        return SequenceClassifierOutput(loss=F.cross_entropy(logits, labels), logits=logits)
+
+
+def llama_lm() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config)
+
+
+def bert_classifier() -> torch.nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    return BertForSequenceClassification(config)
+
+
+def padded_dataset(kind: str) -> list[dict[str, torch.Tensor]]:
+    """Rows padded at the end to one length (some not at all), with -100 labels there for a language model
+    and one class per row for a classifier."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(EXAMPLES):
+        ids = torch.randint(0, VOCAB, (LENGTH,), generator=g)
+        length = LENGTH if i % 3 == 0 else int(torch.randint(3, LENGTH, (), generator=g))
+        mask = (torch.arange(LENGTH) < length).long()
+        labels = ids.masked_fill(mask == 0, -100) if kind == "lm" else torch.randint(0, 3, (), generator=g)
+        rows.append(dict(input_ids=ids, attention_mask=mask, labels=labels))
+    return rows
+
+
+MODELS = {"llama": (llama_lm, "lm"), "bert": (bert_classifier, "cls"), "token-lm": (TokenLM, "lm"),
+          "pooled": (PooledClassifier, "cls")}
+# transformers' text models build their attention mask with an index op stagetorch has no batch rule for yet
+# (masking_utils.py): their chunked steps are refused until it has one. Strict: the day they chunk, this fails.
+NOT_CHUNKED_YET = pytest.mark.xfail(raises=UnsupportedOpError, strict=True, reason="aten.index in masking_utils")
+
+
+def args(tmp_path, **kw) -> TrainingArguments:
+    # Two accumulation steps over 5 batches: the third optimizer step accumulates one, as the plain Trainer's
+    # last step of an epoch does. SGD, whose update is linear in the gradient, so that a gradient scaled wrong
+    # shows (Adam's is nearly scale-free). max_grad_norm 2 clips the pooled classifier's last two steps, not its
+    # first (clipping hides a gradient scaled wrong: checked by dropping the accumulation divisor).
+    return TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=BATCH, gradient_accumulation_steps=2, max_steps=3,
+        optim="sgd", learning_rate=1e-2, max_grad_norm=2.0, report_to=[], save_strategy="no", logging_strategy="no",
+        use_cpu=True, disable_tqdm=True, **kw,
+    )
+
+
+def train(cls: type, model: torch.nn.Module, data: list, tmp_path, **kw) -> Trainer:
+    trainer = cls(model=model, args=args(tmp_path), train_dataset=data, **kw)
+    trainer.train()
+    return trainer
+
+
+def fresh(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return MODELS[name][0]().double()
+
+
+def budget_for_chunks(trainer: StagedTrainer, batch: dict, chunks: int) -> int:
+    """A budget under which the step on ``batch`` runs in at least ``chunks`` chunks (bisected between the
+    whole batch's peak, too much, and budgets no plan fits in, too little)."""
+    trainer.memory_budget = None
+    low, high = 0, trainer.step_plan(batch).full_batch_peak_bytes
+    while high - low > 1024:
+        trainer.memory_budget = mid = (low + high) // 2
+        try:
+            if len(trainer.step_plan(batch).chunk_sizes) >= chunks:
+                return mid
+            high = mid
+        except MemoryError:
+            low = mid
+    raise AssertionError(f"no budget runs this step in {chunks} chunks")
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, start: torch.nn.Module) -> None:
+    moved = max((p - q).abs().max().item() for p, q in zip(a.parameters(), start.parameters()))
+    assert moved > 1e-4, "the optimizer steps did not move the weights: the comparison would prove nothing"
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _cases():
+    for name in MODELS:
+        for mode in ("whole", "chunked"):
+            marks = [NOT_CHUNKED_YET] if mode == "chunked" and name in ("llama", "bert") else []
+            yield pytest.param(name, mode, marks=marks, id=f"{name}-{mode}")
+
+
+@pytest.mark.parametrize("name, mode", list(_cases()))
+def test_weights_equal_plain_trainer(name, mode, tmp_path):
+    data = padded_dataset(MODELS[name][1])
+    start = fresh(name)
+    plain = copy.deepcopy(start)
+    train(Trainer, plain, data, tmp_path / "plain")
+    staged = copy.deepcopy(start)
+    trainer = StagedTrainer(model=staged, args=args(tmp_path / "staged"), train_dataset=data, remat=False)
+    if mode == "chunked":
+        batch = next(iter(trainer.get_train_dataloader()))
+        trainer.memory_budget = budget_for_chunks(trainer, batch, 3)
+    trainer.train()
+    plans = list(trainer.stagetorch_plans.values())
+    assert plans, "no step went through stagetorch"
+    assert all(len(p.chunk_sizes) >= 3 if mode == "chunked" else len(p.chunk_sizes) == 1 for p in plans), plans
+    assert_same_weights(plain, staged, start)
+
+
+def test_recomputing_plan_equals_plain_trainer(tmp_path):
+    """With remat on, a budget below what one example per chunk needs: the step fits by recomputing forward
+    values in the backward, in chunks, and the weights are the plain Trainer's."""
+    data = padded_dataset("cls")
+    start = fresh("pooled")
+    plain = copy.deepcopy(start)
+    train(Trainer, plain, data, tmp_path / "plain")
+    staged = copy.deepcopy(start)
+    trainer = StagedTrainer(model=staged, args=args(tmp_path / "staged"), train_dataset=data)
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.memory_budget = int(trainer.step_plan(batch).full_batch_peak_bytes * 0.8)
+    trainer.train()
+    plans = list(trainer.stagetorch_plans.values())
+    assert plans and all(isinstance(p, RematPlan) and p.recompute is not None for p in plans), plans
+    assert_same_weights(plain, staged, start)
+
+
+class Unstageable(TokenLM):
+    """Reads a tensor's value into Python control flow once ``read_value`` is set."""
+
+    read_value = False
+
+    def forward(self, input_ids, attention_mask, labels, num_items_in_batch=None, **kwargs):
+        if self.read_value and attention_mask.sum() > 0:
+            attention_mask = attention_mask * 1
+        return super().forward(input_ids, attention_mask, labels, num_items_in_batch)
+
+
+class Snapshot(TrainerCallback):
+    """After the first micro-step of the second optimizer step (weights moved, .grad half accumulated, Adam's
+    moments set): copy the state, and make the model unstageable for the next micro-step."""
+
+    def __init__(self, trainer_ref: list) -> None:
+        self.trainer_ref = trainer_ref
+        self.state = None
+
+    def on_substep_end(self, args, state, control, model=None, **kw):
+        if state.global_step == 1 and self.state is None:
+            trainer = self.trainer_ref[0]
+            self.state = (
+                [p.detach().clone() for p in model.parameters()],
+                [p.grad.clone() for p in model.parameters()],
+                copy.deepcopy(trainer.optimizer.state_dict()),
+            )
+            model.read_value = True
+
+
+def test_a_step_it_cannot_stage_changes_nothing(tmp_path):
+    data = padded_dataset("lm")
+    model = Unstageable().double()
+    ref: list = []
+    snapshot = Snapshot(ref)
+    trainer = StagedTrainer(model=model, args=args(tmp_path), train_dataset=data, callbacks=[snapshot])
+    ref.append(trainer)
+    with pytest.raises(ConcretizationError) as info:
+        trainer.train()
+    message = str(info.value)
+    assert "StagedTrainer.training_step (global step 1)" in message and "Unstageable" in message
+    assert "test_integration_transformers.py" in message  # the user's line
+    assert "transformers.Trainer" in message  # the way out
+    weights, grads, optimizer = snapshot.state
+    for p, w, g in zip(model.parameters(), weights, grads):
+        assert torch.equal(p.detach(), w) and torch.equal(p.grad, g)
+    after = trainer.optimizer.state_dict()
+    for k, moments in optimizer["state"].items():
+        for name, value in moments.items():
+            assert torch.equal(after["state"][k][name], value), (k, name)
+
+
+def test_refuses_a_compiled_model_before_running(tmp_path):
+    model = fresh("token-lm")
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = StagedTrainer(model=model, args=args(tmp_path, torch_compile=True), train_dataset=padded_dataset("lm"))
+    with pytest.raises(UnsupportedOpError, match="torch_compile=False"):
+        trainer.train()
+    assert all(torch.equal(p.detach(), b) and p.grad is None for p, b in zip(model.parameters(), before))
+
+
+def test_import_stagetorch_does_not_import_transformers():
+    code = "import sys, stagetorch; assert 'transformers' not in sys.modules and 'accelerate' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
