@@ -198,6 +198,32 @@ def test_recomputing_plan_equals_plain_trainer(tmp_path):
     assert_same_weights(plain, staged, start)
 
 
+def test_bf16_autocast_on_cpu_is_staged(tmp_path):
+    """bf16=True on CPU: accelerate runs the forward under CPU autocast, and the staged step does the same
+    casts: the float32 weights equal the plain Trainer's bf16 run, bit for bit, and differ from a float32 run."""
+    data = padded_dataset("lm")
+    torch.manual_seed(0)
+    start = TokenLM()
+    plain, staged, full = copy.deepcopy(start), copy.deepcopy(start), copy.deepcopy(start)
+    Trainer(model=plain, args=args(tmp_path / "plain", bf16=True), train_dataset=data).train()
+    StagedTrainer(model=staged, args=args(tmp_path / "staged", bf16=True), train_dataset=data).train()
+    Trainer(model=full, args=args(tmp_path / "full"), train_dataset=data).train()
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), staged.parameters()))
+    assert not all(torch.equal(p, q) for p, q in zip(plain.parameters(), full.parameters()))
+
+
+def test_gradient_checkpointing_is_staged_too(tmp_path):
+    """gradient_checkpointing=True (torch.utils.checkpoint in the model) stages as it runs: the same weights."""
+    data = padded_dataset("lm")
+    start = fresh("llama")
+    plain, staged = copy.deepcopy(start), copy.deepcopy(start)
+    Trainer(model=plain, args=args(tmp_path / "plain", gradient_checkpointing=True), train_dataset=data).train()
+    trainer = StagedTrainer(model=staged, args=args(tmp_path / "staged", gradient_checkpointing=True), train_dataset=data)
+    trainer.train()
+    assert trainer.stagetorch_plans
+    assert_same_weights(plain, staged, start)
+
+
 class Unstageable(TokenLM):
     """Reads a tensor's value into Python control flow once ``read_value`` is set."""
 

@@ -31,6 +31,16 @@ __all__ = ["StagedTrainer", "StagedTrainingMixin"]
 
 log = logging.getLogger(__name__)
 
+# The staged step repeats how Trainer.training_step normalises the loss; the rule it repeats is the one that
+# came with this attribute. An older Trainer decides otherwise, and its steps would silently differ.
+if not hasattr(Trainer, "loss_is_scaled_for_ga"):
+    import transformers
+
+    raise ImportError(
+        f"stagetorch.integrations.transformers needs a transformers whose Trainer has loss_is_scaled_for_ga "
+        f"(5.x; tested with 5.24), and this is transformers {transformers.__version__}: pip install -U transformers"
+    )
+
 
 def _train_step(
     trainer: Trainer, model: torch.nn.Module, inputs: dict, num_items_in_batch: Any, divisor: Any, scale: Any
