@@ -227,6 +227,39 @@ def test_gradient_checkpointing_is_staged_too(tmp_path):
     assert_same_weights(plain, staged, start)
 
 
+class WeightedLoss(TrainerCallback):
+    """compute_loss reads class weights the trainer holds; a new tensor replaces them after every step."""
+
+    @staticmethod
+    def compute_loss(trainer, model, inputs, return_outputs=False, num_items_in_batch=None):
+        logits = model(**inputs).logits
+        return F.cross_entropy(logits, inputs["labels"], weight=trainer.class_weights)
+
+    def __init__(self, trainer_ref: list) -> None:
+        self.trainer_ref = trainer_ref
+
+    def on_step_end(self, args, state, control, **kw):
+        trainer = self.trainer_ref[0]
+        trainer.class_weights = trainer.class_weights.roll(1).clone()
+
+
+def test_a_tensor_the_trainer_holds_is_read_each_step(tmp_path):
+    """A compute_loss override that reads a tensor attribute of the trainer sees the one set for this step,
+    not the one the step was staged with."""
+    data = padded_dataset("cls")
+    start = fresh("pooled")
+    models = []
+    for base in (Trainer, StagedTrainer):
+        cls = type(f"Weighted{base.__name__}", (base,), {"compute_loss": WeightedLoss.compute_loss})
+        models.append(copy.deepcopy(start))
+        ref: list = []
+        trainer = cls(model=models[-1], args=args(tmp_path / base.__name__), train_dataset=data, callbacks=[WeightedLoss(ref)])
+        trainer.class_weights = torch.tensor([1.0, 2.0, 5.0], dtype=torch.float64)
+        ref.append(trainer)
+        trainer.train()
+    assert_same_weights(models[0], models[1], start)
+
+
 class Unstageable(TokenLM):
     """Reads a tensor's value into Python control flow once ``read_value`` is set."""
 

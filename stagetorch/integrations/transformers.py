@@ -43,19 +43,34 @@ if not hasattr(Trainer, "loss_is_scaled_for_ga"):
 
 
 def _train_step(
-    trainer: Trainer, model: torch.nn.Module, inputs: dict, num_items_in_batch: Any, divisor: Any, scale: Any
+    trainer: Trainer, model: torch.nn.Module, inputs: dict, num_items_in_batch: Any, divisor: Any, scale: Any,
+    held: dict[str, Any],
 ) -> torch.Tensor:
     """What ``Trainer.training_step`` computes between ``_prepare_inputs`` and the end of the backward, with
     the Python values that change between steps (the accumulation divisor, the fp16 loss scale) as tensors,
-    so that one staged program serves every step of a shape."""
-    with trainer.compute_loss_context_manager():
-        # A copy: compute_loss may pop the labels, and the same dict is staged again for the plan.
-        loss = trainer.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
+    so that one staged program serves every step of a shape. ``held``: the trainer's own tensor and module
+    attributes (see ``_held``), staged as the step's inputs and state."""
+    tensors = {k: v for k, v in held.items() if isinstance(v, torch.Tensor)}
+    own = {k: trainer.__dict__[k] for k in tensors}
+    # While staging, the trainer's tensors are the staged inputs that stand for them; its modules are
+    # staged as the model is, as state (they are arguments).
+    trainer.__dict__.update(tensors)
+    try:
+        with trainer.compute_loss_context_manager():
+            # A copy: compute_loss may pop the labels, and the same dict is staged again for the plan.
+            loss = trainer.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
+    finally:
+        trainer.__dict__.update(own)
     if divisor is not None:
         loss = loss / divisor
     # accelerator.backward for one process: scaler.scale(loss).backward() with fp16, else loss.backward().
     (loss if scale is None else loss * scale).backward()
     return loss.detach()
+
+
+# Trainer attributes compute_loss does not read: the model (an argument of its own) and the running loss the
+# training loop adds each step's loss to.
+_NOT_HELD = frozenset({"model", "model_wrapped", "_tr_loss"})
 
 
 class StagedTrainingMixin:
@@ -85,6 +100,7 @@ class StagedTrainingMixin:
     @memory_budget.setter
     def memory_budget(self, budget: int | str | None) -> None:
         self._staged_step.memory_budget = budget
+        self.stagetorch_plans.clear()  # each shape's plan is logged again, for the new budget
 
     def step_plan(
         self, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None, model: torch.nn.Module | None = None
@@ -95,7 +111,7 @@ class StagedTrainingMixin:
         model.train()
         inputs = dict(self._prepare_inputs(inputs))
         try:
-            return self._staged_step.plan(self, model, inputs, *self._loss_scaling(num_items_in_batch))
+            return self._staged_step.plan(self, model, inputs, *self._loss_scaling(num_items_in_batch), self._held(model))
         except StagingError as e:
             raise self._named(e, model, "step_plan") from e
 
@@ -115,7 +131,7 @@ class StagedTrainingMixin:
             self.stagetorch_plans[shape] = plan = self.step_plan(inputs, num_items_in_batch, model)
             log.info("stagetorch: training step for inputs %s: %s", dict(shape), plan)
         try:
-            loss = self._staged_step(self, model, inputs, *self._loss_scaling(num_items_in_batch))
+            loss = self._staged_step(self, model, inputs, *self._loss_scaling(num_items_in_batch), self._held(model))
         except StagingError as e:
             raise self._named(e, model, "training_step") from e
         if self.args.torch_empty_cache_steps is not None and self.state.global_step % self.args.torch_empty_cache_steps == 0:
@@ -141,6 +157,16 @@ class StagedTrainingMixin:
         # GradScaler.scale multiplies by its scale tensor: applied to a one it is that scale, exactly.
         scale = None if scaler is None else scaler.scale(torch.ones((), device=device))
         return num_items_in_batch, divisor, scale
+
+    def _held(self, model: torch.nn.Module) -> dict[str, Any]:
+        """The tensors and modules a ``compute_loss`` override may keep on the trainer (class weights, a
+        teacher model), read afresh each step: the staged program takes them as inputs, so a tensor replaced
+        between steps is the new one, not the one the step was staged with. The model and the Trainer's own
+        running loss are not among them."""
+        return {
+            k: v for k, v in vars(self).items()
+            if isinstance(v, (torch.Tensor, torch.nn.Module)) and v is not model and k not in _NOT_HELD
+        }
 
     def _check_supported(self) -> None:
         """Refuse, before anything runs, a set-up whose backward is not one process's ``loss.backward()``."""
