@@ -312,6 +312,16 @@ def test_a_step_it_cannot_stage_changes_nothing(tmp_path):
             assert torch.equal(after["state"][k][name], value), (k, name)
 
 
+def test_a_first_step_it_cannot_stage_names_training_step(tmp_path):
+    model = Unstageable().double()
+    model.read_value = True
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = StagedTrainer(model=model, args=args(tmp_path), train_dataset=padded_dataset("lm"))
+    with pytest.raises(ConcretizationError, match=r"StagedTrainer.training_step \(global step 0\)"):
+        trainer.train()
+    assert all(torch.equal(p.detach(), b) and p.grad is None for p, b in zip(model.parameters(), before))
+
+
 def test_refuses_a_compiled_model_before_running(tmp_path):
     model = fresh("token-lm")
     before = [p.detach().clone() for p in model.parameters()]

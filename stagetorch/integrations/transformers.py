@@ -109,9 +109,8 @@ class StagedTrainingMixin:
         stages the step (once per input shape) and runs nothing."""
         model = self.model_wrapped if model is None else model
         model.train()
-        inputs = dict(self._prepare_inputs(inputs))
         try:
-            return self._staged_step.plan(self, model, inputs, *self._loss_scaling(num_items_in_batch), self._held(model))
+            return self._staged_step.plan(*self._step_args(model, inputs, num_items_in_batch))
         except StagingError as e:
             raise self._named(e, model, "step_plan") from e
 
@@ -125,18 +124,23 @@ class StagedTrainingMixin:
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
-        inputs = dict(self._prepare_inputs(inputs))
-        shape = tuple((k, tuple(v.shape)) for k, v in inputs.items() if isinstance(v, torch.Tensor))
-        if shape not in self.stagetorch_plans:
-            self.stagetorch_plans[shape] = plan = self.step_plan(inputs, num_items_in_batch, model)
-            log.info("stagetorch: training step for inputs %s: %s", dict(shape), plan)
+        step_args = self._step_args(model, inputs, num_items_in_batch)
+        shape = tuple((k, tuple(v.shape)) for k, v in step_args[2].items() if isinstance(v, torch.Tensor))
         try:
-            loss = self._staged_step(self, model, inputs, *self._loss_scaling(num_items_in_batch), self._held(model))
+            if shape not in self.stagetorch_plans:
+                self.stagetorch_plans[shape] = plan = self._staged_step.plan(*step_args)
+                log.info("stagetorch: training step for inputs %s: %s", dict(shape), plan)
+            loss = self._staged_step(*step_args)
         except StagingError as e:
             raise self._named(e, model, "training_step") from e
         if self.args.torch_empty_cache_steps is not None and self.state.global_step % self.args.torch_empty_cache_steps == 0:
             clear_device_cache()
         return loss
+
+    def _step_args(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> tuple:
+        """The staged step's arguments: ``_train_step``'s, in its order."""
+        inputs = dict(self._prepare_inputs(inputs))
+        return (self, model, inputs, *self._loss_scaling(num_items_in_batch), self._held(model))
 
     def _loss_scaling(self, num_items_in_batch: torch.Tensor | int | None) -> tuple[Any, Any, Any]:
         """``num_items_in_batch``, the gradient-accumulation divisor (None where the Trainer divides by none)
