@@ -55,10 +55,11 @@ def train_against_eager(case: random_nets.Case, steps: int = 2) -> list:
             got = staged(x, y)
         where = f"{case.description}, step {k}"
         assert tracker.peak <= budget, (where, plan)
-        # At the allocator; the kernels' workspaces on these odd layouts are modelled within 8% (a Conv1d's
-        # input is counted as copied contiguous even where it is; BatchNorm1d's backward and channels-last
-        # kernels differ from the rules measured on contiguous 2-d/3-d tensors: tests/test_workspace.py).
-        assert plan.held_bytes == held and plan.peak * 0.92 <= tracker.peak <= plan.peak * 1.08, (where, tracker.peak, plan)
+        # At the allocator; the IR does not record strides, and the workspace rules were measured on contiguous
+        # tensors: a Conv1d's input is counted as copied contiguous even where it is, BatchNorm's backward
+        # temporary (made only for contiguous input and gradient) even for a transposed activation: the plan is
+        # up to 15% over. Channels-last kernels reorder more than counted: up to 8% under.
+        assert plan.held_bytes == held and plan.peak * 0.85 <= tracker.peak <= plan.peak * 1.08, (where, tracker.peak, plan)
         ref_opt.zero_grad(set_to_none=True)
         expected = case.step(reference)(x, y)
         torch.testing.assert_close(got, expected.detach(), **_TOL, msg=lambda m, where=where: f"{where}: {m}")
