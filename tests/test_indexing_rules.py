@@ -161,7 +161,7 @@ def test_index_of_other_examples_is_refused_when_it_runs():
     ("op", "step_of", "error"),
     [
         (torch.ops.aten.index.Tensor, masked_lm, stagetorch.UnsupportedOpError),
-        (torch.ops.aten.index_put.default, picked_logits, stagetorch.UnsupportedOpError),
+        (torch.ops.aten.index_put, picked_logits, stagetorch.UnsupportedOpError),
     ],
 )
 def test_the_rule_is_what_makes_it_chunk(monkeypatch, op, step_of, error):

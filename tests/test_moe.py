@@ -200,13 +200,6 @@ def test_moe_model_staged_whole_and_in_uneven_chunks_equals_eager(name, padded):
             assert rel(p.grad, q.grad) <= TOL
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=stagetorch.BatchCouplingError,
-    reason="one-line mode flushes at masking_utils' `if padding_mask.all()` (a value read); the flush after it "
-    "holds the router's backward, where a shared value meets rows each chunk orders its own way (MulBackward0): "
-    "refused by name. jit's program chunks exactly",
-)
 def test_mixtral_in_one_line_mode_with_a_budget_runs_in_chunks_and_equals_eager():
     model, b = build("mixtral"), batch(True)
     expected = eager(model, b)

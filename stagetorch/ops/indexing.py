@@ -261,9 +261,11 @@ def index_put(eqn: Eqn, label: LabelFn) -> Chunked:
     return Chunked((Batched(dim),), call=call, slice=cut)
 
 
+# index_put by packet: ops/moe.py registers the routing's own use of it on the packet too, after this family,
+# and hands every other use back to this table.
 BATCH: dict = {
     aten.index.Tensor: index,
     aten._unsafe_index.Tensor: index,
-    aten.index_put.default: index_put,
-    aten._unsafe_index_put.default: index_put,
+    aten.index_put: index_put,
+    aten._unsafe_index_put: index_put,
 }
