@@ -237,9 +237,9 @@ def test_mixed_precision_is_refused():
 
 
 def test_the_docs_example_runs_in_chunks(capsys):
-    """docs/lightning.md's complete example, as written: it trains, and its batch runs in the 3 chunks the page
+    """docs/lightning.md's complete example, as written: it trains, and its batch runs in the 5 chunks the page
     shows."""
     page = (pathlib.Path(__file__).parent.parent / "docs" / "lightning.md").read_text()
     example = re.search(r"## A complete example.*?```python\n(.*?)```", page, re.S).group(1)
     exec(compile(example, "docs/lightning.md", "exec"), {"__name__": "docs_example"})
-    assert "batch 4096 as 3 chunk(s) [1368+1368+1360]" in capsys.readouterr().out
+    assert "batch 4096 as 5 chunk(s) [824+824+824+824+800]" in capsys.readouterr().out
