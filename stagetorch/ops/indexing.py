@@ -52,24 +52,27 @@ def _no_masks(eqn: Eqn, indices: list) -> None:
         )
 
 
-def _own_batch_rows(x: torch.Tensor, indices: list, dim: int, at: int) -> torch.Tensor:
-    """``x[indices]`` where ``indices[dim]`` selects, along broadcast dim ``at``, each example's own row of the
-    batch (``arange(B)`` there): on a chunk of ``n`` examples it selects rows ``0..n-1`` of the chunk."""
+def _local_indices(indices: list, dim: int, at: int, n: int, reads: str) -> list:
+    """``indices`` for a chunk of ``n`` examples, where ``indices[dim]`` must hold each example's own position
+    along broadcast dim ``at`` (``arange(B)`` there): it becomes ``arange(n)``, the chunk's own rows."""
     full = indices[dim]
-    batch = full.shape[at]
     shape = [1] * full.ndim
-    shape[at] = batch
-    own = torch.arange(batch, device=full.device, dtype=full.dtype).view(shape)
+    shape[at] = full.shape[at]
+    own = torch.arange(full.shape[at], device=full.device, dtype=full.dtype).view(shape)
     if not torch.equal(full, own.expand_as(full)):
         raise BatchCouplingError(
-            "An advanced index into the batch dim selects rows other than each example's own (a shuffle, a "
+            f"An advanced index into the batch dim {reads} rows other than each example's own (a shuffle, a "
             "gather of other examples), so running the batch in chunks would change the result.\nWhat to do: "
             "reorder examples outside the staged function, or run without chunking (a larger memory_budget)."
         )
-    n = x.shape[dim]
     local = list(indices)
     local[dim] = own.narrow(at, 0, n)
-    return torch.ops.aten.index.Tensor(x, local)
+    return local
+
+
+def _own_batch_rows(x: torch.Tensor, indices: list, dim: int, at: int) -> torch.Tensor:
+    """``x[indices]`` on a chunk, ``indices[dim]`` selecting each example's own row (see :func:`_local_indices`)."""
+    return torch.ops.aten.index.Tensor(x, _local_indices(indices, dim, at, x.shape[dim], "selects"))
 
 
 def index(eqn: Eqn, label: LabelFn) -> Chunked:
@@ -162,21 +165,8 @@ def _is_zeros(label: LabelFn, x: Var) -> bool:
 
 
 def _own_batch_rows_put(x: torch.Tensor, indices: list, values: torch.Tensor, accumulate: bool, dim: int, at: int):
-    """``x.index_put(indices, values, accumulate)`` on a chunk, ``indices[dim]`` being each example's own
-    position along broadcast dim ``at`` (see :func:`_own_batch_rows`)."""
-    full = indices[dim]
-    batch = full.shape[at]
-    shape = [1] * full.ndim
-    shape[at] = batch
-    own = torch.arange(batch, device=full.device, dtype=full.dtype).view(shape)
-    if not torch.equal(full, own.expand_as(full)):
-        raise BatchCouplingError(
-            "An advanced index assignment into the batch dim writes rows other than each example's own, so "
-            "running the batch in chunks would change the result.\nWhat to do: reorder examples outside the "
-            "staged function, or run without chunking (a larger memory_budget)."
-        )
-    local = list(indices)
-    local[dim] = own.narrow(at, 0, x.shape[dim])
+    """``x.index_put(indices, values, accumulate)`` on a chunk, ``indices[dim]`` writing each example's own row."""
+    local = _local_indices(indices, dim, at, x.shape[dim], "writes")
     return torch.ops.aten.index_put.default(x, local, values, accumulate)
 
 
