@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import models
 import pytest
 import torch
 import torch.nn as nn
@@ -244,11 +245,7 @@ def test_a_step_that_splits_at_constant_points_trains_as_eager(chunked):
     reference = copy.deepcopy(model)
     data = batches(batch=24)
 
-    def step(x, y):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        return loss
-
+    step = models.train_step(model)
     staged = stagetorch.jit(step)
     if chunked:
         staged.memory_budget = budget_for(stagetorch.jit(step), *data[0])
@@ -294,11 +291,7 @@ def test_memory_of_a_batchnorm_step_under_a_budget_that_needs_chunks_names_the_c
     reference = copy.deepcopy(model)
     data = batches(batch=32)
 
-    def step(x, y):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        return loss
-
+    step = models.train_step(model)
     report = stagetorch.memory(step)(*data[0])
     assert 1 not in report.probes and report.peak_bytes == stagetorch.jit(step).plan(*data[0]).peak
     with pytest.raises(stagetorch.BatchCouplingError) as err:
