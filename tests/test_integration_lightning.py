@@ -231,9 +231,53 @@ def test_manual_optimisation_is_refused_with_what_to_do():
         _fit(_module(Manual), _data(3), StagedStrategy())
 
 
-def test_mixed_precision_is_refused():
-    with pytest.raises(ValueError, match="precision"):
-        _fit(_module(), _data(3), StagedStrategy(), precision="bf16-mixed")
+class Float32Data(Classifier):
+    """The classifier in float32 (mixed precision autocasts float32 weights), on the data made float32."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return super().training_step((x.float(), y), batch_idx)
+
+
+def _precision(name: str) -> dict:
+    """Trainer arguments for ``name``. Lightning turns ``precision="16-mixed"`` into bf16 on the CPU: float16
+    with its GradScaler is asked for as the plugin itself."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    return {"plugins": [MixedPrecision("16-mixed", "cpu")]} if name == "16-mixed" else {"precision": name}
+
+
+# float32 weights and half-precision activations: a smaller budget than CHUNKED makes 3 chunks or more.
+@pytest.mark.parametrize("budget", [None, "110KiB"], ids=["whole-batch", "chunked"])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_equals_a_plain_lightning_run(precision, budget):
+    """Lightning's autocast mixed precision on the CPU, bf16, and float16 with its GradScaler (whose scale is an
+    input of the staged step): whole, the weights equal the plain run's at the same precision bit for bit;
+    chunked (each chunk's half-precision gradient is rounded on its own before they are summed), within one
+    unit of the half type's rounding at the weights' scale.""" 
+    torch.manual_seed(0)
+    start = Float32Data()
+    plain, staged, full = (copy.deepcopy(start) for _ in range(3))
+    data = _data(3)
+    plain_trainer = _fit(plain, data, **_precision(precision))
+    plans = Plans()
+    trainer = _fit(staged, data, StagedStrategy(memory_budget=budget), callbacks=[plans], **_precision(precision))
+    _fit(full, data)
+    assert len(plans.chunks) == 3
+    assert all((len(c) >= 3) == (budget is not None) for c in plans.chunks), plans.chunks
+    scaler = trainer.precision_plugin.scaler
+    if precision == "16-mixed":  # the scaler ran, and moved as the plain run's did
+        assert scaler.get_scale() == plain_trainer.precision_plugin.scaler.get_scale() > 1
+    else:
+        assert scaler is None
+    assert _worst(plain, full) > 1e-5  # autocast changed the result: the comparison below means something
+    if budget is None:  # the same kernels on the same values: bit for bit
+        assert _worst(staged, plain) == 0 and staged.losses == plain.losses
+    else:
+        eps = torch.finfo(torch.bfloat16 if precision == "bf16-mixed" else torch.float16).eps
+        for p, q in zip(staged.parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=0, atol=eps * q.abs().max().item())
+        assert staged.losses == pytest.approx(plain.losses, rel=1e-2)
 
 
 def test_the_docs_example_runs_in_chunks(capsys):
@@ -243,3 +287,86 @@ def test_the_docs_example_runs_in_chunks(capsys):
     example = re.search(r"## A complete example.*?```python\n(.*?)```", page, re.S).group(1)
     exec(compile(example, "docs/lightning.md", "exec"), {"__name__": "docs_example"})
     assert "batch 4096 as 5 chunk(s) [824+824+824+824+800]" in capsys.readouterr().out
+
+
+# -- transformers' own models on padded batches (the same models and data as the transformers Trainer test) ----
+
+class HFModule(L.LightningModule):
+    """A LightningModule around a transformers model: a batch of padded rows (a dict of input_ids,
+    attention_mask, labels, as a tokenizer's collator makes it), the model's own loss."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].item())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def _hf(name: str) -> HFModule:
+    transformers_tests = pytest.importorskip("test_integration_transformers")
+    torch.manual_seed(0)
+    return HFModule(transformers_tests.MODELS[name][0]().double())
+
+
+def _padded(kind: str) -> DataLoader:
+    transformers_tests = pytest.importorskip("test_integration_transformers")
+    rows = transformers_tests.padded_dataset(kind)
+    return DataLoader(rows + rows[::-1], batch_size=8)  # 5 batches of 8
+
+
+def _budget_for_chunks(strategy: StagedStrategy, batch: dict, chunks: int) -> int:
+    """A budget under which the step on ``batch`` runs in at least ``chunks`` chunks (bisected between the
+    whole batch's peak and budgets no plan fits in)."""
+    strategy.memory_budget = None
+    low, high = 0, strategy.plan(batch).peak
+    while high - low > 1024:
+        strategy.memory_budget = mid = (low + high) // 2
+        try:
+            if len(strategy.plan(batch).chunk_sizes) >= chunks:
+                return mid
+            high = mid
+        except MemoryError:
+            low = mid
+    raise AssertionError(f"no budget runs this step in {chunks} chunks")
+
+
+@pytest.mark.parametrize("mode", ["whole", "chunked"])
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_transformers_models_on_padded_batches_equal_a_plain_lightning_run(name, mode):
+    """A tiny Llama causal LM and a tiny BERT sequence classifier, padded batches of 8 (masks with padding on
+    most rows), 3 steps of SGD with momentum, float64: the weights equal the plain Lightning run's to 1e-9,
+    whole and chunked (each step's plan is checked, so a budget that stops chunking fails here)."""
+    pytest.importorskip("transformers")
+    kind = "lm" if name == "llama" else "cls"
+    data = _padded(kind)
+    plain = _hf(name)
+    start = copy.deepcopy(plain)
+    _fit(plain, data, steps=3)
+    staged = _hf(name)
+    strategy = StagedStrategy()
+    plans = Plans()
+    if mode == "chunked":
+        # The run's budget under which the second step, which holds the first step's .grad and momentum beside
+        # it, runs in 3 chunks: planned on a probe run stopped after one step.
+        probe = _fit(_hf(name), data, StagedStrategy(), steps=1).strategy
+        strategy = StagedStrategy(memory_budget=_budget_for_chunks(probe, next(iter(data)), 3))
+    trainer = _fit(staged, data, strategy, steps=3, callbacks=[plans])
+    assert trainer.global_step == 3 and len(plans.chunks) == 3
+    if mode == "chunked":  # the first step holds no .grad nor momentum yet: it may have room for the whole batch
+        assert all(len(c) >= 3 for c in plans.chunks[1:]), plans.chunks
+    else:
+        assert all(len(c) == 1 for c in plans.chunks), plans.chunks
+    moved = max((p - q).abs().max().item() for p, q in zip(staged.parameters(), start.parameters()))
+    assert moved > 1e-4, "the steps did not move the weights: the comparison would prove nothing"
+    assert _worst(staged, plain) < 1e-9
+    assert staged.losses == pytest.approx(plain.losses, abs=1e-12, rel=0)

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from lightning.pytorch.plugins.precision import DoublePrecision, Precision
+from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from ..api import Staged, jit
@@ -34,9 +34,10 @@ from ..planning import Plan
 
 __all__ = ["StagedStrategy"]
 
-# The precision plugins whose training step is plain full precision. Mixed precision wraps the step in autocast
-# and scales the loss in its own backward, neither of which this strategy has been checked against.
-_FULL_PRECISION = (Precision, DoublePrecision)
+# The precision plugins a staged step runs under: full precision, and autocast mixed precision (the step is
+# staged under the plugin's autocast, as Lightning runs training_step; a 16-mixed GradScaler's scale is an input
+# of the program, multiplied into the loss before its backward as the plugin's pre_backward would).
+_SUPPORTED_PRECISION = (Precision, DoublePrecision, MixedPrecision)
 
 
 class _BatchIndex(int):
@@ -117,10 +118,11 @@ class StagedStrategy(SingleDeviceStrategy):
                 "keep automatic optimisation, or wrap your own forward-and-backward in stagetorch.jit inside "
                 "training_step and train without StagedStrategy."
             )
-        if type(self.precision_plugin) not in _FULL_PRECISION:
+        if type(self.precision_plugin) not in _SUPPORTED_PRECISION:
             raise ValueError(
                 f"StagedStrategy: precision plugin {type(self.precision_plugin).__name__} is not supported; it "
-                'runs full precision only (precision="32-true" or "64-true").'
+                'runs full precision (precision="32-true" or "64-true") and autocast mixed precision '
+                '("bf16-mixed", "16-mixed"). What to do: pick one of those precisions, or train without StagedStrategy.'
             )
         super().setup(trainer)
 
@@ -138,7 +140,7 @@ class StagedStrategy(SingleDeviceStrategy):
             p.grad = None
         try:
             with self.precision_plugin.train_step_context():
-                out, logged = step(batch, module)
+                out, logged = step(batch, module, self._loss_scale())
             new = [p.grad for p in params]
         except StagingError as e:
             raise _named(e, module, held) from e
@@ -179,7 +181,15 @@ class StagedStrategy(SingleDeviceStrategy):
         with_index = len(inspect.signature(module.training_step).parameters) >= 2
         step = self._step(module, module.trainer.accumulate_grad_batches, with_index)
         self._budget_for(step, module, [p.grad for p in module.parameters() if p.requires_grad])
-        return step.plan(batch, module)
+        with self.precision_plugin.train_step_context():
+            return step.plan(batch, module, self._loss_scale())
+
+    def _loss_scale(self) -> torch.Tensor | None:
+        """A 16-mixed run's GradScaler scale as a tensor (None without a scaler): an argument of the staged
+        step, not a Python number, which would be staged into the program and go stale when the scaler moves."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        # GradScaler.scale multiplies by its scale tensor: applied to a one it is that scale, exactly.
+        return None if scaler is None else scaler.scale(torch.ones((), device=self.root_device))
 
     def _budget_for(self, step: Staged, module: Any, grads: list[torch.Tensor | None]) -> int:
         """Plan ``step`` in ``memory_budget`` less what the run holds beside it while it runs: the previous
@@ -216,7 +226,7 @@ def _training_step(accumulate: int, with_index: bool) -> Any:
     # modules of a function defined in its own package through its arguments only.
     rest = (_BatchIndex(0),) if with_index else ()
 
-    def lightning_training_step(batch: Any, module: Any) -> tuple[Any, list]:
+    def lightning_training_step(batch: Any, module: Any, scale: torch.Tensor | None) -> tuple[Any, list]:
         with _logs_recorded(module) as logged:
             out = module.training_step(batch, *rest)
         loss = out.get("loss") if isinstance(out, Mapping) else out
@@ -226,7 +236,9 @@ def _training_step(accumulate: int, with_index: bool) -> Any:
                 "tensor, or a dict with 'loss'). Skipping a batch by returning None depends on the batch's values, "
                 "which a program staged once per shape cannot see."
             )
-        (loss / accumulate).backward()
+        loss = loss / accumulate
+        # The backward's seed, as Lightning's closure makes it: a 16-mixed plugin's pre_backward scales the loss.
+        (loss if scale is None else loss * scale).backward()
         return out, logged
 
     return lightning_training_step
