@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformer_models import allocator_peak, checkpointing, model_and_batch, smallest_budget, step_of
+from transformer_models import MODELS, allocator_peak, checkpointing, model_and_batch, smallest_budget, step_of
 
 import stagetorch
 from stagetorch.remat import recomputed_eqns
@@ -23,8 +23,13 @@ pytest.importorskip("transformers")
 SMALL = dict(layers=4, tokens=256)
 
 
-@pytest.mark.parametrize("name", [
-"GPT-2", "Llama", "BERT"])
+# Every zoo model with gradient_checkpointing_enable(). BART at 2 + 2 layers: the least plan keeps the output of
+# each of its six attentions (scaled_dot_product_flash_attention_for_cpu, 68 KiB each with its logsumexp) and
+# runs 4.5% above checkpointing (3.30 vs 3.16 MB); at the bench's 4 + 4 layers x 512 tokens it is 0.96x.
+_BART = pytest.mark.xfail(strict=True, reason="least plan keeps attention outputs: 1.045x checkpointing (issue 24)")
+
+
+@pytest.mark.parametrize("name", [pytest.param(m, marks=_BART) if m == "BART" else m for m in MODELS])
 def test_the_smallest_budget_runs_below_gradient_checkpointing_and_bit_exact(name):
     model, batch = model_and_batch(name, **SMALL)
     step = step_of(model)
