@@ -24,7 +24,8 @@ LAYERS = {
     "tracing": 2, "shapes": 2, "costing": 2, "batching": 2, "execute": 2, "passes": 2, "remat": 2, "rng": 2, "flops": 2,
     "chunking": 3, "planning": 4, "remat_planning": 4,
     "ops": 5, "distributed": 5,
-    "api": 6, "lazymode": 7, "lazy": 7, "demo": 8, "integrations": 8, "__init__": 9, "__main__": 9,
+    "executable": 6, "staged": 7,
+    "api": 8, "lazymode": 9, "lazy": 9, "demo": 10, "integrations": 10, "__init__": 11, "__main__": 11,
 }
 
 
