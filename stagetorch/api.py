@@ -227,7 +227,7 @@ def _schedule(staged: Staged, args: tuple, kwargs: dict) -> Schedule:
     recompute = plan.recompute if isinstance(plan, RematPlan) else None
     graph = executable.graph if recompute is None else recompute.graph
     if plan.chunked:
-        split = executable.split() if recompute is None else executable._for(graph).split()
+        split = executable.split() if recompute is None else executable.planner.recomputing(graph).split()
         body = split.body(max(plan.chunk_sizes)).rest
         # A later chunk as the run holds it: the chunk planner's peak for it, less the body's own peak,
         # is what the run holds around the body (inputs, shared values, accumulators); the call holds
@@ -239,7 +239,7 @@ def _schedule(staged: Staged, args: tuple, kwargs: dict) -> Schedule:
         live = [held + around + max(b - body_inputs, 0) for b in _live_totals(body)]
         program = body
     else:
-        live = [held + b - (executable._overlap or 0) for b in _live_totals(graph)]
+        live = [held + b - (executable.planner.overlap or 0) for b in _live_totals(graph)]
         program = graph
     recomputed = tuple(recomputed_eqns(graph))
     # Point i of a timeline is while equation i - 1 runs.

@@ -1,66 +1,62 @@
 """A staged graph ready to run on real inputs: :class:`Executable`, which every front end (``jit``, ``lazy``)
-runs its programs through, unchunked when the batch fits, else in exact chunks, recomputing where planned.
+runs its programs through, unchunked when the batch fits, else in exact chunks, recomputing where its
+:class:`~stagetorch.planner.Planner` says so.
+
+An Executable compiles and runs; it decides nothing about memory. It asks its planner for the plan of a
+budget, runs that plan (:mod:`stagetorch.execute`, :mod:`stagetorch.chunking`, :mod:`stagetorch.distributed`),
+and tells the planner what ran (:meth:`~stagetorch.planner.Planner.remember`).
 """
 
 from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import attrs
 import torch
 
-from . import _gc, distributed
-from .batching import Batched, analyze
+from . import distributed
+from .batching import Batched
 from .chunking import Split, is_oom, run_chunked
-from .costing import allocated, peak_bytes
-from .devices import bytes_ceiling, format_bytes
-from .errors import BatchCouplingError, OutOfMemoryError, StagingError, UnsupportedOpError
+from .costing import allocated
+from .errors import BatchCouplingError, OutOfMemoryError
 from .execute import Program, Undo
 from .ir import Graph, Var, op_name
 from .passes import writes
-from .planning import SAFETY_MARGIN, Plan, chunked_peak, plan_chunks
-from .remat_planning import Recompute, RematPlan, frontier, plan_joint
+from .planner import COPIES, Planner
+from .planning import Plan
+from .remat_planning import RematPlan
 
-__all__ = ["Executable", "held_beside", "COPIES"]
+__all__ = ["Executable"]
 
 log = logging.getLogger("stagetorch")
 
 
-@attrs.define
 class Executable:
     """A staged graph ready to run on real inputs: unchunked when the batch fits, else in exact chunks.
 
-    Front ends (``jit``, ``lazy``) build one per staged program and call :meth:`run`. The compiled program,
-    the chunked split and the plan per budget are made on first use and kept. With ``remat``, a step that
-    does not fit whole may recompute forward values in the backward (see :mod:`stagetorch.remat_planning`);
-    such a plan runs through an Executable of the recomputing graph.
+    Front ends (``jit``, ``lazy``) build one per staged program and call :meth:`run`. The compiled program
+    is made on first use and kept; the plans, per budget, are its :attr:`planner`'s (a ``cap`` or ``remat``
+    given here is the planner's). A plan that recomputes runs through an Executable of the recomputing
+    graph, which shares that graph's planner.
     """
 
-    graph: Graph
-    batched: dict[Var, Batched]
-    batch: int
-    consts: list[torch.Tensor] = attrs.field(factory=list)
-    _program: Program | None = None
-    _split: Split | None = None
-    plans: dict[int, Plan] = attrs.field(factory=dict)
-    _mutated: list[int] | None = None  # see the ``mutated`` property
-    _guarded: list[int] | None = None  # see the ``guarded`` property
-    _full_peak: int | None = None
-    # The largest chunk known to run: set when a larger one ran out of memory, so later calls plan with it.
-    cap: int | None = None
-    # Bytes the graph counts twice because two of its inputs are views of one storage (known at the first run).
-    _overlap: int | None = None
-    remat: bool = False
-    # The Executables of the recomputing graphs the joint planner made from this one, and its frontier.
-    _inner: dict[Graph, Executable] = attrs.field(factory=dict)
-    _merge_ok: dict[Graph, bool] = attrs.field(factory=dict)  # see _merges_as_planned
-    _points: list[Recompute] | None = None
-    # With a process group: this rank's plan per (shard size, budget), or the error that says none fits.
-    shard_plans: dict[tuple, Plan | OutOfMemoryError] = attrs.field(factory=dict)
-    _signature: distributed.Signature | None = None
+    def __init__(
+        self, graph: Graph, batched: dict[Var, Batched], batch: int, consts: list[torch.Tensor] | None = None,
+        *, cap: int | None = None, remat: bool = False, planner: Planner | None = None,
+    ):
+        self.graph = graph
+        self.batched = batched
+        self.batch = batch
+        self.consts = [] if consts is None else consts
+        self.planner = Planner(graph, batched, batch, cap=cap, remat=remat) if planner is None else planner
+        self._program: Program | None = None
+        self._mutated: list[int] | None = None  # see the ``mutated`` property
+        self._guarded: list[int] | None = None  # see the ``guarded`` property
+        # The Executables of the recomputing graphs the planner chose, each with that graph's planner.
+        self._inner: dict[Graph, Executable] = {}
+        self._signature: distributed.Signature | None = None
 
     @property
     def mutated(self) -> list[int]:
@@ -94,89 +90,48 @@ class Executable:
             self._program = Program(self.graph, final=True)
         return self._program
 
+    # What the planner holds, as front ends and tests read it off the Executable.
+
+    @property
+    def cap(self) -> int | None:
+        """The largest chunk known to run (see :meth:`~stagetorch.planner.Planner.remember`)."""
+        return self.planner.cap
+
+    @property
+    def remat(self) -> bool:
+        """Whether the planner may recompute forward values in the backward where the batch does not fit."""
+        return self.planner.remat
+
+    @remat.setter
+    def remat(self, value: bool) -> None:
+        self.planner.remat = value
+
+    @property
+    def shard_plans(self) -> dict[tuple, Plan | OutOfMemoryError]:
+        return self.planner.shard_plans
+
     def split(self) -> Split:
-        if self._split is None:
-            self._split = Split(analyze(self.graph, self.batched, self.batch))
-            if self._overlap:
-                self._split.input_overlap = self._overlap
-        return self._split
+        """The graph split for chunking, which the planner costs and :meth:`run` runs."""
+        return self.planner.split()
 
-    @_gc.paused()  # the planner builds recomputing graphs and chunk graphs: many objects that all stay alive
     def plan(self, budget: int) -> Plan:
-        # The device's free memory moves a little between calls: re-plan only when the answer can change.
-        # The whole graph is costed once; a budget it fits in reuses one plan.
-        if self._full_peak is None:
-            self._full_peak = peak_bytes(self.graph) - (self._overlap or 0)
-        fits = self._full_peak <= budget * (1 - SAFETY_MARGIN) and self.cap is None
-        # Chunked plans are kept per budget to about 0.4% (its top 9 bits).
-        key = -1 if fits else budget >> max(budget.bit_length() - 9, 0) << max(budget.bit_length() - 9, 0)
-        if key not in self.plans:
-            if self.remat and not fits and _owns_its_inputs(self.graph):
-                self.plans[key] = plan_joint(
-                    self.graph, budget, lambda g, peak=None: self._chunk_plan(g, budget, peak), self._floor, self._frontier,
-                    batch=self.batch,
-                )
-            else:
-                self.plans[key] = plan_chunks(
-                    self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak, cap=self.cap
-                )
-        return self.plans[key]
+        """The plan a run within ``budget`` bytes follows (the planner's, kept per budget)."""
+        return self.planner.plan(budget)
 
-    def _frontier(self) -> list[Recompute]:
-        if self._points is None:
-            self._points = frontier(self.graph)
-        return self._points
+    def shard_plan(self, examples: int, budget: int) -> Plan | OutOfMemoryError:
+        """This rank's plan for its ``examples`` of the global batch the graph is staged for, within its own
+        ``budget`` less the copies a run makes (``restore_bytes``): see
+        :meth:`~stagetorch.planner.Planner.shard_plan`."""
+        # run_shard copies what the program writes outside its commit, beside it
+        return self.planner.shard_plan(examples, budget, self.restore_bytes, [COPIES.format(len(self.guarded))])
 
     def _for(self, graph: Graph) -> Executable:
-        """The Executable of a recomputing graph the joint planner made from this one (same inputs)."""
-        if graph not in self._inner:
-            self._inner[graph] = Executable(
-                graph, self.batched, self.batch, self.consts, cap=self.cap, overlap=self._overlap
-            )
-        return self._inner[graph]
-
-    def _chunk_plan(self, graph: Graph, budget: int, peak: int | None = None) -> Plan:
-        """The chunk plan of ``graph`` (this one, or a recomputing graph made from it, whose whole-batch
-        ``peak`` the joint planner may know: its simulation costs it as the memory interpreter does)."""
-        if graph is self.graph:
-            return plan_chunks(self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak, cap=self.cap)
-        inner = self._for(graph)
-        if peak is not None and inner._full_peak is None:
-            inner._full_peak = peak - (self._overlap or 0)
-        # A chunk that ran out of memory here is not tried for a recomputing graph either (it needs no more).
-        if self.cap is not None and (inner.cap is None or inner.cap > self.cap):
-            inner.cap = self.cap
-            inner.plans.clear()
-        return inner.plan(budget)
-
-    def _floor(self, graph: Graph) -> int:
-        """The fewest bytes ``graph`` runs in: one example per chunk, or the whole batch if that is less (a
-        batch of one, whose chunked form only adds copies) or if it cannot be split."""
-        whole = peak_bytes(graph) - (self._overlap or 0)
-        if self.batch == 1:
-            return whole
-        try:
-            return min(whole, chunked_peak(self.split() if graph is self.graph else self._for(graph).split(), 1, peak_bytes))
-        except (BatchCouplingError, UnsupportedOpError):
-            return whole
-
-    def _shard_floor(self, graph: Graph) -> int:
-        """The fewest bytes ``graph`` runs a shard in: one example per chunk (a shard always runs through the
-        split graphs, even whole: see :func:`distributed.plan_shard`). A recompute set a shard may not run
-        (:meth:`_merges_as_planned`) has no floor."""
-        if not self._merges_as_planned(graph):
-            return 1 << 62
-        return chunked_peak(self.split() if graph is self.graph else self._for(graph).split(), 1, peak_bytes)
-
-    def _merges_as_planned(self, graph: Graph) -> bool:
-        """Whether a shard running ``graph`` (this graph or one recomputing) all-reduces the same partials,
-        in the same order, as one running this graph: ranks choose their recompute sets apart, by their own
-        budgets, and their collectives must match (a recomputed normaliser is one more merged value)."""
-        if graph is self.graph:
-            return True
-        if graph not in self._merge_ok:
-            self._merge_ok[graph] = distributed.merge_signature(self._for(graph).split()) == distributed.merge_signature(self.split())
-        return self._merge_ok[graph]
+        """The Executable of a recomputing graph the planner chose (same inputs, that graph's planner)."""
+        planner = self.planner.recomputing(graph)
+        inner = self._inner.get(graph)
+        if inner is None or inner.planner is not planner:  # the planner starts afresh once it sees its inputs
+            inner = self._inner[graph] = Executable(graph, self.batched, self.batch, self.consts, planner=planner)
+        return inner
 
     def run(
         self, inputs: list, budget: int, *, on_chunk: Callable[[int, int], None] | None = None, name: str = "step"
@@ -190,15 +145,13 @@ class Executable:
         If the device runs out of memory where the plan said the step fits, the step is redone in smaller
         chunks, and later calls plan with the chunk size that ran.
         """
-        if self._overlap is None:
+        if self.planner.overlap is None:
             self._see_inputs(inputs)
-        plan = self.plan(budget)
+        plan = self.planner.plan(budget)
         if isinstance(plan, RematPlan) and plan.recompute is not None:
             inner = self._for(plan.recompute.graph)
             result = inner.run(inputs, budget, on_chunk=on_chunk, name=name)
-            if inner.cap is not None and inner.cap != self.cap:  # it ran out of memory: plan again with what ran
-                self.cap = inner.cap
-                self.plans.clear()
+            self.planner.learn(inner.planner.cap)  # if it ran out of memory: plan again with what ran
             return result
         mutated = self.mutated
         if not mutated and len(plan.chunk_sizes) == 1:  # one call, nothing to restore if it fails
@@ -213,7 +166,7 @@ class Executable:
             if plan.chunked:
                 log.info("stagetorch: %s: %s", name, plan)
                 outs, grads, ran = run_chunked(self.split(), inputs, plan.chunk_sizes, on_chunk=on_chunk, undo=undo)
-                self._remember(plan.chunk_sizes, ran, name)
+                self.planner.remember(plan.chunk_sizes, ran, name)
                 return outs, grads
             return self.program.run(inputs, undo)
         except Exception as e:
@@ -240,42 +193,6 @@ class Executable:
             )
         return self._signature
 
-    def shard_plan(self, examples: int, budget: int) -> Plan | OutOfMemoryError:
-        """This rank's plan for its ``examples`` of the global batch the graph is staged for, within its own
-        ``budget`` less the copies a run makes (``restore_bytes``): chunks, and with ``remat`` recomputation
-        where the smallest chunk does not fit (or it is cheaper). **Returns** the ``OutOfMemoryError`` that
-        says none fits (every rank must learn it first)."""
-        held = self.restore_bytes  # run_shard copies what the program writes outside its commit, beside it
-        budget = max(budget - held, 0)
-        # Plans are kept per budget to about 0.4% (its top 9 bits), as plan() keeps them (a plan made for
-        # a budget up to 0.4% larger is within this one's safety margin); an error only for its own budget:
-        # the smallest budget it names may lie in the same 0.4%, and must plan.
-        shift = max(budget.bit_length() - 9, 0)
-        key = (examples, budget >> shift << shift)
-        plan = self.shard_plans.get((examples, budget, "error")) or self.shard_plans.get(key)
-        if plan is None:
-
-            def chunk_plan(graph: Graph, peak: int | None = None) -> Plan:
-                split = self.split() if graph is self.graph else self._for(graph).split()
-                if not self._merges_as_planned(graph):
-                    raise OutOfMemoryError("this recompute set merges other partials than the other ranks'")
-                return distributed.plan_shard(split, graph, examples, budget)
-
-            try:
-                if self.remat and _owns_its_inputs(self.graph):
-                    plan = plan_joint(self.graph, budget, chunk_plan, self._shard_floor, self._frontier)
-                else:
-                    plan = chunk_plan(self.graph)
-            except OutOfMemoryError as e:
-                plan = held_beside(e, held, [COPIES.format(len(self.guarded))])
-            except (BatchCouplingError, UnsupportedOpError) as e:
-                # A shard runs through the split graphs at any budget: no budget runs a step that cannot be
-                # split, so the chunk planner's own error, without the smallest budget recomputation names.
-                cause = e.__cause__
-                raise (cause if type(cause) is type(e) else e) from None
-            self.shard_plans[(examples, budget, "error") if isinstance(plan, OutOfMemoryError) else key] = plan
-        return plan
-
     def run_shard(
         self, inputs: list, plan: Plan, offset: int, group: distributed.ShardGroup,
         *, on_chunk: Callable[[int, int], None] | None = None,
@@ -301,13 +218,7 @@ class Executable:
             if isinstance(x, torch.Tensor) and x.device.type != "meta":
                 groups.setdefault(x.untyped_storage().data_ptr(), {})[v.root] = v.root.owned_nbytes
         overlap = sum(sum(g.values()) - max(g.values()) for g in groups.values() if len(g) > 1)
-        self._overlap = overlap
-        if overlap:
-            self.plans.clear()
-            self._inner.clear()
-            self._full_peak = None
-            if self._split is not None:
-                self._split.input_overlap = overlap
+        self.planner.see_overlap(overlap)
 
     def _recover(self, inputs: list, error: Exception, on_chunk: Any, name: str) -> tuple[list, list]:
         """The whole batch ran out of memory although the plan said it fits (the inputs it wrote already
@@ -323,46 +234,8 @@ class Executable:
         except BaseException:
             undo.restore()
             raise
-        self._remember((self.batch,), ran, name)
+        self.planner.remember((self.batch,), ran, name)
         return outs, grads
-
-    def _remember(self, planned: Sequence[int], ran: Sequence[int], name: str) -> None:
-        if max(ran) >= max(planned):
-            return
-        self.cap = max(ran)
-        self.plans.clear()
-        log.warning(
-            "stagetorch: %s: out of memory where the plan said a chunk of %d fits; ran in chunks of at most %d, "
-            "and later calls will too", name, max(planned), self.cap,
-        )
-
-
-def _owns_its_inputs(graph: Graph) -> bool:
-    """Whether every input lives in storage the graph itself names. A lazy flush can read a view of a value
-    an earlier flush made, whose base is not in the graph: the recomputation planner numbers only the
-    graph's own vars (``remat_planning._Simulator``), so such a flush is only chunked."""
-    own = set(graph.vars())
-    return all(v.root in own for v in graph.invars)
-
-
-# Why a call holds bytes beside its program, as held_beside says it.
-COPIES = "copies of the {} input(s) the step updates in place, to restore them if it fails"
-
-
-def held_beside(error: StagingError, held: int, why: list[str]) -> StagingError:
-    """``error`` (about a budget too small for the program) with what the call holds beside the program,
-    ``held`` bytes for the reasons ``why``, added to the smallest budget it names; as it is if it names
-    none or nothing is held."""
-    if not held or error.smallest_budget is None:
-        return error
-    wider = type(error)(
-        f"{error} Besides the program, this call holds {format_bytes(held)} ({'; '.join(why)}), which the "
-        f"budgets above leave out: the smallest memory_budget this call fits in is "
-        f"{format_bytes(bytes_ceiling(error.smallest_budget + held))}."
-    )
-    wider.smallest_budget = error.smallest_budget + held
-    return wider
-
 
 
 def _mutated_inputs(graph: Graph) -> list[int]:

@@ -17,10 +17,11 @@ import torch.utils._pytree as pytree
 from . import _caches, distributed
 from .batching import Batched
 from .devices import free_memory
-from .errors import OutOfMemoryError, ShapeError, StagingError, UnsupportedOpError
-from .executable import COPIES, Executable, held_beside
+from .errors import OutOfMemoryError, ShapeError, UnsupportedOpError
+from .executable import Executable
 from .execute import accumulate_grad, grad_to_install
 from .ir import Graph
+from .planner import COPIES
 from .planning import Plan
 from .remat_planning import RematPlan
 from .tracing import State, Traced, arg_names, discover, held_values, leaf_names, trace
@@ -285,18 +286,10 @@ class Staged:
     def _step_plan(self, entry: _Entry, inputs: list) -> tuple[int, Plan]:
         """The budget the program is planned in, and its plan: the step's budget less what the call holds
         beside the program (:meth:`_held`), which the plan's peak counts. An error about the budget then
-        says what ``memory_budget`` would fit."""
+        says what ``memory_budget`` would fit (see :meth:`stagetorch.planner.Planner.plan_call`)."""
         executable = entry.executable
         held, why = self._held(entry, inputs)
-        whole = self._budget(executable)
-        budget = max(whole - held, 0)
-        try:
-            return budget, attrs.evolve(executable.plan(budget), held_bytes=held, budget_bytes=whole)
-        except StagingError as e:
-            wider = held_beside(e, held, why)
-            if wider is e:
-                raise
-            raise wider from e
+        return executable.planner.plan_call(self._budget(executable), held, why)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.process_group is not None:
