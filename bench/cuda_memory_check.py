@@ -34,7 +34,7 @@ import remat_models  # noqa: E402
 from memtrack import AllocatorPeak, budget_between  # noqa: E402
 
 import stagetorch  # noqa: E402
-from stagetorch.api import Executable  # noqa: E402
+from stagetorch.executable import Executable  # noqa: E402
 from stagetorch.planning import SAFETY_MARGIN  # noqa: E402
 
 PATHS = ("whole", "chunked", "recomputing", "lazy", "optimizer inside", "accumulating")

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import models  # noqa: E402
 
 import stagetorch  # noqa: E402
-from stagetorch import api  # noqa: E402
+from stagetorch import executable  # noqa: E402
 from stagetorch.lazymode import backward  # noqa: E402
 from stagetorch.lazymode.session import _Session  # noqa: E402
 
@@ -41,7 +41,7 @@ def main(batch: int) -> None:
     x, y = make(batch)
     loss_fn = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    api.Executable.run = timed("lazy: the staged program (Executable.run)", api.Executable.run)
+    executable.Executable.run = timed("lazy: the staged program (Executable.run)", executable.Executable.run)
     _Session.flush = timed("lazy: flush (incl. the program)", _Session.flush)
     _Session.backward = timed("lazy: backward (incl. flush)", _Session.backward)
     # The slow path's walk (the express replay walks only real arguments' graphs, in its guards).

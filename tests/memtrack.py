@@ -22,8 +22,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import stagetorch
-from stagetorch.api import Executable
 from stagetorch.costing import peak_bytes
+from stagetorch.executable import Executable
 from stagetorch.planning import SAFETY_MARGIN, _chunk_peaks, _phase_peak
 
 MODELS = {**models.CLASSIFIERS, "gpt2": models.gpt2}

@@ -576,11 +576,11 @@ def test_chunked_inference_equals_full_batch(arch):
 
 
 def test_small_changes_in_free_memory_do_not_replan(monkeypatch):
-    import stagetorch.api as api
+    import stagetorch.planner as planner
 
     costed = []
-    real = api.peak_bytes
-    monkeypatch.setattr(api, "peak_bytes", lambda g: costed.append(1) or real(g))
+    real = planner.peak_bytes
+    monkeypatch.setattr(planner, "peak_bytes", lambda g: costed.append(1) or real(g))
     model, make = models.seed_mlp()
     x, y = make(64)
     staged = stagetorch.jit(_step(model, LOSSES["mean_ce"]))

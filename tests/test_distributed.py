@@ -26,9 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import stagetorch
 from stagetorch import distributed as sdist
-from stagetorch.api import Executable
 from stagetorch.chunking import even_chunks
 from stagetorch.costing import peak_bytes
+from stagetorch.executable import Executable
 from stagetorch.planning import chunked_peak
 from stagetorch.shapes import check as check_with_rules
 

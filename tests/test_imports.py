@@ -1,7 +1,8 @@
 """The package's import structure: one-way, counting imports inside functions.
 
 Layers, bottom up: the IR and helpers; the registry; the interpreters (tracing, shapes, costing, batching,
-execute, chunking, planning); the op families that fill the registry; the front ends (jit, memory, lazy).
+execute, chunking, planning); the op families that fill the registry; then planner < executable < staged, so
+that a budget goes down from the front ends (jit, memory, lazy) and never back up.
 A module may import only from its own layer or below, and no two modules import each other, directly or not.
 Imports inside functions count; imports under ``if TYPE_CHECKING:`` (annotations only) do not.
 """
@@ -24,7 +25,8 @@ LAYERS = {
     "tracing": 2, "shapes": 2, "costing": 2, "batching": 2, "execute": 2, "passes": 2, "remat": 2, "rng": 2, "flops": 2,
     "chunking": 3, "planning": 4, "remat_planning": 4,
     "ops": 5, "distributed": 5,
-    "api": 6, "lazymode": 7, "lazy": 7, "demo": 8, "integrations": 8, "__init__": 9, "__main__": 9,
+    "planner": 6, "executable": 7, "staged": 8,
+    "api": 9, "lazymode": 10, "lazy": 10, "demo": 11, "integrations": 11, "__init__": 12, "__main__": 12,
 }
 
 

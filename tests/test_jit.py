@@ -91,11 +91,11 @@ def test_batchnorm_buffers_update_once_per_call_like_eager():
 
 
 def test_staging_is_cached_by_signature(monkeypatch):
-    import stagetorch.api as api
+    import stagetorch.staged as staged_module
 
     traces = []
-    real_trace = api.trace
-    monkeypatch.setattr(api, "trace", lambda *a, **k: traces.append(1) or real_trace(*a, **k))
+    real_trace = staged_module.trace
+    monkeypatch.setattr(staged_module, "trace", lambda *a, **k: traces.append(1) or real_trace(*a, **k))
     model, make = models.seed_mlp()
     staged = stagetorch.jit(models.train_step(model))
     staged(*make(8))

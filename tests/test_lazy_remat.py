@@ -16,9 +16,9 @@ from memtrack import AllocatorPeak, LivePeak
 from remat_models import mlp_chain
 
 import stagetorch
-from stagetorch.api import Executable
 from stagetorch.devices import parse_bytes
 from stagetorch.errors import OutOfMemoryError
+from stagetorch.executable import Executable
 from stagetorch.planning import SAFETY_MARGIN
 from stagetorch.remat_planning import RematPlan
 from stagetorch.rng import ReplayRandom

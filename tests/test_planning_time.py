@@ -151,10 +151,10 @@ def test_a_chunk_holds_at_least_its_share_of_the_whole_batchs_peak(name):
     _, exe, _ = _executable(name, remat="auto")
     fixed = _held_by_every_chunk(exe.graph)
     assert fixed > sum({v.root: v.root.owned_nbytes for v in exe.graph.invars}.values())
-    points = exe._frontier()
+    points = exe.planner.frontier()
     for p in [points[0], points[len(points) // 2], points[-1]]:
         graph = exe.graph if p is points[0] else p.graph
-        split = exe.split() if p is points[0] else exe._for(graph).split()
+        split = exe.split() if p is points[0] else exe.planner.recomputing(graph).split()
         held = peak_bytes(graph) - fixed
         for n in range(1, exe.batch):
             assert chunked_peak(split, n, peak_bytes) >= fixed + n * held / exe.batch, (n, p)
@@ -195,11 +195,11 @@ def test_a_5000_equation_step_at_batch_64_plans_recomputation_and_chunks():
     entry, _, _ = staged._stage((x,), {})
     exe = entry.executable
     assert len(exe.graph.eqns) >= 4900
-    budget = int(exe._frontier()[-1].peak_bytes * 0.8)
+    budget = int(exe.planner.frontier()[-1].peak_bytes * 0.8)
     exe.remat = True
     plan = exe.plan(budget)
     assert isinstance(plan, RematPlan) and plan.recompute is not None
     assert plan.chunked and sum(plan.chunk_sizes) == 64 and plan.peak <= budget * (1 - SAFETY_MARGIN)
-    split = exe._for(plan.recompute.graph).split()
+    split = exe.planner.recomputing(plan.recompute.graph).split()
     for k, n in enumerate(plan.chunk_sizes):
         assert plan.peak_bytes[k] == _chunk_peaks(split, n, peak_bytes)[k > 0]

@@ -433,7 +433,7 @@ def test_joint_plan_is_the_cheapest_of_every_frontier_point(case, monkeypatch):
         seen.update(graph=graph, chunk_plan=chunk_plan, points=points)
         return plan_joint(graph, budget, chunk_plan, floor, points, **kwargs)
 
-    monkeypatch.setattr(stagetorch.api, "plan_joint", recording)
+    monkeypatch.setattr(stagetorch.planner, "plan_joint", recording)
     staged = stagetorch.jit(step_of(model))
     full = peak_bytes(staged.graph(x))
     staged.memory_budget = int(full * float(fraction))

@@ -20,7 +20,7 @@ import torch
 from memtrack import AllocatorPeak
 
 import stagetorch
-from stagetorch.api import Executable
+from stagetorch.executable import Executable
 from stagetorch.lazymode import recording
 from stagetorch.remat_planning import RematPlan
 

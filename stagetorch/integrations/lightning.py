@@ -27,10 +27,11 @@ import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
-from ..api import Staged, jit
+from ..api import jit
 from ..devices import format_bytes, parse_bytes
 from ..errors import OutOfMemoryError, StagingError
 from ..planning import Plan
+from ..staged import Staged
 
 __all__ = ["StagedStrategy"]
 

@@ -23,9 +23,10 @@ from transformers import Trainer
 from transformers.training_args import OptimizerNames
 from transformers.utils import is_sagemaker_mp_enabled
 
-from ..api import Staged, jit
+from ..api import jit
 from ..errors import StagingError, UnsupportedOpError
 from ..planning import Plan
+from ..staged import Staged
 
 __all__ = ["StagedTrainer", "StagedTrainingMixin"]
 

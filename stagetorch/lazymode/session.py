@@ -14,12 +14,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..api import COPIES, Executable, held_beside
 from ..batching import Batched
 from ..devices import free_memory
 from ..errors import ConcretizationError, ModifiedInputError, StagingError
+from ..executable import Executable
 from ..execute import accumulate_grad
 from ..ir import Graph, Var, op_name
+from ..planner import COPIES, held_beside
 from ..tracing import Recorder
 from . import shard
 from .backward import BackwardSkip

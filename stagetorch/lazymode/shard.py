@@ -22,10 +22,10 @@ from typing import Any
 import attrs
 import torch
 
-from ..api import Executable
 from ..batching import Batched
 from ..distributed import ShardGroup, Signature
 from ..errors import OutOfMemoryError, UnsupportedOpError
+from ..executable import Executable
 from ..ir import Var
 from ..planning import Plan
 from ..remat_planning import RematPlan

@@ -1,0 +1,257 @@
+"""The planner: how one staged graph runs within a budget.
+
+A :class:`Planner` belongs to one staged graph. Given a budget, and what the call holds beside the program
+(the copies it keeps to restore a failed step, each ``.grad`` the step replaces or adds into), it returns
+the plan: the chunk sizes and, with ``remat``, the recompute set (chosen by
+:func:`stagetorch.remat_planning.plan_joint`; the chunks of each candidate sized by
+:func:`stagetorch.planning.plan_chunks`). It keeps its plans per budget, the planners of the recomputing
+graphs it chose among, and the largest chunk known to run (``cap``), which the executor reports after a
+larger one ran out of memory.
+
+It runs nothing. A budget goes down: :mod:`~stagetorch.staged` (the step's budget, what the call holds)
+-> :mod:`~stagetorch.executable` -> this module -> :mod:`~stagetorch.remat_planning` and
+:mod:`~stagetorch.planning` -> :mod:`~stagetorch.costing`; what a run learns comes back to the planner as a
+call from the executable (:meth:`Planner.remember`), never as a call up from a lower module.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import attrs
+
+from . import _gc, distributed
+from .batching import Batched, analyze
+from .chunking import Split
+from .costing import peak_bytes
+from .devices import bytes_ceiling, format_bytes
+from .errors import BatchCouplingError, OutOfMemoryError, StagingError, UnsupportedOpError
+from .ir import Graph, Var
+from .planning import SAFETY_MARGIN, Plan, chunked_peak, plan_chunks
+from .remat_planning import Recompute, frontier, plan_joint
+
+__all__ = ["Planner", "held_beside", "COPIES"]
+
+log = logging.getLogger("stagetorch")
+
+
+@attrs.define
+class Planner:
+    """The plans of one staged graph: per budget, its chunk sizes, and with ``remat`` what it recomputes.
+
+    The chunked split, the whole graph's peak, the recompute frontier and each plan are made on first use
+    and kept; a plan is made again only when the budget moves by more than about 0.4%, or when what ran
+    says it must be (:meth:`remember`).
+    """
+
+    graph: Graph
+    batched: dict[Var, Batched]
+    batch: int
+    # The largest chunk known to run: set when a larger one ran out of memory, so later calls plan with it.
+    cap: int | None = None
+    remat: bool = False
+    # Bytes the graph counts twice because two of its inputs are views of one storage (known at the first
+    # run: see :meth:`see_overlap`).
+    overlap: int | None = None
+    plans: dict[int, Plan] = attrs.field(factory=dict)
+    # With a process group: this rank's plan per (shard size, budget), or the error that says none fits.
+    shard_plans: dict[tuple, Plan | OutOfMemoryError] = attrs.field(factory=dict)
+    _split: Split | None = None
+    _full_peak: int | None = None
+    # The planners of the recomputing graphs the joint planner made from this one, and its frontier.
+    _inner: dict[Graph, Planner] = attrs.field(factory=dict)
+    _merge_ok: dict[Graph, bool] = attrs.field(factory=dict)  # see _merges_as_planned
+    _points: list[Recompute] | None = None
+
+    def split(self) -> Split:
+        """The graph split for chunking (the shared, body and post graphs), which the executor runs too."""
+        if self._split is None:
+            self._split = Split(analyze(self.graph, self.batched, self.batch))
+            if self.overlap:
+                self._split.input_overlap = self.overlap
+        return self._split
+
+    @_gc.paused()  # the planner builds recomputing graphs and chunk graphs: many objects that all stay alive
+    def plan(self, budget: int) -> Plan:
+        """The plan for the program alone within ``budget`` bytes (what the call holds beside it left out)."""
+        # The device's free memory moves a little between calls: re-plan only when the answer can change.
+        # The whole graph is costed once; a budget it fits in reuses one plan.
+        if self._full_peak is None:
+            self._full_peak = peak_bytes(self.graph) - (self.overlap or 0)
+        fits = self._full_peak <= budget * (1 - SAFETY_MARGIN) and self.cap is None
+        # Chunked plans are kept per budget to about 0.4% (its top 9 bits).
+        key = -1 if fits else budget >> max(budget.bit_length() - 9, 0) << max(budget.bit_length() - 9, 0)
+        if key not in self.plans:
+            if self.remat and not fits and _owns_its_inputs(self.graph):
+                self.plans[key] = plan_joint(
+                    self.graph, budget, lambda g, peak=None: self._chunk_plan(g, budget, peak), self._floor, self.frontier,
+                    batch=self.batch,
+                )
+            else:
+                self.plans[key] = plan_chunks(
+                    self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak, cap=self.cap
+                )
+        return self.plans[key]
+
+    def plan_call(self, budget: int, held: int, why: list[str]) -> tuple[int, Plan]:
+        """A call's plan: the program planned in the call's ``budget`` less the ``held`` bytes the call holds
+        beside it (for the reasons ``why``), which the plan's peak counts. **Returns** the program's budget
+        and the plan; an error about the budget says what ``memory_budget`` the whole call would fit in."""
+        program_budget = max(budget - held, 0)
+        try:
+            return program_budget, attrs.evolve(self.plan(program_budget), held_bytes=held, budget_bytes=budget)
+        except StagingError as e:
+            wider = held_beside(e, held, why)
+            if wider is e:
+                raise
+            raise wider from e
+
+    def frontier(self) -> list[Recompute]:
+        """The recompute sets the joint planner chooses among (see :func:`stagetorch.remat_planning.frontier`)."""
+        if self._points is None:
+            self._points = frontier(self.graph)
+        return self._points
+
+    def recomputing(self, graph: Graph) -> Planner:
+        """The planner of a recomputing graph the joint planner made from this one (same inputs)."""
+        if graph not in self._inner:
+            self._inner[graph] = Planner(graph, self.batched, self.batch, cap=self.cap, overlap=self.overlap)
+        return self._inner[graph]
+
+    def _split_of(self, graph: Graph) -> Split:
+        return self.split() if graph is self.graph else self.recomputing(graph).split()
+
+    def _chunk_plan(self, graph: Graph, budget: int, peak: int | None = None) -> Plan:
+        """The chunk plan of ``graph`` (this one, or a recomputing graph made from it, whose whole-batch
+        ``peak`` the joint planner may know: its simulation costs it as the memory interpreter does)."""
+        if graph is self.graph:
+            return plan_chunks(self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak, cap=self.cap)
+        inner = self.recomputing(graph)
+        if peak is not None and inner._full_peak is None:
+            inner._full_peak = peak - (self.overlap or 0)
+        # A chunk that ran out of memory here is not tried for a recomputing graph either (it needs no more).
+        if self.cap is not None and (inner.cap is None or inner.cap > self.cap):
+            inner.cap = self.cap
+            inner.plans.clear()
+        return inner.plan(budget)
+
+    def _floor(self, graph: Graph) -> int:
+        """The fewest bytes ``graph`` runs in: one example per chunk, or the whole batch if that is less (a
+        batch of one, whose chunked form only adds copies) or if it cannot be split."""
+        whole = peak_bytes(graph) - (self.overlap or 0)
+        if self.batch == 1:
+            return whole
+        try:
+            return min(whole, chunked_peak(self._split_of(graph), 1, peak_bytes))
+        except (BatchCouplingError, UnsupportedOpError):
+            return whole
+
+    def _shard_floor(self, graph: Graph) -> int:
+        """The fewest bytes ``graph`` runs a shard in: one example per chunk (a shard always runs through the
+        split graphs, even whole: see :func:`distributed.plan_shard`). A recompute set a shard may not run
+        (:meth:`_merges_as_planned`) has no floor."""
+        if not self._merges_as_planned(graph):
+            return 1 << 62
+        return chunked_peak(self._split_of(graph), 1, peak_bytes)
+
+    def _merges_as_planned(self, graph: Graph) -> bool:
+        """Whether a shard running ``graph`` (this graph or one recomputing) all-reduces the same partials,
+        in the same order, as one running this graph: ranks choose their recompute sets apart, by their own
+        budgets, and their collectives must match (a recomputed normaliser is one more merged value)."""
+        if graph is self.graph:
+            return True
+        if graph not in self._merge_ok:
+            self._merge_ok[graph] = distributed.merge_signature(self.recomputing(graph).split()) == distributed.merge_signature(self.split())
+        return self._merge_ok[graph]
+
+    def shard_plan(self, examples: int, budget: int, held: int, why: list[str]) -> Plan | OutOfMemoryError:
+        """This rank's plan for its ``examples`` of the global batch the graph is staged for, within its own
+        ``budget`` less the ``held`` bytes the run keeps beside the program (for the reasons ``why``): chunks,
+        and with ``remat`` recomputation where the smallest chunk does not fit (or it is cheaper). **Returns**
+        the ``OutOfMemoryError`` that says none fits (every rank must learn it first)."""
+        budget = max(budget - held, 0)
+        # Plans are kept per budget to about 0.4% (its top 9 bits), as plan() keeps them (a plan made for
+        # a budget up to 0.4% larger is within this one's safety margin); an error only for its own budget:
+        # the smallest budget it names may lie in the same 0.4%, and must plan.
+        shift = max(budget.bit_length() - 9, 0)
+        key = (examples, budget >> shift << shift)
+        plan = self.shard_plans.get((examples, budget, "error")) or self.shard_plans.get(key)
+        if plan is None:
+
+            def chunk_plan(graph: Graph, peak: int | None = None) -> Plan:
+                split = self._split_of(graph)
+                if not self._merges_as_planned(graph):
+                    raise OutOfMemoryError("this recompute set merges other partials than the other ranks'")
+                return distributed.plan_shard(split, graph, examples, budget)
+
+            try:
+                if self.remat and _owns_its_inputs(self.graph):
+                    plan = plan_joint(self.graph, budget, chunk_plan, self._shard_floor, self.frontier)
+                else:
+                    plan = chunk_plan(self.graph)
+            except OutOfMemoryError as e:
+                plan = held_beside(e, held, why)
+            except (BatchCouplingError, UnsupportedOpError) as e:
+                # A shard runs through the split graphs at any budget: no budget runs a step that cannot be
+                # split, so the chunk planner's own error, without the smallest budget recomputation names.
+                cause = e.__cause__
+                raise (cause if type(cause) is type(e) else e) from None
+            self.shard_plans[(examples, budget, "error") if isinstance(plan, OutOfMemoryError) else key] = plan
+        return plan
+
+    def see_overlap(self, overlap: int) -> None:
+        """Learn the bytes the graph counts twice because inputs are views of one storage (the executor
+        measures them on the first run): the plans made without them are dropped."""
+        self.overlap = overlap
+        if overlap:
+            self.plans.clear()
+            self._inner.clear()
+            self._full_peak = None
+            if self._split is not None:
+                self._split.input_overlap = overlap
+
+    def remember(self, planned: Sequence[int], ran: Sequence[int], name: str) -> None:
+        """What a run of the chunks ``planned`` ran: if it ran out of memory and went on in smaller chunks
+        (``ran``), later plans use chunks no larger than those."""
+        if max(ran) >= max(planned):
+            return
+        self.cap = max(ran)
+        self.plans.clear()
+        log.warning(
+            "stagetorch: %s: out of memory where the plan said a chunk of %d fits; ran in chunks of at most %d, "
+            "and later calls will too", name, max(planned), self.cap,
+        )
+
+    def learn(self, cap: int | None) -> None:
+        """The ``cap`` a recomputing graph's planner learned when its run ran out of memory: plan again with it."""
+        if cap is not None and cap != self.cap:
+            self.cap = cap
+            self.plans.clear()
+
+
+def _owns_its_inputs(graph: Graph) -> bool:
+    """Whether every input lives in storage the graph itself names. A lazy flush can read a view of a value
+    an earlier flush made, whose base is not in the graph: the recomputation planner numbers only the
+    graph's own vars (``remat_planning._Simulator``), so such a flush is only chunked."""
+    own = set(graph.vars())
+    return all(v.root in own for v in graph.invars)
+
+
+# Why a call holds bytes beside its program, as held_beside says it.
+COPIES = "copies of the {} input(s) the step updates in place, to restore them if it fails"
+
+
+def held_beside(error: StagingError, held: int, why: list[str]) -> StagingError:
+    """``error`` (about a budget too small for the program) with what the call holds beside the program,
+    ``held`` bytes for the reasons ``why``, added to the smallest budget it names; as it is if it names
+    none or nothing is held."""
+    if not held or error.smallest_budget is None:
+        return error
+    wider = type(error)(
+        f"{error} Besides the program, this call holds {format_bytes(held)} ({'; '.join(why)}), which the "
+        f"budgets above leave out: the smallest memory_budget this call fits in is "
+        f"{format_bytes(bytes_ceiling(error.smallest_budget + held))}."
+    )
+    wider.smallest_budget = error.smallest_budget + held
+    return wider
