@@ -15,15 +15,14 @@ import torch
 from .._tree import flat_call, flatten, map_leaves, unflat_call
 from ..ir import Var
 from .autograd_graph import _PYTHON_FUNCTION_NODE, _autograd_graph, _Unreadable
-from .backward import _BACKWARD, _Backward
 from .mode import Mode
-from .recording import _meta
+from .recording import _BACKWARD, _Backward, _meta
+from .replay import SlowReplay
 from .tape import (
     _MAX_LEAVES,
     _Call,
     _Graph,
     _in_custom_function,
-    _New,
     _only_args,
     _out_spec,
     _Real,
@@ -31,15 +30,12 @@ from .tape import (
     _source,
     _view,
 )
-from .tensor import LazyTensor, _lazy_tensor, _make_subclass, _unshadow
+from .tensor import LazyTensor, _lazy_tensor, _unshadow
 
 
-class ExpressReplay:
-    """The express replay: torch-level calls taped, and matched by their guards without running."""
-
-    @property
-    def step_count(self) -> int:
-        return self.cursor if self.mode is not Mode.RECORD else len(self.recording.steps)
+class ExpressReplay(SlowReplay):
+    """The express replay: torch-level calls taped, and matched by their guards without running (below it,
+    the slow replay it leaves to)."""
 
     def torch_call(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """A torch function on lazy tensors, above autograd, that the express replay did not match: run it
@@ -153,12 +149,6 @@ class ExpressReplay:
             # No op: only a call that hands back its own arguments (``x.to(x.dtype)``, ``x.contiguous()``) is
             # reproduced; anything else changed what the tape cannot see (autograd state, a new alias).
             call.express = False
-
-    def _express_out(self, o: _New) -> LazyTensor:
-        t = _make_subclass(LazyTensor, o.shape, strides=o.stride, dtype=o.dtype, device=o.device, requires_grad=o.requires_grad)
-        t._var, t._session, t._express = o.var, self, True
-        self.alive[o.var] = weakref.ref(t)
-        return t
 
     def leave_express(self) -> None:
         """Go back to the slow replay: run the calls replayed so far again through autograd, from the start

@@ -1,6 +1,7 @@
 """The slow replay: below autograd, each ATen call is checked against the recorded step at the cursor and
 reuses it (no fake kernel runs); the first call that differs records the replayed steps again on fakes
-(:meth:`SlowReplay._diverge`) and the session goes on recording.
+(:meth:`SlowReplay._diverge`) and the session goes on recording. :meth:`SlowReplay.call` is where every
+ATen call on lazy tensors arrives.
 """
 
 from __future__ import annotations
@@ -13,14 +14,33 @@ import torch
 
 from .._tree import flatten, map_leaves
 from ..ir import Var
-from .backward import _BACKWARD
+from .autograd_graph import _Unreadable
 from .mode import Mode
-from .recording import _key, _Out, _Step
-from .tensor import LazyTensor, _lazy_tensor
+from .recording import _BACKWARD, RecordingSteps, _key, _Out, _Step
+from .tensor import LazyTensor, _lazy_tensor, _real
+
+_aten = torch.ops.aten
 
 
-class SlowReplay:
+class SlowReplay(RecordingSteps):
     """The slow replay: each ATen call matched against the recorded step at the cursor."""
+
+    def call(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
+        """An op on lazy tensors: replay it, record it, or (for a value read) run it for real."""
+        if self.reading_saved:
+            # Autograd unpacking a saved lazy output detaches it: an alias of the same value, not a step.
+            if func is not _aten.detach.default:
+                raise _Unreadable
+            t = args[0]
+            return _lazy_tensor(t.shape, t.stride(), t.dtype, t.device, t._var, self, t._fake)
+        if func.namespace == "prim":
+            return func(*map_leaves(args, torch.Tensor, _real), **map_leaves(kwargs, torch.Tensor, _real))
+        if self.mode is not Mode.RECORD:
+            step = self._match(func, leaves)
+            if step is not None:
+                return self._replay(step, args, kwargs)
+            self._diverge()
+        return self._record_or_run(func, args, kwargs, leaves)
 
     def _match(self, func: Any, leaves: list) -> _Step | None:
         steps = self.recording.steps
