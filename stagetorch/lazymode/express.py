@@ -163,6 +163,7 @@ class ExpressReplay(SlowReplay):
         calls = recording.tape[: self.tape_pos]
         self.cursor = self.end = 0
         bound, self.consts = self.consts, {}
+        versions, self.versions = self.versions, {}
         # Their shadows take their place (the same variables) as the calls run again.
         made = [t for r in self.alive.values() if (t := r()) is not None and t._express]
         self.alive = {v: r for v, r in self.alive.items() if (t := r()) is not None and not t._express}
@@ -194,6 +195,8 @@ class ExpressReplay(SlowReplay):
                     shadow_of[x._var] = x
             for i, var in call.mutated:
                 shadow_of[var] = flat[i]
+        # The calls ran again now; what the pending ones bound keeps the version it had when they bound it.
+        self.versions.update(versions)
         for t in made:
             t._shadow = shadow_of[t._var]
         self.shadowed = True

@@ -100,8 +100,8 @@ class SlowReplay(RecordingSteps):
         fake_of: dict[Var, torch.Tensor] = {}
         for i, var in enumerate(old.inputs):
             new_of[var], fake_of[var] = self._add_input(i, self.values[var])
-        consts = self.consts
-        self.consts = {}
+        consts, versions = self.consts, self.versions
+        self.consts, self.versions = {}, {}
         eqns = iter(old.eqns)
         for step in replayed:
             if step.func is _BACKWARD:  # a skipped backward's marker; its steps follow it
@@ -127,6 +127,12 @@ class SlowReplay(RecordingSteps):
         self.alive = {new_of[v]: ref for v, ref in self.alive.items() if ref() is not None}
         self.values = {new_of[v]: x for v, x in self.values.items()}
         self.batched = {new_of[v]: b for v, b in self.batched.items()}
+        # The batch labels of what this session's flushes made, which later flushes read as batched.
+        self.made = {new_of[v]: b for v, b in self.made.items() if v in new_of}
+        # The version each constant had when a call that has not run bound it (not now: a change in place
+        # since then must still raise ModifiedInputError), and the losses whose backward ran.
+        self.versions = {rec.const_vars[id(consts[v])]: seen for v, seen in versions.items()}
+        self.freed = frozenset(new_of[v] for v in self.freed if v in new_of)
         if self.shard is not None:
             self.shard.labels = {new_of[v]: b for v, b in self.shard.labels.items() if v in new_of}
         self.eqns = rec.eqns
