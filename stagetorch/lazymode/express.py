@@ -132,6 +132,8 @@ class ExpressReplay(SlowReplay):
                 call.express = False  # a real tensor the call made itself: its value is not the arguments'
                 break
             call.consts.append((var, *source))
+        new = {var for var, *_ in call.consts}
+        call.rereads = list(dict.fromkeys(v for st in steps for _, v in st.consts if v is not None and v not in new))
         bound = {i for _, i, _ in call.consts}
         for i, (x, k) in enumerate(zip(leaves, call.key)):
             if type(k) is _Real and i not in bound and x.ndim == 0:

@@ -231,7 +231,12 @@ class RecordingSteps(_SessionBase):
         out = self._record_call(func, map_leaves(args, torch.Tensor, self._unwrap), map_leaves(kwargs, torch.Tensor, self._unwrap))
         out_spec = map_leaves(out, torch.Tensor, lambda f: _Out(rec.var(f), f.shape, f.stride(), f.dtype, f.fake_device))
         inplace = _is_inplace(func)
-        self.recording.steps.append(_Step(func, _key(leaves), self._consts_in(leaves), out_spec, True, inplace))
+        consts = self._consts_in(leaves)
+        self.recording.steps.append(_Step(func, _key(leaves), consts, out_spec, True, inplace))
+        versions = self.versions
+        for i, var in consts:  # a constant bound before the last flush is bound again, as it is now
+            if var is not None and var not in versions:
+                versions[var] = leaves[i]._version
         if inplace and type(args[0]) is not LazyTensor and isinstance(args[0], torch.Tensor):
             # In place on a real tensor (autograd accumulating into a real .grad): its new value is that
             # tensor too, once the flush has run the op. Autograd bumps its version for the write now.

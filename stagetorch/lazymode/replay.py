@@ -61,6 +61,8 @@ class SlowReplay(RecordingSteps):
                 self.versions[var] = leaves[i]._version
             elif bound is not leaves[i]:
                 return None
+            elif var not in self.versions:  # bound before the last flush: bound again, as it is now
+                self.versions[var] = leaves[i]._version
         return step
 
     def _replay(self, step: _Step, args: tuple, kwargs: dict) -> Any:

@@ -96,6 +96,7 @@ class _Call:
     leaves: list = attrs.field(factory=list)
     views: _Views = attrs.field(factory=lambda: _Views())
     slots_before: int = 0  # how many real tensors the session's earlier calls took
+    rereads: list = attrs.field(factory=list)  # constants earlier calls bound that this one's steps read too
     guard: Any = None  # the generated match (_compile_guard), made at its first replay
 
     def compile_guard(self) -> Callable:
@@ -261,8 +262,10 @@ def _compile_guard(call: _Call) -> Callable:
     for name in names:
         take(f"kwargs.get({name!r}, _MISS)")
     lines.append("    if new: slots.extend(new)")
-    if call.consts:
+    if call.consts or call.rereads:
         lines.append("    consts = session.consts\n    versions = session.versions")
+    for var in map(const, call.rereads):  # bound before the last flush: bound again, as it is now
+        lines.append(f"    if {var} not in versions: versions[{var}] = consts[{var}]._version")
     for j, (var, i, view) in enumerate(call.consts):
         lines.append(f"    consts[{const(var)}] = {f'x{i}' if view is None else f'views.get({j}, x{i}, {const(view)})'}")
         lines.append(f"    versions[{const(var)}] = x{i}._version")
