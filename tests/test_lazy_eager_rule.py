@@ -164,6 +164,23 @@ def test_a_parameter_changed_after_a_read_is_fine(budget):
     assert_same(step, budget)
 
 
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_a_parameter_read_again_after_a_flush_and_changed_before_its_op_raises(budget):
+    """A value read runs the first forward; a second forward reads the same parameters again, and one is
+    changed in place before that forward ran: it raises, as it does for the first forward (it computed with
+    the new value: the parameter was bound before the flush and its version not taken again)."""
+    recording._RECORDINGS.clear()
+    model = mlp()
+    for x, y in batches(STEPS, batch=BATCH):
+        x, y = stagetorch.lazy(x, y, batch=0, memory_budget=budget)
+        F.cross_entropy(model(x), y).item()
+        loss = F.cross_entropy(model(x), y)
+        with torch.no_grad():
+            model[2].bias.add_(0.1)
+        with pytest.raises(stagetorch.ModifiedInputError, match=r"test_lazy_eager_rule.py:\d+"):
+            loss.item()
+
+
 # 4. A value from a finished step is usable anywhere.
 
 

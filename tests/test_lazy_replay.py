@@ -10,8 +10,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from test_chunking import budget_for
 
 import stagetorch
+from stagetorch.executable import Executable
 from stagetorch.lazymode import recording
 from stagetorch.lazymode.mode import Mode
 
@@ -278,6 +280,88 @@ def test_a_new_model_of_the_same_shapes_replays_from_its_first_step(dispatched, 
             dispatched.clear()
     if lazy_mode is Mode.EXPRESS:
         assert counts[0] > 0 and counts[1:] == [0] * 5, counts
+
+
+class ReadThenAct(nn.Module):
+    """A value read after the first layer (it runs the steps that made the hidden states), then ``act``: two
+    of these with other activations have the same shapes and differ after the read."""
+
+    def __init__(self, act, read=True):
+        super().__init__()
+        self.l1, self.l2, self.act, self.read = nn.Linear(64, 256), nn.Linear(256, 10), act, read
+
+    def forward(self, x):
+        h = self.l1(x)
+        if self.read and bool(h.isnan().any()):
+            raise ValueError("nan in the hidden states")
+        return self.l2(self.act(h))
+
+
+def test_a_model_that_diverges_after_a_flush_still_chunks(monkeypatch, lazy_mode):
+    """Two models of the same shapes, chunked, one after the other: the second replays the first's recording
+    through the value read, whose flush makes the hidden states (per example), and diverges after it. The
+    flush after the divergence still reads the hidden states per example, cut to each chunk: it chunks and
+    equals eager. (It used to take them as one shared value, whole, and raise OutOfMemoryError.)"""
+    recording._RECORDINGS.clear()
+    chunks = []
+    run = Executable.run
+
+    def counted(self, inputs, budget, **kwargs):
+        chunks.append(len(self.plan(budget).chunk_sizes))
+        return run(self, inputs, budget, **kwargs)
+
+    def step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    monkeypatch.setattr(Executable, "run", counted)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(512, 64, generator=g), torch.randint(0, 10, (512,), generator=g)
+    budget = budget_for(stagetorch.jit(lambda x, y: step(ReadThenAct(F.relu, read=False), x, y)), x, y)
+    for act in (F.relu, F.gelu):
+        model = ReadThenAct(act)
+        reference = copy.deepcopy(model)
+        expected = step(reference, x, y)
+        chunks.clear()
+        loss = step(model, *stagetorch.lazy(x, y, batch=0, memory_budget=budget))
+        assert len(chunks) == 2 and chunks[1] >= 2, (act.__name__, chunks)  # the read, then the backward
+        assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+        assert_same_grads(model, reference)
+
+
+def test_a_tensor_changed_in_place_before_a_divergence_still_raises(lazy_mode):
+    """A step that replays a recording and then differs from it records the replayed calls again (leaving
+    the express replay first, in that mode): a real tensor a pending call read, changed in place since, still
+    raises ModifiedInputError rather than be read with its new value."""
+    recording._RECORDINGS.clear()
+    w = torch.randn(4, 3)
+    for act, write in ((torch.relu, False), (torch.sigmoid, True)):
+        h = stagetorch.lazy(torch.randn(4, 3)) * w
+        if write:
+            with torch.no_grad():
+                w.add_(1.0)  # before the multiplication ran; the sigmoid then differs from the recording
+            with pytest.raises(stagetorch.ModifiedInputError, match="changed in place"):
+                act(h).sum().item()
+        else:
+            act(h).sum().item()
+
+
+def test_a_loss_whose_backward_ran_refuses_a_second_one_after_a_divergence(lazy_mode):
+    """A replayed backward that skipped the engine left the graph in place; after the step differs from its
+    recording, a second backward of the same loss still raises as eager's does (it ran the engine again,
+    adding the gradients twice)."""
+    recording._RECORDINGS.clear()
+    model = nn.Linear(3, 2)
+    for diverge in (False, True):
+        x = stagetorch.lazy(torch.randn(4, 3))
+        loss = model(x).sum()
+        loss.backward()
+        if diverge:
+            (x * 2).sum().item()  # a call the recording does not have, after the backward
+        with pytest.raises(RuntimeError, match="a second time"):
+            loss.backward()
+        model.zero_grad()
 
 
 def test_retain_graph_and_autograd_grad_run_through_the_engine():

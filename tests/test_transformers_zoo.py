@@ -21,7 +21,6 @@ from memtrack import AllocatorPeak
 
 import stagetorch
 from stagetorch.executable import Executable
-from stagetorch.lazymode import recording
 from stagetorch.remat_planning import RematPlan
 
 transformers = pytest.importorskip("transformers")
@@ -66,14 +65,6 @@ ZOO = {
                  "ConvNextForImageClassification", "image"),
 }
 TEXT = [name for name, (_, _, kind) in ZOO.items() if kind in ("cls", "lm")]
-
-
-@pytest.fixture(autouse=True)
-def _own_recordings():
-    """Each model records its own one-line session. (Two models with the same input signature replay each
-    other's recording until they diverge, and a flush after the divergence loses the batch labels of what the
-    flushes before it made: a named OutOfMemoryError, recorded in the issue's notes.)"""
-    recording._RECORDINGS.clear()
 
 
 def make_model(name: str) -> torch.nn.Module:

@@ -1,7 +1,7 @@
 """``loss.backward()`` on lazy tensors: autograd runs the backward ops through ``__torch_dispatch__``
 (recorded or replayed), then a flush turns the lazy gradients into real ones. A replayed step whose
 backward runs over the same graph into the same leaves, with no hooks, skips the autograd engine: its
-steps are the recorded ones (:class:`_Backward`).
+steps are the recorded ones (:class:`~.recording._Backward`).
 """
 
 from __future__ import annotations
@@ -11,46 +11,16 @@ import sysconfig
 import weakref
 from typing import Any
 
-import attrs
 import torch
 
 from ..ir import Var
 from ..tracing import is_user_code, user_frame
-from .autograd_graph import _PYTHON_FUNCTION_NODE, _autograd_graph, _is_lazy_summary, _saved_state
+from .autograd_graph import _PYTHON_FUNCTION_NODE, _autograd_graph, _is_lazy_summary
+from .express import ExpressReplay
 from .mode import Mode
-from .recording import _Step
+from .recording import _BACKWARD, _Backward, _Step
 from .tape import _Call
 from .tensor import LazyTensor, _unshadow
-
-
-@attrs.define(eq=False)
-class _Backward:
-    """A ``loss.backward()`` in a recording, with what a replay needs to skip the autograd engine: the
-    autograd graph it ran over (node types, leaf tensors), the recorded steps it produced, the gradients
-    it left in each leaf's ``.grad``, and the constants those steps read. What the graph's nodes saved is
-    compared too: a real tensor of another shape, or another Python number, in an op on real tensors (whose
-    backward formula reads it) is otherwise invisible to the replay. A constant the forward did not
-    bind is a real tensor the engine makes from the graph's saved tensors: a saved tensor itself (the
-    indices of a real embedding lookup) or a view of one (``mat2.t()`` in addmm's backward). It is recorded
-    as the view it is of a node's saved tensor (or, failing that, of a constant bound before the backward),
-    so a replay makes it the same way without the engine."""
-
-    key: tuple
-    leaves: list[weakref.ref]
-    grads: list[tuple[int, Var]]
-    nsteps: int
-    neqns: int
-    needs: set[Var]  # constants bound before the backward
-    derived: list[tuple]  # (var, source, shape, stride, offset); source (node index, saved attribute) or a var
-    saved: tuple  # _saved_state's summary of what the graph saved (all but lazy tensors), as recorded
-
-    @property
-    def checks(self) -> list[tuple[int, str]]:
-        """The (node index, attribute) pairs ``saved`` covers: what a replay reads again."""
-        return [(i, name) for i, name, _ in self.saved]
-
-_BACKWARD = torch.Tensor.backward
-
 
 _ENGINE_RUN = torch.autograd.graph._engine_run_backward.__code__
 _STDLIB = sysconfig.get_paths()["stdlib"]
@@ -79,8 +49,9 @@ def _runs_user_code(func: Any, args: tuple, kwargs: dict) -> bool:
     return seen
 
 
-class BackwardSkip:
-    """``loss.backward()``: through the autograd engine, or its recorded steps without it."""
+class BackwardSkip(ExpressReplay):
+    """``loss.backward()``: through the autograd engine, or its recorded steps without it (below it, the
+    express replay's backward: the tape's, without an autograd graph)."""
 
     def backward(self, func: Any, args: tuple, kwargs: dict, roots: list) -> None:
         """``loss.backward()``: autograd runs the backward ops through ``__torch_dispatch__`` (recorded or
@@ -214,13 +185,6 @@ class BackwardSkip:
             retain = bool(kwargs.get("retain_graph") or kwargs.get("create_graph"))
             torch.autograd.backward(roots, list(grads.values()), retain_graph=retain)
         return [t for t in leaves if not any(t is u for u in stranded)] + more
-
-    def _saved_state(self, nodes: list, only: list | None = None) -> tuple[tuple, dict]:
-        self.reading_saved = True
-        try:
-            return _saved_state(nodes, only)
-        finally:
-            self.reading_saved = False
 
     def _backward_mark(
         self, key: tuple, leaves: list, span: list, n_eqns: int, bound: dict, saved: tuple, call_site: tuple | None

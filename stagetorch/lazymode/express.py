@@ -15,15 +15,14 @@ import torch
 from .._tree import flat_call, flatten, map_leaves, unflat_call
 from ..ir import Var
 from .autograd_graph import _PYTHON_FUNCTION_NODE, _autograd_graph, _Unreadable
-from .backward import _BACKWARD, _Backward
 from .mode import Mode
-from .recording import _meta
+from .recording import _BACKWARD, _Backward, _meta
+from .replay import SlowReplay
 from .tape import (
     _MAX_LEAVES,
     _Call,
     _Graph,
     _in_custom_function,
-    _New,
     _only_args,
     _out_spec,
     _Real,
@@ -31,15 +30,12 @@ from .tape import (
     _source,
     _view,
 )
-from .tensor import LazyTensor, _lazy_tensor, _make_subclass, _unshadow
+from .tensor import LazyTensor, _lazy_tensor, _unshadow
 
 
-class ExpressReplay:
-    """The express replay: torch-level calls taped, and matched by their guards without running."""
-
-    @property
-    def step_count(self) -> int:
-        return self.cursor if self.mode is not Mode.RECORD else len(self.recording.steps)
+class ExpressReplay(SlowReplay):
+    """The express replay: torch-level calls taped, and matched by their guards without running (below it,
+    the slow replay it leaves to)."""
 
     def torch_call(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """A torch function on lazy tensors, above autograd, that the express replay did not match: run it
@@ -136,6 +132,8 @@ class ExpressReplay:
                 call.express = False  # a real tensor the call made itself: its value is not the arguments'
                 break
             call.consts.append((var, *source))
+        new = {var for var, *_ in call.consts}
+        call.rereads = list(dict.fromkeys(v for st in steps for _, v in st.consts if v is not None and v not in new))
         bound = {i for _, i, _ in call.consts}
         for i, (x, k) in enumerate(zip(leaves, call.key)):
             if type(k) is _Real and i not in bound and x.ndim == 0:
@@ -154,12 +152,6 @@ class ExpressReplay:
             # reproduced; anything else changed what the tape cannot see (autograd state, a new alias).
             call.express = False
 
-    def _express_out(self, o: _New) -> LazyTensor:
-        t = _make_subclass(LazyTensor, o.shape, strides=o.stride, dtype=o.dtype, device=o.device, requires_grad=o.requires_grad)
-        t._var, t._session, t._express = o.var, self, True
-        self.alive[o.var] = weakref.ref(t)
-        return t
-
     def leave_express(self) -> None:
         """Go back to the slow replay: run the calls replayed so far again through autograd, from the start
         of the recording (nothing runs for real: the steps replay as recorded), and give each live lazy
@@ -173,6 +165,7 @@ class ExpressReplay:
         calls = recording.tape[: self.tape_pos]
         self.cursor = self.end = 0
         bound, self.consts = self.consts, {}
+        versions, self.versions = self.versions, {}
         # Their shadows take their place (the same variables) as the calls run again.
         made = [t for r in self.alive.values() if (t := r()) is not None and t._express]
         self.alive = {v: r for v, r in self.alive.items() if (t := r()) is not None and not t._express}
@@ -204,6 +197,8 @@ class ExpressReplay:
                     shadow_of[x._var] = x
             for i, var in call.mutated:
                 shadow_of[var] = flat[i]
+        # The calls ran again now; what the pending ones bound keeps the version it had when they bound it.
+        self.versions.update(versions)
         for t in made:
             t._shadow = shadow_of[t._var]
         self.shadowed = True

@@ -9,23 +9,20 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .. import _caches
 from .._tree import map_leaves
 from ..errors import ConcretizationError, UnsupportedOpError
 from ..ir import Eqn, Var
-from ..tracing import user_frame
-from .autograd_graph import _Unreadable
+from ..tracing import Recorder, user_frame
+from .autograd_graph import _saved_state
 from .mode import Mode
-from .tensor import LazyTensor, _lazy_tensor, _real
-
-if TYPE_CHECKING:
-    from .tape import _Call
-
+from .tensor import LazyTensor, _lazy_tensor, _real, _SessionBase
 
 _aten = torch.ops.aten
 
@@ -59,6 +56,34 @@ class _Step:
         self.single = type(self.out) is _Out
 
 @attrs.define(eq=False)
+class _Backward:
+    """A ``loss.backward()`` in a recording, with what a replay needs to skip the autograd engine: the
+    autograd graph it ran over (node types, leaf tensors), the recorded steps it produced, the gradients
+    it left in each leaf's ``.grad``, and the constants those steps read. What the graph's nodes saved is
+    compared too: a real tensor of another shape, or another Python number, in an op on real tensors (whose
+    backward formula reads it) is otherwise invisible to the replay. A constant the forward did not
+    bind is a real tensor the engine makes from the graph's saved tensors: a saved tensor itself (the
+    indices of a real embedding lookup) or a view of one (``mat2.t()`` in addmm's backward). It is recorded
+    as the view it is of a node's saved tensor (or, failing that, of a constant bound before the backward),
+    so a replay makes it the same way without the engine."""
+
+    key: tuple
+    leaves: list[weakref.ref]
+    grads: list[tuple[int, Var]]
+    nsteps: int
+    neqns: int
+    needs: set[Var]  # constants bound before the backward
+    derived: list[tuple]  # (var, source, shape, stride, offset); source (node index, saved attribute) or a var
+    saved: tuple  # _saved_state's summary of what the graph saved (all but lazy tensors), as recorded
+
+    @property
+    def checks(self) -> list[tuple[int, str]]:
+        """The (node index, attribute) pairs ``saved`` covers: what a replay reads again."""
+        return [(i, name) for i, name, _ in self.saved]
+
+_BACKWARD = torch.Tensor.backward  # the func of a _Step that marks a backward (its out: a _Backward)
+
+@attrs.define(eq=False)
 class _Recording:
     """What a session recorded, for the next session with the same inputs to replay instead of re-tracing:
     the steps, the equations, and the executables its flushes built."""
@@ -69,9 +94,9 @@ class _Recording:
     # (first, end) -> (the values those equations produce, their inputs from outside);
     # (first, end, outputs) -> the Executable of that flush.
     flushes: dict[tuple, Any] = attrs.field(factory=dict)
-    # The torch-level calls that made ``steps``, for the express replay (see _Call); None until a session
+    # The torch-level calls that made ``steps`` (tape._Call), for the express replay; None until a session
     # taped them.
-    tape: list[_Call] | None = None
+    tape: list | None = None
     # False once a call ran inside a Python autograd.Function's forward: apply() builds its graph from the
     # lazy tensors it takes, below any torch function, so they must have theirs (no express replay).
     express: bool = True
@@ -124,24 +149,47 @@ def _writes_real(func: Any, args: tuple, kwargs: dict) -> bool:
     return False
 
 
-class RecordingSteps:
-    """Recording: each op on lazy tensors staged on fake tensors by the tracer's recorder."""
+class RecordingSteps(_SessionBase):
+    """Recording: each op on lazy tensors staged on fake tensors by the tracer's recorder, into the session's
+    recording; and how far the session is in it."""
 
-    def call(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
-        """An op on lazy tensors: replay it, record it, or (for a value read) run it for real."""
-        if self.reading_saved:
-            # Autograd unpacking a saved lazy output detaches it: an alias of the same value, not a step.
-            if func is not _aten.detach.default:
-                raise _Unreadable
-            t = args[0]
-            return _lazy_tensor(t.shape, t.stride(), t.dtype, t.device, t._var, self, t._fake)
-        if func.namespace == "prim":
-            return func(*map_leaves(args, torch.Tensor, _real), **map_leaves(kwargs, torch.Tensor, _real))
-        if self.mode is not Mode.RECORD:
-            step = self._match(func, leaves)
-            if step is not None:
-                return self._replay(step, args, kwargs)
-            self._diverge()
+    @property
+    def eqn_count(self) -> int:
+        """The equations the session's calls made so far."""
+        return self.end if self.mode is not Mode.RECORD else len(self.eqns)
+
+    @property
+    def step_count(self) -> int:
+        """The steps the session's calls made (or replayed) so far."""
+        return self.cursor if self.mode is not Mode.RECORD else len(self.recording.steps)
+
+    def _start_recording(self) -> _Recording:
+        """A new recording for this session's input signature, in place of the one kept for it."""
+        self.recorder = Recorder(FakeTensorMode(allow_non_fake_inputs=True))
+        self.eqns = self.recorder.eqns
+        recording = _Recording([], self.eqns)
+        _RECORDINGS.pop(self.key, None)
+        _RECORDINGS[self.key] = recording
+        while len(_RECORDINGS) > _MAX_RECORDINGS:
+            del _RECORDINGS[next(iter(_RECORDINGS))]
+        return recording
+
+    def _add_input(self, i: int, real: torch.Tensor) -> tuple[Var, torch.Tensor]:
+        """The recording's input ``i``, with the fake tensor the recorder stages it as."""
+        rec = self.recorder
+        with rec.fake_mode:
+            if self.shard is None:
+                fake = rec.fake_mode.from_tensor(real, static_shapes=True)
+            else:  # the global batch's input
+                shape, stride, dtype, device, _ = self.metas[i]
+                fake = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        var = rec.add_input(fake, "arg", f"lazy{i}")
+        self.recording.inputs.append(var)
+        return var, fake
+
+    def _record_or_run(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
+        """An op on lazy tensors that no replay reuses: record it, or (a value read, a write into a real
+        tensor, a data-dependent shape) run it for real."""
         # A write into a real tensor runs now, but not the engine's accumulation into a real .grad: nobody can
         # read that before backward() returns, and its flush runs it.
         if func in _CONCRETE or (_writes_real(func, args, kwargs) and torch._C._current_autograd_node() is None):
@@ -183,7 +231,12 @@ class RecordingSteps:
         out = self._record_call(func, map_leaves(args, torch.Tensor, self._unwrap), map_leaves(kwargs, torch.Tensor, self._unwrap))
         out_spec = map_leaves(out, torch.Tensor, lambda f: _Out(rec.var(f), f.shape, f.stride(), f.dtype, f.fake_device))
         inplace = _is_inplace(func)
-        self.recording.steps.append(_Step(func, _key(leaves), self._consts_in(leaves), out_spec, True, inplace))
+        consts = self._consts_in(leaves)
+        self.recording.steps.append(_Step(func, _key(leaves), consts, out_spec, True, inplace))
+        versions = self.versions
+        for i, var in consts:  # a constant bound before the last flush is bound again, as it is now
+            if var is not None and var not in versions:
+                versions[var] = leaves[i]._version
         if inplace and type(args[0]) is not LazyTensor and isinstance(args[0], torch.Tensor):
             # In place on a real tensor (autograd accumulating into a real .grad): its new value is that
             # tensor too, once the flush has run the op. Autograd bumps its version for the write now.
@@ -222,3 +275,12 @@ class RecordingSteps:
     @staticmethod
     def _unwrap(t: torch.Tensor) -> torch.Tensor:
         return t._fake if type(t) is LazyTensor else t
+
+    def _saved_state(self, nodes: list, only: list | None = None) -> tuple[tuple, dict]:
+        """:func:`~.autograd_graph._saved_state` of ``nodes``: autograd unpacking a saved lazy tensor calls
+        ``detach`` on it, which :meth:`call` answers with an alias while ``reading_saved``, not a step."""
+        self.reading_saved = True
+        try:
+            return _saved_state(nodes, only)
+        finally:
+            self.reading_saved = False

@@ -1,6 +1,7 @@
 """The slow replay: below autograd, each ATen call is checked against the recorded step at the cursor and
 reuses it (no fake kernel runs); the first call that differs records the replayed steps again on fakes
-(:meth:`SlowReplay._diverge`) and the session goes on recording.
+(:meth:`SlowReplay._diverge`) and the session goes on recording. :meth:`SlowReplay.call` is where every
+ATen call on lazy tensors arrives.
 """
 
 from __future__ import annotations
@@ -13,14 +14,33 @@ import torch
 
 from .._tree import flatten, map_leaves
 from ..ir import Var
-from .backward import _BACKWARD
+from .autograd_graph import _Unreadable
 from .mode import Mode
-from .recording import _key, _Out, _Step
-from .tensor import LazyTensor, _lazy_tensor
+from .recording import _BACKWARD, RecordingSteps, _key, _Out, _Step
+from .tensor import LazyTensor, _lazy_tensor, _real
+
+_aten = torch.ops.aten
 
 
-class SlowReplay:
+class SlowReplay(RecordingSteps):
     """The slow replay: each ATen call matched against the recorded step at the cursor."""
+
+    def call(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
+        """An op on lazy tensors: replay it, record it, or (for a value read) run it for real."""
+        if self.reading_saved:
+            # Autograd unpacking a saved lazy output detaches it: an alias of the same value, not a step.
+            if func is not _aten.detach.default:
+                raise _Unreadable
+            t = args[0]
+            return _lazy_tensor(t.shape, t.stride(), t.dtype, t.device, t._var, self, t._fake)
+        if func.namespace == "prim":
+            return func(*map_leaves(args, torch.Tensor, _real), **map_leaves(kwargs, torch.Tensor, _real))
+        if self.mode is not Mode.RECORD:
+            step = self._match(func, leaves)
+            if step is not None:
+                return self._replay(step, args, kwargs)
+            self._diverge()
+        return self._record_or_run(func, args, kwargs, leaves)
 
     def _match(self, func: Any, leaves: list) -> _Step | None:
         steps = self.recording.steps
@@ -41,6 +61,8 @@ class SlowReplay:
                 self.versions[var] = leaves[i]._version
             elif bound is not leaves[i]:
                 return None
+            elif var not in self.versions:  # bound before the last flush: bound again, as it is now
+                self.versions[var] = leaves[i]._version
         return step
 
     def _replay(self, step: _Step, args: tuple, kwargs: dict) -> Any:
@@ -80,8 +102,8 @@ class SlowReplay:
         fake_of: dict[Var, torch.Tensor] = {}
         for i, var in enumerate(old.inputs):
             new_of[var], fake_of[var] = self._add_input(i, self.values[var])
-        consts = self.consts
-        self.consts = {}
+        consts, versions = self.consts, self.versions
+        self.consts, self.versions = {}, {}
         eqns = iter(old.eqns)
         for step in replayed:
             if step.func is _BACKWARD:  # a skipped backward's marker; its steps follow it
@@ -107,6 +129,12 @@ class SlowReplay:
         self.alive = {new_of[v]: ref for v, ref in self.alive.items() if ref() is not None}
         self.values = {new_of[v]: x for v, x in self.values.items()}
         self.batched = {new_of[v]: b for v, b in self.batched.items()}
+        # The batch labels of what this session's flushes made, which later flushes read as batched.
+        self.made = {new_of[v]: b for v, b in self.made.items() if v in new_of}
+        # The version each constant had when a call that has not run bound it (not now: a change in place
+        # since then must still raise ModifiedInputError), and the losses whose backward ran.
+        self.versions = {rec.const_vars[id(consts[v])]: seen for v, seen in versions.items()}
+        self.freed = frozenset(new_of[v] for v in self.freed if v in new_of)
         if self.shard is not None:
             self.shard.labels = {new_of[v]: b for v, b in self.shard.labels.items() if v in new_of}
         self.eqns = rec.eqns

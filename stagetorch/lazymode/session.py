@@ -1,6 +1,6 @@
 """The session: what one ``lazy(...)`` call made (its lazy inputs, the recording it records or replays, the
 real values kept) and its flush, which runs the pending equations through the same
-:class:`~stagetorch.api.Executable` that ``jit`` uses. :func:`lazy` starts one.
+:class:`~stagetorch.executable.Executable` that ``jit`` uses. :func:`lazy` starts one.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import weakref
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..batching import Batched
@@ -24,10 +23,8 @@ from ..planner import COPIES, held_beside
 from ..tracing import Recorder
 from . import shard
 from .backward import BackwardSkip
-from .express import ExpressReplay
 from .mode import Mode, cap
-from .recording import _MAX_RECORDINGS, _RECORDINGS, RecordingSteps, _meta, _Recording
-from .replay import SlowReplay
+from .recording import _RECORDINGS, _meta
 from .shard import LazyShard
 from .tape import _Call
 from .tensor import LazyTensor, _make_subclass
@@ -74,9 +71,7 @@ def _flush_before_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, 
 register_optimizer_step_pre_hook(_flush_before_optimizer_step)
 
 
-
-
-class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
+class _Session(BackwardSkip):
     """What one ``lazy(...)`` call records: the equations, which of them have run, and the values kept.
 
     Its :class:`~.mode.Mode` says what it does with each call. A session either *records* (each op runs on
@@ -88,6 +83,10 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
 
     Above that, a session replaying a taped recording starts *express* (in ``LazyTensor.__torch_function__``):
     calls are matched against the tape and not run until one is not the tape's next (:meth:`leave_express`).
+
+    Its layers, each a subclass of the one below: ``tensor._SessionBase`` (what a lazy tensor asks of it),
+    ``recording.RecordingSteps``, ``replay.SlowReplay``, ``express.ExpressReplay``, ``backward.BackwardSkip``,
+    and this class (its state, the flush). A layer calls down, or up only through a method declared below.
     """
 
     mode: Mode  # what the session does with each call; it only moves down, EXPRESS to REPLAY to RECORD
@@ -171,32 +170,6 @@ class _Session(RecordingSteps, SlowReplay, BackwardSkip, ExpressReplay):
             self.alive[var] = ref = weakref.ref(lazy_t)
             self.input_refs.append(ref)
             self.lazies.append(lazy_t)
-
-    def _add_input(self, i: int, real: torch.Tensor) -> tuple[Var, torch.Tensor]:
-        rec = self.recorder
-        with rec.fake_mode:
-            if self.shard is None:
-                fake = rec.fake_mode.from_tensor(real, static_shapes=True)
-            else:  # the global batch's input
-                shape, stride, dtype, device, _ = self.metas[i]
-                fake = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-        var = rec.add_input(fake, "arg", f"lazy{i}")
-        self.recording.inputs.append(var)
-        return var, fake
-
-    def _start_recording(self) -> _Recording:
-        self.recorder = Recorder(FakeTensorMode(allow_non_fake_inputs=True))
-        self.eqns = self.recorder.eqns
-        recording = _Recording([], self.eqns)
-        _RECORDINGS.pop(self.key, None)
-        _RECORDINGS[self.key] = recording
-        while len(_RECORDINGS) > _MAX_RECORDINGS:
-            del _RECORDINGS[next(iter(_RECORDINGS))]
-        return recording
-
-    @property
-    def eqn_count(self) -> int:
-        return self.end if self.mode is not Mode.RECORD else len(self.eqns)
 
     def count_batch(self) -> None:
         """BatchNorm's forward (training) added one to ``num_batches_tracked`` before calling batch_norm on

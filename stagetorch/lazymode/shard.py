@@ -2,7 +2,7 @@
 
 Each rank passes its shard; the session records for the *global* batch (the lazy tensors have its shape:
 ``x.shape[0]`` is every rank's examples together, as inside a step staged by ``jit(process_group=)``), and
-its flush runs this rank's examples through :meth:`stagetorch.api.Executable.run_shard`, so a mean's count,
+its flush runs this rank's examples through :meth:`stagetorch.executable.Executable.run_shard`, so a mean's count,
 a loss's normaliser and every gradient are the global batch's. The collectives are jit's: the shard sizes
 (with a signature of the arguments) when ``lazy`` is called, the plan agreement (with a signature of the
 program), then the merges, at every flush. A per-example value a flush made holds this rank's rows; a later

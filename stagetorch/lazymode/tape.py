@@ -9,7 +9,7 @@ import linecache
 import sys
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
@@ -17,12 +17,8 @@ import torch
 from .._tree import flatten
 from ..ir import Var
 from .autograd_graph import _autograd_graph, _Unreadable
-from .recording import _meta
+from .recording import RecordingSteps, _meta
 from .tensor import _MISS, LazyTensor, _make_subclass
-
-if TYPE_CHECKING:
-    from .session import _Session
-
 
 _MAX_LEAVES = 2
 
@@ -100,6 +96,7 @@ class _Call:
     leaves: list = attrs.field(factory=list)
     views: _Views = attrs.field(factory=lambda: _Views())
     slots_before: int = 0  # how many real tensors the session's earlier calls took
+    rereads: list = attrs.field(factory=list)  # constants earlier calls bound that this one's steps read too
     guard: Any = None  # the generated match (_compile_guard), made at its first replay
 
     def compile_guard(self) -> Callable:
@@ -156,7 +153,7 @@ def _view(x: torch.Tensor, view: tuple) -> torch.Tensor:
     shape, stride, offset = view
     return x.detach().as_strided(shape, stride, offset)
 
-def _out_spec(out: Any, leaves: list, session: _Session) -> Any:
+def _out_spec(out: Any, leaves: list, session: RecordingSteps) -> Any:
     if type(out) is LazyTensor:
         for i, x in enumerate(leaves):
             if x is out:
@@ -176,15 +173,24 @@ def _only_args(spec: Any) -> bool:
         return bool(spec.items) and all(_only_args(x) for x in spec.items)
     return type(spec) is _Arg
 
-def _map_out(spec: Any, leaves: list, make: Any) -> Any:
+def _map_out(spec: Any, leaves: list, session: RecordingSteps) -> Any:
+    """What a taped call returned, made again: its own arguments from ``leaves``, new lazy tensors of
+    ``session`` for the rest."""
     kind = type(spec)
     if kind is _New:
-        return make(spec)
+        return _express_out(session, spec)
     if kind is _Arg:
         return leaves[spec.index]
     if kind is _Seq:
-        return spec.kind([_map_out(x, leaves, make) for x in spec.items])
+        return spec.kind([_map_out(x, leaves, session) for x in spec.items])
     return spec
+
+def _express_out(session: RecordingSteps, o: _New) -> LazyTensor:
+    """A lazy tensor the express replay made for a taped result: no autograd graph behind it."""
+    t = _make_subclass(LazyTensor, o.shape, strides=o.stride, dtype=o.dtype, device=o.device, requires_grad=o.requires_grad)
+    t._var, t._session, t._express = o.var, session, True
+    session.alive[o.var] = weakref.ref(t)
+    return t
 
 _GUARDS = itertools.count()
 
@@ -256,8 +262,10 @@ def _compile_guard(call: _Call) -> Callable:
     for name in names:
         take(f"kwargs.get({name!r}, _MISS)")
     lines.append("    if new: slots.extend(new)")
-    if call.consts:
+    if call.consts or call.rereads:
         lines.append("    consts = session.consts\n    versions = session.versions")
+    for var in map(const, call.rereads):  # bound before the last flush: bound again, as it is now
+        lines.append(f"    if {var} not in versions: versions[{var}] = consts[{var}]._version")
     for j, (var, i, view) in enumerate(call.consts):
         lines.append(f"    consts[{const(var)}] = {f'x{i}' if view is None else f'views.get({j}, x{i}, {const(view)})'}")
         lines.append(f"    versions[{const(var)}] = x{i}._version")
@@ -276,14 +284,14 @@ def _compile_guard(call: _Call) -> Callable:
         lines.append(f"    return x{out.index}")
     else:
         leaves = ", ".join(f"x{i}" if type(k) is not tuple and i else "None" for i, k in enumerate(key))
-        lines.append(f"    return _map_out(call.out, [{leaves}], session._express_out)")
+        lines.append(f"    return _map_out(call.out, [{leaves}], session)")
     source = "\n".join(lines) + "\n"
     filename = f"<stagetorch guard {next(_GUARDS)}: {getattr(call.func, '__name__', call.func)}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     exec(compile(source, filename, "exec"), env)  # noqa: S102 - code generated from the tape
     return env["guard"]
 
-def _graph_ok(session: _Session, x: torch.Tensor, graph: _Graph, new: list, base: int, slot: int) -> bool:
+def _graph_ok(session: RecordingSteps, x: torch.Tensor, graph: _Graph, new: list, base: int, slot: int) -> bool:
     """Whether the autograd graph behind real argument ``x`` is the taped one (node types, saved values,
     leaves: the same tensor where the tape had one, the same metadata where it took a new one). Its new
     leaves are appended to ``new``, the slots the guard is about to take."""

@@ -4,12 +4,13 @@
 autograd: metadata is answered from the tensor itself, a value read evaluates it, and every other call goes
 to the session (matched against the express tape first, when the session replays one).
 ``__torch_dispatch__`` sees the ATen calls below autograd and hands them to the session to record or replay.
-This module knows nothing of how a session records, replays or runs.
+This module knows nothing of how a session records, replays or runs: :class:`_SessionBase` declares what a
+lazy tensor asks of its session, and the layers above implement it (``session._Session`` is all of them).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -20,9 +21,6 @@ from ..tracing import HELD, user_frame
 from .mode import Mode
 
 __all__ = ["LazyTensor"]
-
-if TYPE_CHECKING:
-    from .session import _Session
 
 
 _make_subclass = torch.Tensor._make_wrapper_subclass
@@ -36,7 +34,45 @@ _grad_enabled = torch.is_grad_enabled
 
 _any_autocast = torch._C._is_any_autocast_enabled
 
-def _session_of(args: tuple, kwargs: dict) -> _Session | None:
+
+class _SessionBase:
+    """What a lazy tensor asks of its session: the bottom of the session's layers. Each layer above is a
+    subclass of the one below (recording, the slow replay, the express replay, backward, the session) and
+    overrides the methods declared here; a lower layer reaches a higher one only through them."""
+
+    mode: Mode  # what the session does with each call; it only moves down, EXPRESS to REPLAY to RECORD
+    values: dict[Var, torch.Tensor]  # real values of vars, inputs included
+    recording: Any  # the recording it records or replays (recording._Recording)
+    tape_pos: int  # the next call of the recording's tape to replay express
+    serial: int  # newer sessions have larger ones
+    hooked: bool  # a hook or grad_fn was reached: backward always runs the autograd engine
+
+    def call(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
+        """An ATen call on lazy tensors (``__torch_dispatch__``): replayed, recorded or run for real."""
+        raise NotImplementedError
+
+    def torch_call(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A torch function on lazy tensors (``__torch_function__``) that the express replay did not match."""
+        raise NotImplementedError
+
+    def backward(self, func: Any, args: tuple, kwargs: dict, roots: list) -> None:
+        """``loss.backward()`` from lazy ``roots``."""
+        raise NotImplementedError
+
+    def leave_express(self) -> None:
+        """Go from the express replay to the slow replay (the autograd graph is needed)."""
+        raise NotImplementedError
+
+    def count_batch(self) -> None:
+        """BatchNorm's forward counted a batch before calling batch_norm on lazy tensors."""
+        raise NotImplementedError
+
+    def flush(self, targets: list[Var], leaves: list[torch.Tensor] = (), grads: list | None = None) -> None:
+        """Run every pending equation; keep ``targets`` and every value still referenced."""
+        raise NotImplementedError
+
+
+def _session_of(args: tuple, kwargs: dict) -> _SessionBase | None:
     for x in args:
         if type(x) is LazyTensor:
             return x._session
@@ -86,7 +122,7 @@ class LazyTensor(torch.Tensor):
 
     _fake: torch.Tensor | None = None
     _var: Var
-    _session: _Session
+    _session: _SessionBase
     _express = False  # made by the express replay: no autograd graph behind it
     _shadow: LazyTensor | None = None  # once the session left the express replay: the same value with one
 
@@ -188,7 +224,7 @@ def _one_session(args: tuple, kwargs: dict, leaves: list | None = None) -> tuple
 
 
 def _lazy_tensor(
-    shape: Any, stride: Any, dtype: torch.dtype, device: torch.device, var: Var, session: _Session,
+    shape: Any, stride: Any, dtype: torch.dtype, device: torch.device, var: Var, session: _SessionBase,
     fake: torch.Tensor | None = None, requires_grad: bool = False,
 ) -> LazyTensor:
     """A LazyTensor standing for ``var`` of ``session`` (``fake``: its fake tensor while recording)."""
