@@ -346,6 +346,8 @@ class Split:
                     continue
                 lab = labels.get(v)
                 base = (mapping.get(v.base) or fed.get(v.base)) if v.base is not None else None
+                if decision.out_of_place:  # the call makes its result apart from the argument it wrote
+                    base = None
                 # (A var of no bytes, a layout token of stagetorch.rng, has none in a chunk either.)
                 nv = Var(_chunk_aval(v, lab, n), base=base, storage_nbytes=0 if v.storage_nbytes == 0 else None)
                 outvars.append(nv)
