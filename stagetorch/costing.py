@@ -124,7 +124,9 @@ class Layouts:
 
     def _view(self, e: Eqn, v: Var) -> tuple[int, ...] | None:
         x = e.args[0] if e.args else None
-        if not isinstance(x, Var) or len(e.invars) != 1 or v not in e.outvars:
+        # ATen ops only (a view, or an in-place op of one tensor): a Python function a pass put in the graph
+        # is not run, even on meta tensors.
+        if not isinstance(e.prim, torch._ops.OpOverload) or not isinstance(x, Var) or len(e.invars) != 1 or v not in e.outvars:
             return None
         strides = self(x)
         if strides is None:
