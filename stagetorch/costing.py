@@ -77,6 +77,7 @@ def _memory_effect(e: Eqn, rules: dict | None) -> MemoryEffect:
 _CONTIGUOUS_OUT = {
     torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
     torch.ops.aten._unsafe_view, torch.ops.aten.zeros, torch.ops.aten.ones, torch.ops.aten.empty, torch.ops.aten.full,
+    torch.ops.aten.native_layer_norm_backward,
 }
 
 

@@ -197,6 +197,27 @@ def test_flash_attention_backward_reads_a_gradient_the_ir_shows_laid_out_in_plac
     assert workspace(eqn) == rule + (0 if made == "copied" else q.nbytes)
 
 
+@pytest.mark.parametrize("made", ["permuted", "contiguous"])
+def test_a_native_convolution_backward_copies_a_permuted_output_gradient_the_ir_shows(made):
+    """float64 runs the native kernels, which make the output gradient contiguous: a copy where it comes
+    permuted (channels-last LayerNorm's gradient, ConvNeXt), none where it comes contiguous."""
+    x, w = torch.randn(2, 3, 8, 8, dtype=torch.float64), torch.randn(4, 3, 3, 3, dtype=torch.float64)
+    a, m = torch.randn(128, 5, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+
+    def grad_of(a, m):
+        g = (a @ m).view(2, 8, 8, 4).permute(0, 3, 1, 2)
+        return g if made == "permuted" else g.contiguous()
+
+    def step(a, m, x, w):
+        return aten.convolution_backward(*_conv_backward(grad_of(a, m), x, w, 1, 1, False, 1, (True, True, False)))
+
+    graph = stagetorch.make_ir(step)(a, m, x, w)
+    (eqn,) = [e for e in graph.eqns if e.prim is aten.convolution_backward.default]
+    rule = workspace(eqn, layouts=Layouts(graph))
+    assert rule == op_workspace(aten.convolution_backward, *_conv_backward(grad_of(a, m), x, w, 1, 1, False, 1, (True, True, False)))
+    assert rule - workspace(eqn) == (a.shape[0] * m.shape[1] * 8 if made == "permuted" else 0)
+
+
 @pytest.mark.parametrize("shape", [(4, 32, 24, 24), (2, 8, 16, 16, 16), (16, 16), (8, 3, 5, 5)])
 def test_norm_backward_workspaces_are_the_allocators(shape):
     x = torch.randn(shape)
