@@ -93,12 +93,17 @@ class Chunked:
     ``(prim, args, kwargs)`` for a chunk of ``n`` examples (default: the equation as traced, sizes unchanged).
     ``slice`` names shared inputs that must be cut to the chunk along a dim (a full-size mask met by a
     per-example value). ``prepass`` maps an outvar index to the cheap formula of its global value.
+    ``out_of_place``: the equation writes an argument in place, and ``call`` computes its result into a new
+    tensor instead, leaving the argument as it was (``zeros(E).scatter_add_(0, ids, w)``, a count over the
+    batch: each chunk's partial is made apart and the partials summed). The analysis accepts such a write to
+    a shared tensor only where nothing reads that tensor afterwards but through the equation's result.
     """
 
     out: tuple
     call: Callable[[int], tuple[Any, tuple, dict]] | None = None
     slice: dict = attrs.field(factory=dict)
     prepass: dict = attrs.field(factory=dict)
+    out_of_place: bool = False
 
 
 class LabelFn:
@@ -315,6 +320,8 @@ def _analyze(graph: Graph, inputs: dict[Var, Batched], batch: int, promoted: dic
         decision = rule(e, LabelFn(labels, batch, makers))
         for v in writes(e):
             if not isinstance(labels.get(v), Batched):
+                if decision.out_of_place and _read_only_through(graph, i, v):
+                    continue
                 if (promote := _into_factory(makers, e, v, decision, labels, batch)) is not None:
                     raise promote
                 raise coupling(
@@ -334,6 +341,29 @@ def _analyze(graph: Graph, inputs: dict[Var, Batched], batch: int, promoted: dic
         decisions[i] = decision
 
     return BatchAnalysis(graph, batch, labels, phases, decisions, placeholders, needs_global, prepass)
+
+
+def _read_only_through(graph: Graph, i: int, written: Var) -> bool:
+    """Equation ``i`` writes ``written`` in place; true when its storage is a temporary the graph made (not an
+    input) that no later equation, output or gradient reads but through ``i``'s results (and views of them):
+    then computing the result into a new tensor instead changes nothing any other equation sees."""
+    root = written.root
+    if root in graph.invars or any(v is root for v in graph.invars):
+        return False
+    ok = {v for v in graph.eqns[i].outvars if v is not None}
+
+    def through(v: Var) -> bool:
+        while v is not None:
+            if v in ok:
+                return True
+            v = v.base
+        return False
+
+    for e in graph.eqns[i + 1 :]:
+        if any(v.root is root and not through(v) for v in e.invars):
+            return False
+    finals = [v for v in graph.outvars if isinstance(v, Var)] + [v for _, v in graph.grads]
+    return not any(v.root is root and not through(v) for v in finals)
 
 
 # ---------------------------------------------------------------------------------------------------------

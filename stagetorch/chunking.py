@@ -168,10 +168,11 @@ class Split:
         self.needs_global = list(analysis.needs_global)
         self._global_post_idx = self._ancestors(post_idx, self.needs_global, "post")
         needed_reduced = [v for v in self.needs_global if isinstance(labels.get(v), Reduced)]
-        needed_reduced += [
-            v for i in self._global_post_idx for v in graph.eqns[i].invars
-            if isinstance(labels.get(v), Reduced) and v not in needed_reduced
-        ]
+        for i in self._global_post_idx:
+            # Each once, however many equations read it: a partial listed twice was summed twice.
+            needed_reduced += [
+                v for v in graph.eqns[i].invars if isinstance(labels.get(v), Reduced) and v not in needed_reduced
+            ]
         self.reduced_for_globals = needed_reduced
         for i in self._ancestors(body_idx, needed_reduced, "body"):
             e = graph.eqns[i]
@@ -345,6 +346,8 @@ class Split:
                     continue
                 lab = labels.get(v)
                 base = (mapping.get(v.base) or fed.get(v.base)) if v.base is not None else None
+                if decision.out_of_place:  # the call makes its result apart from the argument it wrote
+                    base = None
                 # (A var of no bytes, a layout token of stagetorch.rng, has none in a chunk either.)
                 nv = Var(_chunk_aval(v, lab, n), base=base, storage_nbytes=0 if v.storage_nbytes == 0 else None)
                 outvars.append(nv)

@@ -25,7 +25,7 @@ from .passes import liveness
 from .registry import slot
 
 __all__ = [
-    "CATEGORIES", "MemoryEffect", "effect", "workspace", "allocated", "Lifetimes", "Timeline", "timeline", "peak_bytes", "Schedule",
+    "CATEGORIES", "MemoryEffect", "effect", "workspace", "Layouts", "allocated", "Lifetimes", "Timeline", "timeline", "peak_bytes", "Schedule",
     "MemoryReport", "report",
 ]
 
@@ -73,18 +73,99 @@ def _memory_effect(e: Eqn, rules: dict | None) -> MemoryEffect:
     return out if isinstance(out, MemoryEffect) else MemoryEffect(int(out))
 
 
-def workspace(e: Eqn, rules: dict | None = None) -> int | None:
+# Ops whose CPU and CUDA kernels return a new, contiguous tensor whatever their inputs' strides.
+_CONTIGUOUS_OUT = {
+    torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
+    torch.ops.aten._unsafe_view, torch.ops.aten.zeros, torch.ops.aten.ones, torch.ops.aten.empty, torch.ops.aten.full,
+    torch.ops.aten.native_layer_norm_backward,
+}
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+class Layouts:
+    """``layouts(v)``: the strides ``v`` of ``graph`` has when the graph runs, where the IR says them, else
+    None. The IR records shapes, not strides; this follows a value back to the op that made its storage: one
+    of :data:`_CONTIGUOUS_OUT`, or a pointwise op over contiguous operands of its shape, makes it contiguous,
+    and each view on the way (``view``, ``transpose``, ``permute``...) is replayed on a meta tensor of those
+    strides. A graph input, or storage any other op made, is unknown. For workspace rules that depend on
+    an argument's layout (a kernel that copies a strided argument); unknown must be read as the costlier case."""
+
+    def __init__(self, graph: Graph):
+        self._graph = graph
+        self._makers: dict[Var, Eqn] | None = None
+        self._memo: dict[Var, tuple[int, ...] | None] = {}
+
+    def __call__(self, v: Var) -> tuple[int, ...] | None:
+        if v in self._memo:
+            return self._memo[v]
+        if self._makers is None:
+            self._makers = {o: e for e in self._graph.eqns for o in e.outvars if o is not None}
+        e = self._makers.get(v)
+        out = None if e is None else self._fresh(e, v) if v.base is None else self._view(e, v)
+        self._memo[v] = out
+        return out
+
+    def _fresh(self, e: Eqn, v: Var) -> tuple[int, ...] | None:
+        packet = getattr(e.prim, "overloadpacket", None)
+        contiguous = _contiguous(v.aval.shape)
+        if packet in _CONTIGUOUS_OUT:
+            return contiguous
+        if torch.Tag.pointwise in getattr(e.prim, "tags", ()) and all(
+            x.aval.shape == v.aval.shape and self(x) == contiguous for x in e.invars
+        ):
+            return contiguous
+        return None
+
+    def _view(self, e: Eqn, v: Var) -> tuple[int, ...] | None:
+        x = e.args[0] if e.args else None
+        # ATen ops only (a view, or an in-place op of one tensor): a Python function a pass put in the graph
+        # is not run, even on meta tensors.
+        if not isinstance(e.prim, torch._ops.OpOverload) or not isinstance(x, Var) or len(e.invars) != 1 or v not in e.outvars:
+            return None
+        strides = self(x)
+        if strides is None:
+            return None
+        try:
+            meta = torch.empty_strided(x.aval.shape, strides, dtype=x.aval.dtype, device="meta")
+            out = e.prim(meta, *e.args[1:], **e.kwargs)
+        except Exception:  # noqa: BLE001 - not a plain view op: unknown
+            return None
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        got = outs[e.outvars.index(v)] if e.outvars.index(v) < len(outs) else None
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(v.aval.shape):
+            return None
+        return tuple(got.stride())
+
+
+def _unknown(v: Var) -> None:
+    return None
+
+
+def workspace(e: Eqn, rules: dict | None = None, layouts: Callable[[Var], Any] | None = None) -> int | None:
     """The bytes ``e``'s kernel allocates inside itself beyond its outputs, by the registry's workspace rule
-    (None: the op has none). Held only while the equation runs."""
+    (None: the op has none). Held only while the equation runs. ``layouts``: the strides of ``e``'s
+    arguments where known (:class:`Layouts`), for a rule marked ``reads_layouts`` (called ``rule(e, layouts)``)."""
     rule = _rule(e, "workspace", rules)
-    return None if rule is None else int(rule(e))
+    if rule is None:
+        return None
+    if getattr(rule, "reads_layouts", False):
+        return int(rule(e, layouts or _unknown))
+    return int(rule(e))
 
 
-def effect(e: Eqn, rules: dict | None = None) -> MemoryEffect:
+def effect(e: Eqn, rules: dict | None = None, layouts: Callable[[Var], Any] | None = None) -> MemoryEffect:
     """The registry's memory and workspace rules for ``e``'s op applied to ``e`` (no rule: no effect beyond
-    its outputs). ``rules``: the rules looked up so far (a caller's memo over one graph)."""
+    its outputs). ``rules``: the rules looked up so far (a caller's memo over one graph); ``layouts``: see
+    :func:`workspace`."""
     eff = _memory_effect(e, rules)
-    extra = workspace(e, rules)
+    extra = workspace(e, rules, layouts)
     return eff if not extra else attrs.evolve(eff, workspace=eff.workspace + extra)
 
 
@@ -183,6 +264,7 @@ def timeline(graph: Graph, workspaces: bool = True) -> Timeline:
     rows = [tuple(live)]
     ran = [0]
     rules: dict = {}
+    layouts = Layouts(graph)
     peak, peak_index, peak_ws = sum(live), 0, 0
     for i, e in enumerate(graph.eqns):
         if not schedule.runs[i]:
@@ -190,7 +272,7 @@ def timeline(graph: Graph, workspaces: bool = True) -> Timeline:
             continue
         eff = _memory_effect(e, rules)
         ruled = ruled or eff is not _NO_EFFECT
-        extra = workspace(e, rules) if workspaces else None
+        extra = workspace(e, rules, layouts) if workspaces else None
         ran.append(i + 1)
         for j, v in enumerate(e.outvars):
             if v is None:

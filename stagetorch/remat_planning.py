@@ -29,7 +29,7 @@ import attrs
 import numpy as np
 import torch
 
-from .costing import allocated, effect, peak_bytes
+from .costing import Layouts, allocated, effect, peak_bytes
 from .devices import bytes_ceiling, format_bytes
 from .errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError
 from .flops import eqn_calls, eqn_flops, graph_calls, graph_flops
@@ -114,9 +114,10 @@ class _Simulator:
         self.outs: list[tuple[int, ...]] = []
         self.sizes: list[tuple[int, ...]] = []
         self.workspace: list[int] = []
+        layouts = Layouts(graph)
         for e in graph.eqns:
             self.reads.append(tuple(index[v] for v in e.invars))
-            eff = effect(e)
+            eff = effect(e, layouts=layouts)
             outs = [(j, v) for j, v in enumerate(e.outvars) if v is not None]
             self.outs.append(tuple(index[v] for _, v in outs))
             self.sizes.append(tuple(allocated(eff.outputs.get(j, v.root.owned_nbytes), v.root.aval.device) for j, v in outs))

@@ -231,6 +231,19 @@ def test_examples_weighted_by_a_batch_sum_use_a_prepass():
     check(model, lambda m: _step(m, loss), (x, y))
 
 
+def test_a_batch_sum_read_twice_by_its_own_gradient_is_summed_once():
+    # d(s * s) = s * ds + s * ds, s a sum over the batch: the pre-pass reads s in two equations, and summed
+    # its chunks' partials once for each (the gradient was 2x too large wherever s met itself).
+    model, make = _mlp()
+    x, y = make(BATCH)
+
+    def loss(out, y, m):
+        s = out.sum(0)
+        return (s * s).sum() / BATCH**2 + F.cross_entropy(out, y)
+
+    check(model, lambda m: _step(m, loss), (x, y))
+
+
 def test_a_spatial_loss_with_reduction_none_summed():
     # nll_loss2d with reduction="none": its backward's incoming gradient is a shared expand of the full
     # batch, cut to each chunk.

@@ -206,7 +206,6 @@ def test_recomputation_of_one_long_example(name):
     assert plan.peak < stagetorch.jit(step_of(model), remat=False).plan(**batch).full_batch_peak_bytes
     with AllocatorPeak([*model.parameters(), *model.buffers(), *batch.values()]) as measured:
         loss = staged(**batch)
-    # Never above the budget. The recomputing program holds one hidden-state activation (24,576 B here) more
-    # than its plan on most of these models: within 5%, not yet 2% (noted in issue 24).
-    assert abs(measured.peak - plan.peak) <= 0.05 * plan.peak and measured.peak <= staged.memory_budget, (measured.peak, plan)
+    # Within 2% of the plan (to the byte on the text models; ViT and ConvNeXt ~1% over) and never above the budget.
+    assert abs(measured.peak - plan.peak) <= 0.02 * plan.peak and measured.peak <= staged.memory_budget, (measured.peak, plan)
     assert_same(model, *_eager(name, False, 1, 96), loss)

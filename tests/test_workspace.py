@@ -14,7 +14,7 @@ import torch
 from memtrack import op_workspace
 
 import stagetorch
-from stagetorch.costing import peak_bytes, workspace
+from stagetorch.costing import Layouts, peak_bytes, workspace
 
 aten = torch.ops.aten
 
@@ -148,11 +148,13 @@ def test_lstm_workspace_is_the_allocators(shape):
 
 @pytest.mark.parametrize("shape", [(16, 4, 12, 12, 8), (4, 4, 16, 16, 8), (2, 2, 100, 100, 16), (2, 2, 300, 300, 16), (1, 2, 40, 70, 8)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_flash_attention_workspace_is_the_allocators(shape, causal):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_flash_attention_workspace_is_the_allocators(shape, causal, dtype):
+    """The kernel accumulates in float, and in double for double inputs (the zoo's float64 models)."""
     b, h, length, source, e = shape
     if causal and length != source:
         pytest.skip("causal attention of unequal lengths")
-    q, k, v = torch.randn(b, h, length, e), torch.randn(b, h, source, e), torch.randn(b, h, source, e)
+    q, k, v = (torch.randn(b, h, n, e, dtype=dtype) for n in (length, source, source))
     op = aten._scaled_dot_product_flash_attention_for_cpu
     assert _rule(op, q, k, v, 0.0, causal) == op_workspace(op, q, k, v, 0.0, causal)
     out, lse = op(q, k, v, 0.0, causal)
@@ -160,10 +162,60 @@ def test_flash_attention_workspace_is_the_allocators(shape, causal):
     # The rule copies the output gradient, as the kernel does when it is laid out (batch, heads, L, E); one laid
     # out (batch, L, heads, E), as after transpose(1, 2).reshape, is read in place: the rule over-estimates it.
     contiguous = torch.randn_like(out)
-    strided = torch.randn(b, length, h, e).transpose(1, 2)
+    strided = torch.randn(b, length, h, e, dtype=dtype).transpose(1, 2)
     rule = _rule(back, contiguous, q, k, v, out, lse, 0.0, causal)
     assert rule == op_workspace(back, contiguous, q, k, v, out, lse, 0.0, causal)
     assert rule == op_workspace(back, strided, q, k, v, out, lse, 0.0, causal) + contiguous.nbytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("made", ["projected", "copied"])
+def test_flash_attention_backward_reads_a_gradient_the_ir_shows_laid_out_in_place(made, dtype):
+    """The output gradient as a model's backward makes it: a projection's gradient (batch * L, heads * E) viewed
+    (batch, L, heads, E) and transposed is read in place; ``.contiguous()`` of that is copied. The IR shows which
+    (costing.Layouts), and the rule follows it."""
+    b, h, length, e = 2, 4, 40, 8
+    q, k, v = (torch.randn(b, h, length, e, dtype=dtype) for _ in range(3))
+    op = aten._scaled_dot_product_flash_attention_for_cpu
+    back = aten._scaled_dot_product_flash_attention_for_cpu_backward
+    out, lse = op(q, k, v, 0.0, False)
+
+    def grad_of(a, w):
+        g = (a @ w).view(b, length, h, e).transpose(1, 2)
+        return g.contiguous() if made == "copied" else g
+
+    a, w = torch.randn(b * length, 16, dtype=dtype), torch.randn(16, h * e, dtype=dtype)
+
+    def step(a, w, q, k, v, out, lse):
+        return back(grad_of(a, w), q, k, v, out, lse, 0.0, False)
+
+    graph = stagetorch.make_ir(step)(a, w, q, k, v, out, lse)
+    (eqn,) = [x for x in graph.eqns if x.prim is back.default]
+    rule = workspace(eqn, layouts=Layouts(graph))
+    assert rule == op_workspace(back, grad_of(a, w), q, k, v, out, lse, 0.0, False)
+    # Without the layouts (an argument of unknown strides) the copy is counted.
+    assert workspace(eqn) == rule + (0 if made == "copied" else q.nbytes)
+
+
+@pytest.mark.parametrize("made", ["permuted", "contiguous"])
+def test_a_native_convolution_backward_copies_a_permuted_output_gradient_the_ir_shows(made):
+    """float64 runs the native kernels, which make the output gradient contiguous: a copy where it comes
+    permuted (channels-last LayerNorm's gradient, ConvNeXt), none where it comes contiguous."""
+    x, w = torch.randn(2, 3, 8, 8, dtype=torch.float64), torch.randn(4, 3, 3, 3, dtype=torch.float64)
+    a, m = torch.randn(128, 5, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+
+    def grad_of(a, m):
+        g = (a @ m).view(2, 8, 8, 4).permute(0, 3, 1, 2)
+        return g if made == "permuted" else g.contiguous()
+
+    def step(a, m, x, w):
+        return aten.convolution_backward(*_conv_backward(grad_of(a, m), x, w, 1, 1, False, 1, (True, True, False)))
+
+    graph = stagetorch.make_ir(step)(a, m, x, w)
+    (eqn,) = [e for e in graph.eqns if e.prim is aten.convolution_backward.default]
+    rule = workspace(eqn, layouts=Layouts(graph))
+    assert rule == op_workspace(aten.convolution_backward, *_conv_backward(grad_of(a, m), x, w, 1, 1, False, 1, (True, True, False)))
+    assert rule - workspace(eqn) == (a.shape[0] * m.shape[1] * 8 if made == "permuted" else 0)
 
 
 @pytest.mark.parametrize("shape", [(4, 32, 24, 24), (2, 8, 16, 16, 16), (16, 16), (8, 3, 5, 5)])

@@ -35,27 +35,46 @@ def _flash_splits(q: Aval, k: Aval) -> tuple[int, int]:
     return min(length, q_split), min(k.shape[-2], 512)
 
 
+def _accumulate_itemsize(q: Aval) -> int:
+    """Bytes of the type the kernel accumulates in: double for double inputs, float for every other."""
+    return 8 if q.dtype == torch.float64 else 4
+
+
 def sdpa_cpu_workspace(e: Eqn) -> int:
-    """Each thread's scores, row maxima and sums and output block, in float (measured at the allocator:
-    tests/test_workspace.py). Reduced-precision inputs add a copy of the scores block in their own dtype."""
+    """Each thread's scores, row maxima and sums and output block, in the accumulation type (float; double for
+    double inputs; measured at the allocator: tests/test_workspace.py). Reduced-precision inputs add a copy of the scores block in their own dtype."""
     q, k, v = (a.aval for a in e.args[:3])
     if q.device.type != "cpu":
         return 0
     qs, ks = _flash_splits(q, k)
-    per_thread = 4 * (qs * ks + 2 * qs + qs * v.shape[-1]) + (q.itemsize * qs * ks if q.itemsize < 4 else 0)
+    acc = _accumulate_itemsize(q)
+    per_thread = acc * (qs * ks + 2 * qs + qs * v.shape[-1]) + (q.itemsize * qs * ks if q.itemsize < 4 else 0)
     return torch.get_num_threads() * per_thread
 
 
-def sdpa_cpu_backward_workspace(e: Eqn) -> int:
-    """Each thread's scores and their gradient in float, a row of the query block, and a copy of the output
-    gradient: the kernel reads it as (batch, L, heads, E), and the IR does not record whether it is laid out so
-    (after ``transpose(1, 2).reshape`` it is, and the copy is not made: an over-estimate there)."""
+def _read_in_place(shape: tuple[int, ...], strides: tuple[int, ...] | None) -> bool:
+    """The kernel reads the output gradient (batch, heads, L, E) as (batch, L, heads, E) and copies it unless
+    it is contiguous so (measured: tests/test_workspace.py)."""
+    if strides is None:
+        return False
+    return torch.empty_strided(shape, strides, device="meta").transpose(1, 2).is_contiguous()
+
+
+def sdpa_cpu_backward_workspace(e: Eqn, layouts: Any = None) -> int:
+    """Each thread's scores and their gradient in the accumulation type (float; double for double inputs), a
+    row of the query block, and a copy of the output gradient unless it is laid out (batch, L, heads, E) (as
+    after the usual ``transpose(1, 2).reshape``, where the IR's layouts show it; unknown counts the copy)."""
     grad, q, k = (a.aval for a in e.args[:3])
     if q.device.type != "cpu":
         return 0
     qs, ks = _flash_splits(q, k)
     reduced = 2 * q.itemsize * qs * ks if q.itemsize < 4 else 0
-    return torch.get_num_threads() * (8 * qs * ks + reduced) + 4 * qs + grad.nbytes
+    acc = _accumulate_itemsize(q)
+    copy = 0 if layouts is not None and _read_in_place(grad.shape, layouts(e.args[0])) else grad.nbytes
+    return torch.get_num_threads() * (2 * acc * qs * ks + reduced) + acc * qs + copy
+
+
+sdpa_cpu_backward_workspace.reads_layouts = True  # type: ignore[attr-defined]
 
 
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -202,12 +203,23 @@ def convolution_workspace(e: Eqn) -> int:
     return copies + max(src + weight + dst, dst + out.nbytes) - out.nbytes
 
 
-def convolution_backward_workspace(e: Eqn) -> int:
+def _known_strided(v: Any, layouts: Any) -> bool:
+    """``v`` is laid out otherwise than contiguous, as far as the IR's layouts show (unknown: no)."""
+    strides = layouts(v) if layouts is not None else None
+    return strides is not None and strides != tuple(torch.empty(v.aval.shape, device="meta").stride())
+
+
+def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
     grad, x, w, stride, padding, dilation, transposed, groups, mask = _geometry(e, backward=True)
     if x.device.type != "cpu":
         return 0
     copies = _contiguous_copies(e, backward=True)
     if not _uses_mkldnn(x, w, stride, dilation, transposed, groups):
+        # The native kernels make the output gradient contiguous: a copy where it reaches them permuted
+        # (ConvNeXt's channels-last LayerNorm gradient). Counted where the IR's layouts show it; 1-d
+        # convolutions count it always (above).
+        if e.args[1].aval.ndim != 3 and _known_strided(e.args[0], layouts):
+            copies += e.args[0].aval.nbytes
         return copies + _columns(x, w, grad, stride, padding, transposed, groups, backward=True, grad_input=mask[0])
     b = _block()
     src, weight, grad_blocked, weight_padded = _onednn_parts(x, w, grad, groups, transposed)
@@ -229,6 +241,8 @@ def convolution_backward_workspace(e: Eqn) -> int:
         weights = grad_blocked + src + weight * (1 + torch.get_num_threads()) + 16 * 1024
     return copies + max(data, weights)
 
+
+convolution_backward_workspace.reads_layouts = True  # type: ignore[attr-defined]
 
 WORKSPACE: dict = {
     aten.convolution: convolution_workspace,

@@ -161,6 +161,8 @@ _ZEROS = (aten.zeros, aten.new_zeros, aten.zeros_like)
 
 def _is_zeros(label: LabelFn, x: Var) -> bool:
     maker = label.maker(x)
+    while maker is not None and maker.prim.overloadpacket in (aten.detach, aten.alias) and isinstance(maker.args[0], Var):
+        maker = label.maker(maker.args[0])  # ``torch.zeros(n)`` is traced as zeros, then a detach
     return maker is not None and maker.prim.overloadpacket in _ZEROS
 
 
@@ -251,6 +253,26 @@ def index_put(eqn: Eqn, label: LabelFn) -> Chunked:
     return Chunked((Batched(dim),), call=call, slice=cut)
 
 
+def index_put_(eqn: Eqn, label: LabelFn) -> Chunked:
+    """``x.index_put_(indices, values, accumulate)``: in place into per-example rows as :func:`index_put`
+    places them; into a shared tensor of zeros, ``accumulate`` set (a count over the batch, written
+    ``zeros(n).index_put_(..., accumulate=True)``), each chunk's share is made apart and the shares sum."""
+    decision = index_put(eqn, label)
+    if isinstance(decision.out[0], Reduced):
+
+        def call(n: int) -> tuple[Any, tuple, dict]:
+            return aten.index_put.default, eqn.args, eqn.kwargs
+
+        return Chunked(decision.out, call=call, slice=decision.slice, out_of_place=True)
+    if decision.call is not None or label(eqn.args[0]) is None:
+        raise coupling(
+            eqn,
+            "writes in place into rows of the batch dim chosen by an index",
+            "use the out-of-place x.index_put(...) (or x[idx] = v on a per-example x), or run without chunking",
+        )
+    return decision
+
+
 # index_put by packet: ops/moe.py registers the routing's own use of it on the packet too, after this family,
 # and hands every other use back to this table.
 BATCH: dict = {
@@ -258,4 +280,5 @@ BATCH: dict = {
     aten._unsafe_index.Tensor: index,
     aten.index_put: index_put,
     aten._unsafe_index_put: index_put,
+    aten.index_put_: index_put_,
 }

@@ -418,7 +418,8 @@ def scatter(eqn: Eqn, label: LabelFn) -> Chunked:
     """``scatter``/``scatter_add(x, dim, index, src)`` with per-example ``index`` and ``src`` into a shared
     ``x``: along another dim each example's rows land in its own rows of ``x`` (the backward of ``topk``
     scatters into ``new_zeros`` of the whole batch's size); along the batch dim ``scatter_add`` into zeros
-    counts over the batch (a router's tokens per expert), a sum the chunks add up."""
+    counts over the batch (a router's tokens per expert), a sum the chunks add up; in place too, where nothing
+    reads the zeros but through the result."""
     x, dim, index = eqn.args[0], eqn.args[1], eqn.args[2]
     lx, li = label(x), label(index)
     others = [label(v) for v in eqn.args[3:] if isinstance(v, Var)]
@@ -436,11 +437,14 @@ def scatter(eqn: Eqn, label: LabelFn) -> Chunked:
 
         return Chunked((li,), call=call, slice={x: li})
     if eqn.prim.overloadpacket in (aten.scatter_add, aten.scatter_add_):
+        # In place (``zeros(E).scatter_add_(...)``, transformers' load-balancing loss under an attention
+        # mask), each chunk would add into the one shared tensor: the chunk's partial is made apart instead.
+        in_place = eqn.prim.overloadpacket is aten.scatter_add_
 
         def call(n: int) -> tuple[Any, tuple, dict]:
-            return _scatter_into_zeros(eqn.prim), eqn.args, eqn.kwargs
+            return _scatter_into_zeros(aten.scatter_add.default), eqn.args, eqn.kwargs
 
-        return Chunked((Reduced("sum"),), call=call)
+        return Chunked((Reduced("sum"),), call=call, out_of_place=in_place)
     raise coupling(eqn, "scatters over the batch dim, where a later example overwrites an earlier one", "use scatter_add")
 
 
