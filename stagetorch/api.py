@@ -24,8 +24,9 @@ from .costing import MemoryReport, Schedule, allocated, peak_bytes, timeline
 from .costing import report as costing_report
 from .devices import bytes_ceiling, format_bytes, free_memory
 from .errors import BatchCouplingError, OutOfMemoryError, ShapeError, StagingError, UnsupportedOpError
-from .execute import Program, Undo, accumulate_grad, grad_to_install
+from .execute import Program, Undo, accumulate_grad, install_grads
 from .flops import graph_flops
+from .guards import StateWalk, flatten_args
 from .ir import Aval, Eqn, Graph, Var, op_name
 from .passes import writes
 from .planning import SAFETY_MARGIN, Plan, body_peaks, chunked_peak, plan_chunks
@@ -178,8 +179,14 @@ class Executable:
                 self._split.input_overlap = self._overlap
         return self._split
 
-    @_gc.paused()  # the planner builds recomputing graphs and chunk graphs: many objects that all stay alive
     def plan(self, budget: int) -> Plan:
+        full = self._full_peak
+        if full is not None and self.cap is None and full <= budget * (1 - SAFETY_MARGIN) and -1 in self.plans:
+            return self.plans[-1]  # a step that fits, as most do: nothing to plan (and no pause of the collector)
+        return self._plan(budget)
+
+    @_gc.paused()  # the planner builds recomputing graphs and chunk graphs: many objects that all stay alive
+    def _plan(self, budget: int) -> Plan:
         # The device's free memory moves a little between calls: re-plan only when the answer can change.
         # The whole graph is costed once; a budget it fits in reuses one plan.
         if self._full_peak is None:
@@ -445,6 +452,8 @@ def held_beside(error: StagingError, held: int, why: list[str]) -> StagingError:
 class _Entry:
     traced: Traced
     executable: Executable
+    # Positions of the inputs whose .grad the step adds into after the program (see Staged._held).
+    added: list[int] | None = None
 
 
 def _mutated_inputs(graph: Graph) -> list[int]:
@@ -492,6 +501,9 @@ class Staged:
         self._cache: dict[tuple, _Entry] = {}
         self._caps: dict[int, int] = {}  # batch size -> the largest chunk that ran after an out-of-memory error
         self._last_key: tuple | None = None
+        self._last_entry: _Entry | None = None
+        self._walk = StateWalk(fn)  # discover and tensors_and_key, made again only when what they read changed
+        self._planned: tuple = (None, 0, 0, None)  # the last (plan, held, budget) of _step_plan and its result
         functools.update_wrapper(self, fn)
         _STAGED.add(self)
 
@@ -515,18 +527,21 @@ class Staged:
     def _stage(self, args: tuple, kwargs: dict, global_batch: int | None = None) -> tuple[_Entry, list, State]:
         """The cached staged program for these arguments, and its real inputs. With ``global_batch`` (a
         process group's), the program is staged for the batched arguments holding that many examples."""
-        leaves, tree = pytree.tree_flatten((args, kwargs))
+        leaves, tree = flatten_args(args, kwargs)
         held = held_values(leaves, lambda: leaf_names(self.fn, args, kwargs))
         if held is not leaves:  # a lazy tensor: the step reads the real tensor it holds
             leaves = held
             args, kwargs = pytree.tree_unflatten(leaves, tree)
-        state = discover(self.fn, args, kwargs)
-        state_tensors, state_key = state.tensors_and_key()
+        state, state_tensors, state_key = self._walk.walk(args, kwargs, leaves)
         static = set(self.static_argnums)
         argnums = _leaf_argnums(args, kwargs) if static or self.batch_argnums is not None else None
         # The grad mode decides what the tracer records (a forward under no_grad has no backward to stage).
         key = (tree, _signature(leaves, static, argnums), state_key, global_batch, torch.is_grad_enabled())
-        entry = self._cache.get(key)
+        last = self._last_key
+        if last is not None and state_key is last[2] and tree is last[0] and key == last:
+            entry = self._last_entry  # the same key objects as the call before: no hash of the whole key
+        else:
+            entry = self._cache.get(key)
         if entry is None:
             if self._last_key is not None:
                 self._log_restage(self._last_key, key, state)
@@ -550,7 +565,7 @@ class Staged:
                 Executable(graph, batched, batch, traced.consts, cap=self._caps.get(batch), remat=self.remat),
             )
             self._cache[key] = entry
-        self._last_key = key
+        self._last_key, self._last_entry = key, entry
         if argnums is None:
             inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
         else:
@@ -656,8 +671,10 @@ class Staged:
         executable, traced = entry.executable, entry.traced
         copies = {inputs[i].untyped_storage().data_ptr(): inputs[i].untyped_storage().nbytes() for i in executable.guarded}
         old = _grad_storages(inputs, (*traced.assign_grads, *traced.clear_grads))
-        fed = {*traced.grad_params, *traced.assign_grads, *traced.clear_grads}
-        added = _grad_storages(inputs, [i for i, _ in executable.graph.grads if i not in fed])
+        if entry.added is None:
+            fed = {*traced.grad_params, *traced.assign_grads, *traced.clear_grads}
+            entry.added = [i for i, _ in executable.graph.grads if i not in fed]
+        added = _grad_storages(inputs, entry.added)
         why = [COPIES.format(len(copies))] if copies else []
         why += [f"the old .grad of {len(old)} parameter(s), which the step replaces"] if old else []
         why += [f"the .grad of {len(added)} parameter(s), which the step adds into"] if added else []
@@ -672,7 +689,12 @@ class Staged:
         whole = self._budget(executable)
         budget = max(whole - held, 0)
         try:
-            return budget, attrs.evolve(executable.plan(budget), held_bytes=held, budget_bytes=whole)
+            plan = executable.plan(budget)
+            last, last_held, last_whole, evolved = self._planned
+            if plan is not last or held != last_held or whole != last_whole:
+                evolved = attrs.evolve(plan, held_bytes=held, budget_bytes=whole)
+                self._planned = (plan, held, whole, evolved)
+            return budget, evolved
         except StagingError as e:
             wider = held_beside(e, held, why)
             if wider is e:
@@ -691,24 +713,7 @@ class Staged:
             self._caps[executable.batch] = executable.cap
         traced = entry.traced
         first = len(inputs) - len(executable.consts) - len(traced.grad_params)
-        # Installing the gradients allocates only a copy of a gradient laid out otherwise than its
-        # parameter, where no .grad will be there to add into: made before any .grad changes, so that
-        # failing to make it leaves every .grad as it was (the rest assigns, or adds in place).
-        fed = {i for i in traced.grad_params if inputs[i].grad is None}
-        assigned = set(traced.assign_grads)
-        grads = [
-            (i, grad_to_install(inputs[i], g) if i in assigned or (inputs[i].grad is None and i not in fed) else g)
-            for i, g in grads
-        ]
-        for i, g in zip(traced.grad_params, inputs[first:]):
-            if inputs[i].grad is None:
-                inputs[i].grad = g  # the zeros fed for it, which the step wrote
-        for i in traced.assign_grads:
-            inputs[i].grad = None
-        for i, g in grads:
-            accumulate_grad(inputs[i], g, fresh=True)
-        for i in traced.clear_grads:
-            inputs[i].grad = None
+        install_grads(inputs, grads, inputs[first:], traced.grad_params, traced.assign_grads, traced.clear_grads)
         n = traced.graph.out_tree.num_leaves
         for (opt, p, key), value in zip(traced.state_outs, outs[n:]):
             opt.state[p][key] = value
