@@ -21,11 +21,11 @@ import time
 
 import attrs
 import torch
-import torch.nn as nn
 import torch.utils._pytree as pytree
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests"))
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import bench_step  # noqa: E402
 import models  # noqa: E402
 
 import stagetorch  # noqa: E402
@@ -38,22 +38,7 @@ except ImportError:  # the tree before issue 27
     guards = None
 from stagetorch.tracing import discover, held_values  # noqa: E402
 
-
-def ln_mlp() -> tuple[nn.Module, callable]:
-    """784-512-512-10 with LayerNorm and GELU: the issue's third bench step."""
-    model = nn.Sequential(
-        nn.Linear(784, 512), nn.LayerNorm(512), nn.GELU(),
-        nn.Linear(512, 512), nn.LayerNorm(512), nn.GELU(),
-        nn.Linear(512, 10),
-    )
-    return model, lambda b: (torch.randn(b, 784), torch.randint(0, 10, (b,)))
-
-
-CASES = {
-    "seed_mlp_b256": (models.seed_mlp, 256),
-    "encoder_b32": (models.transformer, 32),
-    "ln_mlp_b256": (ln_mlp, 256),
-}
+CASES = {case: bench_step.CASES[case] for case in ("seed_mlp_b256", "encoder_b32", "ln_mlp_b256")}
 
 
 def per_call(f, block: int, blocks: int) -> float:
