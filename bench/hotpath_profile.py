@@ -133,7 +133,7 @@ def parts(case: str, block: int, blocks: int) -> dict[str, float]:
             "zero_grad (eager pays it too)": zero,
             "Staged._stage": lambda: staged._stage(args, kwargs),
             "flatten the arguments + held_values": lambda: held_values(flatten(args, kwargs)[0], lambda: []),
-            "the state walk as a call makes it": (lambda: walk.walk(args, kwargs, [x, y])) if walk else full_walk,
+            "the state walk as a call makes it": (lambda: walk.walk(step, args, kwargs, [x, y])) if walk else full_walk,
             "discover + tensors_and_key (a full walk)": full_walk,
             "_signature + cache lookup": key_lookup,
             "Staged._step_plan": lambda: staged._step_plan(entry, inputs),
@@ -152,7 +152,7 @@ def parts(case: str, block: int, blocks: int) -> dict[str, float]:
     if walk is not None:  # what a call pays where something changed: the full walk and a new guard
         def missed():
             walk.forget()
-            walk.walk(args, kwargs, [x, y])
+            walk.walk(step, args, kwargs, [x, y])
 
         out["a guard miss: full walk + new guard"] = per_call(missed, block, blocks)
 

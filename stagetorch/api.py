@@ -502,7 +502,7 @@ class Staged:
         self._caps: dict[int, int] = {}  # batch size -> the largest chunk that ran after an out-of-memory error
         self._last_key: tuple | None = None
         self._last_entry: _Entry | None = None
-        self._walk = StateWalk(fn)  # discover and tensors_and_key, made again only when what they read changed
+        self._walk = StateWalk()  # discover and tensors_and_key, made again only when what they read changed
         self._planned: tuple = (None, 0, 0, None)  # the last (plan, held, budget) of _step_plan and its result
         functools.update_wrapper(self, fn)
         _STAGED.add(self)
@@ -532,7 +532,7 @@ class Staged:
         if held is not leaves:  # a lazy tensor: the step reads the real tensor it holds
             leaves = held
             args, kwargs = pytree.tree_unflatten(leaves, tree)
-        state, state_tensors, state_key = self._walk.walk(args, kwargs, leaves)
+        state, state_tensors, state_key = self._walk.walk(self.fn, args, kwargs, leaves)
         static = set(self.static_argnums)
         argnums = _leaf_argnums(args, kwargs) if static or self.batch_argnums is not None else None
         # The grad mode decides what the tracer records (a forward under no_grad has no backward to stage).

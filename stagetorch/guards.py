@@ -220,40 +220,39 @@ class StateWalk:
     something it read changed. ``walk`` returns the same ``State``, tensor list and key objects while its
     guard holds."""
 
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-        self._last: tuple[Guard, State, list, tuple] | None = None
+    def __init__(self) -> None:
+        self._last: tuple[Any, Guard, State, list, tuple] | None = None  # (fn, guard, state, tensors, key)
         self._useless = 0  # misses in a row that found the same key
         self._rest = 0  # calls left to walk without a guard
         self.walks = 0  # full walks made (a test's way to see the guard at work)
         _WALKS.add(self)
 
-    def walk(self, args: tuple, kwargs: dict, leaves: Sequence) -> tuple[State, list[torch.Tensor], tuple]:
-        """The function's ``State``, its tensors and its key for a call with ``args``/``kwargs`` (``leaves``:
-        their flat leaves, lazy tensors already replaced by what they hold)."""
+    def walk(self, fn: Any, args: tuple, kwargs: dict, leaves: Sequence) -> tuple[State, list[torch.Tensor], tuple]:
+        """``fn``'s ``State``, its tensors and its key for a call with ``args``/``kwargs`` (``leaves``: their
+        flat leaves, lazy tensors already replaced by what they hold)."""
         last = self._last
         self.walks += 1
         if self._rest:
             self._rest -= 1
-            state = discover(self.fn, args, kwargs)
+            state = discover(fn, args, kwargs)
             return (state, *state.tensors_and_key())
-        if last is not None and last[0].holds(leaves):
+        if last is not None and last[0] is fn and last[1].holds(leaves):
             self.walks -= 1
             if VERIFY:
-                _verify(self.fn, args, kwargs, last)
-            return last[1], last[2], last[3]
+                _verify(fn, args, kwargs, last)
+            return last[2], last[3], last[4]
         reads = Reads()
-        state = discover(self.fn, args, kwargs, reads=reads)
+        state = discover(fn, args, kwargs, reads=reads)
         tensors, key = state.tensors_and_key(reads)
-        if last is not None and _same(tensors, last[2]) and key == last[3]:
-            tensors, key = last[2], last[3]  # the same objects: the caller's cache lookup is then cheap
+        if last is not None and last[0] is fn and _same(tensors, last[3]) and key == last[4]:
+            tensors, key = last[3], last[4]  # the same objects: the caller's cache lookup is then cheap
             self._useless += 1
             if self._useless >= _USELESS:
                 self._useless, self._rest, self._last = 0, _REST, None
                 return state, tensors, key
         else:
             self._useless = 0
-        self._last = (Guard(reads, _arg_modules(leaves)), state, tensors, key)
+        self._last = (fn, Guard(reads, _arg_modules(leaves)), state, tensors, key)
         return state, tensors, key
 
     def forget(self) -> None:
@@ -263,8 +262,8 @@ class StateWalk:
 
 def _verify(fn: Any, args: tuple, kwargs: dict, last: tuple) -> None:
     tensors, key = discover(fn, args, kwargs).tensors_and_key()
-    if key != last[3] or len(tensors) != len(last[2]) or not all(map(_is, tensors, last[2])):
-        raise AssertionError(f"a state guard held where the state walk changed: {last[1].changes(last[3], key)}")
+    if key != last[4] or not _same(tensors, last[3]):
+        raise AssertionError(f"a state guard held where the state walk changed: {last[2].changes(last[4], key)}")
 
 
 # Every StateWalk, so that clear_caches drops what their guards hold.

@@ -156,7 +156,7 @@ def restore_globals():
 
 def _walk(walk: StateWalk, c: Case):
     leaves = flatten_args(c.args, {})[0]
-    return walk.walk(c.args, {}, leaves)
+    return walk.walk(c.step, c.args, {}, leaves)
 
 
 def _fresh(c: Case):
@@ -168,7 +168,7 @@ def _fresh(c: Case):
 def test_a_change_walks_again_and_finds_what_a_fresh_walk_finds(what):
     c = Case()
     c.hooks = []
-    walk = StateWalk(c.step)
+    walk = StateWalk()
     _, tensors, key = _walk(walk, c)
     assert _walk(walk, c)[2] is key and walk.walks == 1  # nothing changed: the same walk
     change, keyed = CHANGES[what]
@@ -208,7 +208,7 @@ def test_a_guard_that_fails_on_every_call_with_the_same_key_rests():
     for _ in range(10):
         model.last_batch = object()
         staged(x, y)
-        assert staged._walk.walk((x, y), {}, [x, y])[2] == discover(staged.fn, (x, y), {}).tensors_and_key()[1]
+        assert staged._walk.walk(staged.fn, (x, y), {}, [x, y])[2] == discover(staged.fn, (x, y), {}).tensors_and_key()[1]
     assert staged._walk._rest > 0 and len(staged._cache) == 1
 
 
