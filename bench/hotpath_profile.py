@@ -165,8 +165,10 @@ def parts(case: str, block: int, blocks: int) -> dict[str, float]:
     return out
 
 
-def interleaved(case: str, alternations: int) -> tuple[float, float]:
-    """Medians of eager and staged steps run alternately (as bench/bench_step.py's test_interleaved_ratio)."""
+def interleaved(case: str, alternations: int, clock=time.perf_counter) -> tuple[float, float]:
+    """Medians of eager and staged steps run alternately (as bench/bench_step.py's test_interleaved_ratio),
+    timed by ``clock`` (``time.thread_time`` for CPU time: robust to a shared machine's preemption where
+    torch runs in the one thread)."""
     torch.manual_seed(0)
     factory, batch = CASES[case]
     model, make = factory()
@@ -181,9 +183,9 @@ def interleaved(case: str, alternations: int) -> tuple[float, float]:
     for _ in range(alternations):
         for name, run in (("eager", step), ("staged", staged)):
             model.zero_grad(set_to_none=True)
-            t = time.perf_counter()
+            t = clock()
             run(x, y)
-            times[name].append(time.perf_counter() - t)
+            times[name].append(clock() - t)
     return statistics.median(times["eager"]), statistics.median(times["staged"])
 
 
@@ -210,6 +212,7 @@ def main() -> None:
     p.add_argument("--no-parts", action="store_true")
     p.add_argument("--lazy", action="store_true", help="the one-line mode's ratios too (batch 8 and 256)")
     p.add_argument("--threads", type=int, default=2, help="torch's intra-op threads (the bench steps use 2)")
+    p.add_argument("--cpu", action="store_true", help="time the interleaved steps in thread CPU time (with --threads 1)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
@@ -222,8 +225,9 @@ def main() -> None:
             print(f"| {row} | " + " | ".join(f"{table[c][row]:.1f}" for c in a.cases) + " |")
     for case in a.cases:
         for _ in range(a.runs):
-            e, s = interleaved(case, a.alternations)
-            print(f"{case}: eager {e * 1e6:.0f} us, staged {s * 1e6:.0f} us, staged / eager {s / e:.3f}")
+            e, s = interleaved(case, a.alternations, time.thread_time if a.cpu else time.perf_counter)
+            clock = "cpu" if a.cpu else "wall"
+            print(f"{case}: eager {e * 1e6:.0f} us, staged {s * 1e6:.0f} us ({clock}), staged / eager {s / e:.3f}")
     if a.lazy:
         for batch in (8, 256):
             for _ in range(max(a.runs, 1)):
