@@ -4,8 +4,8 @@ Run from the repository root: ``PYTHONPATH=. python bench/hotpath_profile.py`` (
 for the interleaved ratios as well, ``--lazy`` for the one-line mode's ratios).
 
 Each part of ``Staged.__call__`` is run on its own, as a warm call runs it, in blocks of ``--block`` calls; a
-part's cost is the least block mean (the machine is shared: the least is what the part costs when nothing
-else runs). "whole call, no kernels" is ``staged(x, y)`` with the compiled program replaced by one that
+part's cost is the least block mean of thread CPU time (the machine is shared: the least is what the part
+costs when nothing else runs; give --threads 1 so that torch's kernels run in the timed thread). "whole call, no kernels" is ``staged(x, y)`` with the compiled program replaced by one that
 returns the outputs of a real run: everything a call does but the ATen kernels. The parts of
 ``Staged._stage`` below it are the ones the tree has (``discover`` and ``tensors_and_key`` run on every call
 before issue 27, on a guard miss only after it).
@@ -42,13 +42,14 @@ CASES = {case: bench_step.CASES[case] for case in ("seed_mlp_b256", "encoder_b32
 
 
 def per_call(f, block: int, blocks: int) -> float:
-    """The least mean of ``blocks`` blocks of ``block`` calls of ``f``, in microseconds."""
+    """The least mean of ``blocks`` blocks of ``block`` calls of ``f``, in microseconds of this thread's CPU
+    time (a shared machine preempts it; torch runs in this thread at --threads 1)."""
     best = float("inf")
     for _ in range(blocks):
-        t = time.perf_counter()
+        t = time.thread_time()
         for _ in range(block):
             f()
-        best = min(best, (time.perf_counter() - t) / block)
+        best = min(best, (time.thread_time() - t) / block)
     return best * 1e6
 
 
@@ -189,17 +190,26 @@ def interleaved(case: str, alternations: int, clock=time.perf_counter) -> tuple[
     return statistics.median(times["eager"]), statistics.median(times["staged"])
 
 
-def lazy_interleaved(batch: int, alternations: int) -> tuple[float, float]:
+def lazy_interleaved(batch: int, alternations: int, clock=time.perf_counter) -> tuple[float, float]:
+    """bench/bench_lazy.py's test_interleaved_ratio (seed MLP, SGD, one-line mode), timed by ``clock``."""
     import copy
 
-    from bench_lazy import interleaved as lazy_alternate
     from bench_lazy import seed_step
 
     torch.manual_seed(0)
     model, make = models.seed_mlp()
     x, y = make(batch)
     eager, lazy = seed_step(model, x, y, "eager"), seed_step(copy.deepcopy(model), x, y, "lazy")
-    return lazy_alternate(eager, lazy, alternations)
+    for _ in range(20):
+        eager()
+        lazy()
+    times: dict[str, list[float]] = {"eager": [], "lazy": []}
+    for _ in range(alternations):
+        for name, step in (("eager", eager), ("lazy", lazy)):
+            t = clock()
+            step()
+            times[name].append(clock() - t)
+    return statistics.median(times["eager"]), statistics.median(times["lazy"])
 
 
 def main() -> None:
@@ -231,8 +241,9 @@ def main() -> None:
     if a.lazy:
         for batch in (8, 256):
             for _ in range(max(a.runs, 1)):
-                e, z = lazy_interleaved(batch, a.alternations)
-                print(f"lazy batch {batch}: eager {e * 1e6:.0f} us, lazy {z * 1e6:.0f} us, lazy / eager {z / e:.3f}")
+                e, z = lazy_interleaved(batch, a.alternations, time.thread_time if a.cpu else time.perf_counter)
+                clock = "cpu" if a.cpu else "wall"
+                print(f"lazy batch {batch}: eager {e * 1e6:.0f} us, lazy {z * 1e6:.0f} us ({clock}), lazy / eager {z / e:.3f}")
 
 
 if __name__ == "__main__":
