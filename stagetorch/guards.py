@@ -208,10 +208,11 @@ def _arg_modules(leaves: Sequence) -> tuple:
     return tuple(x for x in leaves if isinstance(x, torch.nn.Module))
 
 
-# A guard that keeps failing while the key stays the same (something it checks and the key leaves out
-# changes every call: an object set anew on a module each step) costs more than it saves. After this many
-# such misses in a row, the next _REST calls walk without making one.
-_USELESS = 2
+# A guard that fails on every call costs more than it saves: something it checks changes every call (an
+# object set anew on a module each step, which the key leaves out; a key that alternates between two
+# programs; a lazy tensor, which no guard covers). After this many misses in a row, the next _REST calls
+# walk without making one, as every call did before guards.
+_MISSES = 2
 _REST = 64
 
 
@@ -222,7 +223,7 @@ class StateWalk:
 
     def __init__(self) -> None:
         self._last: tuple[Any, Guard, State, list, tuple] | None = None  # (fn, guard, state, tensors, key)
-        self._useless = 0  # misses in a row that found the same key
+        self._misses = 0  # guards that failed in a row
         self._rest = 0  # calls left to walk without a guard
         self.walks = 0  # full walks made (a test's way to see the guard at work)
         _WALKS.add(self)
@@ -238,26 +239,26 @@ class StateWalk:
             return (state, *state.tensors_and_key())
         if last is not None and last[0] is fn and last[1].holds(leaves):
             self.walks -= 1
+            self._misses = 0
             if VERIFY:
                 _verify(fn, args, kwargs, last)
             return last[2], last[3], last[4]
         reads = Reads()
         state = discover(fn, args, kwargs, reads=reads)
         tensors, key = state.tensors_and_key(reads)
-        if last is not None and last[0] is fn and _same(tensors, last[3]) and key == last[4]:
-            tensors, key = last[3], last[4]  # the same objects: the caller's cache lookup is then cheap
-            self._useless += 1
-            if self._useless >= _USELESS:
-                self._useless, self._rest, self._last = 0, _REST, None
+        if last is not None and last[0] is fn:
+            if _same(tensors, last[3]) and key == last[4]:
+                tensors, key = last[3], last[4]  # the same objects: the caller's cache lookup is then cheap
+            self._misses += 1
+            if self._misses >= _MISSES:
+                self._misses, self._rest, self._last = 0, _REST, None
                 return state, tensors, key
-        else:
-            self._useless = 0
         self._last = (fn, Guard(reads, _arg_modules(leaves)), state, tensors, key)
         return state, tensors, key
 
     def forget(self) -> None:
         self._last = None
-        self._useless = self._rest = 0
+        self._misses = self._rest = 0
 
 
 def _verify(fn: Any, args: tuple, kwargs: dict, last: tuple) -> None:

@@ -199,17 +199,22 @@ def test_a_warm_staged_step_walks_its_state_once():
     assert staged._walk.walks == 2 and len(staged._cache) == 2
 
 
-def test_a_guard_that_fails_on_every_call_with_the_same_key_rests():
-    """An object set anew on a module every step is checked by the guard and left out of the key: after
-    two such misses the walk runs without a guard (as before guards existed) for a while."""
+@pytest.mark.parametrize("keyed", [False, True], ids=["same_key", "alternating_key"])
+def test_a_guard_that_fails_on_every_call_rests(keyed):
+    """An object set anew on a module every step is checked by the guard and left out of the key; a value
+    that alternates changes the key on every call. After two misses in a row the walk runs without a guard
+    (as every call did before guards existed) for a while, and finds what a fresh walk finds."""
     model, make = models.seed_mlp()
     staged = stagetorch.jit(models.train_step(model))
     x, y = make(8)
-    for _ in range(10):
-        model.last_batch = object()
+    for call in range(10):
+        if keyed:
+            model.train(call % 2 == 0)
+        else:
+            model.last_batch = object()
         staged(x, y)
-        assert staged._walk.walk(staged.fn, (x, y), {}, [x, y])[2] == discover(staged.fn, (x, y), {}).tensors_and_key()[1]
-    assert staged._walk._rest > 0 and len(staged._cache) == 1
+        assert staged._last_key[2] == discover(staged.fn, (x, y), {}).tensors_and_key()[1]
+    assert staged._walk._rest > 0 and len(staged._cache) == (2 if keyed else 1)
 
 
 def test_a_lazy_tensor_in_the_closure_is_walked_on_every_call():
