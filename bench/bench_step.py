@@ -14,7 +14,24 @@ import torch
 
 import stagetorch
 
-CASES = {"seed_mlp_b256": (models.seed_mlp, 256), "transformer_b64": (models.transformer, 64)}
+
+def ln_mlp() -> tuple[torch.nn.Module, callable]:
+    """784-512-512-10 with LayerNorm and GELU (issue 27's third step)."""
+    nn = torch.nn
+    model = nn.Sequential(
+        nn.Linear(784, 512), nn.LayerNorm(512), nn.GELU(),
+        nn.Linear(512, 512), nn.LayerNorm(512), nn.GELU(),
+        nn.Linear(512, 10),
+    )
+    return model, lambda b: (torch.randn(b, 784), torch.randint(0, 10, (b,)))
+
+
+CASES = {
+    "seed_mlp_b256": (models.seed_mlp, 256),
+    "transformer_b64": (models.transformer, 64),
+    "encoder_b32": (models.transformer, 32),
+    "ln_mlp_b256": (ln_mlp, 256),
+}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -38,7 +55,8 @@ def test_step(benchmark, case, mode):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_interleaved_ratio(benchmark, case):
-    """Eager and staged steps alternately, 200 each: the ratio of medians, robust to the machine's drift."""
+    """Eager and staged steps alternately, 200 each: the ratio of medians, robust to the machine's drift
+    (issue 27 asks <= 1.00 for seed_mlp_b256, encoder_b32 and ln_mlp_b256)."""
     torch.set_num_threads(2)
     factory, batch = CASES[case]
     model, make = factory()

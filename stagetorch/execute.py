@@ -28,7 +28,7 @@ from ._tree import flatten
 from .ir import Eqn, Graph, Literal, Var, iter_vars, op_name
 from .passes import add_into, is_random, liveness, scheduled, writes
 
-__all__ = ["Program", "Undo", "Commit", "commit_plan", "accumulate_grad", "grad_to_install"]
+__all__ = ["Program", "Undo", "Commit", "commit_plan", "accumulate_grad", "grad_to_install", "install_grads"]
 
 aten = torch.ops.aten
 
@@ -310,6 +310,42 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, fresh: bool = False
     else:
         with torch.no_grad():
             param.grad.add_(grad)
+
+
+def install_grads(
+    inputs: list, grads: Sequence[tuple[int, torch.Tensor]], zeros: Sequence[torch.Tensor],
+    grad_params: Sequence[int] = (), assign_grads: Sequence[int] = (), clear_grads: Sequence[int] = (),
+) -> None:
+    """Leave each ``.grad`` as the eager step would after a staged step ran: ``grads`` are the (input
+    position, gradient) pairs it returned; ``grad_params`` the positions whose ``.grad`` it read, fed as
+    ``zeros`` (parallel) where it was None, which then become that ``.grad``; ``assign_grads`` those whose
+    ``.grad`` it replaces, ``clear_grads`` those it sets to None.
+
+    The only allocations, a copy of a gradient laid out otherwise than its parameter where no ``.grad`` will
+    be there to add into, are made before any ``.grad`` changes: failing to make one leaves every ``.grad`` as
+    it was (the rest assigns, or adds in place)."""
+    fed = {i for i in grad_params if inputs[i].grad is None} if grad_params else ()
+    assigned = set(assign_grads) if assign_grads else ()
+    ready = []  # (parameter, gradient, laid out as the parameter)
+    for i, g in grads:
+        param = inputs[i]
+        if i in assigned or (param.grad is None and i not in fed):
+            ready.append((param, grad_to_install(param, g), True))
+        else:
+            ready.append((param, g, False))
+    for i, zero in zip(grad_params, zeros):
+        if inputs[i].grad is None:
+            inputs[i].grad = zero  # the zeros fed for it, which the step wrote
+    for i in assign_grads:
+        inputs[i].grad = None
+    for param, g, laid_out in ready:
+        if param.grad is None:
+            param.grad = g if laid_out else grad_to_install(param, g, fresh=True)
+        else:
+            with torch.no_grad():
+                param.grad.add_(g)
+    for i in clear_grads:
+        inputs[i].grad = None
 
 
 _PROGRAMS = itertools.count()

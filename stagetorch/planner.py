@@ -59,6 +59,8 @@ class Planner:
     shard_plans: dict[tuple, Plan | OutOfMemoryError] = attrs.field(factory=dict)
     _split: Split | None = None
     _full_peak: int | None = None
+    # The last (plan, held, budget) of plan_call and the plan it returned for them: reused while they stay.
+    _called: tuple = (None, 0, 0, None)
     # The planners of the recomputing graphs the joint planner made from this one, and its frontier.
     _inner: dict[Graph, Planner] = attrs.field(factory=dict)
     _merge_ok: dict[Graph, bool] = attrs.field(factory=dict)  # see _merges_as_planned
@@ -72,9 +74,15 @@ class Planner:
                 self._split.input_overlap = self.overlap
         return self._split
 
-    @_gc.paused()  # the planner builds recomputing graphs and chunk graphs: many objects that all stay alive
     def plan(self, budget: int) -> Plan:
         """The plan for the program alone within ``budget`` bytes (what the call holds beside it left out)."""
+        full = self._full_peak
+        if full is not None and self.cap is None and full <= budget * (1 - SAFETY_MARGIN) and -1 in self.plans:
+            return self.plans[-1]  # a step that fits, as most do: nothing to plan (and no pause of the collector)
+        return self._plan(budget)
+
+    @_gc.paused()  # the planner builds recomputing graphs and chunk graphs: many objects that all stay alive
+    def _plan(self, budget: int) -> Plan:
         # The device's free memory moves a little between calls: re-plan only when the answer can change.
         # The whole graph is costed once; a budget it fits in reuses one plan.
         if self._full_peak is None:
@@ -100,7 +108,12 @@ class Planner:
         and the plan; an error about the budget says what ``memory_budget`` the whole call would fit in."""
         program_budget = max(budget - held, 0)
         try:
-            return program_budget, attrs.evolve(self.plan(program_budget), held_bytes=held, budget_bytes=budget)
+            plan = self.plan(program_budget)
+            last, last_held, last_budget, evolved = self._called
+            if plan is not last or held != last_held or budget != last_budget:
+                evolved = attrs.evolve(plan, held_bytes=held, budget_bytes=budget)
+                self._called = (plan, held, budget, evolved)
+            return program_budget, evolved
         except StagingError as e:
             wider = held_beside(e, held, why)
             if wider is e:

@@ -19,7 +19,8 @@ from .batching import Batched
 from .devices import free_memory
 from .errors import OutOfMemoryError, ShapeError, UnsupportedOpError
 from .executable import Executable
-from .execute import accumulate_grad, grad_to_install
+from .execute import accumulate_grad, install_grads
+from .guards import StateWalk, flatten_args
 from .ir import Graph
 from .planner import COPIES
 from .planning import Plan
@@ -77,6 +78,8 @@ def _named_args(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[str, Any]
 class _Entry:
     traced: Traced
     executable: Executable
+    # Positions of the inputs whose .grad the step adds into after the program (see Staged._held).
+    added: list[int] | None = None
 
 
 
@@ -112,6 +115,8 @@ class Staged:
         self._cache: dict[tuple, _Entry] = {}
         self._caps: dict[int, int] = {}  # batch size -> the largest chunk that ran after an out-of-memory error
         self._last_key: tuple | None = None
+        self._last_entry: _Entry | None = None
+        self._walk = StateWalk()  # discover and tensors_and_key, made again only when what they read changed
         functools.update_wrapper(self, fn)
         _STAGED.add(self)
 
@@ -135,18 +140,21 @@ class Staged:
     def _stage(self, args: tuple, kwargs: dict, global_batch: int | None = None) -> tuple[_Entry, list, State]:
         """The cached staged program for these arguments, and its real inputs. With ``global_batch`` (a
         process group's), the program is staged for the batched arguments holding that many examples."""
-        leaves, tree = pytree.tree_flatten((args, kwargs))
+        leaves, tree = flatten_args(args, kwargs)
         held = held_values(leaves, lambda: leaf_names(self.fn, args, kwargs))
         if held is not leaves:  # a lazy tensor: the step reads the real tensor it holds
             leaves = held
             args, kwargs = pytree.tree_unflatten(leaves, tree)
-        state = discover(self.fn, args, kwargs)
-        state_tensors, state_key = state.tensors_and_key()
+        state, state_tensors, state_key = self._walk.walk(self.fn, args, kwargs, leaves)
         static = set(self.static_argnums)
         argnums = _leaf_argnums(args, kwargs) if static or self.batch_argnums is not None else None
         # The grad mode decides what the tracer records (a forward under no_grad has no backward to stage).
         key = (tree, _signature(leaves, static, argnums), state_key, global_batch, torch.is_grad_enabled())
-        entry = self._cache.get(key)
+        last = self._last_key
+        if last is not None and state_key is last[2] and tree is last[0] and key == last:
+            entry = self._last_entry  # the same key objects as the call before: no hash of the whole key
+        else:
+            entry = self._cache.get(key)
         if entry is None:
             if self._last_key is not None:
                 self._log_restage(self._last_key, key, state)
@@ -170,7 +178,7 @@ class Staged:
                 Executable(graph, batched, batch, traced.consts, cap=self._caps.get(batch), remat=self.remat),
             )
             self._cache[key] = entry
-        self._last_key = key
+        self._last_key, self._last_entry = key, entry
         if argnums is None:
             inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
         else:
@@ -276,8 +284,10 @@ class Staged:
         executable, traced = entry.executable, entry.traced
         copies = {inputs[i].untyped_storage().data_ptr(): inputs[i].untyped_storage().nbytes() for i in executable.guarded}
         old = _grad_storages(inputs, (*traced.assign_grads, *traced.clear_grads))
-        fed = {*traced.grad_params, *traced.assign_grads, *traced.clear_grads}
-        added = _grad_storages(inputs, [i for i, _ in executable.graph.grads if i not in fed])
+        if entry.added is None:
+            fed = {*traced.grad_params, *traced.assign_grads, *traced.clear_grads}
+            entry.added = [i for i, _ in executable.graph.grads if i not in fed]
+        added = _grad_storages(inputs, entry.added)
         why = [COPIES.format(len(copies))] if copies else []
         why += [f"the old .grad of {len(old)} parameter(s), which the step replaces"] if old else []
         why += [f"the .grad of {len(added)} parameter(s), which the step adds into"] if added else []
@@ -303,24 +313,7 @@ class Staged:
             self._caps[executable.batch] = executable.cap
         traced = entry.traced
         first = len(inputs) - len(executable.consts) - len(traced.grad_params)
-        # Installing the gradients allocates only a copy of a gradient laid out otherwise than its
-        # parameter, where no .grad will be there to add into: made before any .grad changes, so that
-        # failing to make it leaves every .grad as it was (the rest assigns, or adds in place).
-        fed = {i for i in traced.grad_params if inputs[i].grad is None}
-        assigned = set(traced.assign_grads)
-        grads = [
-            (i, grad_to_install(inputs[i], g) if i in assigned or (inputs[i].grad is None and i not in fed) else g)
-            for i, g in grads
-        ]
-        for i, g in zip(traced.grad_params, inputs[first:]):
-            if inputs[i].grad is None:
-                inputs[i].grad = g  # the zeros fed for it, which the step wrote
-        for i in traced.assign_grads:
-            inputs[i].grad = None
-        for i, g in grads:
-            accumulate_grad(inputs[i], g, fresh=True)
-        for i in traced.clear_grads:
-            inputs[i].grad = None
+        install_grads(inputs, grads, inputs[first:], traced.grad_params, traced.assign_grads, traced.clear_grads)
         n = traced.graph.out_tree.num_leaves
         for (opt, p, key), value in zip(traced.state_outs, outs[n:]):
             opt.state[p][key] = value

@@ -163,13 +163,15 @@ class State:
                 seen.add(id(t))
                 yield ("param" if t.requires_grad else "const"), name, t
 
-    def tensors_and_key(self) -> tuple[list[torch.Tensor], tuple]:
+    def tensors_and_key(self, reads: Any = None) -> tuple[list[torch.Tensor], tuple]:
         """The tensors of :meth:`named_state` (same order) and the key of everything a trace of the
-        function assumed about its state, in one cheap walk: what every call of a staged function needs.
+        function assumed about its state, in one walk: what a call of a staged function needs (while
+        nothing changes, :class:`stagetorch.guards.StateWalk` reuses it).
 
         The key holds each tensor's identity and metadata, every module's scalar attributes (``training``,
         ``Dropout.p``, ``eps``, a user's ``self.scale``: whatever a forward may read and bake into the
-        trace) and the scalars of :attr:`values`."""
+        trace) and the scalars of :attr:`values`. ``reads`` (a :class:`stagetorch.guards.Reads`) is told
+        what the walk read: a read added here is added to ``Reads.modules``."""
         subs = [sub for _, m in self.modules for sub in m.modules()]
         seen: set[int] = set()
         tensors = []
@@ -198,10 +200,12 @@ class State:
             hooks += ((None, _hook_ids(_module_globals, tuple(f"_global{store}" for store in _MODULE_HOOKS))),)
         values = list(self.values)
         for cls in dict.fromkeys(type(sub) for sub in subs):
-            reads = _CLASS_GLOBALS.get(cls)
-            if reads is None:
-                reads = _CLASS_GLOBALS[cls] = _class_globals(cls)
-            values += [(name, _as_key(g.get(key))) for name, g, key in reads]
+            read = _CLASS_GLOBALS.get(cls)
+            if read is None:
+                read = _CLASS_GLOBALS[cls] = _class_globals(cls)
+            values += [(name, _as_key(g.get(key))) for name, g, key in read]
+        if reads is not None:
+            reads.modules(subs, tensors)
         return tensors, (avals, scalars, tuple(values), hooks)
 
     def snapshot(self) -> Callable[[], None]:
@@ -348,14 +352,20 @@ def held_values(leaves: list, names: Callable[[], Sequence[str]]) -> list:
     return [HELD[type(x)](x, name) if type(x) in HELD else x for x, name in zip(leaves, names())]
 
 
-def discover(fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> State:
-    """Find the modules and tensors ``fn`` refers to: closure, globals it names, ``self``, defaults, args."""
+def discover(fn: Callable, args: Sequence = (), kwargs: dict | None = None, reads: Any = None) -> State:
+    """Find the modules and tensors ``fn`` refers to: closure, globals it names, ``self``, defaults, args.
+
+    ``reads`` (a :class:`stagetorch.guards.Reads`) is told every mutable place the walk reads and what it
+    found there, so that a later call can tell that a new walk would find the same (the modules of the
+    arguments aside: the caller checks those)."""
     state = State()
     seen: set[int] = set()
 
     def add_tensor(name: str, t: torch.Tensor, setter: Callable[[Any], None] | None) -> None:
         hold = HELD.get(type(t))
         if hold is not None:
+            if reads is not None:
+                reads.unguardable()  # the tensor it holds can change while it stays the same object
             held, t = hold(t, name), t
             if setter is not None:  # the swap's undo puts back the user's tensor, not the one it holds
                 setter = _putting_back(setter, held, t)
@@ -374,10 +384,14 @@ def discover(fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> S
             return
         value = _as_key(obj)
         if value is not None:
+            if reads is not None and type(obj) is list:
+                reads.contents(obj)  # the value is its items'
             state.values.append((name, value))
             return
         if id(obj) in seen or depth > _MAX_DEPTH:
             return
+        if reads is not None:
+            reads.type(obj)  # what the walk does with it
         if isinstance(obj, torch.nn.Module):
             seen.add(id(obj))
             state.modules.append((name, obj))
@@ -394,6 +408,8 @@ def discover(fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> S
             seen.add(id(obj))
             visit_callable(name, obj, depth)
             return
+        if reads is not None and isinstance(obj, (list, dict)):
+            reads.contents(obj)
         if isinstance(obj, (list, tuple)) and len(obj) <= 256:
             seen.add(id(obj))
             for i, x in enumerate(obj):
@@ -406,6 +422,9 @@ def discover(fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> S
             return
         if depth <= 1 and _is_user_object(obj):
             seen.add(id(obj))
+            if reads is not None:
+                reads.attr(obj, "__dict__")
+                reads.contents(vars(obj))
             for k, x in vars(obj).items():
                 visit(_join(name, k), x, depth + 1, _attr_setter(obj, k))
 
@@ -413,20 +432,33 @@ def discover(fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> S
         """An optimizer's parameters, its state tensors and its hyperparameters (``lr`` set by a scheduler
         included) are the step's state like a module's."""
         state.optimizers.append((name, opt))
+        if reads is not None:
+            reads.attr(opt, "param_groups")
+            reads.attr(opt, "state")
+            reads.contents(opt.param_groups)
         k = 0
         for g, group in enumerate(opt.param_groups):
+            if reads is not None:
+                reads.contents(group)
+                reads.contents(group["params"])
             for key, x in group.items():
                 if key != "params":
                     visit(f"{name}.param_groups[{g}][{key!r}]", x, _MAX_DEPTH)
             params = group["params"]
             for j, p in enumerate(params):
                 add_tensor(f"{name}.param_groups[{g}]['params'][{j}]", p, _item_setter(params, j))
+                if reads is not None:
+                    reads.item(opt.state, p)
+                    if p in opt.state:
+                        reads.contents(opt.state[p])
                 for key, x in opt.state.get(p, {}).items():
                     visit(f"{name}.state[{k}][{key!r}]", x, _MAX_DEPTH)
                 k += 1
 
     def visit_callable(name: str, f: Any, depth: int) -> None:
         if isinstance(f, functools.partial):
+            if reads is not None:
+                reads.contents(f.keywords)
             visit_callable(name, f.func, depth)
             for i, a in enumerate(f.args):
                 visit(f"{name}.args[{i}]", a, depth + 1)
@@ -436,17 +468,32 @@ def discover(fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> S
         if isinstance(f, types.MethodType):
             visit("self" if depth == 0 else _join(name, "self"), f.__self__, depth)
             f = f.__func__
-        if not isinstance(f, types.FunctionType) or _is_internal(f.__code__.co_filename):
+        if not isinstance(f, types.FunctionType):
             return
+        if reads is not None:
+            reads.attr(f, "__code__")
+        if _is_internal(f.__code__.co_filename):
+            return
+        if reads is not None:
+            reads.attr(f, "__defaults__")
+            reads.attr(f, "__kwdefaults__")
+            if f.__kwdefaults__:
+                reads.contents(f.__kwdefaults__)
         if f.__closure__:
             for var, cell in zip(f.__code__.co_freevars, f.__closure__):
                 try:
                     value = cell.cell_contents
                 except ValueError:
+                    if reads is not None:
+                        reads.unguardable()  # an empty cell: cheaper to walk again than to check apart
                     continue
+                if reads is not None:
+                    reads.cell(cell, value)
                 visit(var, value, depth + 1, _cell_setter(cell))
         g = f.__globals__
         for gname in _global_names(f.__code__):
+            if reads is not None:
+                reads.item(g, gname)
             if gname in g:
                 visit(gname, g[gname], depth + 1, _item_setter(g, gname))
         for i, d in enumerate(f.__defaults__ or ()):

@@ -1,0 +1,250 @@
+"""What each part of a staged call costs, in microseconds per call (issue 27).
+
+Run from the repository root: ``PYTHONPATH=. python bench/hotpath_profile.py`` (``--runs 3 --alternations 400``
+for the interleaved ratios as well, ``--lazy`` for the one-line mode's ratios).
+
+Each part of ``Staged.__call__`` is run on its own, as a warm call runs it, in blocks of ``--block`` calls; a
+part's cost is the least block mean of thread CPU time (the machine is shared: the least is what the part
+costs when nothing else runs; give --threads 1 so that torch's kernels run in the timed thread). "whole call, no kernels" is ``staged(x, y)`` with the compiled program replaced by one that
+returns the outputs of a real run: everything a call does but the ATen kernels. The parts of
+``Staged._stage`` below it are the ones the tree has (``discover`` and ``tensors_and_key`` run on every call
+before issue 27, on a guard miss only after it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+import attrs
+import torch
+import torch.utils._pytree as pytree
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import bench_step  # noqa: E402
+import models  # noqa: E402
+
+import stagetorch  # noqa: E402
+from stagetorch import api, execute  # noqa: E402
+from stagetorch.execute import _NOTHING  # noqa: E402
+
+try:
+    from stagetorch import guards  # noqa: E402
+except ImportError:  # the tree before issue 27
+    guards = None
+from stagetorch.tracing import discover, held_values  # noqa: E402
+
+CASES = {case: bench_step.CASES[case] for case in ("seed_mlp_b256", "encoder_b32", "ln_mlp_b256")}
+
+
+def per_call(f, block: int, blocks: int) -> float:
+    """The least mean of ``blocks`` blocks of ``block`` calls of ``f``, in microseconds of this thread's CPU
+    time (a shared machine preempts it; torch runs in this thread at --threads 1)."""
+    best = float("inf")
+    for _ in range(blocks):
+        t = time.thread_time()
+        for _ in range(block):
+            f()
+        best = min(best, (time.thread_time() - t) / block)
+    return best * 1e6
+
+
+def _old_install(inputs, grads, executable, traced):
+    """Staged.__call__'s gradient install before issue 27 (the tree before it has no install_grads)."""
+    from stagetorch.execute import accumulate_grad, grad_to_install
+
+    first = len(inputs) - len(executable.consts) - len(traced.grad_params)
+    fed = {i for i in traced.grad_params if inputs[i].grad is None}
+    assigned = set(traced.assign_grads)
+    grads = [
+        (i, grad_to_install(inputs[i], g) if i in assigned or (inputs[i].grad is None and i not in fed) else g)
+        for i, g in grads
+    ]
+    for i, g in zip(traced.grad_params, inputs[first:]):
+        if inputs[i].grad is None:
+            inputs[i].grad = g
+    for i in traced.assign_grads:
+        inputs[i].grad = None
+    for i, g in grads:
+        accumulate_grad(inputs[i], g, fresh=True)
+    for i in traced.clear_grads:
+        inputs[i].grad = None
+
+
+def parts(case: str, block: int, blocks: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    factory, batch = CASES[case]
+    model, make = factory()
+    x, y = make(batch)
+    step = models.train_step(model)
+    staged = stagetorch.jit(step)
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        staged(x, y)
+    args, kwargs = (x, y), {}
+    entry, inputs, _ = staged._stage(args, kwargs)
+    executable, traced = entry.executable, entry.traced
+    program = executable.program
+    with torch._C._AutoDispatchBelowAutograd():
+        env = program._run(inputs, _NOTHING)
+    grads = [(i, env[s]) for i, s in program.grad_slots]
+    real_run = program._run
+    walk = getattr(staged, "_walk", None)  # the guarded state walk (issue 27)
+    flatten = getattr(guards, "flatten_args", None) if guards else None
+    flatten = flatten or (lambda a, k: pytree.tree_flatten((a, k)))
+    install = getattr(execute, "install_grads", None)
+    out: dict[str, float] = {}
+
+    def zero():
+        model.zero_grad(set_to_none=True)
+
+    def call():
+        model.zero_grad(set_to_none=True)
+        staged(x, y)
+
+    def full_walk():
+        state = discover(step, args, kwargs)
+        return state.tensors_and_key()
+
+    def key_lookup():
+        leaves = [x, y]
+        key = (tree, api._signature(leaves, set(), None), state_key, None, torch.is_grad_enabled())
+        return staged._cache.get(key)
+
+    def install_after_zero():
+        model.zero_grad(set_to_none=True)
+        if install is not None:
+            first = len(inputs) - len(executable.consts) - len(traced.grad_params)
+            install(inputs, grads, inputs[first:], traced.grad_params, traced.assign_grads, traced.clear_grads)
+        else:
+            _old_install(inputs, grads, executable, traced)
+
+    tree = flatten(args, kwargs)[1]
+    state_key = full_walk()[1]
+    budget = staged._budget(executable)
+    plan = executable.plan(budget)
+    program._run = lambda inputs, undo: env  # everything but the kernels
+    try:
+        t = {
+            "whole call, no kernels": call,
+            "zero_grad (eager pays it too)": zero,
+            "Staged._stage": lambda: staged._stage(args, kwargs),
+            "flatten the arguments + held_values": lambda: held_values(flatten(args, kwargs)[0], lambda: []),
+            "the state walk as a call makes it": (lambda: walk.walk(step, args, kwargs, [x, y])) if walk else full_walk,
+            "discover + tensors_and_key (a full walk)": full_walk,
+            "_signature + cache lookup": key_lookup,
+            "Staged._step_plan": lambda: staged._step_plan(entry, inputs),
+            "Staged._held": lambda: staged._held(entry, inputs),
+            "free_memory": lambda: staged._budget(executable),
+            "Executable.plan": lambda: executable.plan(budget),
+            "attrs.evolve of the plan": lambda: attrs.evolve(plan, held_bytes=0, budget_bytes=budget),
+            "Executable.run, no kernels": lambda: executable.run(inputs, budget),
+            "install .grad (zero_grad included)": install_after_zero,
+        }
+        for name, f in t.items():
+            out[name] = per_call(f, block, blocks)
+    finally:
+        program._run = real_run
+    out["install .grad"] = out.pop("install .grad (zero_grad included)") - out["zero_grad (eager pays it too)"]
+    if walk is not None:  # what a call pays where something changed: the full walk and a new guard
+        def missed():
+            walk.forget()
+            walk.walk(step, args, kwargs, [x, y])
+
+        out["a guard miss: full walk + new guard"] = per_call(missed, block, blocks)
+
+    def eager():
+        model.zero_grad(set_to_none=True)
+        step(x, y)
+
+    out["eager step (zero_grad included)"] = per_call(eager, max(block // 20, 5), blocks)
+    out["staged step (zero_grad included)"] = per_call(call, max(block // 20, 5), blocks)
+    return out
+
+
+def interleaved(case: str, alternations: int, clock=time.perf_counter) -> tuple[float, float]:
+    """Medians of eager and staged steps run alternately (as bench/bench_step.py's test_interleaved_ratio),
+    timed by ``clock`` (``time.thread_time`` for CPU time: robust to a shared machine's preemption where
+    torch runs in the one thread)."""
+    torch.manual_seed(0)
+    factory, batch = CASES[case]
+    model, make = factory()
+    x, y = make(batch)
+    step = models.train_step(model)
+    staged = stagetorch.jit(step)
+    for _ in range(20):
+        for run in (step, staged):
+            model.zero_grad(set_to_none=True)
+            run(x, y)
+    times: dict[str, list[float]] = {"eager": [], "staged": []}
+    for _ in range(alternations):
+        for name, run in (("eager", step), ("staged", staged)):
+            model.zero_grad(set_to_none=True)
+            t = clock()
+            run(x, y)
+            times[name].append(clock() - t)
+    return statistics.median(times["eager"]), statistics.median(times["staged"])
+
+
+def lazy_interleaved(batch: int, alternations: int, clock=time.perf_counter) -> tuple[float, float]:
+    """bench/bench_lazy.py's test_interleaved_ratio (seed MLP, SGD, one-line mode), timed by ``clock``."""
+    import copy
+
+    from bench_lazy import seed_step
+
+    torch.manual_seed(0)
+    model, make = models.seed_mlp()
+    x, y = make(batch)
+    eager, lazy = seed_step(model, x, y, "eager"), seed_step(copy.deepcopy(model), x, y, "lazy")
+    for _ in range(20):
+        eager()
+        lazy()
+    times: dict[str, list[float]] = {"eager": [], "lazy": []}
+    for _ in range(alternations):
+        for name, step in (("eager", eager), ("lazy", lazy)):
+            t = clock()
+            step()
+            times[name].append(clock() - t)
+    return statistics.median(times["eager"]), statistics.median(times["lazy"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--cases", nargs="*", default=list(CASES))
+    p.add_argument("--block", type=int, default=200)
+    p.add_argument("--blocks", type=int, default=7)
+    p.add_argument("--runs", type=int, default=0, help="interleaved ratio runs per case (0: none)")
+    p.add_argument("--alternations", type=int, default=400)
+    p.add_argument("--no-parts", action="store_true")
+    p.add_argument("--lazy", action="store_true", help="the one-line mode's ratios too (batch 8 and 256)")
+    p.add_argument("--threads", type=int, default=2, help="torch's intra-op threads (the bench steps use 2)")
+    p.add_argument("--cpu", action="store_true", help="time the interleaved steps in thread CPU time (with --threads 1)")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if not a.no_parts:
+        table = {case: parts(case, a.block, a.blocks) for case in a.cases}
+        rows = list(next(iter(table.values())))
+        print("| part (us per call) | " + " | ".join(a.cases) + " |")
+        print("|---|" + "---|" * len(a.cases))
+        for row in rows:
+            print(f"| {row} | " + " | ".join(f"{table[c][row]:.1f}" for c in a.cases) + " |")
+    for case in a.cases:
+        for _ in range(a.runs):
+            e, s = interleaved(case, a.alternations, time.thread_time if a.cpu else time.perf_counter)
+            clock = "cpu" if a.cpu else "wall"
+            print(f"{case}: eager {e * 1e6:.0f} us, staged {s * 1e6:.0f} us ({clock}), staged / eager {s / e:.3f}")
+    if a.lazy:
+        for batch in (8, 256):
+            for _ in range(max(a.runs, 1)):
+                e, z = lazy_interleaved(batch, a.alternations, time.thread_time if a.cpu else time.perf_counter)
+                clock = "cpu" if a.cpu else "wall"
+                print(f"lazy batch {batch}: eager {e * 1e6:.0f} us, lazy {z * 1e6:.0f} us ({clock}), lazy / eager {z / e:.3f}")
+
+
+if __name__ == "__main__":
+    main()
