@@ -29,7 +29,8 @@ import bench_step  # noqa: E402
 import models  # noqa: E402
 
 import stagetorch  # noqa: E402
-from stagetorch import api, execute  # noqa: E402
+from stagetorch import execute  # noqa: E402
+from stagetorch import staged as staged_module  # noqa: E402
 from stagetorch.execute import _NOTHING  # noqa: E402
 
 try:
@@ -112,7 +113,7 @@ def parts(case: str, block: int, blocks: int) -> dict[str, float]:
 
     def key_lookup():
         leaves = [x, y]
-        key = (tree, api._signature(leaves, set(), None), state_key, None, torch.is_grad_enabled())
+        key = (tree, staged_module._signature(leaves, set(), None), state_key, None, torch.is_grad_enabled())
         return staged._cache.get(key)
 
     def install_after_zero():
