@@ -407,6 +407,10 @@ def _best_move(current: Recompute, moves: list[Recompute], per_flop: bool) -> Re
     return best
 
 
+# How many of the longest-lived storages the chain's cuts may leave uncounted, at most.
+_SKIP_MOST = 8
+
+
 def _chain(sim: _Simulator) -> list[tuple[list[Var], list[Var], int, int, int, int]]:
     """The forward cut into a chain of segments at its narrow points: where a single storage made by the
     forward is read by it later (a block's output between residual blocks, a layer's output in a chain).
@@ -432,15 +436,22 @@ def _chain(sim: _Simulator) -> list[tuple[list[Var], list[Var], int, int, int, i
     cuts = _cuts(made, last, boundary, set())
     # A storage every layer reads (a causal mask, rotary tables made once) crosses every point between
     # layers: then one segment holds most of the bytes. Cut again without counting the longest-lived
-    # storages (the fewest that break the chain up), held as the outputs of the segment that made them.
+    # storages (the fewest that break the chain up), held as the outputs of the segment that made them;
+    # then, while twice as many again at least halve the largest segment, without those too (an
+    # encoder-decoder: the encoder's output and the decoder's mask, read by every decoder layer, and the
+    # decoder's inputs, made before the encoder, would otherwise leave a segment per stack, not per layer).
     nbytes = list(zip(where, cands.nbytes))
     if _largest_segment(cuts, nbytes) * 2 > sum(cands.nbytes):
         by_life = sorted(last, key=lambda r: made[r] - last[r])
-        for most in (1, 2, 4, 8):
+        most, largest = 1, 0
+        while most <= _SKIP_MOST:
             finer = _cuts(made, last, boundary, set(by_life[:most]))
-            if _largest_segment(finer, nbytes) * 2 <= sum(cands.nbytes):
-                cuts = finer
+            size = _largest_segment(finer, nbytes)
+            if size * 2 <= (largest or sum(cands.nbytes)):
+                cuts, largest = finer, size
+            elif largest:
                 break
+            most *= 2
     segments: list[tuple[list[Var], list[Var], int, int, int, int]] = []
     start, pos = 0, 0
     for end in [*cuts, boundary]:
