@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-import torch
 import test_transformers_zoo as zoo
+import torch
 from memtrack import AllocatorPeak
 
 import stagetorch

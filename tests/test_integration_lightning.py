@@ -254,7 +254,7 @@ def test_mixed_precision_equals_a_plain_lightning_run(precision, budget):
     """Lightning's autocast mixed precision on the CPU, bf16, and float16 with its GradScaler (whose scale is an
     input of the staged step): whole, the weights equal the plain run's at the same precision bit for bit;
     chunked (each chunk's half-precision gradient is rounded on its own before they are summed), within one
-    unit of the half type's rounding at the weights' scale.""" 
+    unit of the half type's rounding at the weights' scale."""
     torch.manual_seed(0)
     start = Float32Data()
     plain, staged, full = (copy.deepcopy(start) for _ in range(3))

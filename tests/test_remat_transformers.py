@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformer_models import MODELS, allocator_peak, checkpointing, model_and_batch, smallest_budget, step_of
+from transformer_models import (
+    MODELS,
+    allocator_peak,
+    checkpointing,
+    model_and_batch,
+    smallest_budget,
+    step_of,
+)
 
 import stagetorch
 from stagetorch.remat import recomputed_eqns
