@@ -452,3 +452,57 @@ def test_router_loss_in_one_line_mode_trains_in_chunks_as_in_eager(padded, lazy_
         opt0.zero_grad(), opt.zero_grad()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert rel(p.detach(), q.detach()) <= 1e-4, name
+
+
+def _routed_layer(w):
+    """A top-2 MoE layer as transformers writes it: sort by expert, grouped product, rows put back in order."""
+
+    def layer(x, ids):
+        keys, perm = torch.sort(ids.reshape(-1))
+        offs = torch.cumsum(torch.histc(keys.float(), bins=4, min=0, max=3), 0, dtype=torch.int32)
+        rows = aten._grouped_mm(x[perm // 2], w, offs)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0))
+        return rows[inv].view(x.shape[0], 2, -1).sum(1)
+
+    return layer
+
+
+@pytest.mark.parametrize("reads_it", [False, "item", True], ids=["fresh tensor", "value read", "tensor a recorded op reads"])
+def test_a_mid_step_write_after_an_moe_layer_in_one_line_mode(reads_it, lazy_mode):
+    """Between the layer and backward() a write into a real tensor (or a value read) runs what it reads. Into
+    a fresh tensor (or for the value) only that is computed, and the step chunks exactly; into a tensor an op already recorded reads, all that
+    was recorded must run, keeping the sorted rows saved for the backward: refused, saying what to do."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 8, 8, requires_grad=True)
+    layer = _routed_layer(w)
+    x, ids = torch.randn(64, 8), torch.randint(0, 4, (64, 2))
+
+    def step(x, ids):
+        y = layer(x, ids)
+        total = torch.zeros(())
+        total.add_(y.sum())
+        loss = y.square().sum()
+        loss.backward()
+        return loss, total
+
+    loss0, total0 = step(x, ids)
+    grad0, w.grad = w.grad, None
+    budget = budget_for(stagetorch.jit(lambda x, ids: step(x, ids)[0], remat=False), x, ids)
+    w.grad = None
+    lx, lids = stagetorch.lazy(x, ids, batch=0, memory_budget=budget, remat=False)
+    y = layer(lx, lids)
+    total = torch.zeros(())
+    if reads_it is True:
+        y.sum() + total  # recorded: it reads the tensor written next
+        with pytest.raises(stagetorch.BatchCouplingError, match=r"(?s)one-line mode.*test_moe\.py:\d+, mid-step.*after backward\(\)"):
+            total.add_(y.sum())
+        return
+    if reads_it == "item":
+        total = torch.tensor(y.sum().item())
+    else:
+        total.add_(y.sum())
+    loss = y.square().sum()
+    loss.backward()
+    assert rel(total, total0) <= TOL and rel(loss.detach().value(), loss0.detach()) <= TOL
+    assert rel(w.grad, grad0) <= TOL

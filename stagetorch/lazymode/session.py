@@ -15,12 +15,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..batching import Batched
 from ..devices import free_memory
-from ..errors import ConcretizationError, ModifiedInputError, StagingError
+from ..errors import BatchCouplingError, ConcretizationError, ModifiedInputError, StagingError
 from ..executable import Executable
 from ..execute import accumulate_grad
 from ..ir import Graph, Var, op_name
 from ..planner import COPIES, held_beside
-from ..tracing import Recorder
+from ..tracing import Recorder, user_frame
 from . import shard
 from .backward import BackwardSkip
 from .mode import Mode, cap
@@ -342,6 +342,8 @@ class _Session(BackwardSkip):
                 try:
                     results, _ = executable.run(inputs, max(budget - held, 0), name="lazy")
                 except StagingError as e:
+                    if getattr(e, "chunk_local_result", False):
+                        raise _kept_chunk_local(e) from e
                     wider = held_beside(e, held, [COPIES.format(len(executable.guarded))])
                     if wider is e:
                         raise
@@ -380,6 +382,20 @@ class _Session(BackwardSkip):
             if v in alive or (later is not None and v in later):
                 kept[v] = x
         self.values = kept
+
+
+def _kept_chunk_local(error: StagingError) -> BatchCouplingError:
+    """``error`` (rows a chunk orders its own way kept as a flush's result) as one-line mode causes it."""
+    caller = user_frame()
+    where = f" at {caller.f_code.co_filename}:{caller.f_lineno}" if caller is not None else ""
+    what = str(error).split("\nWhat to do:")[0]
+    return BatchCouplingError(
+        f"{what}\nIn one-line mode a flush keeps every value still referenced when it runs (a lazy tensor alive, "
+        f"or one saved for backward()): this flush ran{where}, mid-step, and would keep those rows.\n"
+        "What to do: read values (.item(), print, a write into a tensor that an op already recorded reads) after "
+        "backward() rather than between that layer and it; or give a memory_budget at which this flush runs "
+        "whole; or stage the step with stagetorch.jit, where those rows stay inside the program."
+    )
 
 
 def _ancestors(eqns: list, needed: list[Var]) -> list:
