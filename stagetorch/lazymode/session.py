@@ -217,8 +217,7 @@ class _Session(BackwardSkip):
                 for v in e.invars:
                     if v not in made and v not in invars:
                         invars.append(v)
-            labels = self.batched if self.shard is None else {}
-            labels = {**labels, **self.made}
+            labels = {**self.batched, **self.made}  # (no process group: flush peeks only without one)
             roles = ["arg" if v in labels else "const" for v in invars]
             graph = Graph(invars, pending, list(needed), roles, [""] * len(invars))
             batched = {v: b for v, b in labels.items() if v in invars}
@@ -323,7 +322,7 @@ class _Session(BackwardSkip):
         except KeyError:
             raise ConcretizationError("a lazy value was dropped before it ran; this is a bug in stagetorch.lazy") from None
         batched = self.batched
-        if needed is not None and self.shard is None:
+        if needed and self.shard is None:
             try:
                 executable.plan(max(free_memory(device, self.memory_budget) - executable.restore_bytes, 0))
             except StagingError as e:
