@@ -468,11 +468,14 @@ def _routed_layer(w):
     return layer
 
 
-@pytest.mark.parametrize("reads_it", [False, "item", True], ids=["fresh tensor", "value read", "tensor a recorded op reads"])
+@pytest.mark.parametrize(
+    "reads_it", [False, "item", True], ids=["fresh tensor", "value read", "tensor a recorded op reads"]
+)
 def test_a_mid_step_write_after_an_moe_layer_in_one_line_mode(reads_it, lazy_mode):
     """Between the layer and backward() a write into a real tensor (or a value read) runs what it reads. Into
-    a fresh tensor (or for the value) only that is computed, and the step chunks exactly; into a tensor an op already recorded reads, all that
-    was recorded must run, keeping the sorted rows saved for the backward: refused, saying what to do."""
+    a fresh tensor (or for the value) only that is computed, and the step chunks exactly; into a tensor an op
+    already recorded reads, all that was recorded must run, keeping the sorted rows saved for the backward:
+    refused, saying what to do."""
     torch.manual_seed(0)
     w = torch.randn(4, 8, 8, requires_grad=True)
     layer = _routed_layer(w)
