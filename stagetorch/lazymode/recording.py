@@ -279,7 +279,10 @@ class RecordingSteps(_SessionBase):
             # values the op reads (see flush's ``needed``).
             written = {id(t) for t in _written(func, args, kwargs)}
             needed = None
-            if not self.reads_any(written):
+            consts = self.consts  # (session.reads_any, here: this module sits below the session's)
+            if not any(
+                v in consts and id(consts[v]) in written for e in self.eqns[self.done : self.eqn_count] for v in e.invars
+            ):
                 needed = []
 
                 def need(t: torch.Tensor) -> torch.Tensor:
