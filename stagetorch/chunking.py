@@ -126,12 +126,14 @@ def _check_chunk_local(analysis: BatchAnalysis, results: list[Var]) -> None:
             )
         bad = next((v for v in e.outvars if v in results and getattr(labels.get(v), "chunk_local", False)), None)
         if bad is not None:
-            raise coupling(
+            error = coupling(
                 e,
                 "makes a result (an output, or a value read after the batch) whose rows each chunk orders its own "
                 "way",
                 "return values in token order (put reordered rows back first)",
             )
+            error.chunk_local_result = True  # one-line mode computes only what a mid-step read needs instead
+            raise error
 
 
 class Split:

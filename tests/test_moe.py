@@ -414,3 +414,98 @@ def test_the_eager_experts_loop_names_its_data_dependent_line():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+def test_router_loss_in_one_line_mode_trains_in_chunks_as_in_eager(padded, lazy_mode, monkeypatch):
+    """The load-balancing loss writes ``zeros(E).scatter_add_(0, experts, mask)`` into a real tensor mid-step,
+    which runs what was recorded before it: a flush there would keep each layer's tokens sorted by expert for
+    the backward, rows no chunk can hand over. Only the experts and the mask the write reads are computed
+    then; the whole step runs at backward(), in chunks. Three AdamW steps: every loss, aux loss and gradient
+    equal eager's."""
+    from stagetorch.executable import Executable
+
+    model, b = with_router_loss("mixtral"), batch(padded)
+    reference = copy.deepcopy(model)
+    opt0 = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    budget = budget_for(stagetorch.jit(aux_step_of(copy.deepcopy(model)), remat=False), *b)
+    chunks: list[int] = []
+    run = Executable.run
+
+    def recorded(self, inputs, budget, **kwargs):
+        chunks.append(len(self.plan(budget).chunk_sizes))
+        return run(self, inputs, budget, **kwargs)
+
+    monkeypatch.setattr(Executable, "run", recorded)
+    for _ in range(3):
+        loss0, aux0 = aux_step_of(reference)(*b)
+        chunks.clear()
+        ids, mask, labels = stagetorch.lazy(*b, batch=0, memory_budget=budget, remat=False)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        loss, aux = out.loss.item(), out.aux_loss.item()
+        assert chunks and chunks[-1] >= 3, chunks  # the step's flush, at backward(), ran in chunks
+        assert rel(torch.tensor(aux), aux0.detach()) <= TOL
+        assert_close(model, torch.tensor(loss), (loss0.detach(), [p.grad for p in reference.parameters()]), TOL)
+        opt0.step(), opt.step()
+        opt0.zero_grad(), opt.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert rel(p.detach(), q.detach()) <= 1e-4, name
+
+
+def _routed_layer(w):
+    """A top-2 MoE layer as transformers writes it: sort by expert, grouped product, rows put back in order."""
+
+    def layer(x, ids):
+        keys, perm = torch.sort(ids.reshape(-1))
+        offs = torch.cumsum(torch.histc(keys.float(), bins=4, min=0, max=3), 0, dtype=torch.int32)
+        rows = aten._grouped_mm(x[perm // 2], w, offs)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0))
+        return rows[inv].view(x.shape[0], 2, -1).sum(1)
+
+    return layer
+
+
+@pytest.mark.parametrize(
+    "reads_it", [False, "item", True], ids=["fresh tensor", "value read", "tensor a recorded op reads"]
+)
+def test_a_mid_step_write_after_an_moe_layer_in_one_line_mode(reads_it, lazy_mode):
+    """Between the layer and backward() a write into a real tensor (or a value read) runs what it reads. Into
+    a fresh tensor (or for the value) only that is computed, and the step chunks exactly; into a tensor an op
+    already recorded reads, all that was recorded must run, keeping the sorted rows saved for the backward:
+    refused, saying what to do."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 8, 8, requires_grad=True)
+    layer = _routed_layer(w)
+    x, ids = torch.randn(64, 8), torch.randint(0, 4, (64, 2))
+
+    def step(x, ids):
+        y = layer(x, ids)
+        total = torch.zeros(())
+        total.add_(y.sum())
+        loss = y.square().sum()
+        loss.backward()
+        return loss, total
+
+    loss0, total0 = step(x, ids)
+    grad0, w.grad = w.grad, None
+    budget = budget_for(stagetorch.jit(lambda x, ids: step(x, ids)[0], remat=False), x, ids)
+    w.grad = None
+    lx, lids = stagetorch.lazy(x, ids, batch=0, memory_budget=budget, remat=False)
+    y = layer(lx, lids)
+    total = torch.zeros(())
+    if reads_it is True:
+        y.sum() + total  # recorded: it reads the tensor written next
+        with pytest.raises(stagetorch.BatchCouplingError, match=r"(?s)one-line mode.*test_moe\.py:\d+, mid-step.*after backward\(\)"):
+            total.add_(y.sum())
+        return
+    if reads_it == "item":
+        total = torch.tensor(y.sum().item())
+    else:
+        total.add_(y.sum())
+    loss = y.square().sum()
+    loss.backward()
+    assert rel(total, total0) <= TOL and rel(loss.detach().value(), loss0.detach()) <= TOL
+    assert rel(w.grad, grad0) <= TOL

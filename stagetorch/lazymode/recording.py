@@ -132,6 +132,18 @@ _FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
 _WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}  # op -> (position, name) of each argument it writes
 
 
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The real tensors the op writes."""
+    _writes_real(func, args, kwargs)  # fills _WRITTEN
+    out = []
+    for i, name in _WRITTEN[func]:
+        x = args[i] if i < len(args) else kwargs.get(name)
+        for t in x if isinstance(x, (list, tuple)) else (x,):
+            if isinstance(t, torch.Tensor) and type(t) is not LazyTensor:
+                out.append(t)
+    return out
+
+
 def _writes_real(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether the op writes a real tensor (``ema.add_(lazy)``, ``bank[:] = lazy``, ``out=``): what the user
     can read of it without a lazy tensor, so it must hold its new value at once."""
@@ -262,8 +274,26 @@ class RecordingSteps(_SessionBase):
             self.recording.steps.append(_Step(func, _key(leaves), self._consts_in(leaves), None, False, False))
         if func not in _CONCRETE:
             # A write into a real tensor (or a data-dependent shape): everything recorded before it runs
-            # first, so what it read is the old value, as in eager.
-            self.flush([])
+            # first, so what it read is the old value, as in eager. Where no pending equation reads a tensor it
+            # writes (``torch.zeros(E).scatter_add_(0, experts, mask)``), the flush may compute only the
+            # values the op reads (see flush's ``needed``).
+            written = {id(t) for t in _written(func, args, kwargs)}
+            needed = None
+            consts = self.consts  # (session.reads_any, here: this module sits below the session's)
+            if not any(
+                v in consts and id(consts[v]) in written for e in self.eqns[self.done : self.eqn_count] for v in e.invars
+            ):
+                needed = []
+
+                def need(t: torch.Tensor) -> torch.Tensor:
+                    if type(t) is LazyTensor:
+                        t = t if t._shadow is None else t._shadow
+                        if t._session is self and t._var not in needed:
+                            needed.append(t._var)
+                    return t
+
+                map_leaves((args, kwargs), torch.Tensor, need)
+            self.flush([], needed=needed)
         return func(*map_leaves(args, torch.Tensor, _real), **map_leaves(kwargs, torch.Tensor, _real))
 
     def _wrap_fake(self, fake: torch.Tensor) -> LazyTensor:

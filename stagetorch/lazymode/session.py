@@ -15,12 +15,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..batching import Batched
 from ..devices import free_memory
-from ..errors import ConcretizationError, ModifiedInputError, StagingError
+from ..errors import BatchCouplingError, ConcretizationError, ModifiedInputError, StagingError
 from ..executable import Executable
 from ..execute import accumulate_grad
 from ..ir import Graph, Var, op_name
 from ..planner import COPIES, held_beside
-from ..tracing import Recorder
+from ..tracing import Recorder, user_frame
 from . import shard
 from .backward import BackwardSkip
 from .mode import Mode, cap
@@ -200,6 +200,40 @@ class _Session(BackwardSkip):
             v in consts and id(consts[v]) in ids for e in self.eqns[self.done : self.eqn_count] for v in e.invars
         )
 
+    def _peek(self, needed: list[Var]) -> None:
+        """Compute ``needed`` from the equations not yet run that it depends on, chunked within the budget,
+        without running the flush: every equation stays pending and runs again at the next flush. The values
+        an op run for real mid-step reads are per-example or reduced, so this program chunks where the whole
+        flush, keeping an MoE layer's sorted rows for the backward, could not."""
+        end = self.eqn_count
+        flushes = self.recording.flushes
+        key = ("peek", self.done, end, tuple(needed), self.remat)
+        built = flushes.get(key)
+        if built is None:
+            pending = _ancestors(self.eqns[self.done : end], needed)
+            made = {v for e in pending for v in e.outvars if v is not None}
+            invars: list[Var] = []
+            for e in pending:
+                for v in e.invars:
+                    if v not in made and v not in invars:
+                        invars.append(v)
+            labels = {**self.batched, **self.made}  # (no process group: flush peeks only without one)
+            roles = ["arg" if v in labels else "const" for v in invars]
+            graph = Graph(invars, pending, list(needed), roles, [""] * len(invars))
+            batched = {v: b for v, b in labels.items() if v in invars}
+            executable = Executable(graph, batched, self.batch, remat=self.remat)
+            device = next((v.aval.device for v in executable.batched), torch.device("cpu"))
+            built = flushes[key] = (executable, device, invars)
+        executable, device, invars = built
+        values, consts = self.values, self.consts
+        inputs = [values[v] if v in values else consts[v] for v in invars]
+        if self.versions:
+            self._check_versions(invars)
+        budget = free_memory(device, self.memory_budget)
+        results, _ = executable.run(inputs, max(budget - executable.restore_bytes, 0), name="lazy")
+        for v, x in zip(needed, results):
+            values[v] = x
+
     def _check_versions(self, invars: list[Var]) -> None:
         """Raise ModifiedInputError if a real tensor a pending call read was changed in place since."""
         versions, consts = self.versions, self.consts
@@ -216,10 +250,18 @@ class _Session(BackwardSkip):
                 "change it before the op."
             )
 
-    def flush(self, targets: list[Var], leaves: list[torch.Tensor] = (), grads: list | None = None) -> None:
+    def flush(
+        self, targets: list[Var], leaves: list[torch.Tensor] = (), grads: list | None = None,
+        needed: list[Var] | None = None,
+    ) -> None:
         """Run every recorded equation not yet run; keep ``targets``, every value still referenced, and the
         lazy gradients autograd stored in the ``.grad`` of ``leaves`` (or the (leaf, Var) pairs ``grads``),
-        which become real gradients."""
+        which become real gradients.
+
+        ``needed``: the values an op run for real mid-step reads. Where the whole flush cannot be chunked
+        because a value it would keep has rows each chunk orders its own way (an MoE layer's tokens sorted by
+        expert, saved for the backward), only ``needed`` is computed (:meth:`_peek`) and every equation is
+        left to the next flush, where those rows are consumed inside the program."""
         end = self.eqn_count
         if end == self.done:
             return
@@ -280,6 +322,14 @@ class _Session(BackwardSkip):
         except KeyError:
             raise ConcretizationError("a lazy value was dropped before it ran; this is a bug in stagetorch.lazy") from None
         batched = self.batched
+        if needed and self.shard is None:
+            try:
+                executable.plan(max(free_memory(device, self.memory_budget) - executable.restore_bytes, 0))
+            except StagingError as e:
+                if getattr(e, "chunk_local_result", False):
+                    self._peek(needed)
+                    return
+                # anything else is raised, and handled, by the run below
         kept = {v: x for v, x in values.items() if v in alive or v in batched or (later is not None and v in later)}
         try:
             if self.versions:
@@ -291,6 +341,8 @@ class _Session(BackwardSkip):
                 try:
                     results, _ = executable.run(inputs, max(budget - held, 0), name="lazy")
                 except StagingError as e:
+                    if getattr(e, "chunk_local_result", False):
+                        raise _kept_chunk_local(e) from e
                     wider = held_beside(e, held, [COPIES.format(len(executable.guarded))])
                     if wider is e:
                         raise
@@ -329,6 +381,37 @@ class _Session(BackwardSkip):
             if v in alive or (later is not None and v in later):
                 kept[v] = x
         self.values = kept
+
+
+def _kept_chunk_local(error: StagingError) -> BatchCouplingError:
+    """``error`` (rows a chunk orders its own way kept as a flush's result) as one-line mode causes it."""
+    caller = user_frame()
+    where = f" at {caller.f_code.co_filename}:{caller.f_lineno}" if caller is not None else ""
+    what = str(error).split("\nWhat to do:")[0]
+    return BatchCouplingError(
+        f"{what}\nIn one-line mode a flush keeps every value still referenced when it runs (a lazy tensor alive, "
+        f"or one saved for backward()): this flush ran{where}, mid-step, and would keep those rows.\n"
+        "What to do: read values (.item(), print, a write into a tensor that an op already recorded reads) after "
+        "backward() rather than between that layer and it; or give a memory_budget at which this flush runs "
+        "whole; or stage the step with stagetorch.jit, where those rows stay inside the program."
+    )
+
+
+def _ancestors(eqns: list, needed: list[Var]) -> list:
+    """The equations of ``eqns`` that ``needed`` depends on, in order. An equation that makes a view of (or
+    writes into) the storage of a value kept is kept too."""
+    want = set(needed)
+    roots = {v.root for v in needed}
+    keep = []
+    for e in reversed(eqns):
+        outs = [v for v in e.outvars if v is not None]
+        if any(v in want or v.root in roots for v in outs):
+            keep.append(e)
+            ins = [v for v in e.invars if isinstance(v, Var)]
+            want.update(ins)
+            roots.update(v.root for v in ins)
+    keep.reverse()
+    return keep
 
 
 def _per_example_outputs(executable: Executable) -> dict[Var, Batched]:

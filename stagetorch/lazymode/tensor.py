@@ -131,7 +131,7 @@ class LazyTensor(torch.Tensor):
         t = self if self._shadow is None else self._shadow
         s = t._session
         if t._var not in s.values:
-            s.flush([t._var])
+            s.flush([t._var], needed=[t._var])
         return s.values[t._var]
 
     def __repr__(self, **kwargs: Any) -> str:
