@@ -21,7 +21,7 @@ Results in bench/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import copy
 import statistics
 import sys
 import time
@@ -60,13 +60,18 @@ def measure(name: str, repeats: int = 5, mask: bool = False) -> dict:
     row["predicted"], row["plan"] = plan.peak, str(plan)
     staged(**batch)  # warm
     row["stagetorch_peak"] = allocator_peak(staged, model, batch)
+    # Timed on two models: checkpointing switched on and off between calls would add and remove a hook on the
+    # model each time (enable_input_require_grads), which the staged step's guard sees as a new module state:
+    # every stagetorch call would stage again (this bench's step times before session 8 were that, 5-11x).
+    ckpt_model = copy.deepcopy(model)
+    ckpt_step = step_of(ckpt_model)
     times: dict[str, list[float]] = {"ckpt": [], "stagetorch": []}
-    for _ in range(repeats):
-        for kind in ("ckpt", "stagetorch"):
-            model.zero_grad(set_to_none=True)
-            with checkpointing(model) if kind == "ckpt" else contextlib.nullcontext():
+    with checkpointing(ckpt_model):
+        for _ in range(repeats):
+            for kind, m, fn in (("ckpt", ckpt_model, ckpt_step), ("stagetorch", model, staged)):
+                m.zero_grad(set_to_none=True)
                 start = time.perf_counter()
-                (step if kind == "ckpt" else staged)(**batch)
+                fn(**batch)
                 times[kind].append(time.perf_counter() - start)
     row["ckpt_time"] = statistics.median(times["ckpt"])
     row["stagetorch_time"] = statistics.median(times["stagetorch"])
