@@ -76,10 +76,13 @@ class Planner:
 
     def plan(self, budget: int) -> Plan:
         """The plan for the program alone within ``budget`` bytes (what the call holds beside it left out)."""
-        full = self._full_peak
-        if full is not None and self.cap is None and full <= budget * (1 - SAFETY_MARGIN) and -1 in self.plans:
+        if self._full_peak is not None and -1 in self.plans and self._fits(budget):
             return self.plans[-1]  # a step that fits, as most do: nothing to plan (and no pause of the collector)
         return self._plan(budget)
+
+    def _fits(self, budget: int) -> bool:
+        """The whole graph runs at once within ``budget`` (its margin kept; no smaller chunk learned)."""
+        return self._full_peak <= budget * (1 - SAFETY_MARGIN) and self.cap is None
 
     @_gc.paused()  # the planner builds recomputing graphs and chunk graphs: many objects that all stay alive
     def _plan(self, budget: int) -> Plan:
@@ -87,7 +90,7 @@ class Planner:
         # The whole graph is costed once; a budget it fits in reuses one plan.
         if self._full_peak is None:
             self._full_peak = peak_bytes(self.graph) - (self.overlap or 0)
-        fits = self._full_peak <= budget * (1 - SAFETY_MARGIN) and self.cap is None
+        fits = self._fits(budget)
         # Chunked plans are kept per budget to about 0.4% (its top 9 bits).
         key = -1 if fits else budget >> max(budget.bit_length() - 9, 0) << max(budget.bit_length() - 9, 0)
         if key not in self.plans:

@@ -324,22 +324,6 @@ def _padded(kind: str) -> DataLoader:
     return DataLoader(rows + rows[::-1], batch_size=8)  # 5 batches of 8
 
 
-def _budget_for_chunks(strategy: StagedStrategy, batch: dict, chunks: int) -> int:
-    """A budget under which the step on ``batch`` runs in at least ``chunks`` chunks (bisected between the
-    whole batch's peak and budgets no plan fits in)."""
-    strategy.memory_budget = None
-    low, high = 0, strategy.plan(batch).peak
-    while high - low > 1024:
-        strategy.memory_budget = mid = (low + high) // 2
-        try:
-            if len(strategy.plan(batch).chunk_sizes) >= chunks:
-                return mid
-            high = mid
-        except MemoryError:
-            low = mid
-    raise AssertionError(f"no budget runs this step in {chunks} chunks")
-
-
 @pytest.mark.parametrize("mode", ["whole", "chunked"])
 @pytest.mark.parametrize("name", ["llama", "bert"])
 def test_transformers_models_on_padded_batches_equal_a_plain_lightning_run(name, mode):
@@ -359,7 +343,9 @@ def test_transformers_models_on_padded_batches_equal_a_plain_lightning_run(name,
         # The run's budget under which the second step, which holds the first step's .grad and momentum beside
         # it, runs in 3 chunks: planned on a probe run stopped after one step.
         probe = _fit(_hf(name), data, StagedStrategy(), steps=1).strategy
-        strategy = StagedStrategy(memory_budget=_budget_for_chunks(probe, next(iter(data)), 3))
+        batch = next(iter(data))
+        transformers_tests = pytest.importorskip("test_integration_transformers")
+        strategy = StagedStrategy(memory_budget=transformers_tests.budget_for_chunks(probe, lambda: probe.plan(batch), 3))
     trainer = _fit(staged, data, strategy, steps=3, callbacks=[plans])
     assert trainer.global_step == 3 and len(plans.chunks) == 3
     if mode == "chunked":  # the first step holds no .grad nor momentum yet: it may have room for the whole batch

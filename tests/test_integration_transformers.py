@@ -134,15 +134,16 @@ def fresh(name: str) -> torch.nn.Module:
     return MODELS[name][0]().double()
 
 
-def budget_for_chunks(trainer: StagedTrainer, batch: dict, chunks: int) -> int:
-    """A budget under which the step on ``batch`` runs in at least ``chunks`` chunks (bisected between the
-    whole batch's peak, too much, and budgets no plan fits in, too little)."""
-    trainer.memory_budget = None
-    low, high = 0, trainer.step_plan(batch).peak
+def budget_for_chunks(owner, plan, chunks: int) -> int:
+    """A budget under which ``plan()`` (a step's plan, read with ``owner.memory_budget`` set) has at least
+    ``chunks`` chunks, bisected between the whole batch's peak, too much, and budgets no plan fits in, too
+    little. ``owner``: a StagedTrainer or a Lightning StagedStrategy."""
+    owner.memory_budget = None
+    low, high = 0, plan().peak
     while high - low > 1024:
-        trainer.memory_budget = mid = (low + high) // 2
+        owner.memory_budget = mid = (low + high) // 2
         try:
-            if len(trainer.step_plan(batch).chunk_sizes) >= chunks:
+            if len(plan().chunk_sizes) >= chunks:
                 return mid
             high = mid
         except MemoryError:
@@ -176,7 +177,7 @@ def test_weights_equal_plain_trainer(name, mode, tmp_path, monkeypatch):
         # The budget that makes 3 chunks of a micro-step that holds the .grad it adds into (accumulation).
         for p in staged.parameters():
             p.grad = torch.zeros_like(p)
-        trainer.memory_budget = budget_for_chunks(trainer, batch, 3)
+        trainer.memory_budget = budget_for_chunks(trainer, lambda: trainer.step_plan(batch), 3)
         staged.zero_grad(set_to_none=True)
     ran = []
     step_plan = stagetorch.Staged._step_plan
