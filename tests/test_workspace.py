@@ -218,7 +218,7 @@ def test_a_native_convolution_backward_copies_a_permuted_output_gradient_the_ir_
     assert rule - workspace(eqn) == (a.shape[0] * m.shape[1] * 8 if made == "permuted" else 0)
 
 
-@pytest.mark.parametrize("shape", [(4, 32, 24, 24), (2, 8, 16, 16, 16), (16, 16), (8, 3, 5, 5)])
+@pytest.mark.parametrize("shape", [(4, 32, 24, 24), (2, 8, 16, 16, 16), (16, 16), (8, 3, 5, 5), (1, 64), (3, 64, 1)])
 def test_norm_backward_workspaces_are_the_allocators(shape):
     x = torch.randn(shape)
     c = shape[1]
@@ -232,6 +232,33 @@ def test_norm_backward_workspaces_are_the_allocators(shape):
         out, mean, rstd = aten.native_group_norm(x, w, None, n, c, hw, groups, 1e-5)
         args = (torch.randn_like(x), x, mean, rstd, w, n, c, hw, groups, [True, True, True])
         assert _rule(aten.native_group_norm_backward, *args) == op_workspace(aten.native_group_norm_backward, *args)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (2, 64), (7, 64), (2, 65536 // 64), (4, 32, 1, 1), (4, 32, 6, 6)])
+def test_batch_norm_workspaces_follow_the_threads_the_mode_and_the_weight(shape, dtype, threads):
+    """Over (N, C) the CPU batch norm reduces through per-thread buffers of C accumulators: on a small batch
+    (a chunk of one or two examples) they are larger than the input-sized temporary the backward also makes.
+    A BatchNorm1d of 65536 features over two examples held 512 KiB more at the allocator than its plan."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.randn(shape, dtype=dtype)
+        c = shape[1]
+        mean, var = torch.zeros(c, dtype=dtype), torch.ones(c, dtype=dtype)
+        for weight in (torch.randn(c, dtype=dtype), None):
+            for training in (True, False) if x.numel() > c else (False,):  # one value per channel: no statistics
+                forward = (x, weight, None, mean, var, training, 0.1, 1e-5)
+                assert _rule(aten.native_batch_norm, *forward) == op_workspace(aten.native_batch_norm, *forward), (
+                    weight is None, training)
+                _, saved_mean, saved_invstd = aten.native_batch_norm(*forward)
+                saved = (saved_mean, saved_invstd) if training else (None, None)
+                backward = (torch.randn_like(x), x, weight, mean, var, *saved, training, 1e-5, [True, weight is not None, True])
+                assert _rule(aten.native_batch_norm_backward, *backward) == op_workspace(
+                    aten.native_batch_norm_backward, *backward), (weight is None, training)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_custom_op_workspace_is_held_while_it_runs_only():

@@ -108,11 +108,66 @@ LAYOUT: dict = {
 }
 
 
+def _batch_norm_cpu(x: Aval) -> tuple[int, int, int, int, bool]:
+    """(channels, rows per channel, bytes of an element, of an accumulator, whether the kernel takes the
+    "channels last" path) of a CPU batch norm over ``x``. ATen's CPU kernels (batch_norm_kernel.cpp) take
+    that path for an input with one value per (example, channel) — BatchNorm1d over (N, C) — and reduce it
+    through per-thread buffers of C accumulators. Half-precision inputs accumulate in float32."""
+    c = x.shape[1]
+    rows = x.numel // c if c else 0
+    size = x.dtype.itemsize
+    acc = 4 if x.dtype in (torch.float16, torch.bfloat16) else size
+    return c, rows, size, acc, rows == x.shape[0]
+
+
+def batch_norm_workspace(e: Eqn, training_arg: int | None) -> int:
+    """The CPU forward: the per-channel scale and shift (2 x C accumulators); in training over (N, C), the
+    statistics' per-thread buffers (T x C, where there are more rows than threads; half precision: T - 1
+    buffers of float32, whatever the rows). A channels-last input of more dims takes that path too; the IR
+    does not show it (its buffers are at most a few C)."""
+    x = e.args[0].aval
+    if x.device.type != "cpu" or x.numel == 0:
+        return 0
+    c, rows, size, acc, by_channel = _batch_norm_cpu(x)
+    training = training_arg is not None and bool(e.args[training_arg])
+    threads = torch.get_num_threads()
+    buffers = 0
+    if training and by_channel:
+        if acc != size:
+            buffers = (threads - 1) * c * acc
+        elif rows > threads:
+            buffers = threads * c * acc
+    return 2 * c * acc + buffers
+
+
+def batch_norm_backward_workspace(e: Eqn) -> int:
+    """The CPU backward first makes and frees an input-sized temporary, whatever the mask or mode; over (N,
+    C) it then reduces through two per-thread buffers of C accumulators (2 x T x C), with the inverse
+    standard deviations in eval mode and ones for a missing weight (C each; half precision: 3 x C float32
+    whatever the mode). The larger of the two is the kernel's peak (measured at the allocator:
+    tests/test_workspace.py)."""
+    x = e.args[1].aval
+    if x.device.type != "cpu":
+        return 0
+    if x.numel == 0:
+        return 0
+    c, _, size, acc, by_channel = _batch_norm_cpu(x)
+    if not by_channel:
+        return x.nbytes
+    buffers = 2 * torch.get_num_threads() * c * acc
+    if acc != size:
+        buffers += 3 * c * acc
+    else:
+        buffers += (0 if e.args[7] else c * acc) + (c * acc if e.args[2] is None else 0)
+    return max(x.nbytes, buffers)
+
+
 # Workspace rules: op -> rule(eqn) -> bytes the kernel allocates inside itself (see stagetorch/costing.py).
-# The CPU batch norm backward keeps an input-sized temporary, whatever the mask or mode (measured at the
-# allocator: tests/test_workspace.py).
 # The group norm backward, two floats per (example, channel).
 WORKSPACE: dict = {
-    aten.native_batch_norm_backward: lambda e: e.args[1].aval.nbytes if e.args[1].aval.device.type == "cpu" else 0,
+    aten.native_batch_norm: lambda e: batch_norm_workspace(e, 5),
+    aten._native_batch_norm_legit: lambda e: batch_norm_workspace(e, 3 if len(e.args) == 6 else 5),  # .no_stats
+    aten._native_batch_norm_legit_no_training: lambda e: batch_norm_workspace(e, None),
+    aten.native_batch_norm_backward: batch_norm_backward_workspace,
     aten.native_group_norm_backward: lambda e: 8 * e.args[5] * e.args[6] if e.args[1].aval.device.type == "cpu" else 0,
 }
