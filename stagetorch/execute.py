@@ -25,7 +25,7 @@ import torch
 
 from . import _gc
 from ._tree import flatten
-from .ir import Eqn, Graph, Literal, Var, iter_vars, op_name
+from .ir import Aval, Eqn, Graph, Literal, Var, iter_vars, op_name
 from .passes import add_into, is_random, liveness, scheduled, writes
 
 __all__ = ["Program", "Undo", "Commit", "commit_plan", "accumulate_grad", "grad_to_install", "install_grads"]
@@ -142,8 +142,9 @@ class Commit:
     for a functional ``_foreach_`` op, its in-place form and no names (the first list is copied into the
     places, then updated there by the same kernel). ``workspace``: bytes per device of the one allocation
     the commit makes, before its first write. ``fresh``: per step of the commit that makes a tensor the
-    program keeps (a first step's momentum buffer, ``clone(grad)``), the var it copies: that tensor is
-    allocated beside the workspace, before the first write, and filled at its step. ``numbers``: bytes the
+    program keeps (a first step's momentum buffer, ``clone(grad)``), what that tensor is laid out as (a var,
+    or an Aval: contiguous): it is allocated beside the workspace, before the first write, and filled at its
+    step. ``numbers``: bytes the
     commit still allocates after that, at their most at once: the 0-dim results of the ops on numbers it
     runs as they are (a step count's power) and the Python numbers an op wraps as 0-dim tensors (at most 16
     bytes each, with their cast, freed inside the op).
@@ -154,7 +155,7 @@ class Commit:
     places: dict[int, tuple[Any, tuple[str, ...], tuple[int, ...]]] = attrs.field(factory=dict)
     layout: tuple[tuple[torch.device, int, int, torch.dtype, tuple[int, ...]], ...] = ()
     workspace: dict[torch.device, int] = attrs.field(factory=dict)
-    fresh: dict[int, Var] = attrs.field(factory=dict)
+    fresh: dict[int, Var | Aval] = attrs.field(factory=dict)
     numbers: int = 0
 
     @property
@@ -202,12 +203,13 @@ def commit_plan(run: Graph, keep: Sequence[Var] = (), final: bool = True) -> Com
     layout: list[tuple[torch.device, int, int, torch.dtype, tuple[int, ...]]] = []
     active: dict[torch.device, list[tuple[int, int, int]]] = {}  # (offset, bytes, last step) per device
     workspace: dict[torch.device, int] = {}
-    fresh: dict[int, Var] = {}
+    fresh: dict[int, Var | Aval] = {}
+    made_at = {v: k for k, e in enumerate(eqns) for v in e.outvars if v is not None}
     for k in range(start, n):
         e = eqns[k]
         outs = [v for v in e.outvars if v is not None]
         if _is_fresh(e, kept):
-            fresh[k] = e.args[0]  # a copy laid out as it, or contiguous as the commit's temporaries are
+            fresh[k] = _layout_donor(e.args[0], eqns, made_at, start)
             continue
         if not outs or _returns_alias(e):
             continue  # a write, or a view
@@ -263,6 +265,20 @@ def _leaves(tree: Any) -> Iterator[Any]:
             yield from _leaves(x)
     else:
         yield tree
+
+
+def _layout_donor(v: Var, eqns: list[Eqn], made_at: dict[Var, int], start: int) -> Var | Aval:
+    """What a tensor the commit keeps, a copy of ``v``, is laid out as when the commit allocates it: ``v``
+    if it exists by then; else an operand of the same shape of the op that makes ``v`` that does (eager's
+    result of a pointwise op is laid out as its operands: a channels-last weight and its gradient); else
+    ``v``'s Aval (contiguous, as the commit's temporaries are)."""
+    if made_at.get(v.root, -1) < start:
+        return v
+    maker = eqns[made_at[v.root]]
+    for x in iter_vars((maker.args, maker.kwargs)):
+        if x.aval == v.aval and made_at.get(x.root, -1) < start:
+            return x
+    return v.aval
 
 
 def _root(v: Var) -> Var:
@@ -387,8 +403,8 @@ def _out_overload(prim: Any) -> tuple[Any, tuple[str, ...]]:
 
 def _carve(layout: tuple, workspace: dict[torch.device, int], like: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
     """The commit's allocations, all made before its first write: its temporaries, views into one allocation
-    per device, then a tensor laid out as each of ``like`` (what a tensor the program keeps copies; an Aval
-    where that is one of the commit's temporaries, which are contiguous)."""
+    per device, then a tensor laid out as each of ``like`` (a tensor, or an Aval: contiguous), each a tensor
+    the program keeps."""
     spaces = {d: torch.empty(size, dtype=torch.uint8, device=d) for d, size in workspace.items()}
     views = [spaces[d][o:o + size].view(dtype).view(shape) for d, o, size, dtype, shape in layout]
     return views + [
@@ -530,8 +546,7 @@ def _compile(
         comment = f"  # {op_name(e.prim)} at {e.source}".replace("\n", " ")
         lines.extend(f"    _undo.save({expr(v)})" for v in commit.saves.get(n, ()))
         if n == commit.start:
-            made_in = {v for e, _ in steps[n:] for v in e.outvars if v is not None}
-            like = "".join(f"{const(v.aval) if v in made_in else expr(v)}, " for v in commit.fresh.values())
+            like = "".join(f"{expr(v) if isinstance(v, Var) else const(v)}, " for v in commit.fresh.values())
             lines.append(f"    _w = _carve(_layout, _workspace, ({like}))  # the commit's allocations, before any write")
         if n in commit.fresh:
             place = f"_w[{len(commit.layout) + list(commit.fresh).index(n)}]"

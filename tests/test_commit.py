@@ -394,3 +394,34 @@ def test_the_out_overloads_a_commit_runs_allocate_nothing_of_the_outputs_size(pr
              if e.tag == allocation and e.extra_fields.alloc_size > 0]
     assert all(n <= execute._WRAPPED for n in sizes), sizes
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01], ids=["plain", "decay"])
+def test_a_first_sgd_step_makes_its_momentum_buffers_in_the_commit_laid_out_as_eager_does(weight_decay):
+    """SGD makes each momentum buffer (``clone(grad)``, with weight decay a clone of ``grad + wd * p``)
+    between the updates of the parameters before and after it: the commit allocates them before its first
+    write, nothing is copied, and a channels-last weight's buffer is channels-last, as eager's is."""
+
+    def run(staged: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+        model[0].to(memory_format=torch.channels_last)
+        # The convolution's weight last: its buffer is made after the linear layer's update.
+        opt = torch.optim.SGD(
+            [*model[2].parameters(), *model[0].parameters()], lr=0.1, momentum=0.9, weight_decay=weight_decay
+        )
+
+        def step(x, y):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+
+        run = stagetorch.jit(step) if staged else step
+        run(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last), torch.randn(2, 4))
+        if staged:
+            commit = next(reversed(run._cache.values())).executable.program.commit
+            assert len(commit.fresh) == 3 and not commit.saves
+        return [opt.state[p]["momentum_buffer"] for p in opt.param_groups[0]["params"]]
+
+    for got, want in zip(run(True), run(False)):
+        assert torch.equal(got, want) and got.stride() == want.stride()
