@@ -144,10 +144,9 @@ class Commit:
     the commit makes, before its first write. ``fresh``: per step of the commit that makes a tensor the
     program keeps (a first step's momentum buffer, ``clone(grad)``), what that tensor is laid out as (a var,
     or an Aval: contiguous): it is allocated beside the workspace, before the first write, and filled at its
-    step. ``numbers``: bytes the
-    commit still allocates after that, at their most at once: the 0-dim results of the ops on numbers it
-    runs as they are (a step count's power) and the Python numbers an op wraps as 0-dim tensors (at most 16
-    bytes each, with their cast, freed inside the op).
+    step. ``numbers``: bytes the commit still allocates after that, at their most at once: the 0-dim results
+    of the ops on numbers it runs as they are (a step count's power) and the Python numbers an op wraps as
+    0-dim tensors (at most 16 bytes each, with their cast, freed inside the op).
     """
 
     saves: dict[int, list[Var]] = attrs.field(factory=dict)
@@ -176,10 +175,10 @@ def commit_plan(run: Graph, keep: Sequence[Var] = (), final: bool = True) -> Com
     ``_foreach_sqrt``), run as its in-place form on a copy of its first list; or a copy the program keeps (a
     first step's momentum buffer). It starts at the first write to an input in that tail. Its temporaries are
     placed, first fit by lifetime, in one workspace per device, allocated just before that write with the
-    tensors it keeps; a failure to allocate them comes before anything is written. A write outside the commit (a forward's BatchNorm
-    statistics, an optimizer followed by a forward or a custom op, any write of a program that is not
-    ``final``) saves what it writes first. An optimizer stepped last in a step is a commit: its parameters
-    and moments are written in place with nothing copied."""
+    tensors it keeps; a failure to allocate them comes before anything is written. A write outside the
+    commit (a forward's BatchNorm statistics, an optimizer followed by a forward or a custom op, any write of
+    a program that is not ``final``) saves what it writes first. An optimizer stepped last in a step, foreach
+    or not, is a commit: its parameters and moments are written in place with nothing copied."""
     eqns = run.eqns
     n = len(eqns)
     made = {v for e in eqns for v in e.outvars if v is not None and v.base is None}  # storage the program makes
@@ -401,7 +400,9 @@ def _out_overload(prim: Any) -> tuple[Any, tuple[str, ...]]:
     return found
 
 
-def _carve(layout: tuple, workspace: dict[torch.device, int], like: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
+def _carve(
+    layout: tuple, workspace: dict[torch.device, int], like: Sequence[torch.Tensor | Aval] = ()
+) -> list[torch.Tensor]:
     """The commit's allocations, all made before its first write: its temporaries, views into one allocation
     per device, then a tensor laid out as each of ``like`` (a tensor, or an Aval: contiguous), each a tensor
     the program keeps."""
@@ -547,7 +548,7 @@ def _compile(
         lines.extend(f"    _undo.save({expr(v)})" for v in commit.saves.get(n, ()))
         if n == commit.start:
             like = "".join(f"{expr(v) if isinstance(v, Var) else const(v)}, " for v in commit.fresh.values())
-            lines.append(f"    _w = _carve(_layout, _workspace, ({like}))  # the commit's allocations, before any write")
+            lines.append(f"    _w = _carve(_layout, _workspace, ({like}))  # the commit's allocations")
         if n in commit.fresh:
             place = f"_w[{len(commit.layout) + list(commit.fresh).index(n)}]"
             lines.append(f"    _copy({place}, {args[0]}){comment}")

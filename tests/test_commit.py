@@ -320,8 +320,9 @@ _FOREACH_OPS = sorted(
 def test_a_functional_foreach_op_runs_in_a_commit_as_its_in_place_form_on_a_copy(prim):
     """What the commit runs for a functional ``_foreach_`` op, ``_foreach_copy_`` of its first list into the
     workspace (laid out as that list) then its in-place form there, allocates nothing of a tensor's size and
-    gives the functional op's result bit for bit (its out= overload would compute into new tensors and copy). The one without an
-    in-place form (``_foreach_pow(scalar, steps)``) runs as it is on 0-dim step counts only."""
+    gives the functional op's result bit for bit (its out= overload would compute into new tensors and
+    copy). The one without an in-place form (``_foreach_pow(scalar, steps)``) runs as it is on 0-dim step
+    counts only."""
     sample = _foreach_sample(prim)
     assert sample is not None, f"{prim}: no sample arguments"
     expected = prim(*sample)
