@@ -271,11 +271,11 @@ def _layout_donor(v: Var, eqns: list[Eqn], made_at: dict[Var, int], start: int) 
     if it exists by then; else an operand of the same shape of the op that makes ``v`` that does (eager's
     result of a pointwise op is laid out as its operands: a channels-last weight and its gradient); else
     ``v``'s Aval (contiguous, as the commit's temporaries are)."""
-    if made_at.get(v.root, -1) < start:
+    if made_at.get(v, -1) < start:  # an input, or made before (a view of an input is made where it is taken)
         return v
-    maker = eqns[made_at[v.root]]
+    maker = eqns[made_at[v]]
     for x in iter_vars((maker.args, maker.kwargs)):
-        if x.aval == v.aval and made_at.get(x.root, -1) < start:
+        if x.aval == v.aval and made_at.get(x, -1) < start:
             return x
     return v.aval
 
