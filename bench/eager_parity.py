@@ -1,5 +1,6 @@
 """Staged (whole, unchunked) against eager peak of the same step, at the allocator, for every test model and
-the optimizer-inside steps (issue 25: never more than eager). Prints a markdown table.
+the optimizer-inside steps, foreach or not, first step or later (issue 25: never more than eager). Prints a
+markdown table.
 
     PYTHONPATH=. python bench/eager_parity.py
 """

@@ -8,8 +8,8 @@ A step that fails must leave the caller's state (parameters, buffers, ``.grad``,
 was. A program writes that state in two ways (see :func:`commit_plan` and ``docs/chunking.md``): a write
 after which something can still fail saves a copy of what it writes first (:class:`Undo`); the writes of
 the program's *commit*, its last stretch, where nothing can fail for memory, save nothing. The commit's
-temporaries are made in one workspace allocated before its first write, so an optimizer step inside the
-program costs no copy of the model.
+temporaries are made in one workspace allocated before its first write (with the state a first optimizer
+step makes there), so an optimizer step inside the program, foreach or not, costs no copy of the model.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import keyword
 import linecache
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -25,7 +25,7 @@ import torch
 
 from . import _gc
 from ._tree import flatten
-from .ir import Eqn, Graph, Literal, Var, iter_vars, op_name
+from .ir import Aval, Eqn, Graph, Literal, Var, iter_vars, op_name
 from .passes import add_into, is_random, liveness, scheduled, writes
 
 __all__ = ["Program", "Undo", "Commit", "commit_plan", "accumulate_grad", "grad_to_install", "install_grads"]
@@ -118,6 +118,10 @@ COMMIT_OPS = frozenset(
     if not name.endswith("out") and not (name.startswith("Scalar") and packet in (aten.add, aten.sub, aten.mul, aten.div, aten.rsub))
 ) - {aten.rsub.Tensor}
 
+# The ops of COMMIT_OPS by name: a functional ``_foreach_`` op of one of them runs in a commit as its in-place
+# form on a copy of its first list (see _foreach_in_place).
+_COMMIT_NAMES = frozenset(p.overloadpacket.__name__ for p in COMMIT_OPS)
+
 # Writes that allocate nothing of their argument's size (besides pointwise in-place ops).
 _SAFE_WRITES = frozenset({aten.copy_, aten.zero_, aten.fill_})
 
@@ -134,8 +138,15 @@ class Commit:
     ``saves[k]``: the vars (inputs or views of them) whose storage step ``k`` writes outside the commit,
     saved to the :class:`Undo` before it runs. ``start``: the step of the commit's first write (None: no
     commit). ``places``: per step of the commit that allocates, its out= overload, the names of its output
-    arguments and, per output, the index of its place in ``layout``: (device, offset, bytes, dtype, shape).
-    ``workspace``: bytes per device of the one allocation the commit makes, before its first write.
+    arguments and, per output, the index of its place in ``layout``: (device, offset, bytes, dtype, shape);
+    for a functional ``_foreach_`` op, its in-place form and no names (the first list is copied into the
+    places, then updated there by the same kernel). ``workspace``: bytes per device of the one allocation
+    the commit makes, before its first write. ``fresh``: per step of the commit that makes a tensor the
+    program keeps (a first step's momentum buffer, ``clone(grad)``), what that tensor is laid out as (a var,
+    or an Aval: contiguous): it is allocated beside the workspace, before the first write, and filled at its
+    step. ``numbers``: bytes the commit still allocates after that, at their most at once: the 0-dim results
+    of the ops on numbers it runs as they are (a step count's power) and the Python numbers an op wraps as
+    0-dim tensors (at most 16 bytes each, with their cast, freed inside the op).
     """
 
     saves: dict[int, list[Var]] = attrs.field(factory=dict)
@@ -143,6 +154,8 @@ class Commit:
     places: dict[int, tuple[Any, tuple[str, ...], tuple[int, ...]]] = attrs.field(factory=dict)
     layout: tuple[tuple[torch.device, int, int, torch.dtype, tuple[int, ...]], ...] = ()
     workspace: dict[torch.device, int] = attrs.field(factory=dict)
+    fresh: dict[int, Var | Aval] = attrs.field(factory=dict)
+    numbers: int = 0
 
     @property
     def saved_inputs(self) -> list[Var]:
@@ -158,12 +171,14 @@ def commit_plan(run: Graph, keep: Sequence[Var] = (), final: bool = True) -> Com
     once its outputs have a place: an in-place pointwise write, a view, the profiler's marks, a pointwise
     op on 0-dim tensors only (a few bytes, as each Python scalar an op wraps as a tensor), or an op of
     :data:`COMMIT_OPS` on operands of one dtype (a 0-dim one aside) whose result the program does not keep,
-    run into its out= overload. It starts at the first write to an input in that tail. Its temporaries are
-    placed, first fit by lifetime, in one workspace per device, allocated just before that write; a failure
-    to allocate it comes before anything is written. A write outside the commit (a forward's BatchNorm
-    statistics, an optimizer followed by a forward or a custom op, any write of a program that is not
-    ``final``) saves what it writes first. An optimizer stepped last in a step is a commit: its parameters
-    and moments are written in place with nothing copied."""
+    run into its out= overload; a functional ``_foreach_`` op of one of them (an optimizer's
+    ``_foreach_sqrt``), run as its in-place form on a copy of its first list; or a copy the program keeps (a
+    first step's momentum buffer). It starts at the first write to an input in that tail. Its temporaries are
+    placed, first fit by lifetime, in one workspace per device, allocated just before that write with the
+    tensors it keeps; a failure to allocate them comes before anything is written. A write outside the
+    commit (a forward's BatchNorm statistics, an optimizer followed by a forward or a custom op, any write of
+    a program that is not ``final``) saves what it writes first. An optimizer stepped last in a step, foreach
+    or not, is a commit: its parameters and moments are written in place with nothing copied."""
     eqns = run.eqns
     n = len(eqns)
     made = {v for e in eqns for v in e.outvars if v is not None and v.base is None}  # storage the program makes
@@ -187,12 +202,22 @@ def commit_plan(run: Graph, keep: Sequence[Var] = (), final: bool = True) -> Com
     layout: list[tuple[torch.device, int, int, torch.dtype, tuple[int, ...]]] = []
     active: dict[torch.device, list[tuple[int, int, int]]] = {}  # (offset, bytes, last step) per device
     workspace: dict[torch.device, int] = {}
+    fresh: dict[int, Var | Aval] = {}
+    made_at = {v: k for k, e in enumerate(eqns) for v in e.outvars if v is not None}
     for k in range(start, n):
         e = eqns[k]
         outs = [v for v in e.outvars if v is not None]
-        if not outs or e.prim not in COMMIT_OPS or _returns_alias(e):
-            continue  # a view, or an op on numbers that makes its few bytes itself
-        overload, names = _out_overload(e.prim)
+        if _is_fresh(e, kept):
+            fresh[k] = _layout_donor(e.args[0], eqns, made_at, start)
+            continue
+        if not outs or _returns_alias(e):
+            continue  # a write, or a view
+        if e.prim in COMMIT_OPS and _out_overload(e.prim)[0] is not None:
+            overload, names = _out_overload(e.prim)
+        elif _foreach_in_place(e) is not None:
+            overload, names = _foreach_in_place(e), ()
+        else:
+            continue  # an op on numbers that makes its few bytes itself
         ids = []
         for v in outs:
             device, size = v.aval.device, -(-v.aval.nbytes // _ALIGN) * _ALIGN
@@ -208,7 +233,51 @@ def commit_plan(run: Graph, keep: Sequence[Var] = (), final: bool = True) -> Com
             ids.append(len(layout))
             layout.append((device, offset, v.aval.nbytes, v.aval.dtype, v.aval.shape))
         places[k] = (overload, names, tuple(ids))
-    return Commit(saves, start, places, tuple(layout), workspace)
+    return Commit(saves, start, places, tuple(layout), workspace, fresh, _numbers(eqns, start, places, fresh, last))
+
+
+_WRAPPED = 16  # bytes: a Python number an op wraps as a 0-dim tensor (complex double), or its cast
+
+
+def _numbers(eqns: list[Eqn], start: int, places: dict, fresh: dict, last: dict[Var, int]) -> int:
+    """The bytes a commit allocates besides its workspace, at their most at once (``Commit.numbers``)."""
+    live: dict[Var, int] = {}
+    most = 0
+    for k in range(start, len(eqns)):
+        e = eqns[k]
+        numbers = [x for x in _leaves((e.args, e.kwargs)) if isinstance(x, (int, float, complex))]
+        wrapped = _WRAPPED * sum(not isinstance(x, bool) for x in numbers)
+        if k not in places and k not in fresh and not _returns_alias(e):
+            live.update((v, v.aval.nbytes) for v in e.outvars if v is not None)
+        most = max(most, sum(live.values()) + wrapped)
+        for v in [v for v in live if last.get(v, k) <= k]:
+            del live[v]
+    return most
+
+
+def _leaves(tree: Any) -> Iterator[Any]:
+    if isinstance(tree, (list, tuple)):
+        for x in tree:
+            yield from _leaves(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _leaves(x)
+    else:
+        yield tree
+
+
+def _layout_donor(v: Var, eqns: list[Eqn], made_at: dict[Var, int], start: int) -> Var | Aval:
+    """What a tensor the commit keeps, a copy of ``v``, is laid out as when the commit allocates it: ``v``
+    if it exists by then; else an operand of the same shape of the op that makes ``v`` that does (eager's
+    result of a pointwise op is laid out as its operands: a channels-last weight and its gradient); else
+    ``v``'s Aval (contiguous, as the commit's temporaries are)."""
+    if made_at.get(v, -1) < start:  # an input, or made before (a view of an input is made where it is taken)
+        return v
+    maker = eqns[made_at[v]]
+    for x in iter_vars((maker.args, maker.kwargs)):
+        if x.aval == v.aval and made_at.get(x, -1) < start:
+            return x
+    return v.aval
 
 
 def _root(v: Var) -> Var:
@@ -244,12 +313,58 @@ def _cannot_fail(e: Eqn, kept: set[Var]) -> bool:
         return pointwise and (not schema.returns or _returns_alias(e)) and _one_dtype(e)
     if _returns_alias(e):
         return "as_strided" not in packet.__name__  # a view: strides of its own would read other bytes
+    if _is_fresh(e, kept):
+        return True  # allocated with the workspace, then a copy
     outs = [v for v in e.outvars if v is not None]
     if any(v.root in kept or v.base is not None for v in outs):
         return False
-    if torch.Tag.pointwise in prim.tags and all(v.aval.ndim == 0 for v in [*outs, *iter_vars((e.args, e.kwargs))]):
+    numbers = all(v.aval.ndim == 0 for v in [*outs, *iter_vars((e.args, e.kwargs))])
+    if packet.__name__.startswith("_foreach_"):
+        if packet.__name__.removeprefix("_foreach_") not in _COMMIT_NAMES or not _one_dtype(e):
+            return False
+        return numbers or _foreach_in_place(e) is not None
+    if torch.Tag.pointwise in prim.tags and numbers:
         return True  # on numbers (a step count, a bias correction): a few bytes, as a wrapped Python scalar
     return prim in COMMIT_OPS and _out_overload(prim)[0] is not None and _one_dtype(e)
+
+
+def _is_fresh(e: Eqn, kept: set[Var]) -> bool:
+    """``e`` copies a tensor into a new one the program keeps (SGD's first momentum buffer, ``clone(grad)``):
+    the commit allocates it, laid out as what it copies, before its first write."""
+    if e.prim is not aten.clone.default or e.kwargs.get("memory_format") not in (None, torch.preserve_format):
+        return False
+    (out,) = e.outvars
+    return out is not None and out.base is None and out in kept and isinstance(e.args[0], Var)
+
+
+def _foreach_in_place(e: Eqn) -> Any:
+    """The in-place form of the functional ``_foreach_`` op of ``e`` (``_foreach_sqrt_`` for
+    ``_foreach_sqrt``), if its outputs are laid out as its first list: the commit copies that list into the
+    outputs' places and runs it there. Its out= overload would compute into new tensors and copy; the
+    in-place form runs the functional op's own kernel and allocates nothing. None if there is none."""
+    prim = e.prim
+    found = _FOREACH_IN_PLACE.get(prim, False)
+    if found is False:
+        found = None
+        packet = getattr(aten, prim.overloadpacket.__name__ + "_", None)
+        name = prim._overloadname
+        if packet is not None and name in packet.overloads():
+            o = getattr(packet, name)
+            args = [(a.name, str(a.type)) for a in prim._schema.arguments]
+            if [(a.name, str(a.type)) for a in o._schema.arguments] == args and args and args[0][1] == "List[Tensor]":
+                found = o
+        _FOREACH_IN_PLACE[prim] = found
+    if found is None or not e.args or not isinstance(e.args[0], (list, tuple)):
+        return None
+    first = list(e.args[0])
+    outs = list(e.outvars)
+    same = all(isinstance(x, Var) and y is not None and x.aval == y.aval for x, y in zip(first, outs))
+    if len(first) != len(outs) or not same:
+        return None
+    return found
+
+
+_FOREACH_IN_PLACE: dict[Any, Any] = {}
 
 
 def _one_dtype(e: Eqn) -> bool:
@@ -285,10 +400,37 @@ def _out_overload(prim: Any) -> tuple[Any, tuple[str, ...]]:
     return found
 
 
-def _carve(layout: tuple, workspace: dict[torch.device, int]) -> list[torch.Tensor]:
-    """The commit's temporaries: views into one allocation per device (the commit's only allocation)."""
+def _carve(
+    layout: tuple, workspace: dict[torch.device, int], like: Sequence[torch.Tensor | Aval] = ()
+) -> list[torch.Tensor]:
+    """The commit's allocations, all made before its first write: its temporaries, views into one allocation
+    per device, then a tensor laid out as each of ``like`` (a tensor, or an Aval: contiguous), each a tensor
+    the program keeps."""
     spaces = {d: torch.empty(size, dtype=torch.uint8, device=d) for d, size in workspace.items()}
-    return [spaces[d][o:o + size].view(dtype).view(shape) for d, o, size, dtype, shape in layout]
+    views = [spaces[d][o:o + size].view(dtype).view(shape) for d, o, size, dtype, shape in layout]
+    return views + [
+        torch.empty_like(t) if isinstance(t, torch.Tensor) else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        for t in like
+    ]
+
+
+def _laid_out(places: list[torch.Tensor], like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The workspace ``places`` (contiguous) viewed with the strides of ``like`` where those are dense in
+    another order (a transposed weight): a functional ``_foreach_`` op's results are laid out as its first
+    list, and copying a transposed tensor into a contiguous one would allocate a transposition buffer."""
+    return [
+        w if x.is_contiguous() or not _dense(x) else w.as_strided(x.shape, x.stride()) for w, x in zip(places, like)
+    ]
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """The elements of ``x`` fill ``x.numel()`` places of its storage without a gap or overlap."""
+    expected = 1
+    for size, stride in sorted(zip(x.shape, x.stride()), key=lambda d: d[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def grad_to_install(param: torch.Tensor, grad: torch.Tensor, fresh: bool = False) -> torch.Tensor:
@@ -390,6 +532,8 @@ def _compile(
         lines.append(f"    s{slot} = inputs[{k}]")
     if commit.start is not None:
         names["_carve"], names["_layout"], names["_workspace"] = _carve, commit.layout, commit.workspace
+        names["_copy"], names["_copy_list"] = aten.copy_.default._op, aten._foreach_copy_.default._op
+        names["_laid_out"] = _laid_out
     for n, (e, free) in enumerate(steps):
         op = f"_p{n}"
         names[op] = getattr(e.prim, "_op", e.prim)  # the overload's C++ entry point
@@ -403,13 +547,30 @@ def _compile(
         comment = f"  # {op_name(e.prim)} at {e.source}".replace("\n", " ")
         lines.extend(f"    _undo.save({expr(v)})" for v in commit.saves.get(n, ()))
         if n == commit.start:
-            lines.append("    _w = _carve(_layout, _workspace)  # the commit's temporaries: nothing is written yet")
+            like = "".join(f"{expr(v) if isinstance(v, Var) else const(v)}, " for v in commit.fresh.values())
+            lines.append(f"    _w = _carve(_layout, _workspace, ({like}))  # the commit's allocations")
+        if n in commit.fresh:
+            place = f"_w[{len(commit.layout) + list(commit.fresh).index(n)}]"
+            lines.append(f"    _copy({place}, {args[0]}){comment}")
+            lines.append(f"    s{outs[0][1]} = {place}")
+            if free:
+                lines.append("    " + " = ".join(f"s{slot}" for slot in free) + " = None")
+            continue
         if n in commit.places:
             overload, out_names, ids = commit.places[n]
             names[op] = overload
-            args += [f"{k}=_w[{i}]" for k, i in zip(out_names, ids)]
+            if out_names:
+                args += [f"{k}=_w[{i}]" for k, i in zip(out_names, ids)]
+            else:  # a functional _foreach_ op: its in-place form on a copy of its first list
+                places = "[" + ", ".join(f"_w[{i}]" for i in ids) + "]"
+                lines.append(f"    _o = _laid_out({places}, {args[0]})")
+                lines.append(f"    _copy_list(_o, {args[0]})")
+                args[0] = "_o"
+                ids = [f"_o[{j}]" for j in range(len(ids))]
             lines.append(f"    {op}({', '.join(args)}){comment}")
-            lines.extend(f"    s{slot} = _w[{i}]" for (_, slot), i in zip(outs, ids))
+            lines.extend(f"    s{slot} = {i if isinstance(i, str) else f'_w[{i}]'}" for (_, slot), i in zip(outs, ids))
+            if not out_names:
+                lines.append("    _o = None")
             if free:
                 lines.append("    " + " = ".join(f"s{slot}" for slot in free) + " = None")
             continue

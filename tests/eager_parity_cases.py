@@ -1,6 +1,7 @@
 """The steps the staged program must run in no more memory than eager does (issue 25): every test model's
 training step (tests/models.py, tests/remat_models.py), a weight-decay penalty, and optimizers inside the
-step. ``peaks(name)`` measures eager and staged (whole batch, unchunked) at the allocator."""
+step (per element and foreach; a later step and the first, which makes the state). ``peaks(name)``
+measures eager and staged (whole batch, unchunked) at the allocator."""
 
 from __future__ import annotations
 
@@ -77,6 +78,21 @@ CASES: dict[str, Callable] = {
     "sgd_momentum_inside": _optimizer(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
     "adamw_inside": _optimizer(lambda ps: torch.optim.AdamW(ps, lr=1e-3)),
 }
+# Foreach optimizers (the default on CUDA) and first steps, which make the optimizer's state.
+_OPTIMIZERS = {
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False),
+    "sgd_momentum_foreach": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+    "sgd_nesterov_foreach": lambda ps: torch.optim.SGD(
+        ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4, foreach=True
+    ),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+    "adam_foreach": lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True),
+}
+CASES.update({f"{k}_inside": _optimizer(f) for k, f in _OPTIMIZERS.items() if k.endswith("_foreach")})
+# The first step: measured on its first call (staged: its program staged beforehand, as a plan does).
+FIRST_STEP = {f"{k}_inside_first_step" for k in _OPTIMIZERS}
+CASES.update({f"{k}_inside_first_step": _optimizer(f) for k, f in _OPTIMIZERS.items()})
 
 
 def _resident(model: nn.Module, opt, args) -> list[torch.Tensor]:
@@ -87,10 +103,14 @@ def _resident(model: nn.Module, opt, args) -> list[torch.Tensor]:
     return out
 
 
-def _measure(step: Callable, model: nn.Module, opt, args) -> int:
+def _measure(step: Callable, model: nn.Module, opt, args, first: bool = False) -> int:
     """The allocator peak of the step's second call (the first makes the optimizer's state), from .grad
-    cleared: what an eager training loop holds."""
-    step(*args)
+    cleared: what an eager training loop holds. ``first``: of its first call (a staged step is staged
+    first: its plan, which traces it, runs nothing)."""
+    if not first:
+        step(*args)
+    elif hasattr(step, "plan"):
+        step.plan(*args)
     model.zero_grad(set_to_none=True)
     peak, _ = allocator_peak(step, _resident(model, opt, args), *args)
     model.zero_grad(set_to_none=True)
@@ -101,8 +121,9 @@ def peaks(name: str) -> tuple[int, int]:
     """(eager, staged) allocator peaks of case ``name``, on two models made alike from one seed."""
     torch.manual_seed(0)
     model, step, args, opt = CASES[name]()
-    eager = _measure(step, model, opt, args)
+    first = name in FIRST_STEP
+    eager = _measure(step, model, opt, args, first)
     torch.manual_seed(0)
     model, step, args, opt = CASES[name]()
-    staged = _measure(stagetorch.jit(step, memory_budget=1 << 60), model, opt, args)
+    staged = _measure(stagetorch.jit(step, memory_budget=1 << 60), model, opt, args, first)
     return eager, staged
