@@ -327,11 +327,12 @@ def test_the_issue_example_fits_where_no_chunk_size_does():
     with pytest.raises(OutOfMemoryError, match="not even one example fits"):
         stagetorch.jit(step_of(model), memory_budget="16MiB", remat=False).plan(x)
     reference = copy.deepcopy(model)
-    # The same chunks without recomputation, under a budget they fit: recomputation changes no bit.
-    expected, ref_plan, ref_peak = _run(reference, x, memory_budget="36MiB", remat=False)
     loss, plan, peak = _run(model, x, memory_budget="16MiB")
     assert isinstance(plan, RematPlan) and plan.extra_flops > 0
     assert "Recomputes" in str(plan)
+    # The same chunks without recomputation, under a budget they fit (the whole batch: no budget; it plans
+    # whole, recomputing more, where that costs less than two chunks): recomputation changes no bit.
+    expected, ref_plan, ref_peak = _run(reference, x, memory_budget="36MiB" if plan.chunked else None, remat=False)
     # Both chunked runs are predicted to the byte. (The chunk graphs once counted each chunk's view of its
     # input as a new tensor, 512 KiB too many here, and a mean's partial as two tensors where it is one.)
     # (Within the few bytes of 0-dim temporaries the commit makes.)
@@ -808,7 +809,7 @@ _WORKSPACE_BOUND = pytest.mark.xfail(strict=True, reason="1/3 of the peak costs 
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=_WORKSPACE_BOUND) if n in ("resnet", "vnet") else n for n in sorted(remat_models.TRAINING)]
+    "name", [pytest.param(n, marks=_WORKSPACE_BOUND) if n in ("vnet",) else n for n in sorted(remat_models.TRAINING)]
 )
 def test_one_third_of_the_peak_at_training_sizes(name):
     """At a budget of 1/3 the no-recompute peak, the joint plan's predicted step cost (FLOPs, recomputed ones
