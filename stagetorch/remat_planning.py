@@ -43,7 +43,7 @@ from .rng import METADATA_ONLY, SaveRngState, device_of, replayable
 # What the chunk planner raises when a graph cannot run in chunks that fit: then only recomputation can help.
 _CANNOT = (OutOfMemoryError, BatchCouplingError, UnsupportedOpError)
 
-__all__ = ["Recompute", "frontier", "RematPlan", "plan_joint", "CALL_FLOPS", "step_cost", "predicted_cost"]
+__all__ = ["Recompute", "frontier", "chunk_frontier", "RematPlan", "plan_joint", "CALL_FLOPS", "step_cost", "predicted_cost"]
 
 # What one op call costs beyond its arithmetic, in FLOP-equivalents, by device type: the price of running the
 # body once more per extra chunk. CPU: measured on a 2-core VM (bench/RESULTS.md, "1/3 of the no-recompute
@@ -661,6 +661,30 @@ def frontier(graph: Graph) -> list[Recompute]:
     return _pareto(full, out + _bridges(sim, out))
 
 
+def chunk_frontier(whole: Recompute, body: Graph, vars: Mapping[Var, Var]) -> list[tuple[Recompute, int]]:
+    """Recompute sets of ``whole``'s graph chosen for a chunk: the frontier of ``body``, the graph that one
+    chunk of it runs (``vars``: the chunk's var for each of the graph's), each set mapped back to the
+    graph's candidates (those the chunk does not make are kept), with its peak on ``body``. A graph's peak
+    is not affine in the batch (a kernel's workspace has a fixed part; which equation makes the peak moves),
+    so a set the whole batch's frontier leaves out may be the cheapest that lets a chunk fit."""
+    sim = whole.sim
+    if sim is None:
+        return []
+    inner = frontier(body)
+    if len(inner) < 2 or inner[1].sim is None:
+        return []
+    roots = set(inner[1].sim.cands.roots)
+    mapped = {r: vars[r].root for r in sim.cands.roots if r in vars and vars[r].root in roots}
+    if len(set(mapped.values())) != len(mapped):
+        return []  # not one candidate of the chunk's for each of the graph's
+    out = []
+    for p in inner[1:]:
+        keep = frozenset(r for r in sim.cands.roots if r not in mapped or mapped[r] in p.keep)
+        transient = {r: p.transient[b] for r, b in mapped.items() if b in p.transient}
+        out.append((_point(sim, keep, transient), p.peak_bytes))
+    return out
+
+
 def _pareto(full: Recompute, points: list[Recompute]) -> list[Recompute]:
     """``full`` and the points that lower the peak below every cheaper one, by increasing extra FLOPs."""
     out = [full]
@@ -758,6 +782,7 @@ def plan_joint(
     points: Callable[[], list[Recompute]] | None = None,
     *,
     batch: int | None = None,
+    chunk_points: Callable[[int], list[tuple[Recompute, int]]] | None = None,
 ) -> Plan:
     """Choose the recompute set and the chunk sizes for ``graph`` within ``budget`` bytes.
 
@@ -768,7 +793,9 @@ def plan_joint(
     fewest bytes ``g`` can run in (one example per chunk, or the whole batch when it cannot be chunked);
     ``points()`` is ``frontier(graph)``, for a caller that keeps it across budgets. ``batch``, when given,
     is the number of examples: with one, no graph can be chunked, and no chunk planning is tried for a
-    recompute set that does not fit whole.
+    recompute set that does not fit whole. ``chunk_points(n)``, when given, is :func:`chunk_frontier` for
+    chunks of ``n`` examples, each set with the chunked run's peak its chunk's graph predicts: where the
+    cheapest plan recomputes in chunks, the sets chosen for a chunk are tried too.
     Returns the plain chunk plan when no recomputation is needed or it is the cheapest; else a
     :class:`RematPlan`. Raises the chunk planner's error, naming the smallest budget some schedule fits,
     when none fits.
@@ -822,6 +849,8 @@ def plan_joint(
     if best is not None:
         if len(graph.eqns) <= _BIG:
             best = _repairs(best, points, usable, chunk_plan, base_flops, base_calls, device)
+            if chunk_points is not None:
+                best = _for_chunks(best, chunk_points, usable, chunk_plan, base_flops, base_calls, device)
             if best[1] > 0:
                 best = _polished(best, usable, chunk_plan, base_flops, base_calls, device)
         return best[2]
@@ -1004,6 +1033,38 @@ def _polished(best: tuple[float, int, Plan], usable: int, chunk_plan: Callable[.
     if cheaper >= score:
         return best
     return cheaper, index, RematPlan(**attrs.asdict(again, recurse=False), recompute=q, base_flops=base_flops)
+
+
+# The chunk frontier is tried where the cheapest plan recomputes in chunks more than this fraction of the
+# step's FLOPs; of its sets, at most this many are sized in chunks.
+_CHUNK_FRONTIER_MIN = 0.01
+_CHUNK_TRIES = 4
+
+
+def _for_chunks(best: tuple[float, int, Plan], chunk_points: Callable[[int], list[tuple[Recompute, int]]], usable: int,
+                chunk_plan: Callable[..., Plan], base_flops: int, base_calls: int,
+                device: torch.device) -> tuple[float, int, Plan]:
+    """``best``, or a plan of a set chosen for chunks of its size (:func:`chunk_frontier`) that costs
+    less: the cheapest sets first, those whose chunk is predicted to fit."""
+    score, _, plan = best
+    if not (isinstance(plan, RematPlan) and plan.chunked and plan.extra_flops > _CHUNK_FRONTIER_MIN * base_flops):
+        return best
+    chunks = len(plan.chunk_sizes)
+    sets = [(step_cost(base_flops + q.extra_flops, base_calls + q.extra_calls, chunks, device), i, q)
+            for i, (q, peak) in enumerate(chunk_points(max(plan.chunk_sizes))) if peak <= usable]
+    tries = 0
+    for cost, i, q in sorted(sets, key=operator.itemgetter(0, 1)):
+        if cost >= best[0] or tries >= _CHUNK_TRIES:
+            break
+        tries += 1
+        try:
+            again = chunk_plan(q.graph, q.peak_bytes)
+        except _CANNOT:
+            continue
+        cheaper = step_cost(base_flops + q.extra_flops, base_calls + q.extra_calls, len(again.chunk_sizes), device)
+        if cheaper < best[0]:
+            best = (cheaper, best[1], RematPlan(**attrs.asdict(again, recurse=False), recompute=q, base_flops=base_flops))
+    return best
 
 
 def _held_by_every_chunk(graph: Graph) -> int:
