@@ -1053,7 +1053,7 @@ def _for_chunks(best: tuple[float, int, Plan], chunk_points: Callable[[int], lis
     sets = [(step_cost(base_flops + q.extra_flops, base_calls + q.extra_calls, chunks, device), i, q)
             for i, (q, peak) in enumerate(chunk_points(max(plan.chunk_sizes))) if peak <= usable]
     tries = 0
-    for cost, i, q in sorted(sets, key=operator.itemgetter(0, 1)):
+    for cost, _, q in sorted(sets, key=operator.itemgetter(0, 1)):
         if cost >= best[0] or tries >= _CHUNK_TRIES:
             break
         tries += 1
