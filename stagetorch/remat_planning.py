@@ -959,6 +959,8 @@ def _polish(p: Recompute, target: int, cost: Callable[[Recompute], float]) -> Re
 # frontier's sets just above the budget it starts.
 _REPAIR_STEPS = 24
 _REPAIR_STARTS = 2
+# How many of the candidates live at the peak each repair step tries (the largest).
+_REPAIR_MOVES = 12
 
 
 def _repaired(p: Recompute, target: int) -> Recompute | None:
@@ -978,9 +980,8 @@ def _repaired(p: Recompute, target: int) -> Recompute | None:
         live: set[Var] = set()
         sim.run(p.keep, p.transient, live)
         moves = []
-        for r in sim.cands.roots:
-            if r not in live:
-                continue
+        # The largest first: a drop lowers the peak by at most its bytes.
+        for r in sorted((r for r in sim.cands.roots if r in live), key=lambda r: -r.owned_nbytes)[:_REPAIR_MOVES]:
             if r in p.keep:
                 moves.append(_point(sim, p.keep - {r}, p.transient))
             if r not in p.transient and r in segment:
