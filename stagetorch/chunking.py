@@ -75,6 +75,9 @@ class BodyGraph:
     # Bytes held across the chunks: the full per-example results, and the accumulators with the values
     # kept as they are (those in storage of their own).
     held_bytes: tuple[int, int] = (0, 0)
+    # Per original var the chunk's equations make or read, the chunk's var that stands for it (the joint
+    # planner costs recompute sets on the chunk's graph: stagetorch.remat_planning.chunk_frontier).
+    vars: dict[Var, Var] = attrs.field(factory=dict)
     _programs: dict[bool, Program] = attrs.field(factory=dict)
 
     def program(self, first: bool) -> Program:
@@ -366,10 +369,11 @@ class Split:
             eqns.append(Eqn(p.fn, args, {}, (out,), self.graph.eqns[0].source))
             outs.append(out)
             kinds.append((v, "sum"))
-        return self._fold(n, invars, feeds, eqns, outs, kinds)
+        return self._fold(n, invars, feeds, eqns, outs, kinds, mapping)
 
     def _fold(
-        self, n: int, invars: list[Var], feeds: list[tuple], eqns: list[Eqn], outs: list[Var], kinds: list[tuple[Var, str]]
+        self, n: int, invars: list[Var], feeds: list[tuple], eqns: list[Eqn], outs: list[Var], kinds: list[tuple[Var, str]],
+        mapping: dict[Var, Var],
     ) -> BodyGraph:
         """The first-chunk and later-chunk graphs (:func:`stagetorch.passes.fold_partials`), with how their
         extra inputs (rows of per-example results, accumulators) are fed."""
@@ -386,7 +390,7 @@ class Split:
         cat = sum(v.aval.nbytes for v, kind in kinds if kind == "cat")  # the full results, not a chunk's
         return BodyGraph(
             folded.first, folded.rest, feeds_of(folded.first_extra), feeds_of(folded.rest_extra), kinds,
-            [kinds[k][0] for k in folded.handed], outs, (cat, folded.acc_bytes),
+            [kinds[k][0] for k in folded.handed], outs, (cat, folded.acc_bytes), mapping,
         )
 
 

@@ -28,8 +28,8 @@ from .costing import peak_bytes
 from .devices import bytes_ceiling, format_bytes
 from .errors import BatchCouplingError, OutOfMemoryError, StagingError, UnsupportedOpError
 from .ir import Graph, Var
-from .planning import SAFETY_MARGIN, Plan, chunked_peak, plan_chunks
-from .remat_planning import Recompute, frontier, plan_joint
+from .planning import SAFETY_MARGIN, Plan, _base, chunked_peak, plan_chunks
+from .remat_planning import Recompute, chunk_frontier, frontier, plan_joint
 
 __all__ = ["Planner", "held_beside", "COPIES"]
 
@@ -65,6 +65,7 @@ class Planner:
     _inner: dict[Graph, Planner] = attrs.field(factory=dict)
     _merge_ok: dict[Graph, bool] = attrs.field(factory=dict)  # see _merges_as_planned
     _points: list[Recompute] | None = None
+    _chunk_points: dict[int, list[tuple[Recompute, int]]] = attrs.field(factory=dict)
 
     def split(self) -> Split:
         """The graph split for chunking (the shared, body and post graphs), which the executor runs too."""
@@ -97,7 +98,7 @@ class Planner:
             if self.remat and not fits and _owns_its_inputs(self.graph):
                 self.plans[key] = plan_joint(
                     self.graph, budget, lambda g, peak=None: self._chunk_plan(g, budget, peak), self._floor, self.frontier,
-                    batch=self.batch,
+                    batch=self.batch, chunk_points=self.chunk_frontier,
                 )
             else:
                 self.plans[key] = plan_chunks(
@@ -128,6 +129,17 @@ class Planner:
         if self._points is None:
             self._points = frontier(self.graph)
         return self._points
+
+    def chunk_frontier(self, n: int) -> list[tuple[Recompute, int]]:
+        """Recompute sets chosen for chunks of ``n`` examples, each with the peak of a chunked run of this
+        graph predicted by its chunk's graph (:func:`stagetorch.remat_planning.chunk_frontier`)."""
+        if n not in self._chunk_points:
+            split = self.split()
+            body = split.body(n)
+            # As planning._peaks: what the run holds for every chunk, beside the chunk's own peak.
+            beside = _base(split) + body.held_bytes[0] - sum(v.aval.nbytes for v in body.first.invars)
+            self._chunk_points[n] = [(q, peak + beside) for q, peak in chunk_frontier(self.frontier()[0], body.first, body.vars)]
+        return self._chunk_points[n]
 
     def recomputing(self, graph: Graph) -> Planner:
         """The planner of a recomputing graph the joint planner made from this one (same inputs)."""

@@ -23,7 +23,7 @@ import bisect
 import itertools
 import math
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import attrs
 import numpy as np
@@ -43,7 +43,7 @@ from .rng import METADATA_ONLY, SaveRngState, device_of, replayable
 # What the chunk planner raises when a graph cannot run in chunks that fit: then only recomputation can help.
 _CANNOT = (OutOfMemoryError, BatchCouplingError, UnsupportedOpError)
 
-__all__ = ["Recompute", "frontier", "RematPlan", "plan_joint", "CALL_FLOPS", "step_cost", "predicted_cost"]
+__all__ = ["Recompute", "frontier", "chunk_frontier", "RematPlan", "plan_joint", "CALL_FLOPS", "step_cost", "predicted_cost"]
 
 # What one op call costs beyond its arithmetic, in FLOP-equivalents, by device type: the price of running the
 # body once more per extra chunk. CPU: measured on a 2-core VM (bench/RESULTS.md, "1/3 of the no-recompute
@@ -161,10 +161,22 @@ class _Simulator:
         self.cand_reads = [tuple(u for u in reads if self.root[u] in self.recomputable) for reads in self.reads]
         # Per candidate: the FLOPs of the op that makes it, per byte it holds (how dear it is to recompute).
         self.density = {r: self.flops[self.producer[index[r]]] / max(n, 1) for r, n in zip(cands.roots, cands.nbytes)}
+        self.vars = list(index)  # by id
+        self._segment: dict[Var, int] | None = None
 
-    def run(self, keep: frozenset[Var], transient: Mapping[Var, int] | None = None) -> tuple[int, int, tuple[str, ...], int]:
+    @property
+    def segment(self) -> dict[Var, int]:
+        """Per candidate, the segment of the forward's chain (:func:`_chain`) it is in: the segment number a
+        transient value is recomputed for."""
+        if self._segment is None:
+            self._segment = {r: i for i, s in enumerate(_chain(self)) for r in s[0]}
+        return self._segment
+
+    def run(self, keep: frozenset[Var], transient: Mapping[Var, int] | None = None,
+            at_peak: set[Var] | None = None) -> tuple[int, int, tuple[str, ...], int]:
         """(peak bytes, extra FLOPs, recomputed op names, extra kernel calls) of ``remat(graph, keep,
-        transient=transient)``."""
+        transient=transient)``. ``at_peak``, when given, gets the candidates whose storage (or its recomputed
+        copy) is live at the peak: only dropping one of those can lower it."""
         base, reads_of, outs_of, producer, out_bases = self.base, self.reads, self.outs, self.producer, self.out_bases
         index = self.index
         drop = self.recomputable - {index[r] for r in keep}
@@ -179,6 +191,7 @@ class _Simulator:
         base_id += [-1] * len(states)
         saved: set[int] = set()  # the random equations a replay reads the state of
         sub: dict[int, int] = {}  # var -> the id of its copy that stands for it from here on
+        origin: dict[int, int] = {}  # a copy's own storage id -> the var it copies
 
         def copy_of(o: int) -> int:
             b = base[o]
@@ -186,6 +199,7 @@ class _Simulator:
             new = len(store)
             store.append(store[b] if b >= 0 else new)
             base_id.append(b)
+            origin[new] = o
             return new
 
         # Events: (equation index, recomputed?, ids read, ids defined, the ids of their bases, the storages
@@ -272,12 +286,21 @@ class _Simulator:
         events = [ev for ev, ok in zip(events, live) if ok]
         extra = [ev[0] for ev in events if ev[1]]
         names = tuple(self.names[k] for k in extra)
-        return self._peak(events, [store[v] for v in kept]), sum(self.flops[k] for k in extra), names, sum(self.calls[k] for k in extra)
+        peak = self._peak(events, [store[v] for v in kept], at_peak)
+        if at_peak is not None:
+            keys, n = list(at_peak), self.n
+            at_peak.clear()
+            for k in keys:
+                o = k if k < n else origin.get(k, -1)
+                v = self.vars[self.root[o]] if o >= 0 else None
+                if v is not None and v in self.cands.recomputable:
+                    at_peak.add(v)
+        return peak, sum(self.flops[k] for k in extra), names, sum(self.calls[k] for k in extra)
 
-    def _peak(self, events: list, kept: list[int]) -> int:
+    def _peak(self, events: list, kept: list[int], at_peak: set | None = None) -> int:
         """The memory interpreter's peak over ``events``: each storage from the event that first defines it
         until after the last that reads it (inputs always, the ``kept`` storages to the end), each event's
-        workspace on top while it runs."""
+        workspace on top while it runs. ``at_peak``, when given, gets the storages live at the peak."""
         workspace, resident = self.workspace, self.resident
         count = len(events)
         # The first definition of each storage (walking back, so the earliest stands) and its last read.
@@ -293,6 +316,12 @@ class _Simulator:
                 delta[last.get(key, i) + 1] -= size
         held = sum(resident.values())
         during = map(operator.add, itertools.accumulate(delta[:count]), (workspace[ev[0]] for ev in events))
+        if at_peak is None:
+            return held + max(0, max(during, default=0))
+        during = list(during)
+        top = max(range(count), key=during.__getitem__, default=0)
+        at_peak.clear()
+        at_peak.update(key for key, (i, _) in first.items() if i <= top <= last.get(key, i) and key not in resident)
         return held + max(0, max(during, default=0))
 
 
@@ -632,6 +661,30 @@ def frontier(graph: Graph) -> list[Recompute]:
     return _pareto(full, out + _bridges(sim, out))
 
 
+def chunk_frontier(whole: Recompute, body: Graph, vars: Mapping[Var, Var]) -> list[tuple[Recompute, int]]:
+    """Recompute sets of ``whole``'s graph chosen for a chunk: the frontier of ``body``, the graph that one
+    chunk of it runs (``vars``: the chunk's var for each of the graph's), each set mapped back to the
+    graph's candidates (those the chunk does not make are kept), with its peak on ``body``. A graph's peak
+    is not affine in the batch (a kernel's workspace has a fixed part; which equation makes the peak moves),
+    so a set the whole batch's frontier leaves out may be the cheapest that lets a chunk fit."""
+    sim = whole.sim
+    if sim is None:
+        return []
+    inner = frontier(body)
+    if len(inner) < 2 or inner[1].sim is None:
+        return []
+    roots = set(inner[1].sim.cands.roots)
+    mapped = {r: vars[r].root for r in sim.cands.roots if r in vars and vars[r].root in roots}
+    if len(set(mapped.values())) != len(mapped):
+        return []  # not one candidate of the chunk's for each of the graph's
+    out = []
+    for p in inner[1:]:
+        keep = frozenset(r for r in sim.cands.roots if r not in mapped or mapped[r] in p.keep)
+        transient = {r: p.transient[b] for r, b in mapped.items() if b in p.transient}
+        out.append((_point(sim, keep, transient), p.peak_bytes))
+    return out
+
+
 def _pareto(full: Recompute, points: list[Recompute]) -> list[Recompute]:
     """``full`` and the points that lower the peak below every cheaper one, by increasing extra FLOPs."""
     out = [full]
@@ -729,6 +782,7 @@ def plan_joint(
     points: Callable[[], list[Recompute]] | None = None,
     *,
     batch: int | None = None,
+    chunk_points: Callable[[int], list[tuple[Recompute, int]]] | None = None,
 ) -> Plan:
     """Choose the recompute set and the chunk sizes for ``graph`` within ``budget`` bytes.
 
@@ -739,7 +793,9 @@ def plan_joint(
     fewest bytes ``g`` can run in (one example per chunk, or the whole batch when it cannot be chunked);
     ``points()`` is ``frontier(graph)``, for a caller that keeps it across budgets. ``batch``, when given,
     is the number of examples: with one, no graph can be chunked, and no chunk planning is tried for a
-    recompute set that does not fit whole.
+    recompute set that does not fit whole. ``chunk_points(n)``, when given, is :func:`chunk_frontier` for
+    chunks of ``n`` examples, each set with the chunked run's peak its chunk's graph predicts: where the
+    cheapest plan recomputes in chunks, the sets chosen for a chunk are tried too.
     Returns the plain chunk plan when no recomputation is needed or it is the cheapest; else a
     :class:`RematPlan`. Raises the chunk planner's error, naming the smallest budget some schedule fits,
     when none fits.
@@ -791,8 +847,12 @@ def plan_joint(
                 plan = RematPlan(**attrs.asdict(plan, recurse=False), recompute=p, base_flops=base_flops)
             best = (score, index, plan)
     if best is not None:
-        if best[1] > 0 and len(graph.eqns) <= _BIG:
-            best = _polished(best, usable, chunk_plan, base_flops, base_calls, device)
+        if len(graph.eqns) <= _BIG:
+            best = _repairs(best, points, usable, chunk_plan, base_flops, base_calls, device)
+            if chunk_points is not None:
+                best = _for_chunks(best, chunk_points, usable, chunk_plan, base_flops, base_calls, device)
+            if best[1] > 0:
+                best = _polished(best, usable, chunk_plan, base_flops, base_calls, device)
         return best[2]
     # Below every set of the frontier: the least-peak one, deeper (tried only here, where nothing else fits,
     # as it simulates many sets).
@@ -857,36 +917,101 @@ _POLISH_PASSES = 3
 
 
 def _polish(p: Recompute, target: int, cost: Callable[[Recompute], float]) -> Recompute:
-    """``p`` with dropped candidates kept again where that lowers ``cost`` and its peak stays within
-    ``target`` bytes: first the one that lowers it most (often one whose recomputation made the peak, so
-    that keeping it leaves room for more), then one at a time, the dearest to recompute for their bytes
-    first, in passes until one keeps none. (The frontier's families drop whole kinds of values or whole
-    segments; a set that fits a budget often drops a value that is not live at its peak.)"""
+    """``p`` with dropped candidates kept again, or (those recomputed for their own segment again) held
+    once recomputed, where that lowers ``cost`` and its peak stays within ``target`` bytes: first the move
+    that lowers it most (often keeping one whose recomputation made the peak, so that keeping it leaves room
+    for more), then one at a time, the dearest to recompute for their bytes first, in passes until one
+    changes nothing. (The frontier's families drop whole kinds of values or whole segments; a set that fits
+    a budget often drops a value that is not live at its peak.)"""
     sim = p.sim
     if sim is None:
         return p
     order = sorted((r for r in sim.cands.roots if r not in p.keep), key=lambda r: -sim.density[r])
 
-    def kept_again(q: Recompute, r: Var) -> Recompute:
-        return _point(sim, q.keep | {r}, {v: s for v, s in q.transient.items() if v != r})
+    def moves(q: Recompute, r: Var, held: bool = True) -> Iterator[Recompute]:
+        if r in q.keep:
+            return
+        rest = {v: s for v, s in q.transient.items() if v != r}
+        yield _point(sim, q.keep | {r}, rest)
+        if held and r in q.transient:
+            yield _point(sim, q.keep, rest)
 
     def key(q: Recompute) -> tuple[float, int]:
         return cost(q), q.peak_bytes
 
-    fits = [q for q in (kept_again(p, r) for r in order) if q.peak_bytes <= target and key(q) < key(p)]
+    fits = [q for r in order for q in moves(p, r, held=False) if q.peak_bytes <= target and key(q) < key(p)]
     if not fits:
         return p
     p = min(fits, key=key)
     for _ in range(_POLISH_PASSES):
         better = False
         for r in order:
-            if r not in p.keep:
-                q = kept_again(p, r)
+            for q in moves(p, r):
                 if q.peak_bytes <= target and key(q) < key(p):
                     p, better = q, True
+                    break
         if not better:
             break
     return p
+
+
+# How many recompute steps the repair of a set above the budget takes at most, and from how many of the
+# frontier's sets just above the budget it starts.
+_REPAIR_STEPS = 24
+_REPAIR_STARTS = 2
+# How many of the candidates live at the peak each repair step tries (the largest).
+_REPAIR_MOVES = 12
+
+
+def _repaired(p: Recompute, target: int) -> Recompute | None:
+    """``p`` brought within ``target`` bytes: one candidate live at its peak at a time (only those can lower
+    it) is dropped (recomputed once and held, or recomputed for its own segment only) or, held once
+    recomputed, recomputed for its own segment only: the move that lowers the peak most per FLOP it adds.
+    None when no move lowers it, or it takes more than ``_REPAIR_STEPS``. (The frontier's sets just above a
+    budget are often far cheaper than the first below it: a few more drops where the peak is, then the
+    polish, cost less than the next family's whole step down.)"""
+    sim = p.sim
+    if sim is None:
+        return None
+    segment = sim.segment
+    for _ in range(_REPAIR_STEPS):
+        if p.peak_bytes <= target:
+            return p
+        live: set[Var] = set()
+        sim.run(p.keep, p.transient, live)
+        moves = []
+        # The largest first: a drop lowers the peak by at most its bytes.
+        for r in sorted((r for r in sim.cands.roots if r in live), key=lambda r: -r.owned_nbytes)[:_REPAIR_MOVES]:
+            if r in p.keep:
+                moves.append(_point(sim, p.keep - {r}, p.transient))
+            if r not in p.transient and r in segment:
+                moves.append(_point(sim, p.keep - {r}, {**p.transient, r: segment[r]}))
+        best = _best_move(p, moves, per_flop=True)
+        if best is None:
+            return None
+        p = best
+    return p if p.peak_bytes <= target else None
+
+
+def _repairs(best: tuple[float, int, Plan], points: list[Recompute], usable: int, chunk_plan: Callable[..., Plan],
+             base_flops: int, base_calls: int, device: torch.device) -> tuple[float, int, Plan]:
+    """``best``, or a plan that runs whole within ``usable`` bytes at a lower step cost: a set of the
+    frontier's just above ``usable`` that costs less than ``best``, repaired (:func:`_repaired`)."""
+    above = [p for p in points[1:] if p.peak_bytes > usable and p.sim is not None]
+    for p in reversed(above[-_REPAIR_STARTS:]):
+        if step_cost(base_flops + p.extra_flops, base_calls + p.extra_calls, 1, device) >= best[0]:
+            continue  # a repair only adds FLOPs
+        q = _repaired(p, usable)
+        if q is None or step_cost(base_flops + q.extra_flops, base_calls + q.extra_calls, 1, device) >= best[0]:
+            continue
+        try:
+            plan = chunk_plan(q.graph, q.peak_bytes)
+        except _CANNOT:
+            continue
+        score = step_cost(base_flops + q.extra_flops, base_calls + q.extra_calls, len(plan.chunk_sizes), device)
+        if score < best[0]:
+            best = (score, len(points), RematPlan(**attrs.asdict(plan, recurse=False), recompute=q, base_flops=base_flops))
+    return best
 
 
 def _polished(best: tuple[float, int, Plan], usable: int, chunk_plan: Callable[..., Plan], base_flops: int,
@@ -909,6 +1034,38 @@ def _polished(best: tuple[float, int, Plan], usable: int, chunk_plan: Callable[.
     if cheaper >= score:
         return best
     return cheaper, index, RematPlan(**attrs.asdict(again, recurse=False), recompute=q, base_flops=base_flops)
+
+
+# The chunk frontier is tried where the cheapest plan recomputes in chunks more than this fraction of the
+# step's FLOPs; of its sets, at most this many are sized in chunks.
+_CHUNK_FRONTIER_MIN = 0.01
+_CHUNK_TRIES = 4
+
+
+def _for_chunks(best: tuple[float, int, Plan], chunk_points: Callable[[int], list[tuple[Recompute, int]]], usable: int,
+                chunk_plan: Callable[..., Plan], base_flops: int, base_calls: int,
+                device: torch.device) -> tuple[float, int, Plan]:
+    """``best``, or a plan of a set chosen for chunks of its size (:func:`chunk_frontier`) that costs
+    less: the cheapest sets first, those whose chunk is predicted to fit."""
+    score, _, plan = best
+    if not (isinstance(plan, RematPlan) and plan.chunked and plan.extra_flops > _CHUNK_FRONTIER_MIN * base_flops):
+        return best
+    chunks = len(plan.chunk_sizes)
+    sets = [(step_cost(base_flops + q.extra_flops, base_calls + q.extra_calls, chunks, device), i, q)
+            for i, (q, peak) in enumerate(chunk_points(max(plan.chunk_sizes))) if peak <= usable]
+    tries = 0
+    for cost, _, q in sorted(sets, key=operator.itemgetter(0, 1)):
+        if cost >= best[0] or tries >= _CHUNK_TRIES:
+            break
+        tries += 1
+        try:
+            again = chunk_plan(q.graph, q.peak_bytes)
+        except _CANNOT:
+            continue
+        cheaper = step_cost(base_flops + q.extra_flops, base_calls + q.extra_calls, len(again.chunk_sizes), device)
+        if cheaper < best[0]:
+            best = (cheaper, best[1], RematPlan(**attrs.asdict(again, recurse=False), recompute=q, base_flops=base_flops))
+    return best
 
 
 def _held_by_every_chunk(graph: Graph) -> int:
