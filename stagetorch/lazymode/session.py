@@ -19,7 +19,6 @@ from ..errors import BatchCouplingError, ConcretizationError, ModifiedInputError
 from ..executable import Executable
 from ..execute import accumulate_grad
 from ..ir import Graph, Var, op_name
-from ..planner import COPIES, held_beside
 from ..tracing import Recorder, user_frame
 from . import shard
 from .backward import BackwardSkip
@@ -229,8 +228,8 @@ class _Session(BackwardSkip):
         inputs = [values[v] if v in values else consts[v] for v in invars]
         if self.versions:
             self._check_versions(invars)
-        budget = free_memory(device, self.memory_budget)
-        results, _ = executable.run(inputs, max(budget - executable.restore_bytes, 0), name="lazy")
+        plan = executable.planner.plan_call(free_memory(device, self.memory_budget), *executable.restoring, inputs)[1]
+        results, _ = executable.run(inputs, plan, name="lazy")
         for v, x in zip(needed, results):
             values[v] = x
 
@@ -336,17 +335,16 @@ class _Session(BackwardSkip):
                 self._check_versions(invars)
             budget = free_memory(device, self.memory_budget)
             if self.shard is None:
-                # A run copies what the flush updates in place (BatchNorm's statistics), beside the program.
-                held = executable.restore_bytes
+                # A run copies what the flush updates in place (BatchNorm's statistics), beside the program:
+                # the planner plans the program in the budget less those copies (an error names the budget
+                # the whole flush fits in).
                 try:
-                    results, _ = executable.run(inputs, max(budget - held, 0), name="lazy")
+                    plan = executable.planner.plan_call(budget, *executable.restoring, inputs)[1]
+                    results, _ = executable.run(inputs, plan, name="lazy")
                 except StagingError as e:
                     if getattr(e, "chunk_local_result", False):
                         raise _kept_chunk_local(e) from e
-                    wider = held_beside(e, held, [COPIES.format(len(executable.guarded))])
-                    if wider is e:
-                        raise
-                    raise wider from e
+                    raise
                 made = flushes.get(("made", id(executable)))
                 if made is None:  # after its first run: an executable learns about its inputs there
                     made = flushes[("made", id(executable))] = _per_example_outputs(executable)
