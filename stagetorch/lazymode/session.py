@@ -46,6 +46,12 @@ _KERNEL_SWITCHES = [
         "_get_math_sdp_allow_fp16_bf16_reduction", "_get_overrideable_sdp_enabled",
     ) if hasattr(torch._C, name)  # the list differs between torch versions
 ]
+# Their values as one tuple, read by a generated function of one expression (a comprehension over the list
+# cost twice as much: ~1 us more, on every lazy() call).
+_kernel_switches = eval(  # noqa: S307 - made from the names above
+    "lambda: (" + "".join(f"_k{i}(), " for i in range(len(_KERNEL_SWITCHES))) + ")",
+    {f"_k{i}": get for i, get in enumerate(_KERNEL_SWITCHES)},
+)
 
 _SESSIONS: weakref.WeakSet = weakref.WeakSet()  # every session still reachable (from its lazy tensors)
 _SERIALS = itertools.count()
@@ -115,7 +121,7 @@ class _Session(BackwardSkip):
         # The key: grad mode tells a training step from an evaluation step on batches of the same shape (a
         # loop that alternates them would otherwise re-record each time).
         self.key = (
-            batch, torch.is_grad_enabled(), tuple(metas), tuple([get() for get in _KERNEL_SWITCHES]), shard is None
+            batch, torch.is_grad_enabled(), tuple(metas), _kernel_switches(), shard is None
         )
         values: dict[Var, torch.Tensor] = {}
         self.values = values  # real values of vars, inputs included
