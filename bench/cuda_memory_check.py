@@ -35,7 +35,7 @@ from memtrack import AllocatorPeak, budget_between  # noqa: E402
 
 import stagetorch  # noqa: E402
 from stagetorch.executable import Executable  # noqa: E402
-from stagetorch.planning import SAFETY_MARGIN  # noqa: E402
+from stagetorch.planning import SAFETY_MARGIN, Plan  # noqa: E402
 
 PATHS = ("whole", "chunked", "recomputing", "lazy", "optimizer inside", "accumulating")
 
@@ -108,9 +108,9 @@ def lazy_plan(model: nn.Module, lm: bool, inputs: tuple, budget: int, device: st
     planned = []
     run_executable = Executable.run
 
-    def recorded(self: Executable, flat: list, budget: int, **kwargs: object) -> tuple:
-        out = run_executable(self, flat, budget, **kwargs)
-        planned.append(self.plan(budget).peak)
+    def recorded(self: Executable, flat: list, plan: Plan, **kwargs: object) -> tuple:
+        out = run_executable(self, flat, plan, **kwargs)
+        planned.append(plan.peak)
         return out
 
     Executable.run = recorded

@@ -1,7 +1,8 @@
 """What each part of a staged call costs, in microseconds per call (issue 27).
 
 Run from the repository root: ``PYTHONPATH=. python bench/hotpath_profile.py`` (``--runs 3 --alternations 400``
-for the interleaved ratios as well, ``--lazy`` for the one-line mode's ratios).
+for the interleaved ratios as well, ``--lazy`` for the one-line mode's ratios, ``--lazy-parts`` for what each
+part of a warm one-line step costs).
 
 Each part of ``Staged.__call__`` is run on its own, as a warm call runs it, in blocks of ``--block`` calls; a
 part's cost is the least block mean of thread CPU time (the machine is shared: the least is what the part
@@ -143,7 +144,7 @@ def parts(case: str, block: int, blocks: int) -> dict[str, float]:
             "free_memory": lambda: staged._budget(executable),
             "Executable.plan": lambda: executable.plan(budget),
             "attrs.evolve of the plan": lambda: attrs.evolve(plan, held_bytes=0, budget_bytes=budget),
-            "Executable.run, no kernels": lambda: executable.run(inputs, budget),
+            "Executable.run, no kernels": lambda: executable.run(inputs, plan),
             "install .grad (zero_grad included)": install_after_zero,
         }
         for name, f in t.items():
@@ -164,6 +165,106 @@ def parts(case: str, block: int, blocks: int) -> dict[str, float]:
 
     out["eager step (zero_grad included)"] = per_call(eager, max(block // 20, 5), blocks)
     out["staged step (zero_grad included)"] = per_call(call, max(block // 20, 5), blocks)
+    return out
+
+
+def lazy_parts(batch: int, steps: int, blocks: int) -> dict[str, tuple[float, float]]:
+    """What each part of a warm one-line step (bench/bench_lazy.py's seed MLP step) costs: (thread CPU us,
+    wall us) per step, each the least mean over ``blocks`` blocks of ``steps`` steps (the least: what the part
+    costs when nothing else runs). The parts are timed inside whole steps (a lazy step's parts cannot run
+    alone: each moves its session on), by timers around them whose own cost is taken off. "no kernels": the
+    flush's staged program replaced by one that hands back a real run's outputs."""
+    import copy
+
+    from stagetorch import executable as executable_module
+    from stagetorch.lazymode import session as session_module
+
+    torch.manual_seed(0)
+    model, make = models.seed_mlp()
+    x, y = make(batch)
+    eager_model = copy.deepcopy(model)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    eager_optimizer = torch.optim.SGD(eager_model.parameters(), lr=0.01)
+    cpu: dict[str, int] = {}
+    wall: dict[str, int] = {}
+    clock_cpu, clock_wall = time.thread_time_ns, time.perf_counter_ns
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            c, w = clock_cpu(), clock_wall()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                cpu[name] = cpu.get(name, 0) + clock_cpu() - c
+                wall[name] = wall.get(name, 0) + clock_wall() - w
+
+        return wrapper
+
+    def part(name, fn, *args):
+        return timed(name, fn)(*args)
+
+    def lazy_step():
+        inputs, labels = part("lazy(x, y)", stagetorch.lazy, x, y)
+        part("zero_grad", optimizer.zero_grad)
+        loss = part("forward (4 guarded calls, loss included)", lambda: loss_fn(model(inputs), labels))
+        part("backward", loss.backward)
+        part("optimizer.step (its flush hook included)", optimizer.step)
+
+    def eager_step():
+        part("eager: zero_grad", eager_optimizer.zero_grad)
+        loss = part("eager: forward", lambda: loss_fn(eager_model(x), y))
+        part("eager: backward", loss.backward)
+        part("eager: optimizer.step", eager_optimizer.step)
+
+    def overhead():  # one timer around nothing: what each timer adds, taken off every part
+        part("(timer)", lambda: None)
+
+    run = executable_module.Executable.run
+    flush = session_module._Session.flush
+    backward = session_module._Session.backward
+    out: dict[str, tuple[float, float]] = {}
+    kernels: dict = {}
+
+    def no_kernels(self, *args, **kwargs):  # a real run's outputs, once per executable
+        if id(self) not in kernels:
+            kernels[id(self)] = run(self, *args, **kwargs)
+        return kernels[id(self)]
+
+    try:
+        session_module._Session.flush = timed("flush (the program included)", flush)
+        session_module._Session.backward = timed("session.backward (the flush included)", backward)
+        for mode in ("kernels", "no kernels"):
+            executable_module.Executable.run = timed("the staged program (Executable.run)", no_kernels if mode == "no kernels" else run)
+            for _ in range(20):
+                lazy_step()
+                eager_step()
+            best: dict[str, tuple[float, float]] = {}
+            for _ in range(blocks):
+                cpu.clear()
+                wall.clear()
+                c, w = clock_cpu(), clock_wall()
+                for _ in range(steps):
+                    lazy_step()
+                cpu["whole lazy step"], wall["whole lazy step"] = clock_cpu() - c, clock_wall() - w
+                c, w = clock_cpu(), clock_wall()
+                for _ in range(steps):
+                    eager_step()
+                cpu["whole eager step"], wall["whole eager step"] = clock_cpu() - c, clock_wall() - w
+                for _ in range(steps):
+                    overhead()
+                timer = cpu.pop("(timer)") / steps, wall.pop("(timer)") / steps
+                for name in cpu:  # each part is timed once per step; a whole step has no timer around it
+                    c_us = (cpu[name] / steps - (0 if name.startswith("whole") else timer[0])) / 1e3
+                    w_us = (wall[name] / steps - (0 if name.startswith("whole") else timer[1])) / 1e3
+                    old = best.get(name, (float("inf"), float("inf")))
+                    best[name] = (min(old[0], c_us), min(old[1], w_us))
+            for name, v in best.items():
+                out[f"{name}" if mode == "kernels" else f"{name}, no kernels"] = v
+    finally:
+        executable_module.Executable.run = run
+        session_module._Session.flush = flush
+        session_module._Session.backward = backward
     return out
 
 
@@ -223,10 +324,19 @@ def main() -> None:
     p.add_argument("--no-parts", action="store_true")
     p.add_argument("--lazy", action="store_true", help="the one-line mode's ratios too (batch 8 and 256)")
     p.add_argument("--threads", type=int, default=2, help="torch's intra-op threads (the bench steps use 2)")
+    p.add_argument("--lazy-parts", nargs="*", type=int, default=None, help="the parts of a warm one-line step, at these batch sizes")
     p.add_argument("--cpu", action="store_true", help="time the interleaved steps in thread CPU time (with --threads 1)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if a.lazy_parts is not None:
+        batches = a.lazy_parts or [8, 256]
+        table = {b: lazy_parts(b, a.block, a.blocks) for b in batches}
+        print("| part of a one-line step (us per step: thread CPU / wall) | " + " | ".join(f"batch {b}" for b in batches) + " |")
+        print("|---|" + "---|" * len(batches))
+        for row in table[batches[0]]:
+            print(f"| {row} | " + " | ".join(f"{table[b][row][0]:.1f} / {table[b][row][1]:.1f}" for b in batches) + " |")
+        return
     if not a.no_parts:
         table = {case: parts(case, a.block, a.blocks) for case in a.cases}
         rows = list(next(iter(table.values())))

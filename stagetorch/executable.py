@@ -2,9 +2,10 @@
 runs its programs through, unchunked when the batch fits, else in exact chunks, recomputing where its
 :class:`~stagetorch.planner.Planner` says so.
 
-An Executable compiles and runs; it decides nothing about memory. It asks its planner for the plan of a
-budget, runs that plan (:mod:`stagetorch.execute`, :mod:`stagetorch.chunking`, :mod:`stagetorch.distributed`),
-and tells the planner what ran (:meth:`~stagetorch.planner.Planner.remember`).
+An Executable compiles and runs; it decides nothing about memory. Its caller gets the plan for a budget from
+the executable's planner and hands it down; the executable runs that plan (:mod:`stagetorch.execute`,
+:mod:`stagetorch.chunking`, :mod:`stagetorch.distributed`) and tells the planner what ran
+(:meth:`~stagetorch.planner.Planner.remember`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ log = logging.getLogger("stagetorch")
 class Executable:
     """A staged graph ready to run on real inputs: unchunked when the batch fits, else in exact chunks.
 
-    Front ends (``jit``, ``lazy``) build one per staged program and call :meth:`run`. The compiled program
-    is made on first use and kept; the plans, per budget, are its :attr:`planner`'s (a ``cap`` or ``remat``
+    Front ends (``jit``, ``lazy``) build one per staged program, get the plan for their budget from its
+    :attr:`planner` and call :meth:`run` with it. The compiled program is made on first use and kept; the
+    plans, per budget, are its :attr:`planner`'s (a ``cap`` or ``remat``
     given here is the planner's). A plan that recomputes runs through an Executable of the recomputing
     graph, which shares that graph's planner.
     """
@@ -54,6 +56,7 @@ class Executable:
         self._program: Program | None = None
         self._mutated: list[int] | None = None  # see the ``mutated`` property
         self._guarded: list[int] | None = None  # see the ``guarded`` property
+        self._restoring: tuple[int, list[str]] | None = None  # see the ``restoring`` property
         # The Executables of the recomputing graphs the planner chose, each with that graph's planner.
         self._inner: dict[Graph, Executable] = {}
         self._signature: distributed.Signature | None = None
@@ -81,8 +84,17 @@ class Executable:
     def restore_bytes(self) -> int:
         """Bytes of the copies a run makes of the inputs it writes outside its commit, beside the program
         (none when it writes none there). A caller that plans for its own budget leaves them out of it."""
-        device = self.graph.device
-        return sum({v: allocated(v.aval.nbytes, device) for v in (self.graph.invars[i] for i in self.guarded)}.values())
+        return self.restoring[0]
+
+    @property
+    def restoring(self) -> tuple[int, list[str]]:
+        """What a run holds beside the program: the bytes of its copies (:attr:`restore_bytes`) and why, as
+        :meth:`~stagetorch.planner.Planner.plan_call` takes them (fixed by the graph: kept)."""
+        if self._restoring is None:
+            device = self.graph.device
+            copied = {v: allocated(v.aval.nbytes, device) for v in (self.graph.invars[i] for i in self.guarded)}
+            self._restoring = (sum(copied.values()), [COPIES.format(len(self.guarded))])
+        return self._restoring
 
     @property
     def program(self) -> Program:
@@ -123,7 +135,7 @@ class Executable:
         ``budget`` less the copies a run makes (``restore_bytes``): see
         :meth:`~stagetorch.planner.Planner.shard_plan`."""
         # run_shard copies what the program writes outside its commit, beside it
-        return self.planner.shard_plan(examples, budget, self.restore_bytes, [COPIES.format(len(self.guarded))])
+        return self.planner.shard_plan(examples, budget, *self.restoring)
 
     def _for(self, graph: Graph) -> Executable:
         """The Executable of a recomputing graph the planner chose (same inputs, that graph's planner)."""
@@ -134,23 +146,25 @@ class Executable:
         return inner
 
     def run(
-        self, inputs: list, budget: int, *, on_chunk: Callable[[int, int], None] | None = None, name: str = "step"
+        self, inputs: list, plan: Plan, *, on_chunk: Callable[[int, int], None] | None = None, name: str = "step"
     ) -> tuple[list, list[tuple[int, torch.Tensor]]]:
-        """Run on real ``inputs`` (parallel to ``graph.invars``) within ``budget`` bytes.
+        """Run on real ``inputs`` (parallel to ``graph.invars``) as ``plan`` says: the plan the caller got
+        from this executable's :attr:`planner` (:meth:`~stagetorch.planner.Planner.plan_call`, or
+        :meth:`plan`) for its budget.
 
         **Returns** the flat outputs and the (input position, gradient) pairs to accumulate into ``.grad``.
         If anything fails, inputs the program updates in place (parameters, buffers, ``.grad``, optimizer
         state) are restored first: from the copies its programs took before writing them, or untouched
         because the failure came before the commit that writes them (:func:`~stagetorch.execute.commit_plan`).
         If the device runs out of memory where the plan said the step fits, the step is redone in smaller
-        chunks, and later calls plan with the chunk size that ran.
+        chunks, and later plans use the chunk size that ran (:meth:`~stagetorch.planner.Planner.remember`).
         """
-        if self.planner.overlap is None:
-            self._see_inputs(inputs)
-        plan = self.planner.plan(budget)
-        if isinstance(plan, RematPlan) and plan.recompute is not None:
+        if self.planner.overlap is None:  # a caller that planned without the inputs: later plans count it
+            self.planner.see_inputs(inputs)
+        if isinstance(plan, RematPlan) and plan.recompute is not None and plan.recompute.graph is not self.graph:
+            # The recomputing graph runs in the chunks the plan gives (its planner's, at the same budget).
             inner = self._for(plan.recompute.graph)
-            result = inner.run(inputs, budget, on_chunk=on_chunk, name=name)
+            result = inner.run(inputs, plan, on_chunk=on_chunk, name=name)
             self.planner.learn(inner.planner.cap)  # if it ran out of memory: plan again with what ran
             return result
         mutated = self.mutated
@@ -209,16 +223,6 @@ class Executable:
         except BaseException:
             undo.restore()
             raise
-
-    def _see_inputs(self, inputs: list) -> None:
-        """Inputs that are views of one storage (a weight and its transpose handed to a lazy flush) are
-        separate values in the graph: the plan counts their storage once."""
-        groups: dict[int, dict[Var, int]] = {}
-        for v, x in zip(self.graph.invars, inputs):
-            if isinstance(x, torch.Tensor) and x.device.type != "meta":
-                groups.setdefault(x.untyped_storage().data_ptr(), {})[v.root] = v.root.owned_nbytes
-        overlap = sum(sum(g.values()) - max(g.values()) for g in groups.values() if len(g) > 1)
-        self.planner.see_overlap(overlap)
 
     def _recover(self, inputs: list, error: Exception, on_chunk: Any, name: str) -> tuple[list, list]:
         """The whole batch ran out of memory although the plan said it fits (the inputs it wrote already

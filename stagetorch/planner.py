@@ -8,10 +8,12 @@ the plan: the chunk sizes and, with ``remat``, the recompute set (chosen by
 graphs it chose among, and the largest chunk known to run (``cap``), which the executor reports after a
 larger one ran out of memory.
 
-It runs nothing. A budget goes down: :mod:`~stagetorch.staged` (the step's budget, what the call holds)
--> :mod:`~stagetorch.executable` -> this module -> :mod:`~stagetorch.remat_planning` and
-:mod:`~stagetorch.planning` -> :mod:`~stagetorch.costing`; what a run learns comes back to the planner as a
-call from the executable (:meth:`Planner.remember`), never as a call up from a lower module.
+It runs nothing. A budget goes down: a front end (:mod:`~stagetorch.staged`: the step's budget and what the
+call holds; the one-line mode's flush: the budget and the copies a run keeps) -> :meth:`Planner.plan_call`
+-> :mod:`~stagetorch.remat_planning` and :mod:`~stagetorch.planning` -> :mod:`~stagetorch.costing`. The plan
+comes back to the front end, which hands it to :meth:`stagetorch.executable.Executable.run`; what a run
+learns comes back to the planner as a call from the executable (:meth:`Planner.remember`), never as a call
+up from a lower module.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 from collections.abc import Sequence
 
 import attrs
+import torch
 
 from . import _gc, distributed
 from .batching import Batched, analyze
@@ -106,10 +109,15 @@ class Planner:
                 )
         return self.plans[key]
 
-    def plan_call(self, budget: int, held: int, why: list[str]) -> tuple[int, Plan]:
+    def plan_call(self, budget: int, held: int, why: list[str], inputs: Sequence | None = None) -> tuple[int, Plan]:
         """A call's plan: the program planned in the call's ``budget`` less the ``held`` bytes the call holds
-        beside it (for the reasons ``why``), which the plan's peak counts. **Returns** the program's budget
-        and the plan; an error about the budget says what ``memory_budget`` the whole call would fit in."""
+        beside it (for the reasons ``why``), which the plan's peak counts. ``inputs``: the call's real inputs
+        (parallel to ``graph.invars``), whose shared storage the plan counts once (:meth:`see_inputs`, on the
+        first call). **Returns** the program's budget and the plan, which the caller hands to
+        :meth:`stagetorch.executable.Executable.run`; an error about the budget says what ``memory_budget``
+        the whole call would fit in."""
+        if self.overlap is None and inputs is not None:
+            self.see_inputs(inputs)
         program_budget = max(budget - held, 0)
         try:
             plan = self.plan(program_budget)
@@ -228,6 +236,16 @@ class Planner:
             self.shard_plans[(examples, budget, "error") if isinstance(plan, OutOfMemoryError) else key] = plan
         return plan
 
+    def see_inputs(self, inputs: Sequence) -> None:
+        """Learn from a call's real ``inputs`` (parallel to ``graph.invars``) which of them are views of one
+        storage (a weight and its transpose handed to a lazy flush): separate values in the graph, whose
+        storage the plans count once (:meth:`see_overlap`)."""
+        groups: dict[int, dict[Var, int]] = {}
+        for v, x in zip(self.graph.invars, inputs):
+            if isinstance(x, torch.Tensor) and x.device.type != "meta":
+                groups.setdefault(x.untyped_storage().data_ptr(), {})[v.root] = v.root.owned_nbytes
+        self.see_overlap(sum(sum(g.values()) - max(g.values()) for g in groups.values() if len(g) > 1))
+
     def see_overlap(self, overlap: int) -> None:
         """Learn the bytes the graph counts twice because inputs are views of one storage (the executor
         measures them on the first run): the plans made without them are dropped."""
@@ -281,5 +299,6 @@ def held_beside(error: StagingError, held: int, why: list[str]) -> StagingError:
         f"budgets above leave out: the smallest memory_budget this call fits in is "
         f"{format_bytes(bytes_ceiling(error.smallest_budget + held))}."
     )
+    wider.__dict__.update(error.__dict__)  # what else the error says (a chunk-local result: see chunking)
     wider.smallest_budget = error.smallest_budget + held
     return wider

@@ -299,16 +299,16 @@ class Staged:
         says what ``memory_budget`` would fit (see :meth:`stagetorch.planner.Planner.plan_call`)."""
         executable = entry.executable
         held, why = self._held(entry, inputs)
-        return executable.planner.plan_call(self._budget(executable), held, why)
+        return executable.planner.plan_call(self._budget(executable), held, why, inputs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.process_group is not None:
             return self._call_sharded(args, kwargs)
         entry, inputs, _ = self._stage(args, kwargs)
         executable = entry.executable
-        budget, plan = self._step_plan(entry, inputs)
+        plan = self._step_plan(entry, inputs)[1]
         name = getattr(self.fn, "__name__", "step")
-        outs, grads = executable.run(inputs, budget, on_chunk=self._progress(plan), name=name)
+        outs, grads = executable.run(inputs, plan, on_chunk=self._progress(plan), name=name)
         if executable.cap is not None:
             self._caps[executable.batch] = executable.cap
         traced = entry.traced

@@ -198,9 +198,9 @@ def measure(name, path, tracker=None):
         planned = []
         run_executable = Executable.run
 
-        def recorded(self, inputs, budget, **kwargs):
-            out = run_executable(self, inputs, budget, **kwargs)
-            planned.append(self.plan(budget))  # the plan it ran (it learns about its inputs on the first run)
+        def recorded(self, inputs, plan, **kwargs):
+            out = run_executable(self, inputs, plan, **kwargs)
+            planned.append(plan)  # the plan it ran, as its caller planned it
             return out
 
         with pytest.MonkeyPatch.context() as patch:

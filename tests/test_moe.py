@@ -433,9 +433,9 @@ def test_router_loss_in_one_line_mode_trains_in_chunks_as_in_eager(padded, lazy_
     chunks: list[int] = []
     run = Executable.run
 
-    def recorded(self, inputs, budget, **kwargs):
-        chunks.append(len(self.plan(budget).chunk_sizes))
-        return run(self, inputs, budget, **kwargs)
+    def recorded(self, inputs, plan, **kwargs):
+        chunks.append(len(plan.chunk_sizes))
+        return run(self, inputs, plan, **kwargs)
 
     monkeypatch.setattr(Executable, "run", recorded)
     for _ in range(3):

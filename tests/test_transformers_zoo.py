@@ -184,9 +184,9 @@ def test_lazy_chunked(name, padded, monkeypatch):
     chunks = []
     run = Executable.run
 
-    def recorded(self, inputs, budget, **kwargs):
-        chunks.append(len(self.plan(budget).chunk_sizes))
-        return run(self, inputs, budget, **kwargs)
+    def recorded(self, inputs, plan, **kwargs):
+        chunks.append(len(plan.chunk_sizes))
+        return run(self, inputs, plan, **kwargs)
 
     monkeypatch.setattr(Executable, "run", recorded)
     for _ in range(12):  # down from jit's budget until a flush chunks: lazy's flushes are not jit's program

@@ -19,12 +19,11 @@ from ..errors import BatchCouplingError, ConcretizationError, ModifiedInputError
 from ..executable import Executable
 from ..execute import accumulate_grad
 from ..ir import Graph, Var, op_name
-from ..planner import COPIES, held_beside
 from ..tracing import Recorder, user_frame
 from . import shard
 from .backward import BackwardSkip
 from .mode import Mode, cap
-from .recording import _RECORDINGS, _meta
+from .recording import _RECORDINGS
 from .shard import LazyShard
 from .tape import _Call
 from .tensor import LazyTensor, _make_subclass
@@ -47,6 +46,12 @@ _KERNEL_SWITCHES = [
         "_get_math_sdp_allow_fp16_bf16_reduction", "_get_overrideable_sdp_enabled",
     ) if hasattr(torch._C, name)  # the list differs between torch versions
 ]
+# Their values as one tuple, read by a generated function of one expression (a comprehension over the list
+# cost twice as much: ~1 us more, on every lazy() call).
+_kernel_switches = eval(  # noqa: S307 - made from the names above
+    "lambda: (" + "".join(f"_k{i}(), " for i in range(len(_KERNEL_SWITCHES))) + ")",
+    {f"_k{i}": get for i, get in enumerate(_KERNEL_SWITCHES)},
+)
 
 _SESSIONS: weakref.WeakSet = weakref.WeakSet()  # every session still reachable (from its lazy tensors)
 _SERIALS = itertools.count()
@@ -109,23 +114,30 @@ class _Session(BackwardSkip):
         self.remat = remat
         # With a process group the lazy tensors stand for the global batch; the real values are the shard's.
         self.shard = shard
-        metas = self.metas = [_meta(t) for t in tensors] if shard is None else shard.metas(tensors, batch)
+        metas = self.metas = (
+            [(t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors]  # _meta, inline
+            if shard is None else shard.metas(tensors, batch)
+        )
         # The key: grad mode tells a training step from an evaluation step on batches of the same shape (a
         # loop that alternates them would otherwise re-record each time).
         self.key = (
-            batch, torch.is_grad_enabled(), tuple(metas), tuple([get() for get in _KERNEL_SWITCHES]), shard is None
+            batch, torch.is_grad_enabled(), tuple(metas), _kernel_switches(), shard is None
         )
-        self.values: dict[Var, torch.Tensor] = {}  # real values of vars, inputs included
+        values: dict[Var, torch.Tensor] = {}
+        self.values = values  # real values of vars, inputs included
         self.consts: dict[Var, torch.Tensor] = {}  # the real tensors recorded calls read
         # The version counter of each constant when a call that has not run yet bound it: an in-place change
         # before the flush would make that call read a value it never saw (see _check_versions).
         self.versions: dict[Var, int] = {}
         self.counted: list[torch.Tensor] = []  # BatchNorm counters the step's Python code added one to
         self.failed = False  # its last flush raised: nothing runs it implicitly (see _flush_before_optimizer_step)
-        self.alive: dict[Var, weakref.ref] = {}
-        self.batched: dict[Var, Batched] = {}
+        alive: dict[Var, weakref.ref] = {}
+        self.alive = alive
+        batched: dict[Var, Batched] = {}
+        self.batched = batched
         self.made: dict[Var, Batched] = {}  # the batch labels of per-example values earlier flushes made
-        self.lazies: list[LazyTensor] = []
+        lazies: list[LazyTensor] = []
+        self.lazies = lazies
         self.slots: list[torch.Tensor] = []  # the real tensors the session's calls took, in order
         self.slot_ids: dict[int, int] = {}
         self.graph_nodes: dict[int, list] = {}  # slot of a real argument with a graph -> its nodes, walked
@@ -133,7 +145,10 @@ class _Session(BackwardSkip):
         replaying = _RECORDINGS.get(self.key) if limit >= Mode.REPLAY else None
         # Inputs that require grad have an autograd graph the tape cannot reproduce: never express.
         # The express replay makes lazy tensors from the real inputs' metadata, a shard's not the global batch's.
-        taping = limit >= Mode.EXPRESS and not any(m[4] for m in metas) and shard is None
+        taping = limit >= Mode.EXPRESS and shard is None
+        for m in metas:
+            if m[4]:
+                taping = False
         if replaying is not None:
             self.mode = Mode.REPLAY
             self.recording = replaying
@@ -154,22 +169,25 @@ class _Session(BackwardSkip):
                 self.tape = self.recording.tape = []
         _SESSIONS.add(self)
         self.serial = next(_SERIALS)  # newer sessions have larger ones
-        self.input_refs: list[weakref.ref] = []
+        refs: list[weakref.ref] = []
+        self.input_refs = refs
         for i, (t, var, (shape, stride, dtype, device, requires_grad)) in enumerate(zip(tensors, inputs, metas)):
             real = t.detach() if requires_grad else t  # the value, without its autograd graph
             fake = None
             if var is None:
                 var, fake = self._add_input(i, real)
-            self.values[var] = real
+            values[var] = real
             # _lazy_tensor and Batched(dim), inline and cached: a replayed step's hot path, where each call
             # saved is measurable (with these and flush's inline .grad, batch 256 ran 1.044x eager, not 1.051x).
             dim = batch % len(shape)
-            self.batched[var] = _BATCHED_AT.get(dim) or _BATCHED_AT.setdefault(dim, Batched(dim))
+            batched[var] = _BATCHED_AT.get(dim) or _BATCHED_AT.setdefault(dim, Batched(dim))
             lazy_t = _make_subclass(LazyTensor, shape, strides=stride, dtype=dtype, device=device, requires_grad=requires_grad)
-            lazy_t._fake, lazy_t._var, lazy_t._session = fake, var, self
-            self.alive[var] = ref = weakref.ref(lazy_t)
-            self.input_refs.append(ref)
-            self.lazies.append(lazy_t)
+            if fake is not None:  # (LazyTensor._fake is None unless set)
+                lazy_t._fake = fake
+            lazy_t._var, lazy_t._session = var, self
+            alive[var] = ref = weakref.ref(lazy_t)
+            refs.append(ref)
+            lazies.append(lazy_t)
 
     def count_batch(self) -> None:
         """BatchNorm's forward (training) added one to ``num_batches_tracked`` before calling batch_norm on
@@ -229,8 +247,8 @@ class _Session(BackwardSkip):
         inputs = [values[v] if v in values else consts[v] for v in invars]
         if self.versions:
             self._check_versions(invars)
-        budget = free_memory(device, self.memory_budget)
-        results, _ = executable.run(inputs, max(budget - executable.restore_bytes, 0), name="lazy")
+        plan = executable.planner.plan_call(free_memory(device, self.memory_budget), *executable.restoring, inputs)[1]
+        results, _ = executable.run(inputs, plan, name="lazy")
         for v, x in zip(needed, results):
             values[v] = x
 
@@ -249,6 +267,25 @@ class _Session(BackwardSkip):
                 "What to do: read the result first (loss.item(), or backward()) and change the tensor after, or "
                 "change it before the op."
             )
+
+    def _built(self, flushes: dict, invars: list[Var], end: int, produced: list[Var], outs: tuple) -> tuple:
+        """The executable of the flush of equations ``[done, end)`` that outputs ``outs`` (made once per
+        recording), its device, its outputs in storage it made, their positions, and ``outs``."""
+        key = (self.done, end, outs, self.remat)
+        built = flushes.get(key)
+        if built is None:
+            # Under a process group, per-example values earlier flushes made are batched too (this rank's rows).
+            labels = {**self.batched, **(self.made if self.shard is None else self.shard.labels)}
+            roles = ["arg" if v in labels else "const" for v in invars]
+            graph = Graph(invars, self.eqns[self.done : end], list(outs), roles, [""] * len(invars))
+            batched = {v: b for v, b in labels.items() if v in invars}
+            executable = Executable(graph, batched, self.batch, remat=self.remat)
+            device = next((v.aval.device for v in executable.batched), torch.device("cpu"))
+            # Outputs in storage the flush made (no view of an input): a gradient there is no parameter's.
+            made = set(produced)
+            fresh = frozenset(v for v in outs if v.root in made)
+            built = flushes[key] = (executable, device, fresh, {v: i for i, v in enumerate(outs)}, outs)
+        return built
 
     def flush(
         self, targets: list[Var], leaves: list[torch.Tensor] = (), grads: list | None = None,
@@ -300,22 +337,16 @@ class _Session(BackwardSkip):
                 flushes[later_key] = (later, [v for v in produced if v in later])
             later, read_later = flushes[later_key]
             wanted.update(read_later)
-        outs = tuple(v for v in produced if v in wanted)
-        # A flush's executable plans with or without recomputation, as the session that built it asked.
-        built = flushes.get((self.done, end, outs, self.remat))
+        # The flush that keeps these values: found by what is wanted (a step loop wants the same each step),
+        # else by the outputs that makes (produced, in order, that are wanted). A flush's executable plans
+        # with or without recomputation, as the session that built it asked.
+        wanted_key = (self.done, end, frozenset(wanted), self.remat)
+        built = flushes.get(wanted_key)
         if built is None:
-            # Under a process group, per-example values earlier flushes made are batched too (this rank's rows).
-            labels = {**self.batched, **(self.made if self.shard is None else self.shard.labels)}
-            roles = ["arg" if v in labels else "const" for v in invars]
-            graph = Graph(invars, self.eqns[self.done : end], list(outs), roles, [""] * len(invars))
-            batched = {v: b for v, b in labels.items() if v in invars}
-            executable = Executable(graph, batched, self.batch, remat=self.remat)
-            device = next((v.aval.device for v in executable.batched), torch.device("cpu"))
-            # Outputs in storage the flush made (no view of an input): a gradient there is no parameter's.
-            made = set(produced)
-            fresh = frozenset(v for v in outs if v.root in made)
-            built = flushes[(self.done, end, outs, self.remat)] = (executable, device, fresh, {v: i for i, v in enumerate(outs)})
-        executable, device, fresh, position = built
+            outs = tuple(v for v in produced if v in wanted)
+            built = flushes[wanted_key] = self._built(flushes, invars, end, produced, outs)
+        executable, device, fresh, position, outs = built
+
         consts = self.consts
         try:
             inputs = [values[v] if v in values else consts[v] for v in invars]
@@ -332,21 +363,27 @@ class _Session(BackwardSkip):
                 # anything else is raised, and handled, by the run below
         kept = {v: x for v, x in values.items() if v in alive or v in batched or (later is not None and v in later)}
         try:
-            if self.versions:
-                self._check_versions(invars)
+            versions = self.versions
+            if versions:
+                # Nothing bound since the last flush changed (the common case: one pass over what was bound);
+                # else the exact check, which names the op that read a changed tensor.
+                for v, seen in versions.items():
+                    t = consts.get(v)
+                    if t is not None and t._version != seen:
+                        self._check_versions(invars)
+                        break
             budget = free_memory(device, self.memory_budget)
             if self.shard is None:
-                # A run copies what the flush updates in place (BatchNorm's statistics), beside the program.
-                held = executable.restore_bytes
+                # A run copies what the flush updates in place (BatchNorm's statistics), beside the program:
+                # the planner plans the program in the budget less those copies (an error names the budget
+                # the whole flush fits in).
                 try:
-                    results, _ = executable.run(inputs, max(budget - held, 0), name="lazy")
+                    plan = executable.planner.plan_call(budget, *executable.restoring, inputs)[1]
+                    results, _ = executable.run(inputs, plan, name="lazy")
                 except StagingError as e:
                     if getattr(e, "chunk_local_result", False):
                         raise _kept_chunk_local(e) from e
-                    wider = held_beside(e, held, [COPIES.format(len(executable.guarded))])
-                    if wider is e:
-                        raise
-                    raise wider from e
+                    raise
                 made = flushes.get(("made", id(executable)))
                 if made is None:  # after its first run: an executable learns about its inputs there
                     made = flushes[("made", id(executable))] = _per_example_outputs(executable)

@@ -201,7 +201,8 @@ def _compile_guard(call: _Call) -> Callable:
     key = call.key
     env: dict[str, Any] = {
         "_MISS": _MISS, "LazyTensor": LazyTensor, "Tensor": torch.Tensor, "_weakref": weakref.ref,
-        "_make": _make_subclass, "_map_out": _map_out, "call": call, "views": call.views, "_graph_ok": _graph_ok,
+        "_make": _make_subclass, "_map_out": _map_out, "call": call, "views": call.views, "view_entries": call.views.entries,
+        "_graph_ok": _graph_ok,
     }
 
     def const(x: Any) -> str:
@@ -267,7 +268,14 @@ def _compile_guard(call: _Call) -> Callable:
     for var in map(const, call.rereads):  # bound before the last flush: bound again, as it is now
         lines.append(f"    if {var} not in versions: versions[{var}] = consts[{var}]._version")
     for j, (var, i, view) in enumerate(call.consts):
-        lines.append(f"    consts[{const(var)}] = {f'x{i}' if view is None else f'views.get({j}, x{i}, {const(view)})'}")
+        if view is None:
+            lines.append(f"    consts[{const(var)}] = x{i}")
+        else:  # the view kept from the step before while its base and data pointer are the same (_Views.get)
+            lines.append(
+                f"    h = view_entries.get({j})\n"
+                f"    consts[{const(var)}] = h[2] if h is not None and h[0]() is x{i} and h[1] == x{i}.data_ptr()"
+                f" else views.get({j}, x{i}, {const(view)})"
+            )
         lines.append(f"    versions[{const(var)}] = x{i}._version")
     for i, var in call.mutated:
         lines.append(f"    x{i}._var = {const(var)}\n    session.alive[{const(var)}] = _weakref(x{i})")

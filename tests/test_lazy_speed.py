@@ -1,0 +1,72 @@
+"""What the one-line step's hot path keeps from one step to the next, and what makes it stop: each cache of
+issue 27's one-line work, with the change that must invalidate it. Every loop runs against plain PyTorch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from test_lazy_replay import assert_same_loop, batches, mlp
+
+import stagetorch
+from stagetorch import devices
+from stagetorch.lazymode import recording
+
+pytestmark = pytest.mark.usefixtures("lazy_mode")
+
+
+def test_a_flush_keeps_what_each_step_keeps_alive():
+    """The backward's flush is found by the values it must keep: a hidden state held past backward() on
+    some steps and not on others is an output of the flush exactly on the steps that hold it (a flush
+    looked up by its equations alone would give the steps that hold it none, or keep it on every step)."""
+    recording._RECORDINGS.clear()
+    model = mlp()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer0 = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for i, (x, y) in enumerate(batches(6)):
+        keep = i in (2, 3, 5)  # not on the first steps, which record and first replay the flush
+        x0 = x
+        x, y = stagetorch.lazy(x, y, batch=0)
+        optimizer.zero_grad()
+        optimizer0.zero_grad()
+        h = model[1](model[0](x))
+        h0 = reference[1](reference[0](x0))
+        loss = F.cross_entropy(model[2](h), y)
+        if not keep:
+            del h  # dropped before backward(): its flush need not keep it
+        loss.backward()
+        F.cross_entropy(reference[2](h0), y).backward()
+        if keep:
+            assert torch.allclose(h.sum(), h0.sum().detach(), rtol=1e-5), i  # its value after backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), i
+        optimizer.step()
+        optimizer0.step()
+
+
+def test_a_parameter_replaced_by_another_object_is_read():
+    """A layer's weight replaced by another Parameter of the same shape: the express replay's kept view of
+    the old weight (``weight.t()`` in linear) is not used for the new one."""
+    def step(i, model, x, y):
+        if i == 2:
+            model[0].weight = nn.Parameter(torch.randn(16, 12, generator=torch.Generator().manual_seed(i)))
+        return F.cross_entropy(model(x), y)
+
+    assert_same_loop(step, n=4)
+
+
+def test_the_budget_of_a_flush_follows_free_memory_per_device(monkeypatch):
+    """free_memory keeps each device's type, not its answer: the host's free memory is read again after its
+    time to live, and a budget given is parsed each call."""
+    devices._HOST_FREE[:] = [float("-inf"), 0]
+    monkeypatch.setattr(devices.os, "sysconf", lambda name: {"SC_AVPHYS_PAGES": 1000, "SC_PAGE_SIZE": 4096}[name])
+    assert devices.free_memory(torch.device("cpu")) == 4096 * 1000
+    assert devices.free_memory("cpu", "1MiB") == 1 << 20
+    monkeypatch.setattr(devices.os, "sysconf", lambda name: {"SC_AVPHYS_PAGES": 7, "SC_PAGE_SIZE": 4096}[name])
+    assert devices.free_memory("cpu") == 4096 * 1000  # within the time to live
+    devices._HOST_FREE[0] = float("-inf")
+    assert devices.free_memory(torch.device("cpu")) == devices.free_memory("cpu") == 4096 * 7
