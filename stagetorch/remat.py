@@ -31,6 +31,10 @@ __all__ = ["RECOMPUTED", "Candidates", "candidates", "remat", "recomputed_eqns"]
 # temporaries of the backward, and the plan counts them.
 RECOMPUTED = "recomputation"
 
+# A segment of ``remat``'s ``transient`` that no value is recomputed for: a value in it is never held past
+# the recomputation that made it (for a value the backward never reads, that only feeds recomputations).
+NOT_HELD = -2
+
 
 @attrs.frozen
 class Candidates:
@@ -185,7 +189,8 @@ def remat(
 
     ``transient`` maps dropped roots to a segment number: such a value, recomputed only because a value of
     another segment needs it, is not held for its own backward use but recomputed again then (a second
-    level of recomputation: more FLOPs, and only one segment's values held at a time).
+    level of recomputation: more FLOPs, and only one segment's values held at a time). A value the backward
+    does not read may be mapped too: to :data:`NOT_HELD` to be made again wherever a recomputation needs it.
     """
     cands = candidates(graph) if cands is None else cands
     transient = transient or {}
