@@ -31,6 +31,10 @@ __all__ = ["RECOMPUTED", "Candidates", "candidates", "remat", "recomputed_eqns"]
 # temporaries of the backward, and the plan counts them.
 RECOMPUTED = "recomputation"
 
+# A segment of ``remat``'s ``transient`` that no value is recomputed for: a value in it is never held past
+# the recomputation that made it (for a value the backward never reads, that only feeds recomputations).
+NOT_HELD = -2
+
 
 @attrs.frozen
 class Candidates:
@@ -185,7 +189,8 @@ def remat(
 
     ``transient`` maps dropped roots to a segment number: such a value, recomputed only because a value of
     another segment needs it, is not held for its own backward use but recomputed again then (a second
-    level of recomputation: more FLOPs, and only one segment's values held at a time).
+    level of recomputation: more FLOPs, and only one segment's values held at a time). A value the backward
+    does not read may be mapped too: to :data:`NOT_HELD` to be made again wherever a recomputation needs it.
     """
     cands = candidates(graph) if cands is None else cands
     transient = transient or {}
@@ -246,8 +251,13 @@ def remat(
                       and o.base not in sub and o.base in producer]
             stack.extend((producer[u], False) for u in reversed(needs))
 
-    for e in graph.eqns[cands.boundary:]:
-        targets = [v for v in e.invars if v.root in drop and v not in sub]
+    spans = node_spans(graph, cands.boundary)
+    for i in range(cands.boundary, len(graph.eqns)):
+        e = graph.eqns[i]
+        reads = e.invars
+        if i in spans:  # and the forward values the node's later equations read
+            reads = [*reads, *(v for f in graph.eqns[i + 1: spans[i]] for v in f.invars if v in producer)]
+        targets = [v for v in reads if v.root in drop and v not in sub]
         if targets:
             burst: list[Eqn] = []
             for v in targets:
@@ -273,6 +283,29 @@ def remat(
     grads = [(i, sub.get(v, v)) for i, v in graph.grads]
     # Forward values that only the backward read, and that it now recomputes, are left with no reader.
     return dce(attrs.evolve(graph, eqns=out, outvars=outvars, grads=grads))
+
+
+def node_spans(graph: Graph, boundary: int) -> dict[int, int]:
+    """The backward's autograd nodes of more than one equation: the index of each one's first equation ->
+    one past its last (a run of equations with the same ``source.backward``).
+
+    :func:`remat` recomputes what a node reads before its first equation, as autograd's checkpointing
+    recomputes a layer before its backward: recomputed before the equation that reads it, a value's
+    recomputation ran beside what the node's earlier equations had made (an ``addmm``'s input gradient,
+    computed before the weight gradient that reads the recomputed input: OPT's per-layer set held a
+    [tokens, 4 x hidden] gradient beside the whole layer's recomputation)."""
+    spans: dict[int, int] = {}
+    eqns = graph.eqns
+    i = boundary
+    while i < len(eqns):
+        label = eqns[i].source.backward
+        j = i + 1
+        while label and j < len(eqns) and eqns[j].source.backward == label:
+            j += 1
+        if j - i > 1:
+            spans[i] = j
+        i = j
+    return spans
 
 
 def _saving(forward: list[Eqn], saves: dict[int, dict[object, tuple]]) -> list[Eqn]:

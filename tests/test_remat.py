@@ -30,7 +30,7 @@ from stagetorch.flops import eqn_flops, graph_calls, graph_flops
 from stagetorch.ir import Eqn, GraphError, Var, op_name
 from stagetorch.passes import dce, has_effect, liveness, writes
 from stagetorch.planning import SAFETY_MARGIN
-from stagetorch.remat import candidates, recomputed_eqns, remat
+from stagetorch.remat import NOT_HELD, RECOMPUTED, candidates, recomputed_eqns, remat
 from stagetorch.remat_planning import (
     RematPlan,
     _chain,
@@ -525,6 +525,9 @@ def test_planner_costing_equals_the_memory_interpreter(name):
     # Two levels: dropped values recomputed again for their own segment (random segments).
     transients = [None, None, None, None, {r: rng.randrange(4) for r in cands.roots if rng.random() < 0.6}]
     keeps.append(frozenset(r for r in cands.roots if rng.random() < 0.3))
+    # ... and the values the backward never reads made again wherever they are needed (NOT_HELD).
+    transients.append({**dict.fromkeys(cands.recomputable - set(cands.roots), NOT_HELD), **transients[-1]})
+    keeps.append(keeps[-1])
     for keep, transient in zip(keeps, transients):
         peak, extra, names, calls = sim.run(keep, transient)
         r = check(remat(g, keep, cands, transient))
@@ -533,6 +536,25 @@ def test_planner_costing_equals_the_memory_interpreter(name):
         assert calls == graph_calls(recomputed_eqns(r))
     for p in frontier(g):
         assert p.peak_bytes == peak_bytes(p.graph)
+
+
+def test_a_node_s_values_are_recomputed_before_its_first_equation():
+    """As autograd's checkpointing recomputes a layer before its backward, the pass recomputes what an
+    autograd node reads before the node's first equation: not between its equations, beside the input
+    gradient an ``addmm``'s backward makes before the weight gradient that reads the recomputed input."""
+    g = stagetorch.make_ir(step_of(mlp_chain(4, 32)))(torch.randn(2, 64, 32))
+    cands = candidates(g)
+    # Keep what the Linears make, recompute the GELUs: each Linear's backward reads its (dropped) input.
+    made = {v.root: e.prim for e in reversed(g.eqns[: cands.boundary]) for v in e.outvars if v is not None}
+    keep = frozenset(r for r in cands.roots if made[r] is torch.ops.aten.addmm.default)
+    r = check(remat(g, keep, cands))
+    labels = [e.source.backward for e in r.eqns]
+    bursts = [i for i, b in enumerate(labels) if b == RECOMPUTED and labels[i - 1] != RECOMPUTED]
+    assert bursts
+    for i in bursts:
+        j = next(k for k in range(i, len(labels)) if labels[k] != RECOMPUTED)
+        assert labels[i - 1] != labels[j] or not labels[j], (i, labels[i - 1])
+    assert peak_bytes(r) == _Simulator(g, cands).run(keep)[0]
 
 
 def test_chain_cut_at_narrow_points_and_the_dynamic_program():
