@@ -509,3 +509,38 @@ def test_a_mid_step_write_after_an_moe_layer_in_one_line_mode(reads_it, lazy_mod
     loss.backward()
     assert rel(total, total0) <= TOL and rel(loss.detach().value(), loss0.detach()) <= TOL
     assert rel(w.grad, grad0) <= TOL
+
+
+@pytest.mark.lazy_modes("replay", "express")
+def test_a_mid_step_write_decides_to_peek_once_per_recording(lazy_mode, monkeypatch):
+    """Whether the whole flush at a mid-step write would keep rows a chunk orders its own way is kept with the
+    recording: later steps peek at once rather than plan the whole flush again (and have it refused) at each
+    write, which cost more than the peeks (two writes per step of the padded router loss)."""
+    from stagetorch import chunking
+
+    refused: list[int] = []
+    check = chunking._check_chunk_local
+
+    def counted(analysis, results):
+        try:
+            check(analysis, results)
+        except stagetorch.BatchCouplingError:
+            refused.append(len(analysis.graph.eqns))
+            raise
+
+    monkeypatch.setattr(chunking, "_check_chunk_local", counted)
+    model, b = with_router_loss("mixtral"), batch(True)
+    budget = budget_for(stagetorch.jit(aux_step_of(copy.deepcopy(model)), remat=False), *b)
+    per_step = []
+    for _ in range(4):
+        refused.clear()
+        ids, mask, labels = stagetorch.lazy(*b, batch=0, memory_budget=budget, remat=False)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        out.loss.item()
+        model.zero_grad()
+        per_step.append(len(refused))
+    # The first step: one refusal per write. (The values a flush keeps, and so its program, are those still
+    # referenced, which a replay's first step may hold otherwise than the recording step did.)
+    assert per_step[0] == model.config.num_hidden_layers, per_step
+    assert per_step[-1] == 0, per_step
