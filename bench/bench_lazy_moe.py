@@ -1,8 +1,9 @@
 """One-line mode on an MoE model with its load-balancing loss (issue 24): a step's time against the same step
 staged with ``jit`` and in eager, run alternately in one process; and where one-line mode's time goes (each
-``Executable.run``: the peeks a mid-step write makes, the step's flush). "lazy, replanning" is one-line mode
-as it was before the answer to "does the whole flush keep rows a chunk orders its own way" was kept: the
-whole flush planned again (and refused) at each mid-step write.
+``Executable.run``: the peeks a mid-step write makes, the step's flush). "lazy, before" is one-line mode as it
+was before two fixes: the answer to "does the whole flush keep rows a chunk orders its own way" was not kept
+(the whole flush planned again, and refused, at each mid-step write), and a recording made again after a
+divergence forgot that sessions had left its express replay (unpadded, every other step recorded).
 
 Setup: tests/test_moe.py's tiny Mixtral (hidden 32, 2 layers, 4 experts, top 2), float32, its router loss
 weighted 1, the padded batch of 7 x 16, the budget at which ``jit`` splits it in >= 3 chunks.
@@ -28,6 +29,7 @@ import stagetorch  # noqa: E402
 import stagetorch.devices  # noqa: E402
 from stagetorch.errors import StagingError  # noqa: E402
 from stagetorch.executable import Executable  # noqa: E402
+from stagetorch.lazymode.recording import _RECORDINGS  # noqa: E402
 from stagetorch.lazymode.session import _Session  # noqa: E402
 
 runs: list[tuple[str, float]] = []
@@ -53,6 +55,16 @@ def replanning_peeks(self, executable, device):
         return bool(getattr(e, "chunk_local_result", False))
 
 
+_diverge = _Session._diverge
+
+
+def forgetting_diverge(self):
+    """A recording made again after a divergence starts with the express replay on, whatever its
+    predecessor saw."""
+    _diverge(self)
+    self.recording.left, self.recording.express = 0, True
+
+
 def main(steps: int = 30, name: str = "mixtral", padded: str = "padded") -> None:
     torch.set_num_threads(1)
     model, b = with_router_loss(name), batch(padded == "padded")
@@ -73,14 +85,29 @@ def main(steps: int = 30, name: str = "mixtral", padded: str = "padded") -> None
         out.loss.backward()
         out.loss.item()
 
-    def lazy_replanning():
-        _Session._peeks = replanning_peeks
+    kept = {}  # each lazy variant's recordings, apart (they are kept per input signature)
+
+    def apart(label, fn):
+        def run():
+            recordings = kept.setdefault(label, {})
+            _RECORDINGS.clear()
+            _RECORDINGS.update(recordings)
+            try:
+                fn()
+            finally:
+                recordings.clear()
+                recordings.update(_RECORDINGS)
+
+        return run
+
+    def lazy_before():
+        _Session._peeks, _Session._diverge = replanning_peeks, forgetting_diverge
         try:
             lazy()
         finally:
-            _Session._peeks = _peeks
+            _Session._peeks, _Session._diverge = _peeks, _diverge
 
-    variants = (("eager", eager), ("jit", jit), ("lazy", lazy), ("lazy, replanning", lazy_replanning))
+    variants = (("eager", eager), ("jit", jit), ("lazy", apart("lazy", lazy)), ("lazy, before", apart("before", lazy_before)))
     times: dict[str, list[float]] = {label: [] for label, _ in variants}
     per_run: dict[str, list[float]] = {}
     for i in range(steps + 3):

@@ -544,3 +544,26 @@ def test_a_mid_step_write_decides_to_peek_once_per_recording(lazy_mode, monkeypa
     # referenced, which a replay's first step may hold otherwise than the recording step did.)
     assert per_step[0] == model.config.num_hidden_layers, per_step
     assert per_step[-1] == 0, per_step
+
+
+@pytest.mark.lazy_modes("express")
+def test_one_line_router_loss_unpadded_stops_recording_each_step(lazy_mode):
+    """Unpadded, every step leaves the express replay at the router loss's write (``scatter_add_`` into
+    zeros), and a session that left it has the engine run the backward in another order than one that
+    never was express (the autograd nodes of real tensors made while express come before the calls run
+    again). Each recording then diverged at the next session's backward, forever; counted across
+    recordings, the express replay is turned off and the steps replay their recording."""
+    from stagetorch.lazymode.mode import Mode
+
+    model, b = with_router_loss("mixtral"), batch(False)
+    budget = budget_for(stagetorch.jit(aux_step_of(copy.deepcopy(model)), remat=False), *b)
+    recorded = []
+    for _ in range(10):
+        ids, mask, labels = stagetorch.lazy(*b, batch=0, memory_budget=budget, remat=False)
+        session = ids._session
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        out.loss.item()
+        model.zero_grad()
+        recorded.append(session.mode is Mode.RECORD)
+    assert recorded[0] and not any(recorded[-4:]), recorded
