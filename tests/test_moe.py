@@ -416,16 +416,20 @@ if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
 
 
-@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
-def test_router_loss_in_one_line_mode_trains_in_chunks_as_in_eager(padded, lazy_mode, monkeypatch):
+@pytest.mark.parametrize(
+    "name, padded",
+    [("mixtral", True), ("mixtral", False), ("qwen2_moe", True), ("olmoe", True)],
+    ids=["mixtral-padded", "mixtral-unpadded", "qwen2_moe-padded", "olmoe-padded"],
+)
+def test_router_loss_in_one_line_mode_trains_in_chunks_as_in_eager(name, padded, lazy_mode, monkeypatch):
     """The load-balancing loss writes ``zeros(E).scatter_add_(0, experts, mask)`` into a real tensor mid-step,
     which runs what was recorded before it: a flush there would keep each layer's tokens sorted by expert for
     the backward, rows no chunk can hand over. Only the experts and the mask the write reads are computed
     then; the whole step runs at backward(), in chunks. Three AdamW steps: every loss, aux loss and gradient
-    equal eager's."""
+    equal eager's. (Qwen2-MoE adds a shared expert gated per token; OLMoE normalises no top-k weights.)"""
     from stagetorch.executable import Executable
 
-    model, b = with_router_loss("mixtral"), batch(padded)
+    model, b = with_router_loss(name), batch(padded)
     reference = copy.deepcopy(model)
     opt0 = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
