@@ -18,10 +18,12 @@ import torch.nn.functional as F
 pytest.importorskip("lightning", reason='Lightning is an optional extra: pip install "stagetorch[lightning]"')
 
 import lightning as L  # noqa: E402
-from memtrack import LivePeak  # noqa: E402
+from memtrack import AllocatorPeak, LivePeak, _storage_bytes  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import stagetorch  # noqa: E402
+from stagetorch.devices import parse_bytes  # noqa: E402
+from stagetorch.executable import Executable  # noqa: E402
 from stagetorch.integrations.lightning import StagedStrategy  # noqa: E402
 
 # Lightning warns about DataLoader workers and its own deprecations; neither is what these tests check.
@@ -281,12 +283,12 @@ def test_mixed_precision_equals_a_plain_lightning_run(precision, budget):
 
 
 def test_the_docs_example_runs_in_chunks(capsys):
-    """docs/lightning.md's complete example, as written: it trains, and its batch runs in the 5 chunks the page
+    """docs/lightning.md's complete example, as written: it trains, and its batch runs in the 3 chunks the page
     shows."""
     page = (pathlib.Path(__file__).parent.parent / "docs" / "lightning.md").read_text()
     example = re.search(r"## A complete example.*?```python\n(.*?)```", page, re.S).group(1)
     exec(compile(example, "docs/lightning.md", "exec"), {"__name__": "docs_example"})
-    assert "batch 4096 as 5 chunk(s) [824+824+824+824+800]" in capsys.readouterr().out
+    assert "batch 4096 as 3 chunk(s) [1368+1368+1360]" in capsys.readouterr().out
 
 
 # -- transformers' own models on padded batches (the same models and data as the transformers Trainer test) ----
@@ -355,4 +357,111 @@ def test_transformers_models_on_padded_batches_equal_a_plain_lightning_run(name,
     moved = max((p - q).abs().max().item() for p, q in zip(staged.parameters(), start.parameters()))
     assert moved > 1e-4, "the steps did not move the weights: the comparison would prove nothing"
     assert _worst(staged, plain) < 1e-9
-    assert staged.losses == pytest.approx(plain.losses, abs=1e-12, rel=0)
+    # transformers' causal-LM loss upcasts the logits to float32 (loss_utils.ForCausalLMLoss), even in a float64
+    # model: chunked, its float32 sum is added in another order (4.8e-7 of 4.6 was seen).
+    float32_loss = name == "llama" and mode == "chunked"
+    assert staged.losses == pytest.approx(plain.losses, abs=0 if float32_loss else 1e-12, rel=1e-6 if float32_loss else 0)
+
+
+class Ran(L.Callback):
+    """The plan of every program the step ran (asked of the executable after it ran, as it ran it)."""
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[int, ...]] = []
+        self.peaks: list[int] = []
+
+    def on_train_start(self, trainer, module):
+        run = Executable.run
+
+        def recorded(executable, inputs, budget, **kwargs):
+            out = run(executable, inputs, budget, **kwargs)
+            plan = executable.plan(budget)
+            self.chunks.append(tuple(plan.chunk_sizes))
+            self.peaks.append(plan.peak)
+            return out
+
+        self._patch = pytest.MonkeyPatch()
+        self._patch.setattr(Executable, "run", recorded)
+
+    def on_train_end(self, trainer, module):
+        self._patch.undo()
+
+
+@pytest.mark.parametrize("precision", ["64-true", "32-true"])
+def test_the_plan_the_strategy_gives_is_the_plan_the_step_runs(precision):
+    """From the second step on the parameters hold the previous gradients when ``plan(batch)`` is asked:
+    they are out of the budget (the run holds them beside the step) and, as ``training_step`` runs, off the
+    parameters. The plan counted them twice (and said 8 chunks of 16 where 6 of 19 and one of 14 ran)."""
+    torch.manual_seed(0)
+    module = _module() if precision == "64-true" else Float32Data()
+    asked, ran = Plans(), Ran()
+    budget = CHUNKED if precision == "64-true" else "110KiB"
+    _fit(module, _data(3), StagedStrategy(memory_budget=budget), callbacks=[asked, ran])
+    assert len(ran.chunks) == 3 and all(len(c) >= 3 for c in ran.chunks), ran.chunks
+    assert asked.chunks == ran.chunks
+
+
+class StepAtAllocator(L.Callback):
+    """The second step's ``training_step`` (the staged step) measured by ``tracker``, with what the run holds
+    resident: weights, batch, the previous gradients, the optimizer's state and the scaler's; and the plan of
+    the program it ran."""
+
+    def __init__(self, tracker) -> None:
+        self.tracker = tracker
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if batch_idx != 1:
+            return
+        strategy, run, execute = trainer.strategy, trainer.strategy.training_step, Executable.run
+
+        def recorded(executable, inputs, budget, **kwargs):
+            out = execute(executable, inputs, budget, **kwargs)
+            self.plan = executable.plan(budget)
+            return out
+
+        def measured(*args, **kwargs):
+            states = [t for st in trainer.optimizers[0].state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+            grads = [p.grad for p in module.parameters() if p.grad is not None]
+            scaler = trainer.precision_plugin.scaler if hasattr(trainer.precision_plugin, "scaler") else None
+            scales = [] if scaler is None else [t for t in (scaler._scale, scaler._growth_tracker) if t is not None]
+            self.beside = _storage_bytes([*grads, *states])  # what the strategy takes out of the budget
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(Executable, "run", recorded)
+                with self.tracker([*module.parameters(), *batch, *grads, *states, *scales]) as peak:
+                    out = run(*args, **kwargs)
+            self.peak = peak.peak
+            return out
+
+        strategy.training_step = measured
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch_idx == 1:
+            del trainer.strategy.training_step
+
+
+def _mixed_step_peak(precision: str, tracker) -> tuple[int, int]:
+    torch.manual_seed(0)
+    at = StepAtAllocator(tracker)
+    _fit(Float32Data(), _data(3), StagedStrategy(memory_budget="110KiB"), steps=2, callbacks=[at], **_precision(precision))
+    assert len(at.plan.chunk_sizes) >= 3
+    return at.peak, at.plan.peak + at.beside
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_step_holds_what_it_planned(precision):
+    """Every tensor an op returns, in the chunked mixed-precision step with the run's gradients and momentum
+    beside it: the plan plus what the strategy took out of the budget, to the byte (16 B: 0-d values)."""
+    measured, predicted = _mixed_step_peak(precision, LivePeak)
+    assert abs(measured - predicted) <= 16, (measured, predicted)
+    assert measured <= parse_bytes("110KiB")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the CPU's half-precision mm/addmm (oneDNN) allocate transient workspaces no workspace rule models yet: "
+    "on a 2-thread CPU ~28 KB (bf16) and ~133 KB (float16: the 256 -> 3 layer's addmm alone takes 166,016 B) "
+    "above the plan, over the 110 KiB budget in both"
+))
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_step_at_the_allocator_holds_what_it_planned(precision):
+    measured, predicted = _mixed_step_peak(precision, AllocatorPeak)
+    assert measured <= 1.02 * predicted and measured <= parse_bytes("110KiB"), (measured, predicted)

@@ -181,9 +181,19 @@ class StagedStrategy(SingleDeviceStrategy):
             raise RuntimeError("StagedStrategy.plan needs a LightningModule: call it once trainer.fit has started")
         with_index = len(inspect.signature(module.training_step).parameters) >= 2
         step = self._step(module, module.trainer.accumulate_grad_batches, with_index)
-        self._budget_for(step, module, [p.grad for p in module.parameters() if p.requires_grad])
-        with self.precision_plugin.train_step_context():
-            return step.plan(batch, module, self._loss_scale())
+        params = [p for p in module.parameters() if p.requires_grad]
+        old = [p.grad for p in params]
+        self._budget_for(step, module, old)
+        # As training_step runs it: the previous gradients are out of the budget and off the parameters (with
+        # them on, the step's plan counted them a second time, as gradients it would accumulate into).
+        for p in params:
+            p.grad = None
+        try:
+            with self.precision_plugin.train_step_context():
+                return step.plan(batch, module, self._loss_scale())
+        finally:
+            for p, g in zip(params, old):
+                p.grad = g
 
     def _loss_scale(self) -> torch.Tensor | None:
         """A 16-mixed run's GradScaler scale as a tensor (None without a scaler): an argument of the staged

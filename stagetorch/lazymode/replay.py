@@ -96,6 +96,14 @@ class SlowReplay(RecordingSteps):
         replayed = old.steps[: self.cursor]
         self.mode = Mode.RECORD
         self.recording = self._start_recording()
+        # The same step recorded again: how many sessions in a row left its express replay carries over. A
+        # session that left it ran the calls made so far again through autograd, after the autograd nodes
+        # that real tensors' ops made meanwhile (an expert weight's transpose), so the engine may order the
+        # backward otherwise than in a session that never was express: each such recording diverges at the
+        # next session's backward, and that one's at the next express session's. Counted, the express
+        # replay is turned off after _MAX_LEAVES, and the steps replay (unpadded one-line Mixtral with its
+        # router loss recorded every step: ~20x its jit step).
+        self.recording.left, self.recording.express = old.left, old.express
         self.tape = None  # its steps are not this session's calls one for one: the next session tapes it
         rec = self.recorder
         new_of: dict[Var, Var] = {}
