@@ -82,3 +82,18 @@ def test_a_random_sequence_network_trains_within_its_budget_as_eager(seed):
 @pytest.mark.parametrize("seed", range(32))
 def test_a_random_image_network_trains_within_its_budget_as_eager(seed):
     train_against_eager(random_nets.image(seed))
+
+
+def test_the_smallest_budget_an_error_names_plans():
+    """Image 51 at half its peak: the error names the budget where its least recompute set runs one
+    example per chunk. That set's chunk of one holds less than half its whole-batch peak (whose schedule
+    differs), so the joint planner's bound on its fewest chunks left it out, and the named budget raised
+    again; the set is now planned there."""
+    case = random_nets.image(51)
+    staged = stagetorch.jit(case.step(case.model))
+    staged.memory_budget = int(peak_bytes(staged.graph(case.x, case.y)) * case.fraction)
+    with pytest.raises(OutOfMemoryError) as error:
+        staged.plan(case.x, case.y)
+    staged.memory_budget = error.value.smallest_budget
+    plan = staged.plan(case.x, case.y)
+    assert plan.recompute is not None and plan.peak <= staged.memory_budget

@@ -88,6 +88,13 @@ def suggested(v: object, layouts: Callable[[Var], tuple[int, ...] | None]) -> to
 
 
 def suggested_of(t: torch.Tensor) -> torch.memory_format:
+    """``t.suggest_memory_format()``, with a batch of one laid out outermost. The stride of a dim of size
+    one is arbitrary, and meta kernels give the batch dim of a one-example tensor another than the CPU
+    kernels do (8 where they give 1152, for a channels-last (1, 8, 12, 12)); PyTorch's suggestion reads it
+    (it would call that tensor contiguous). The CPU kernels' outputs have it outermost."""
+    if t.ndim and t.shape[0] == 1:
+        outer = max((st * n for st, n in zip(t.stride(), t.shape)), default=1)
+        t = torch.empty_strided(t.shape, (outer, *t.stride()[1:]), dtype=t.dtype, device="meta")
     return suggest_memory_format(t)
 
 

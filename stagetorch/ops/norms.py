@@ -104,6 +104,9 @@ LAYOUT: dict = {
         aten._batch_norm_with_update, aten._batch_norm_no_update,
     )},
     aten.native_batch_norm_backward: _layout.in_input_format(1, mask=9),
+    # Group norm's output, over a channels-last batch of one: the meta kernel gives the batch dim a stride
+    # of C (8, 1, 96, 8), the kernel the dense one (1152, 1, 96, 8); its suggested format then differs.
+    aten.native_group_norm: _layout.in_input_format(0),
     aten.batch_norm_backward: _layout.in_input_format(1, mask=9),
 }
 
