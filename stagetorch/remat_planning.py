@@ -820,7 +820,7 @@ def plan_joint(
     assert first_error is not None
     floors = [p.peak_bytes if whole_only else floor(p.graph) for p in points]
     least = min(range(len(points)), key=floors.__getitem__)
-    if 0 < least and floors[least] <= usable and not whole_only:
+    if least > 0 and floors[least] <= usable and not whole_only:
         # A set the bound on its fewest chunks left out (a chunk held less than its share of the whole-batch
         # peak, whose schedule differs), though one example per chunk fits: the budget this error would
         # name. Planned, so that the named budget plans.
