@@ -221,6 +221,36 @@ def test_norm_workspaces_follow_the_layouts(shape, layouts, dtype):
         assert _rule(aten.native_group_norm_backward, *args) == op_workspace(aten.native_group_norm_backward, *args)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("case", [((3, 16, 16), 1), ((2, 5, 3, 8), 2), ((64, 16), 1)], ids=str)
+@pytest.mark.parametrize("layouts", [("contiguous", "contiguous"), ("transposed", "contiguous"),
+                                     ("contiguous", "transposed"), ("transposed", "transposed")],
+                         ids=lambda p: "-".join(p))
+def test_layer_norm_workspaces_follow_the_layouts_and_the_threads(case, layouts, threads):
+    """The kernels make the input and the output gradient contiguous (a LayerNorm over a transposed
+    activation: a copy of each); the backward reduces the weight's and the bias's gradients through two
+    per-thread buffers of the normalized shape."""
+    shape, k = case
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        def laid_out(t, layout):
+            return t.transpose(0, 1).contiguous().transpose(0, 1) if layout == "transposed" else t
+
+        x = laid_out(torch.randn(shape, dtype=torch.float64), layouts[0])
+        normalized = list(shape[-k:])
+        w, b = torch.randn(normalized, dtype=torch.float64), torch.randn(normalized, dtype=torch.float64)
+        args = (x, normalized, w, b, 1e-5)
+        assert _rule(aten.native_layer_norm, *args) == op_workspace(aten.native_layer_norm, *args)
+        _, mean, rstd = aten.native_layer_norm(*args)
+        go = laid_out(torch.randn(shape, dtype=torch.float64), layouts[1])
+        for weight, mask in ((w, [True, True, True]), (w, [True, False, False]), (w, [False, True, False]), (None, [True, False, False])):
+            args = (go, x, normalized, mean, rstd, weight, b if weight is not None else None, mask)
+            assert _rule(aten.native_layer_norm_backward, *args) == op_workspace(aten.native_layer_norm_backward, *args), mask
+    finally:
+        torch.set_num_threads(before)
+
+
 def _lstm_layer(steps, batch, features, hidden, train=True):
     """One layer's arguments as nn.LSTM(batch_first=True, num_layers=2) stages them."""
     torch.manual_seed(0)

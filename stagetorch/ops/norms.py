@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -205,6 +206,33 @@ def group_norm_workspace(e: Eqn, layouts) -> int:  # noqa: ANN001
     return 2 * e.args[3] * e.args[4] * x.aval.itemsize if fmt is None or fmt in _layout.CHANNELS_LAST else 0
 
 
+def _copied_contiguous(v: object, layouts) -> int:  # noqa: ANN001
+    """The bytes ``.contiguous()`` of ``v`` copies (unknown strides: copied)."""
+    return 0 if _layout.dense_in(v.aval.shape, _layout.strides_of(v, layouts), torch.contiguous_format) else v.aval.nbytes
+
+
+def layer_norm_workspace(e: Eqn, layouts) -> int:  # noqa: ANN001
+    """The CPU layer norm forward makes its input contiguous: a copy of one laid out otherwise (a LayerNorm
+    over a transposed activation)."""
+    x = e.args[0]
+    return _copied_contiguous(x, layouts) if x.aval.device.type == "cpu" else 0
+
+
+def layer_norm_backward_workspace(e: Eqn, layouts) -> int:  # noqa: ANN001
+    """The CPU layer norm backward makes the output gradient and the input contiguous (a copy of each laid
+    out otherwise) and, for the weight's or the bias's gradient, reduces through two per-thread buffers of
+    the normalized shape's size, in the accumulation type."""
+    grad, x, shape = e.args[0], e.args[1], e.args[2]
+    if x.aval.device.type != "cpu":
+        return 0
+    mask = e.args[7]
+    size = math.prod(shape)
+    rows = x.aval.numel // size if size else 0
+    acc = 4 if x.aval.dtype in (torch.float16, torch.bfloat16) else x.aval.itemsize
+    buffers = 2 * min(torch.get_num_threads(), max(rows, 1)) * size * acc if (mask[1] or mask[2]) and e.args[5] is not None else 0
+    return _copied_contiguous(grad, layouts) + _copied_contiguous(x, layouts) + buffers
+
+
 def _reading_layouts(rule):  # noqa: ANN001, ANN202
     rule.reads_layouts = True
     return rule
@@ -219,6 +247,8 @@ WORKSPACE: dict = {
     aten._native_batch_norm_legit_no_training: _reading_layouts(lambda e, layouts: batch_norm_workspace(e, None, layouts)),
     aten.native_batch_norm_backward: _reading_layouts(batch_norm_backward_workspace),
     aten.native_group_norm: _reading_layouts(group_norm_workspace),
+    aten.native_layer_norm: _reading_layouts(layer_norm_workspace),
+    aten.native_layer_norm_backward: _reading_layouts(layer_norm_backward_workspace),
     # The group norm backward: two numbers per (example, channel), in the input's dtype.
     aten.native_group_norm_backward: lambda e: 2 * e.args[5] * e.args[6] * e.args[1].aval.itemsize if e.args[1].aval.device.type == "cpu" else 0,
 }
