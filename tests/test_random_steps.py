@@ -55,11 +55,11 @@ def train_against_eager(case: random_nets.Case, steps: int = 2) -> list:
             got = staged(x, y)
         where = f"{case.description}, step {k}"
         assert tracker.peak <= budget, (where, plan)
-        # At the allocator; the IR does not record strides, and the workspace rules were measured on contiguous
-        # tensors: a Conv1d's input is counted as copied contiguous even where it is, BatchNorm's backward
-        # temporary (made only for contiguous input and gradient) even for a transposed activation: the plan is
-        # up to 15% over. Channels-last kernels reorder more than counted: up to 8% under.
-        assert plan.held_bytes == held and plan.peak * 0.85 <= tracker.peak <= plan.peak * 1.08, (where, tracker.peak, plan)
+        # At the allocator, to 2%: the workspace rules follow the strides the trace records (a Conv1d copies
+        # only a transposed input, BatchNorm's backward keeps its input-sized temporary only where input and
+        # gradient share a layout, channels-last convolutions copy a contiguous weight...). Before they did,
+        # these seeds measured 15% over and 8% under their plans.
+        assert plan.held_bytes == held and plan.peak * 0.98 <= tracker.peak <= plan.peak * 1.02, (where, tracker.peak, plan)
         ref_opt.zero_grad(set_to_none=True)
         expected = case.step(reference)(x, y)
         torch.testing.assert_close(got, expected.detach(), **_TOL, msg=lambda m, where=where: f"{where}: {m}")
