@@ -97,3 +97,19 @@ def test_the_smallest_budget_an_error_names_plans():
     staged.memory_budget = error.value.smallest_budget
     plan = staged.plan(case.x, case.y)
     assert plan.recompute is not None and plan.peak <= staged.memory_budget
+
+
+@pytest.mark.parametrize("seed", [36, 38, 59, 68, 74, 75])
+def test_image_networks_that_mix_layouts_measure_their_plan(seed):
+    """Networks whose activations are channels-last in places (or whose batch of one is): measured at the
+    allocator within 0.1% of the plan (before the rules read layouts: up to 20% over and 6% under). Each
+    found a gap: nearest upsampling's and pooling backward's copies (75, 74), group norm's traced layout on a
+    batch of one (68), a gradient accumulation the plan took as in place where the run cannot add into the
+    operand, or the sum it makes is laid out otherwise than the plan's (38, 36, 59)."""
+    case = random_nets.image(seed)
+    staged = stagetorch.jit(case.step(case.model))
+    held = sum(b.untyped_storage().nbytes() for b in case.model.buffers())
+    plan, budget = _plan_within(staged, case.x, case.y, int(peak_bytes(staged.graph(case.x, case.y)) * case.fraction) + held)
+    with AllocatorPeak([*case.model.parameters(), *case.model.buffers(), case.x, case.y]) as tracker:
+        staged(case.x, case.y)
+    assert tracker.peak <= budget and abs(tracker.peak - plan.peak) <= 0.001 * plan.peak, (case.description, tracker.peak, plan)
