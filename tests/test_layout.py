@@ -296,3 +296,19 @@ def test_channels_last_convolution_weight_gradients_are_copied_within_the_plan(c
     for p, q in zip(model.parameters(), reference.parameters()):
         assert p.grad.stride() == q.grad.stride() == p.stride()
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_an_argument_laid_out_otherwise_stages_again():
+    """A step staged for a contiguous input records ``reshape`` as a view; called with the same shape
+    channels-last, it stages again (the view failed at run time, and the memory rules read the strides the
+    trace recorded), and gives eager's result."""
+    def fn(x):
+        return (x * 2).reshape(-1).cumsum(0)
+
+    staged = stagetorch.jit(fn)
+    x = torch.randn(2, 3, 4, 5, dtype=torch.float64)
+    torch.testing.assert_close(staged(x), fn(x))
+    cl = x.contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(staged(cl), fn(cl))
+    (inp,) = staged.graph(cl).invars
+    assert inp.strides == cl.stride()
