@@ -24,7 +24,7 @@ import torch
 from ._tree import map_leaves
 from .batching import BatchAnalysis, Batched, Global, Prepass, Reduced, coupling
 from .execute import Program, Undo
-from .ir import Aval, Eqn, Graph, Literal, Var, iter_vars
+from .ir import Aval, Eqn, Graph, Literal, Var, iter_vars, restrided
 from .passes import fold_partials, writes
 
 __all__ = ["Split", "run_chunked", "even_chunks", "is_oom", "ChunkOutOfMemory"]
@@ -38,6 +38,11 @@ def _chunk_aval(v: Var, label: Any, n: int) -> Aval:
         shape[label.dim] = label.extent(n)
         return Aval(tuple(shape), v.aval.dtype, v.aval.device)
     return v.aval
+
+
+def _chunk_var(v: Var, label: Any, n: int) -> Var:
+    """A chunk's input cut from ``v``: a narrowed view of it, with its strides."""
+    return Var(_chunk_aval(v, label, n), strides=v.strides)
 
 
 def _swap(table: dict[Var, Var], v: Var) -> Var:
@@ -301,23 +306,23 @@ class Split:
             if cut is not None:
                 key = (v, cut)
                 if key not in sliced:
-                    s = Var(_chunk_aval(v, cut, n))
+                    s = _chunk_var(v, cut, n)
                     sliced[key] = s
                     invars.append(s)
                     feeds.append(("slice", v, cut))
                 return sliced[key]
             if v in batch_wide:
                 if v not in sliced_globals:
-                    sliced_globals[v] = Var(v.aval)
+                    sliced_globals[v] = Var(v.aval, strides=v.strides)
                     invars.append(sliced_globals[v])
                     feeds.append(("full", v))
                 return sliced_globals[v]
             if v not in mapping:
                 if isinstance(lab, Batched):  # a batched graph input
-                    mapping[v] = Var(_chunk_aval(v, lab, n))
+                    mapping[v] = _chunk_var(v, lab, n)
                     feeds.append(("batch", v, lab))
                 else:
-                    mapping[v] = Var(v.aval)
+                    mapping[v] = Var(v.aval, strides=v.strides)
                     feeds.append(("full", v))
                 invars.append(mapping[v])
             return mapping[v]
@@ -354,7 +359,9 @@ class Split:
                 if decision.out_of_place:  # the call makes its result apart from the argument it wrote
                     base = None
                 # (A var of no bytes, a layout token of stagetorch.rng, has none in a chunk either.)
-                nv = Var(_chunk_aval(v, lab, n), base=base, storage_nbytes=0 if v.storage_nbytes == 0 else None)
+                aval = _chunk_aval(v, lab, n)
+                nv = Var(aval, base=base, storage_nbytes=0 if v.storage_nbytes == 0 else None,
+                         strides=restrided(v.strides, v.aval.shape, aval.shape))
                 outvars.append(nv)
             new = Eqn(prim, new_args, new_kwargs, tuple(outvars), e.source)
             for v, nv in zip(e.outvars, outvars):

@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 import numpy as np
 import torch
+from torch._prims_common import compute_elementwise_output_strides
 
 from . import _gc
 from .devices import format_bytes
@@ -91,11 +92,14 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 class Layouts:
     """``layouts(v)``: the strides ``v`` of ``graph`` has when the graph runs, where the IR says them, else
-    None. The IR records shapes, not strides; this follows a value back to the op that made its storage: one
-    of :data:`_CONTIGUOUS_OUT`, or a pointwise op over contiguous operands of its shape, makes it contiguous,
-    and each view on the way (``view``, ``transpose``, ``permute``...) is replayed on a meta tensor of those
-    strides. A graph input, or storage any other op made, is unknown. For workspace rules that depend on
-    an argument's layout (a kernel that copies a strided argument); unknown must be read as the costlier case."""
+    None. A value the tracer saw carries its strides (``Var.strides``: the tracer's fake tensors are laid
+    out as the kernels lay theirs, see :mod:`stagetorch.ops._layout`; a staged function is staged again for
+    arguments laid out otherwise), and so do a chunk's inputs and the values a pass makes from one whose
+    strides it knows. For a value a pass made without them, this follows it back to the op that made its
+    storage: one of :data:`_CONTIGUOUS_OUT` makes it contiguous, a pointwise op over operands of its shape
+    lays it out as TensorIterator does, and each view on the way (``view``, ``transpose``, ``permute``...) is
+    replayed on a meta tensor of those strides. Any other is unknown. For workspace rules that depend on an
+    argument's layout (a kernel that copies a strided argument); unknown must be read as the costlier case."""
 
     def __init__(self, graph: Graph):
         self._graph = graph
@@ -103,6 +107,8 @@ class Layouts:
         self._memo: dict[Var, tuple[int, ...] | None] = {}
 
     def __call__(self, v: Var) -> tuple[int, ...] | None:
+        if v.strides is not None:
+            return v.strides
         if v in self._memo:
             return self._memo[v]
         if self._makers is None:
@@ -117,10 +123,14 @@ class Layouts:
         contiguous = _contiguous(v.aval.shape)
         if packet in _CONTIGUOUS_OUT:
             return contiguous
-        if torch.Tag.pointwise in getattr(e.prim, "tags", ()) and all(
-            x.aval.shape == v.aval.shape and self(x) == contiguous for x in e.invars
-        ):
-            return contiguous
+        if torch.Tag.pointwise in getattr(e.prim, "tags", ()) and all(x.aval.shape == v.aval.shape for x in e.invars):
+            strides = [self(x) for x in e.invars]
+            if not strides or any(s is None for s in strides):
+                return None
+            if all(s == contiguous for s in strides):
+                return contiguous
+            metas = [torch.empty_strided(x.aval.shape, s, dtype=x.aval.dtype, device="meta") for x, s in zip(e.invars, strides)]
+            return tuple(compute_elementwise_output_strides(*metas))
         return None
 
     def _view(self, e: Eqn, v: Var) -> tuple[int, ...] | None:

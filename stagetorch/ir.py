@@ -17,7 +17,7 @@ import torch
 
 from .errors import StagingError, UnsupportedOpError
 
-__all__ = ["Aval", "Var", "Literal", "SourceInfo", "Eqn", "Graph", "GraphError", "check", "op_name", "iter_vars"]
+__all__ = ["Aval", "Var", "Literal", "SourceInfo", "Eqn", "Graph", "GraphError", "check", "op_name", "iter_vars", "restrided"]
 
 _DTYPE_NAMES = {
     torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
@@ -72,12 +72,16 @@ class Var:
     """A value in a graph. Compared by identity.
 
     ``base`` is the variable that owns the storage this one lives in (a view or an in-place result shares
-    its base's storage); ``storage_nbytes`` is the size of the storage a base owns.
+    its base's storage); ``storage_nbytes`` is the size of the storage a base owns. ``strides``: the
+    strides the value has when the graph runs, where known (the tracer records what it saw; a pass that
+    makes a value may say, see :func:`restrided`); None where unknown. Memory rules read them through
+    :class:`stagetorch.costing.Layouts`; nothing else depends on them.
     """
 
     aval: Aval
     base: Var | None = None
     storage_nbytes: int | None = None
+    strides: tuple[int, ...] | None = None
 
     @property
     def root(self) -> Var:
@@ -92,6 +96,28 @@ class Var:
 
     def __repr__(self) -> str:
         return f"Var({self.aval})"
+
+
+def restrided(strides: tuple[int, ...] | None, shape: tuple[int, ...], new_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The strides of a value shaped ``new_shape`` laid out as one of ``shape`` with ``strides`` is (the same
+    dims outermost to innermost, dense), for a pass that makes the first from the second (a chunk of fewer
+    examples); None where ``strides`` is unknown or not dense (a view into a larger storage)."""
+    if strides is None:
+        return None
+    if tuple(shape) == tuple(new_shape):
+        return strides
+    order = sorted(range(len(shape)), key=lambda d: (strides[d], shape[d]), reverse=True)
+    expected = 1
+    for d in reversed(order):  # innermost first: each dim's stride is the size of the dims inside it
+        if shape[d] != 1 and strides[d] != expected:
+            return None
+        expected *= shape[d]
+    out = [0] * len(shape)
+    acc = 1
+    for d in reversed(order):
+        out[d] = acc
+        acc *= max(new_shape[d], 1)
+    return tuple(out)
 
 
 @attrs.frozen

@@ -347,16 +347,42 @@ def steals(graph: Graph, kept: set[Var] | None = None) -> dict[Var, Var]:
                 x, other = e.args[p], e.args[1 - p]
                 if dying(x, e, y) and x.base is None and owners.get(x) == 1 and not (
                     isinstance(other, Var) and other.root is x
-                ):
+                ) and _adds_in_place(x, other, y):
                     out[y] = x
                     break
         elif e.prim is aten.new_empty_strided.default and y.base is None and not e.kwargs.get("pin_memory"):
             copy = readers.get(y, [])
             if len(copy) == 1 and copy[0].prim is aten.copy_.default and copy[0].args[0] is y and len(copy[0].args) == 2:
                 x = copy[0].args[1]
-                if dying(x, copy[0], y) and x.root is not y and x.aval.device == y.aval.device:
+                if dying(x, copy[0], y) and x.root is not y and x.aval.device == y.aval.device and (
+                    x.strides is None or _same_strides(x.strides, tuple(e.args[2]), x.aval.shape)
+                ):  # take_as copies a gradient laid out otherwise
                     out[y] = x
     return out
+
+
+def _same_strides(a: Sequence[int], b: Sequence[int], shape: Sequence[int]) -> bool:
+    """Strides ``a`` and ``b`` agree on every dim of more than one element."""
+    return all(x == y or n <= 1 for x, y, n in zip(a, b, shape))
+
+
+def _adds_in_place(x: Var, other: Any, out: Var) -> bool:
+    """Whether :func:`add_into` adds into ``x`` (contiguous, or laid out as ``other``), and the sum is then
+    laid out as the out-of-place ``add`` lays out ``out`` (the strides the memory rules read for it), as far
+    as the vars' strides show (unknown: it does)."""
+    if x.strides is None:
+        return True
+    if out.strides is not None and not _same_strides(x.strides, out.strides, x.aval.shape):
+        return False
+    contiguous, acc = [], 1
+    for n in reversed(x.aval.shape):
+        contiguous.append(acc)
+        acc *= max(n, 1)
+    if _same_strides(x.strides, tuple(reversed(contiguous)), x.aval.shape):
+        return True
+    if not isinstance(other, Var) or other.strides is None:
+        return True
+    return other.aval.shape == x.aval.shape and _same_strides(x.strides, other.strides, x.aval.shape)
 
 
 def take_as(x: torch.Tensor, size: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
@@ -371,7 +397,7 @@ def add_into(x: torch.Tensor, y: torch.Tensor, alpha: Any = 1) -> torch.Tensor:
     """``x + alpha * y`` written into ``x`` (a stolen operand: :func:`steals`). Where ``x``'s layout is not
     the one the out-of-place sum would take (``x`` strided otherwise than ``y`` and not contiguous), a new
     tensor as ``add`` makes: the values are the same, only the memory differs from the plan."""
-    if x.is_contiguous() or x.stride() == y.stride():
+    if x.is_contiguous() or (x.shape == y.shape and _same_strides(x.stride(), y.stride(), x.shape)):
         return x.add_(y, alpha=alpha)
     return torch.add(x, y, alpha=alpha)
 

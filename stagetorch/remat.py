@@ -211,7 +211,7 @@ def remat(
 
     def fresh(v: Var) -> Var:
         base = None if v.base is None else sub.get(v.base, v.base)
-        return Var(v.aval, base, v.storage_nbytes)
+        return Var(v.aval, base, v.storage_nbytes, v.strides)
 
     def recompute(v: Var, burst: list[Eqn]) -> None:
         # Depth-first over the dropped values ``v`` needs, emitting each producing equation once, inputs first.
@@ -335,7 +335,7 @@ def _rebase(v: Var | None, sub: dict[Var, Var], reads: set[Var]) -> Var | None:
     the original (a value recomputed only beside another output of its op) stays in the original's storage."""
     if v is None or v.base is None or sub.get(v.base, v.base) is v.base or sub[v.base].root not in reads:
         return v
-    n = Var(v.aval, sub[v.base], v.storage_nbytes)
+    n = Var(v.aval, sub[v.base], v.storage_nbytes, v.strides)
     sub[v] = n
     return n
 

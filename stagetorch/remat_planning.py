@@ -920,6 +920,16 @@ def plan_joint(
     assert first_error is not None
     floors = [p.peak_bytes if whole_only else floor(p.graph) for p in points]
     least = min(range(len(points)), key=floors.__getitem__)
+    if least > 0 and floors[least] <= usable and not whole_only:
+        # A set the bound on its fewest chunks left out (a chunk held less than its share of the whole-batch
+        # peak, whose schedule differs), though one example per chunk fits: the budget this error would
+        # name. Planned, so that the named budget plans.
+        try:
+            plan = chunk_plan(points[least].graph, points[least].peak_bytes)
+        except _CANNOT:
+            pass
+        else:
+            return RematPlan(**attrs.asdict(plan, recurse=False), recompute=points[least], base_flops=base_flops)
     smallest = int(floors[least] / (1 - SAFETY_MARGIN)) + 1
     error = type(first_error)(
         f"{first_error} Recomputing forward values in the backward does not fit either: the smallest budget any "

@@ -36,7 +36,8 @@ def _signature(leaves: list, static: set[int], leaf_argnum: list[int] | None) ->
     sig = []
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor) and (leaf_argnum is None or leaf_argnum[i] not in static):
-            sig.append((leaf.shape, leaf.dtype, leaf.device, leaf.requires_grad))
+            # The strides too: the trace records views and copies as the layout it saw makes them.
+            sig.append((leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
         else:
             try:
                 hash(leaf)
@@ -124,7 +125,7 @@ class Staged:
         """Say why a call stages again: what changed since the previous call's program."""
         why = []
         if old[0] != new[0] or old[1] != new[1]:
-            why.append("the arguments (their structure, shapes, dtypes or static values)")
+            why.append("the arguments (their structure, shapes, strides, dtypes or static values)")
         why += state.changes(old[2], new[2])
         if old[4] != new[4]:
             why.append(f"the grad mode (torch.is_grad_enabled() is now {new[4]})")

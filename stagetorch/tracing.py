@@ -635,10 +635,10 @@ class Recorder:
         storage = untyped._cdata
         owner = self.storage_owner.get(storage)
         if owner is None:
-            v = Var(Aval.of(t), storage_nbytes=untyped.nbytes())
+            v = Var(Aval.of(t), storage_nbytes=untyped.nbytes(), strides=t.stride())
             self.storage_owner[storage] = v
         else:
-            v = Var(Aval.of(t), base=owner)
+            v = Var(Aval.of(t), base=owner, strides=t.stride())
         self.var_of[id(t)] = v
         self.keep.append(t)
         return v
@@ -1471,7 +1471,7 @@ def _lay_out_as_parameters(
         if _same_layout(strides.get(v), p.stride(), p.shape) or not p.is_contiguous(memory_format=fmt):
             out.append((i, v))
             continue
-        copy = Var(v.aval, storage_nbytes=v.aval.nbytes)
+        copy = Var(v.aval, storage_nbytes=v.aval.nbytes, strides=p.stride())
         made_by = next((e for e in reversed(eqns) if v in e.outvars), eqns[-1])
         eqns = [*eqns, Eqn(torch.ops.aten.clone.default, (v,), {"memory_format": fmt}, (copy,), made_by.source)]
         out.append((i, copy))

@@ -55,11 +55,11 @@ def train_against_eager(case: random_nets.Case, steps: int = 2) -> list:
             got = staged(x, y)
         where = f"{case.description}, step {k}"
         assert tracker.peak <= budget, (where, plan)
-        # At the allocator; the IR does not record strides, and the workspace rules were measured on contiguous
-        # tensors: a Conv1d's input is counted as copied contiguous even where it is, BatchNorm's backward
-        # temporary (made only for contiguous input and gradient) even for a transposed activation: the plan is
-        # up to 15% over. Channels-last kernels reorder more than counted: up to 8% under.
-        assert plan.held_bytes == held and plan.peak * 0.85 <= tracker.peak <= plan.peak * 1.08, (where, tracker.peak, plan)
+        # At the allocator, to 2%: the workspace rules follow the strides the trace records (a Conv1d copies
+        # only a transposed input, BatchNorm's backward keeps its input-sized temporary only where input and
+        # gradient share a layout, channels-last convolutions copy a contiguous weight...). Before they did,
+        # these seeds measured 15% over and 8% under their plans.
+        assert plan.held_bytes == held and plan.peak * 0.98 <= tracker.peak <= plan.peak * 1.02, (where, tracker.peak, plan)
         ref_opt.zero_grad(set_to_none=True)
         expected = case.step(reference)(x, y)
         torch.testing.assert_close(got, expected.detach(), **_TOL, msg=lambda m, where=where: f"{where}: {m}")
@@ -82,3 +82,34 @@ def test_a_random_sequence_network_trains_within_its_budget_as_eager(seed):
 @pytest.mark.parametrize("seed", range(32))
 def test_a_random_image_network_trains_within_its_budget_as_eager(seed):
     train_against_eager(random_nets.image(seed))
+
+
+def test_the_smallest_budget_an_error_names_plans():
+    """Image 51 at half its peak: the error names the budget where its least recompute set runs one
+    example per chunk. That set's chunk of one holds less than half its whole-batch peak (whose schedule
+    differs), so the joint planner's bound on its fewest chunks left it out, and the named budget raised
+    again; the set is now planned there."""
+    case = random_nets.image(51)
+    staged = stagetorch.jit(case.step(case.model))
+    staged.memory_budget = int(peak_bytes(staged.graph(case.x, case.y)) * case.fraction)
+    with pytest.raises(OutOfMemoryError) as error:
+        staged.plan(case.x, case.y)
+    staged.memory_budget = error.value.smallest_budget
+    plan = staged.plan(case.x, case.y)
+    assert plan.recompute is not None and plan.peak <= staged.memory_budget
+
+
+@pytest.mark.parametrize("seed", [36, 38, 59, 68, 74, 75])
+def test_image_networks_that_mix_layouts_measure_their_plan(seed):
+    """Networks whose activations are channels-last in places (or whose batch of one is): measured at the
+    allocator within 0.1% of the plan (before the rules read layouts: up to 20% over and 6% under). Each
+    found a gap: nearest upsampling's and pooling backward's copies (75, 74), group norm's traced layout on a
+    batch of one (68), a gradient accumulation the plan took as in place where the run cannot add into the
+    operand, or the sum it makes is laid out otherwise than the plan's (38, 36, 59)."""
+    case = random_nets.image(seed)
+    staged = stagetorch.jit(case.step(case.model))
+    held = sum(b.untyped_storage().nbytes() for b in case.model.buffers())
+    plan, budget = _plan_within(staged, case.x, case.y, int(peak_bytes(staged.graph(case.x, case.y)) * case.fraction) + held)
+    with AllocatorPeak([*case.model.parameters(), *case.model.buffers(), case.x, case.y]) as tracker:
+        staged(case.x, case.y)
+    assert tracker.peak <= budget and abs(tracker.peak - plan.peak) <= 0.001 * plan.peak, (case.description, tracker.peak, plan)

@@ -19,15 +19,16 @@ from torch._prims_common import (
     suggest_memory_format,
 )
 
+from ..ir import Var
 from ..registry import NO_TENSOR
 
-_CHANNELS_LAST = (torch.channels_last, torch.channels_last_3d)
+CHANNELS_LAST = (torch.channels_last, torch.channels_last_3d)
 
 
 def _dense(x: torch.Tensor) -> tuple[int, ...]:
     """The strides of a new tensor shaped as ``x``, contiguous in the memory format ``x`` suggests:
     ``torch.empty_like(x, memory_format=x.suggest_memory_format())``."""
-    if suggest_memory_format(x) in _CHANNELS_LAST:
+    if suggest_memory_format(x) in CHANNELS_LAST:
         return tuple(make_channels_last_strides_for(x.shape))
     return tuple(make_contiguous_strides_for(x.shape))
 
@@ -66,3 +67,45 @@ def elementwise(*args: object, **kwargs: object) -> tuple | None:
     if not shaped or any(t.shape != shaped[0].shape for t in shaped):
         return None  # broadcasting operands: the meta kernel's own account stands
     return (tuple(compute_elementwise_output_strides(*tensors)),)
+
+
+# -- Layouts in workspace rules -----------------------------------------------------------------------------
+#
+# A workspace rule marked ``reads_layouts`` gets the strides of its equation's arguments where the IR knows
+# them (stagetorch.costing.Layouts); these read them as the kernels do.
+
+
+def strides_of(v: object, layouts: Callable[[Var], tuple[int, ...] | None]) -> tuple[int, ...] | None:
+    return layouts(v) if isinstance(v, Var) else None
+
+
+def suggested(v: object, layouts: Callable[[Var], tuple[int, ...] | None]) -> torch.memory_format | None:
+    """``Tensor.suggest_memory_format()`` of ``v`` (None: its strides are unknown)."""
+    strides = strides_of(v, layouts)
+    if strides is None:
+        return None
+    return suggested_of(torch.empty_strided(v.aval.shape, strides, dtype=v.aval.dtype, device="meta"))
+
+
+def suggested_of(t: torch.Tensor) -> torch.memory_format:
+    """``t.suggest_memory_format()``, with a batch of one laid out outermost. The stride of a dim of size
+    one is arbitrary, and meta kernels give the batch dim of a one-example tensor another than the CPU
+    kernels do (8 where they give 1152, for a channels-last (1, 8, 12, 12)); PyTorch's suggestion reads it
+    (it would call that tensor contiguous). The CPU kernels' outputs have it outermost."""
+    if t.ndim and t.shape[0] == 1:
+        outer = max((st * n for st, n in zip(t.stride(), t.shape)), default=1)
+        t = torch.empty_strided(t.shape, (outer, *t.stride()[1:]), dtype=t.dtype, device="meta")
+    return suggest_memory_format(t)
+
+
+def dense_in(shape: tuple[int, ...], strides: tuple[int, ...] | None, fmt: torch.memory_format) -> bool | None:
+    """Whether a tensor of ``shape`` laid out as ``strides`` is dense in ``fmt`` (``.contiguous(fmt)`` copies
+    nothing); None where the strides are unknown."""
+    if strides is None:
+        return None
+    return torch.empty_strided(shape, strides, device="meta").is_contiguous(memory_format=fmt)
+
+
+def dense_strides(shape: tuple[int, ...], fmt: torch.memory_format) -> tuple[int, ...]:
+    """The strides of a new tensor of ``shape`` allocated in ``fmt``."""
+    return tuple(torch.empty(shape, device="meta", memory_format=fmt).stride())

@@ -10,6 +10,7 @@ import torch
 from .. import batching, flops
 from ..errors import ShapeError
 from ..ir import Aval, Eqn
+from . import _layout
 
 aten = torch.ops.aten
 
@@ -123,13 +124,14 @@ def _uses_nnpack(x: Aval, w: Aval, padding) -> bool:  # noqa: ANN001
     """Whether a native 2-d forward runs NNPACK (ConvParams::use_nnpack), whose buffers torch's allocator
     does not hand out (a grouped one copies each group's input)."""
     return (
-        torch._nnpack_available() and x.ndim == 4 and x.shape[0] >= 16
+        torch._nnpack_available() and x.ndim == 4 and x.shape[0] >= 16 and x.dtype == torch.float32
         and all(k < 17 and p < k for k, p in zip(w.shape[2:], padding))
     )
 
 
-def _columns(x: Aval, w: Aval, out: Aval, stride, padding, transposed, groups, backward, grad_input) -> int:  # noqa: ANN001
-    """The native kernels' column buffers (and, grouped, the copy of a group's input slice: two backward)."""
+def _columns(x: Aval, w: Aval, out: Aval, stride, padding, transposed, groups, backward, grad_input, slices=None) -> int:  # noqa: ANN001
+    """The native kernels' column buffers (and, grouped, the copies of a group's slices: ``slices``, see
+    :func:`_group_slices`; None: as for contiguous tensors)."""
     kernel = math.prod(w.shape[2:])
     if not (transposed or backward) and _uses_nnpack(x, w, padding):
         return x.nbytes if groups > 1 else 0
@@ -139,12 +141,58 @@ def _columns(x: Aval, w: Aval, out: Aval, stride, padding, transposed, groups, b
         examples = 1 if backward or x.ndim == 5 else x.shape[0]
         ones = math.prod(out.shape[2:]) * x.itemsize if x.ndim == 5 and not backward else 0  # the bias's ones
         return examples * w.shape[1] * kernel * math.prod(x.shape[2:]) * x.itemsize + ones
-    # A group's channels of one example are contiguous: of several, copied.
-    slices = (2 if backward else 1) * x.nbytes // groups if groups > 1 and x.shape[0] > 1 else 0
+    if slices is None:
+        # A group's channels of one contiguous example are contiguous: of several, copied.
+        slices = (2 if backward else 1) * x.nbytes // groups if groups > 1 and x.shape[0] > 1 else 0
     if kernel == 1 and all(s == 1 for s in stride) and all(p == 0 for p in padding):
         # No columns; the 3-d backward still makes an input-sized buffer.
         return slices + (x.nbytes if grad_input and x.ndim == 5 else 0)
     return x.shape[0] * w.shape[1] * kernel * math.prod(out.shape[2:]) * x.itemsize + slices
+
+
+def _group_slices(e: Eqn, backward: bool, layouts: Any) -> int | None:
+    """A grouped native convolution runs group by group (``subtensor`` in ATen's Convolution.cpp): each
+    group's slice of the input's channels (and, backward, of the output gradient's) is made dense in the
+    memory format its tensor suggests, a copy where the slice is not (every slice of several examples, any
+    of a channels-last tensor); the kernel then makes each slice dense in the format it runs in (channels-last
+    where the input's slice or the weight's suggests it), a second copy of a slice laid out otherwise (a
+    contiguous gradient reaching a channels-last activation's convolution). Slices are copied one group at a
+    time. None where the strides are unknown."""
+    grad, x, w = (e.args[0], e.args[1], e.args[2]) if backward else (None, e.args[0], e.args[1])
+    groups = _groups(e, backward)
+    slices: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # name -> (slice shape, its strides)
+    out = 0
+    for name, v in (("x", x), ("grad", grad)):
+        if v is None:
+            continue
+        strides = _layout.strides_of(v, layouts)
+        if v is x and x.aval.ndim == 3:  # a 1-d convolution's input is made contiguous whole first
+            strides = _layout.dense_strides(x.aval.shape, torch.contiguous_format)
+        if strides is None:
+            return None
+        fmt = _layout.suggested(v, layouts) if v.aval.ndim != 3 else torch.contiguous_format
+        shape = (v.aval.shape[0], v.aval.shape[1] // groups, *v.aval.shape[2:])
+        if not _layout.dense_in(shape, strides, fmt):
+            out += v.aval.nbytes // groups
+            strides = _layout.dense_strides(shape, fmt)
+        slices[name] = (shape, strides)
+    kernel = torch.contiguous_format
+    if x.aval.ndim == 4:
+        shape, strides = slices["x"]
+        meta = torch.empty_strided(shape, strides, device="meta")
+        w_strides = _layout.strides_of(w, layouts)
+        w_shape = (w.aval.shape[0] // groups, *w.aval.shape[1:])
+        w_meta = torch.empty_strided(w_shape, w_strides, device="meta") if w_strides is not None else None
+        if _suggests_channels_last(meta) or (w_meta is not None and _suggests_channels_last(w_meta)):
+            kernel = torch.channels_last
+    for shape, strides in slices.values():
+        if not _layout.dense_in(shape, strides, kernel):
+            out += math.prod(shape) * x.aval.itemsize
+    return out
+
+
+def _suggests_channels_last(t: torch.Tensor) -> bool:
+    return _layout.suggested_of(t) in _layout.CHANNELS_LAST
 
 
 def _onednn_parts(x: Aval, w: Aval, out: Aval, groups: int, transposed: bool) -> tuple[int, int, int, int]:
@@ -181,46 +229,87 @@ def _geometry(e: Eqn, backward: bool) -> tuple:
     return out, x, w, stride, padding, dilation, transposed, groups, mask
 
 
-def _contiguous_copies(e: Eqn, backward: bool) -> int:
-    """torch makes a 1-d convolution's input contiguous (and, backward, its output gradient): a sequence
-    model's (batch, length, features) activations transposed for Conv1d are copied. The IR does not record
-    strides, so the copies are counted always (an over-estimate for inputs already contiguous)."""
-    x = e.args[1 if backward else 0].aval
-    if x.ndim != 3:
-        return 0
-    return x.nbytes + (e.args[0].aval.nbytes if backward else 0)
+def _copies(e: Eqn, backward: bool, mkldnn: bool, layouts: Any) -> tuple[int, bool]:
+    """What torch copies before the kernel runs: the input, the weight and (backward) the output gradient
+    are made dense in the memory format the kernel runs in (``_determine_backend_memory_format``):
+    channels-last where the input or the weight suggests it, for oneDNN and for the native 2-d kernel; else
+    contiguous (the native 3-d kernel always, and 1-d convolutions, run as 2-d ones of unit height). Returns
+    the bytes copied and whether the kernel runs channels-last. An argument of unknown strides counts as
+    the rule counted it before strides were known: dense, but a 1-d convolution's input and output gradient
+    copied."""
+    grad, x, w = (e.args[:3] if backward else (None, e.args[0], e.args[1]))
+    one_d = x.aval.ndim == 3
+    channels_last = not one_d and (mkldnn or x.aval.ndim == 4) and (
+        _layout.suggested(x, layouts) in _layout.CHANNELS_LAST or _layout.suggested(w, layouts) in _layout.CHANNELS_LAST
+    )
+    if channels_last:
+        fmt = torch.channels_last if x.aval.ndim == 4 else torch.channels_last_3d
+    else:
+        fmt = torch.contiguous_format
+    copied = 0
+    # A grouped native convolution copies its input and output gradient a group's slice at a time (above).
+    # (A 1-d one's input is first made contiguous whole.)
+    sliced = not mkldnn and _groups(e, backward) > 1 and not _transposed(e, backward)
+    for v in (x, w, grad):
+        if v is None or (sliced and (v is grad or (v is x and not one_d))):
+            continue
+        dense = _layout.dense_in(v.aval.shape, _layout.strides_of(v, layouts), fmt)
+        if dense is False or (dense is None and one_d and v is not w):
+            copied += v.aval.nbytes
+    return copied, channels_last
 
 
-def convolution_workspace(e: Eqn) -> int:
+def _groups(e: Eqn, backward: bool) -> int:
+    return e.args[9] if backward else e.args[8]
+
+
+def _transposed(e: Eqn, backward: bool) -> bool:
+    return e.args[7] if backward else e.args[6]
+
+
+def convolution_workspace(e: Eqn, layouts: Any = None) -> int:
     out, x, w, stride, padding, dilation, transposed, groups, _ = _geometry(e, backward=False)
     if x.device.type != "cpu":
         return 0
-    copies = _contiguous_copies(e, backward=False)
-    if not _uses_mkldnn(x, w, stride, dilation, transposed, groups):
-        return copies + _columns(x, w, out, stride, padding, transposed, groups, backward=False, grad_input=False)
+    mkldnn = _uses_mkldnn(x, w, stride, dilation, transposed, groups)
+    copies, _ = _copies(e, False, mkldnn, layouts or _unknown)
+    if not mkldnn:
+        slices = _group_slices(e, False, layouts or _unknown) if groups > 1 else None
+        columns = _columns(x, w, out, stride, padding, transposed, groups, False, False, slices)
+        if groups > 1 and not transposed and not _uses_nnpack(x, w, padding):
+            # Each group's output apart, then concatenated into the one returned: all of them at the end.
+            columns = max(columns, out.nbytes)
+        return copies + columns
+    # oneDNN over channels-last tensors reorders less than the formula below counts for contiguous ones (but
+    # for a few shapes: tests/test_workspace.py); it stands for it, mostly an over-estimate.
     src, weight, dst, _ = _onednn_parts(x, w, out, groups, transposed)
     # The blocked output is reordered into the returned tensor after the input and weight copies are freed.
     return copies + max(src + weight + dst, dst + out.nbytes) - out.nbytes
 
 
-def _known_strided(v: Any, layouts: Any) -> bool:
-    """``v`` is laid out otherwise than contiguous, as far as the IR's layouts show (unknown: no)."""
-    strides = layouts(v) if layouts is not None else None
-    return strides is not None and strides != tuple(torch.empty(v.aval.shape, device="meta").stride())
+def _unknown(v: Any) -> None:
+    return None
 
 
 def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
     grad, x, w, stride, padding, dilation, transposed, groups, mask = _geometry(e, backward=True)
     if x.device.type != "cpu":
         return 0
-    copies = _contiguous_copies(e, backward=True)
-    if not _uses_mkldnn(x, w, stride, dilation, transposed, groups):
-        # The native kernels make the output gradient contiguous: a copy where it reaches them permuted
-        # (ConvNeXt's channels-last LayerNorm gradient). Counted where the IR's layouts show it; 1-d
-        # convolutions count it always (above).
-        if e.args[1].aval.ndim != 3 and _known_strided(e.args[0], layouts):
-            copies += e.args[0].aval.nbytes
-        return copies + _columns(x, w, grad, stride, padding, transposed, groups, backward=True, grad_input=mask[0])
+    mkldnn = _uses_mkldnn(x, w, stride, dilation, transposed, groups)
+    copies, _ = _copies(e, True, mkldnn, layouts or _unknown)
+    if not mkldnn:
+        slices = _group_slices(e, True, layouts or _unknown) if groups > 1 else None
+        # The 3-d 1x1 kernel's input-sized buffer is the input's contiguous copy, where it makes one.
+        buffer = not (x.ndim == 5 and copies >= x.nbytes and not _layout.dense_in(
+            x.shape, _layout.strides_of(e.args[1], layouts or _unknown) or _layout.dense_strides(x.shape, torch.contiguous_format),
+            torch.contiguous_format))
+        if groups > 1 and not transposed:
+            # Each group's gradients apart, then concatenated (the 3-d kernel's input gradient always).
+            parts = (x.nbytes if mask[0] or x.ndim == 5 else 0) + (w.nbytes if mask[1] else 0)
+            parts += e.args[3][0] * x.itemsize if mask[2] and e.args[3] is not None else 0
+            columns = _columns(x, w, grad, stride, padding, transposed, groups, True, False, slices)
+            return copies + max(columns, parts)
+        return copies + _columns(x, w, grad, stride, padding, transposed, groups, True, mask[0] and buffer, slices)
     b = _block()
     src, weight, grad_blocked, weight_padded = _onednn_parts(x, w, grad, groups, transposed)
     grad_input = x.nbytes if mask[0] else 0
@@ -242,6 +331,7 @@ def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
     return copies + max(data, weights)
 
 
+convolution_workspace.reads_layouts = True  # type: ignore[attr-defined]
 convolution_backward_workspace.reads_layouts = True  # type: ignore[attr-defined]
 
 WORKSPACE: dict = {

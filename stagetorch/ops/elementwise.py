@@ -88,11 +88,22 @@ BATCH: dict = {
 
 
 # Layout rules (see stagetorch/ops/_layout.py). With a 0-dim tensor operand these meta kernels return a
-# contiguous tensor where the kernel (a TensorIterator) keeps the other operand's layout; log_sigmoid's CPU
-# kernel returns both its outputs contiguous where its meta kernel keeps the input's strides.
+# contiguous tensor where the kernel (a TensorIterator) keeps the other operand's layout; over operands laid
+# out otherwise than each other (a contiguous gradient and a channels-last activation) the activations'
+# backward kernels, xlogy and xlog1py lay theirs out as TensorIterator does (the first operand's layout
+# first) where the meta kernels take the last operand's; log_sigmoid's CPU kernel returns both its outputs
+# contiguous where its meta kernel keeps the input's strides.
 LAYOUT: dict = {
     aten.copysign.Tensor: _layout.elementwise,
     aten.div.Tensor_mode: _layout.elementwise,
     aten.floor_divide.default: _layout.elementwise,
+    aten.hardswish_backward: _layout.elementwise,
+    aten.elu_backward: _layout.elementwise,
+    aten.softplus_backward: _layout.elementwise,
+    aten.hardtanh_backward: _layout.elementwise,
+    aten.hardsigmoid_backward: _layout.elementwise,
+    aten.logit_backward: _layout.elementwise,
+    aten.xlogy.Tensor: _layout.elementwise,
+    aten.special_xlog1py.default: _layout.elementwise,
     aten.log_sigmoid_forward: _layout.all_contiguous(2, devices=("cpu",)),
 }

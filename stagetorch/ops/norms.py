@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -104,31 +105,44 @@ LAYOUT: dict = {
         aten._batch_norm_with_update, aten._batch_norm_no_update,
     )},
     aten.native_batch_norm_backward: _layout.in_input_format(1, mask=9),
+    # Group norm's output, over a channels-last batch of one: the meta kernel gives the batch dim a stride
+    # of C (8, 1, 96, 8), the kernel the dense one (1152, 1, 96, 8); its suggested format then differs.
+    aten.native_group_norm: _layout.in_input_format(0),
     aten.batch_norm_backward: _layout.in_input_format(1, mask=9),
 }
 
 
-def _batch_norm_cpu(x: Aval) -> tuple[int, int, int, int, bool]:
+def _batch_norm_cpu(v: object, layouts) -> tuple[int, int, int, int, bool, bool]:  # noqa: ANN001
     """(channels, rows per channel, bytes of an element, of an accumulator, whether the kernel takes the
-    "channels last" path) of a CPU batch norm over ``x``. ATen's CPU kernels (batch_norm_kernel.cpp) take
-    that path for an input with one value per (example, channel) — BatchNorm1d over (N, C) — and reduce it
-    through per-thread buffers of C accumulators. Half-precision inputs accumulate in float32."""
+    "channels last" path, whether the input is dense in a layout the kernels know) of a CPU batch norm over
+    ``v``. ATen's CPU kernels (batch_norm_kernel.cpp) take that path for an input with one value per
+    (example, channel) — BatchNorm1d over (N, C) — or laid out channels-last (the IR's layouts show it:
+    stagetorch.costing.Layouts), and reduce it through per-thread buffers of C accumulators; an input
+    neither contiguous nor channels-last (BatchNorm1d over a transposed activation) runs the generic
+    TensorIterator path. Half-precision inputs accumulate in float32. Unknown strides: contiguous."""
+    x = v.aval
     c = x.shape[1]
     rows = x.numel // c if c else 0
     size = x.dtype.itemsize
     acc = 4 if x.dtype in (torch.float16, torch.bfloat16) else size
-    return c, rows, size, acc, rows == x.shape[0]
+    strides = _layout.strides_of(v, layouts)
+    contiguous = strides is None or bool(_layout.dense_in(x.shape, strides, torch.contiguous_format))
+    channels_last = not contiguous and x.ndim in (4, 5) and _layout.suggested(v, layouts) in _layout.CHANNELS_LAST and bool(
+        _layout.dense_in(x.shape, strides, torch.channels_last if x.ndim == 4 else torch.channels_last_3d))
+    return c, rows, size, acc, rows == x.shape[0] or channels_last, contiguous or channels_last
 
 
-def batch_norm_workspace(e: Eqn, training_arg: int | None) -> int:
-    """The CPU forward: the per-channel scale and shift (2 x C accumulators); in training over (N, C), the
-    statistics' per-thread buffers (T x C, where there are more rows than threads; half precision: T - 1
-    buffers of float32, whatever the rows). A channels-last input of more dims takes that path too; the IR
-    does not show it (its buffers are at most a few C)."""
+def batch_norm_workspace(e: Eqn, training_arg: int | None, layouts=None) -> int:  # noqa: ANN001
+    """The CPU forward: the per-channel scale and shift (2 x C accumulators); in training over (N, C) or a
+    channels-last input, the statistics' per-thread buffers (T x C, where there are more rows than threads;
+    half precision: T - 1 buffers of float32, whatever the rows). Over an input laid out otherwise, one
+    accumulator."""
     x = e.args[0].aval
     if x.device.type != "cpu" or x.numel == 0:
         return 0
-    c, rows, size, acc, by_channel = _batch_norm_cpu(x)
+    c, rows, size, acc, by_channel, dense = _batch_norm_cpu(e.args[0], layouts or _no_layouts)
+    if not dense:
+        return acc
     training = training_arg is not None and bool(e.args[training_arg])
     threads = torch.get_num_threads()
     buffers = 0
@@ -140,18 +154,24 @@ def batch_norm_workspace(e: Eqn, training_arg: int | None) -> int:
     return 2 * c * acc + buffers
 
 
-def batch_norm_backward_workspace(e: Eqn) -> int:
-    """The CPU backward first makes and frees an input-sized temporary, whatever the mask or mode; over (N,
-    C) it then reduces through two per-thread buffers of C accumulators (2 x T x C), with the inverse
-    standard deviations in eval mode and ones for a missing weight (C each; half precision: 3 x C float32
-    whatever the mode). The larger of the two is the kernel's peak (measured at the allocator:
-    tests/test_workspace.py)."""
+def batch_norm_backward_workspace(e: Eqn, layouts=None) -> int:  # noqa: ANN001
+    """The CPU backward, where the input and the output gradient are both contiguous or both channels-last,
+    first makes and frees an input-sized temporary, whatever the mask or mode; over (N, C) or channels-last
+    it then reduces through two per-thread buffers of C accumulators (2 x T x C), with the inverse standard
+    deviations in eval mode and ones for a missing weight (C each; half precision: 3 x C float32 whatever
+    the mode). The larger of the two is the kernel's peak (measured at the allocator:
+    tests/test_workspace.py). Laid out otherwise than each other (a contiguous gradient reaching a
+    channels-last activation's BatchNorm, a transposed BatchNorm1d input), the generic path keeps C
+    accumulators."""
     x = e.args[1].aval
     if x.device.type != "cpu":
         return 0
     if x.numel == 0:
         return 0
-    c, _, size, acc, by_channel = _batch_norm_cpu(x)
+    layouts = layouts or _no_layouts
+    c, _, size, acc, by_channel, _ = _batch_norm_cpu(e.args[1], layouts)
+    if not _both_dense(layouts, e.args[1], e.args[0]):
+        return c * acc
     if not by_channel:
         return x.nbytes
     buffers = 2 * torch.get_num_threads() * c * acc
@@ -162,12 +182,73 @@ def batch_norm_backward_workspace(e: Eqn) -> int:
     return max(x.nbytes, buffers)
 
 
-# Workspace rules: op -> rule(eqn) -> bytes the kernel allocates inside itself (see stagetorch/costing.py).
-# The group norm backward, two floats per (example, channel).
+def _no_layouts(v: object) -> None:
+    return None
+
+
+def _both_dense(layouts, x, grad) -> bool:  # noqa: ANN001
+    """The input and the output gradient both contiguous, or both channels-last (unknown strides: so)."""
+    xs, gs = _layout.strides_of(x, layouts), _layout.strides_of(grad, layouts)
+    if xs is None or gs is None:
+        return True
+    formats = [torch.contiguous_format]
+    if x.aval.ndim in (4, 5):
+        formats.append(torch.channels_last if x.aval.ndim == 4 else torch.channels_last_3d)
+    return any(_layout.dense_in(x.aval.shape, xs, f) and _layout.dense_in(grad.aval.shape, gs, f) for f in formats)
+
+
+def group_norm_workspace(e: Eqn, layouts) -> int:  # noqa: ANN001
+    """The CPU group norm forward over a channels-last input: two numbers per (example, channel)."""
+    x = e.args[0]
+    if x.aval.device.type != "cpu":
+        return 0
+    fmt = _layout.suggested(x, layouts)
+    return 2 * e.args[3] * e.args[4] * x.aval.itemsize if fmt is None or fmt in _layout.CHANNELS_LAST else 0
+
+
+def _copied_contiguous(v: object, layouts) -> int:  # noqa: ANN001
+    """The bytes ``.contiguous()`` of ``v`` copies (unknown strides: copied)."""
+    return 0 if _layout.dense_in(v.aval.shape, _layout.strides_of(v, layouts), torch.contiguous_format) else v.aval.nbytes
+
+
+def layer_norm_workspace(e: Eqn, layouts) -> int:  # noqa: ANN001
+    """The CPU layer norm forward makes its input contiguous: a copy of one laid out otherwise (a LayerNorm
+    over a transposed activation)."""
+    x = e.args[0]
+    return _copied_contiguous(x, layouts) if x.aval.device.type == "cpu" else 0
+
+
+def layer_norm_backward_workspace(e: Eqn, layouts) -> int:  # noqa: ANN001
+    """The CPU layer norm backward makes the output gradient and the input contiguous (a copy of each laid
+    out otherwise) and, for the weight's or the bias's gradient, reduces through two per-thread buffers of
+    the normalized shape's size, in the accumulation type."""
+    grad, x, shape = e.args[0], e.args[1], e.args[2]
+    if x.aval.device.type != "cpu":
+        return 0
+    mask = e.args[7]
+    size = math.prod(shape)
+    rows = x.aval.numel // size if size else 0
+    acc = 4 if x.aval.dtype in (torch.float16, torch.bfloat16) else x.aval.itemsize
+    buffers = 2 * min(torch.get_num_threads(), max(rows, 1)) * size * acc if (mask[1] or mask[2]) and e.args[5] is not None else 0
+    return _copied_contiguous(grad, layouts) + _copied_contiguous(x, layouts) + buffers
+
+
+def _reading_layouts(rule):  # noqa: ANN001, ANN202
+    rule.reads_layouts = True
+    return rule
+
+
+# Workspace rules: op -> rule(eqn[, layouts]) -> bytes the kernel allocates inside itself (see
+# stagetorch/costing.py).
 WORKSPACE: dict = {
-    aten.native_batch_norm: lambda e: batch_norm_workspace(e, 5),
-    aten._native_batch_norm_legit: lambda e: batch_norm_workspace(e, 3 if len(e.args) == 6 else 5),  # .no_stats
-    aten._native_batch_norm_legit_no_training: lambda e: batch_norm_workspace(e, None),
-    aten.native_batch_norm_backward: batch_norm_backward_workspace,
-    aten.native_group_norm_backward: lambda e: 8 * e.args[5] * e.args[6] if e.args[1].aval.device.type == "cpu" else 0,
+    aten.native_batch_norm: _reading_layouts(lambda e, layouts: batch_norm_workspace(e, 5, layouts)),
+    aten._native_batch_norm_legit: _reading_layouts(  # .no_stats has no running statistics
+        lambda e, layouts: batch_norm_workspace(e, 3 if len(e.args) == 6 else 5, layouts)),
+    aten._native_batch_norm_legit_no_training: _reading_layouts(lambda e, layouts: batch_norm_workspace(e, None, layouts)),
+    aten.native_batch_norm_backward: _reading_layouts(batch_norm_backward_workspace),
+    aten.native_group_norm: _reading_layouts(group_norm_workspace),
+    aten.native_layer_norm: _reading_layouts(layer_norm_workspace),
+    aten.native_layer_norm_backward: _reading_layouts(layer_norm_backward_workspace),
+    # The group norm backward: two numbers per (example, channel), in the input's dtype.
+    aten.native_group_norm_backward: lambda e: 2 * e.args[5] * e.args[6] * e.args[1].aval.itemsize if e.args[1].aval.device.type == "cpu" else 0,
 }

@@ -6,7 +6,8 @@ import torch
 
 from .. import batching
 from ..errors import ShapeError
-from ..ir import Aval
+from ..ir import Aval, Eqn
+from . import _layout
 
 aten = torch.ops.aten
 
@@ -71,3 +72,75 @@ BATCH: dict = {
     **{getattr(aten, name + "_backward"): batching.per_example(size_list_args=(2,)) for name in _UPSAMPLE},
 }
 
+
+
+# -- Workspace: what the CPU kernels allocate inside themselves ---------------------------------------------
+#
+# Measured at the allocator on torch 2.13's CPU build (tests/test_workspace.py), following the arguments'
+# strides where the IR knows them (stagetorch.costing.Layouts); an argument of unknown strides counts as copied.
+
+
+def _copied(v: object, strides: tuple[int, ...] | None, fmt: torch.memory_format) -> int:
+    """The bytes ``.contiguous(fmt)`` of ``v`` (laid out as ``strides``) copies."""
+    return 0 if _layout.dense_in(v.aval.shape, strides, fmt) else v.aval.nbytes
+
+
+def pool_backward_workspace(indices: int | None = None):  # noqa: ANN201
+    """A 2-d pooling backward (avg_pool2d_backward, max_pool2d_with_indices_backward; ``indices``: the
+    argument holding max pooling's indices). The kernel runs in the memory format the output gradient
+    suggests; the input gradient, allocated in the input's, and the indices (laid out as the forward's
+    output, in the input's format) are made dense in it: a copy of each laid out otherwise (a contiguous
+    gradient reaching a channels-last activation's pooling, or the reverse), the input gradient's written
+    back."""
+
+    def rule(e: Eqn, layouts) -> int:  # noqa: ANN001
+        grad, x = e.args[0], e.args[1]
+        if x.aval.device.type != "cpu" or x.aval.ndim != 4:
+            return 0
+        fmt = _layout.suggested(grad, layouts)
+        x_fmt = _layout.suggested(x, layouts)
+        if fmt is None or x_fmt is None:  # unknown: counted as copied
+            return x.aval.nbytes + grad.aval.nbytes + (e.args[indices].aval.nbytes if indices is not None else 0)
+        out = _copied(x, _layout.dense_strides(x.aval.shape, x_fmt), fmt)  # the input gradient
+        out += _copied(grad, _layout.strides_of(grad, layouts), fmt)
+        if indices is not None:
+            out += _copied(e.args[indices], _layout.strides_of(e.args[indices], layouts), fmt)
+        return out
+
+    rule.reads_layouts = True  # type: ignore[attr-defined]
+    return rule
+
+
+def upsample_nearest_workspace(e: Eqn, layouts) -> int:  # noqa: ANN001
+    """Nearest upsampling, forward. A 2-d one over a channels-last input of more than 3 channels, or whose
+    output's height and width add up to 128 or less, runs the vectorized channels-last kernel: an input laid
+    out otherwise is copied channels-last, and the output computed channels-last and copied into the tensor
+    returned (allocated in the input's format). Otherwise (1-d and 3-d too, but for a channels-last 3-d input
+    of more than 3 channels) the generic kernel makes an index and a weight per output position along each
+    spatial dim."""
+    x, out = e.args[0], e.outvars[0]
+    if x.aval.device.type != "cpu":
+        return 0
+    spatial = x.aval.ndim - 2
+    strides = _layout.strides_of(x, layouts)
+    fmt = torch.channels_last if spatial == 2 else torch.channels_last_3d
+    wide = x.aval.shape[1] > 3 and spatial in (2, 3) and bool(_layout.dense_in(x.aval.shape, strides, fmt))
+    if wide or (spatial == 2 and sum(out.aval.shape[2:]) <= 128):
+        if spatial != 2 and not wide:
+            return 0
+        x_fmt = _layout.suggested(x, layouts) or torch.contiguous_format
+        copied = _copied(x, strides, fmt)
+        return copied + _copied(out, _layout.dense_strides(out.aval.shape, x_fmt), fmt)
+    return sum(out.aval.shape[2:]) * (8 + x.aval.itemsize)
+
+
+upsample_nearest_workspace.reads_layouts = True  # type: ignore[attr-defined]
+
+WORKSPACE: dict = {
+    aten.avg_pool2d_backward: pool_backward_workspace(),
+    aten.max_pool2d_with_indices_backward: pool_backward_workspace(indices=7),
+    **{getattr(aten, name): upsample_nearest_workspace for name in (
+        "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
+        "_upsample_nearest_exact1d", "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
+    )},
+}
