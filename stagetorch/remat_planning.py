@@ -73,7 +73,7 @@ class Recompute:
     @property
     def graph(self) -> Graph:
         if self._graph is None:
-            self._graph = remat(self.source, self.keep, self.cands, self.transient)
+            self._graph = remat(self.source, self.keep, self.cands, self.transient, hoist=bool(self.sim and self.sim.hoist))
         return self._graph
 
     @property
@@ -93,7 +93,7 @@ class _Simulator:
     Vars are numbered by ``index``; each recomputed copy (or backward var rebased onto one) gets a new id.
     """
 
-    def __init__(self, graph: Graph, cands: Candidates):
+    def __init__(self, graph: Graph, cands: Candidates, hoist: bool = False):
         self.graph, self.cands = graph, cands
         index: dict[Var, int] = {}
         for v in graph.vars():
@@ -163,7 +163,8 @@ class _Simulator:
         # What remat recomputes before each backward equation: what it reads, or, at the first equation of
         # an autograd node, what the node's equations read (remat.node_spans).
         self.ahead_reads = list(self.cand_reads)
-        for i, j in node_spans(graph, cands.boundary).items():
+        self.hoist = hoist  # as remat(hoist=)
+        for i, j in (node_spans(graph, cands.boundary) if hoist else {}).items():
             self.ahead_reads[i] = self.cand_reads[i] + tuple(
                 u for k in range(i + 1, j) for u in self.cand_reads[k] if self.producer[u] >= 0)
         # Per candidate: the FLOPs of the op that makes it, per byte it holds (how dear it is to recompute).

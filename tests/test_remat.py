@@ -547,14 +547,14 @@ def test_a_node_s_values_are_recomputed_before_its_first_equation():
     # Keep what the Linears make, recompute the GELUs: each Linear's backward reads its (dropped) input.
     made = {v.root: e.prim for e in reversed(g.eqns[: cands.boundary]) for v in e.outvars if v is not None}
     keep = frozenset(r for r in cands.roots if made[r] is torch.ops.aten.addmm.default)
-    r = check(remat(g, keep, cands))
+    r = check(remat(g, keep, cands, hoist=True))
     labels = [e.source.backward for e in r.eqns]
     bursts = [i for i, b in enumerate(labels) if b == RECOMPUTED and labels[i - 1] != RECOMPUTED]
     assert bursts
     for i in bursts:
         j = next(k for k in range(i, len(labels)) if labels[k] != RECOMPUTED)
         assert labels[i - 1] != labels[j] or not labels[j], (i, labels[i - 1])
-    assert peak_bytes(r) == _Simulator(g, cands).run(keep)[0]
+    assert peak_bytes(r) == _Simulator(g, cands, hoist=True).run(keep)[0]
 
 
 def test_chain_cut_at_narrow_points_and_the_dynamic_program():
