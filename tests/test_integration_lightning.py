@@ -373,9 +373,8 @@ class Ran(L.Callback):
     def on_train_start(self, trainer, module):
         run = Executable.run
 
-        def recorded(executable, inputs, budget, **kwargs):
-            out = run(executable, inputs, budget, **kwargs)
-            plan = executable.plan(budget)
+        def recorded(executable, inputs, plan, **kwargs):
+            out = run(executable, inputs, plan, **kwargs)
             self.chunks.append(tuple(plan.chunk_sizes))
             self.peaks.append(plan.peak)
             return out
@@ -384,6 +383,9 @@ class Ran(L.Callback):
         self._patch.setattr(Executable, "run", recorded)
 
     def on_train_end(self, trainer, module):
+        self._patch.undo()
+
+    def on_exception(self, trainer, module, exception):  # a failed fit must not leave Executable.run patched
         self._patch.undo()
 
 
@@ -414,9 +416,9 @@ class StepAtAllocator(L.Callback):
             return
         strategy, run, execute = trainer.strategy, trainer.strategy.training_step, Executable.run
 
-        def recorded(executable, inputs, budget, **kwargs):
-            out = execute(executable, inputs, budget, **kwargs)
-            self.plan = executable.plan(budget)
+        def recorded(executable, inputs, plan, **kwargs):
+            out = execute(executable, inputs, plan, **kwargs)
+            self.plan = plan
             return out
 
         def measured(*args, **kwargs):

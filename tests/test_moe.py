@@ -590,7 +590,7 @@ def test_one_line_router_loss_at_the_allocator_stays_in_its_plan_and_budget(padd
     planned, beside = [], []
     run = Executable.run
 
-    def recorded(self, inputs, program_budget, **kwargs):
+    def recorded(self, inputs, plan, **kwargs):
         if not beside:
             beside.append(0)
         step_flush = len(self.graph.eqns) > 500
@@ -600,8 +600,8 @@ def test_one_line_router_loss_at_the_allocator_stays_in_its_plan_and_budget(padd
             kept = [x for x in session.values.values() if x.untyped_storage().data_ptr() not in held]
             unread = [p for p in model.parameters() if p.untyped_storage().data_ptr() not in held]
             beside[0] = _storage_bytes(kept) + _storage_bytes(unread)
-        out = run(self, inputs, program_budget, **kwargs)
-        planned.append((self.plan(program_budget).peak, step_flush))
+        out = run(self, inputs, plan, **kwargs)
+        planned.append((plan.peak, step_flush))
         return out
 
     monkeypatch.setattr(Executable, "run", recorded)
