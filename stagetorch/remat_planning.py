@@ -1080,14 +1080,22 @@ def _repairs(best: tuple[float, int, Plan], points: list[Recompute], usable: int
         q = _repaired(p, usable)
         if q is None or step_cost(base_flops + q.extra_flops, base_calls + q.extra_calls, 1, device) >= best[0]:
             continue
-        try:
-            plan = chunk_plan(q.graph, q.peak_bytes)
-        except _CANNOT:
-            continue
-        score = step_cost(base_flops + q.extra_flops, base_calls + q.extra_calls, len(plan.chunk_sizes), device)
-        if score < best[0]:
-            best = (score, len(points), RematPlan(**attrs.asdict(plan, recurse=False), recompute=q, base_flops=base_flops))
+        sized = _sized(q, chunk_plan, base_flops, base_calls, device)
+        if sized is not None and sized[0] < best[0]:
+            best = (sized[0], len(points), sized[1])
     return best
+
+
+def _sized(q: Recompute, chunk_plan: Callable[..., Plan], base_flops: int, base_calls: int,
+           device: torch.device) -> tuple[float, RematPlan] | None:
+    """``q``'s graph in the chunks that fit its whole-batch peak, with the step's cost in them (None when no
+    chunk size fits)."""
+    try:
+        plan = chunk_plan(q.graph, q.peak_bytes)
+    except _CANNOT:
+        return None
+    score = step_cost(base_flops + q.extra_flops, base_calls + q.extra_calls, len(plan.chunk_sizes), device)
+    return score, RematPlan(**attrs.asdict(plan, recurse=False), recompute=q, base_flops=base_flops)
 
 
 def _polished(best: tuple[float, int, Plan], usable: int, chunk_plan: Callable[..., Plan], base_flops: int,
@@ -1102,14 +1110,10 @@ def _polished(best: tuple[float, int, Plan], usable: int, chunk_plan: Callable[.
                 lambda r: step_cost(r.extra_flops, r.extra_calls, chunks, device))
     if q is p:
         return best
-    try:
-        again = chunk_plan(q.graph, q.peak_bytes)
-    except _CANNOT:
+    sized = _sized(q, chunk_plan, base_flops, base_calls, device)
+    if sized is None or sized[0] >= score:
         return best
-    cheaper = step_cost(base_flops + q.extra_flops, base_calls + q.extra_calls, len(again.chunk_sizes), device)
-    if cheaper >= score:
-        return best
-    return cheaper, index, RematPlan(**attrs.asdict(again, recurse=False), recompute=q, base_flops=base_flops)
+    return sized[0], index, sized[1]
 
 
 # The chunk frontier is tried where the cheapest plan recomputes in chunks more than this fraction of the
@@ -1129,18 +1133,12 @@ def _for_chunks(best: tuple[float, int, Plan], chunk_points: Callable[[int], lis
     chunks = len(plan.chunk_sizes)
     sets = [(step_cost(base_flops + q.extra_flops, base_calls + q.extra_calls, chunks, device), i, q)
             for i, (q, peak) in enumerate(chunk_points(max(plan.chunk_sizes))) if peak <= usable]
-    tries = 0
-    for cost, _, q in sorted(sets, key=operator.itemgetter(0, 1)):
+    for tries, (cost, _, q) in enumerate(sorted(sets, key=operator.itemgetter(0, 1))):
         if cost >= best[0] or tries >= _CHUNK_TRIES:
             break
-        tries += 1
-        try:
-            again = chunk_plan(q.graph, q.peak_bytes)
-        except _CANNOT:
-            continue
-        cheaper = step_cost(base_flops + q.extra_flops, base_calls + q.extra_calls, len(again.chunk_sizes), device)
-        if cheaper < best[0]:
-            best = (cheaper, best[1], RematPlan(**attrs.asdict(again, recurse=False), recompute=q, base_flops=base_flops))
+        sized = _sized(q, chunk_plan, base_flops, base_calls, device)
+        if sized is not None and sized[0] < best[0]:
+            best = (sized[0], best[1], sized[1])
     return best
 
 
