@@ -77,13 +77,18 @@ def _old_install(inputs, grads, executable, traced):
         inputs[i].grad = None
 
 
-def parts(case: str, block: int, blocks: int) -> dict[str, float]:
+def _case(case: str) -> tuple:
+    """(model, x, y, its eager training step, that step staged) of a bench case, seeded."""
     torch.manual_seed(0)
     factory, batch = CASES[case]
     model, make = factory()
     x, y = make(batch)
     step = models.train_step(model)
-    staged = stagetorch.jit(step)
+    return model, x, y, step, stagetorch.jit(step)
+
+
+def parts(case: str, block: int, blocks: int) -> dict[str, float]:
+    model, x, y, step, staged = _case(case)
     for _ in range(3):
         model.zero_grad(set_to_none=True)
         staged(x, y)
@@ -272,12 +277,7 @@ def interleaved(case: str, alternations: int, clock=time.perf_counter) -> tuple[
     """Medians of eager and staged steps run alternately (as bench/bench_step.py's test_interleaved_ratio),
     timed by ``clock`` (``time.thread_time`` for CPU time: robust to a shared machine's preemption where
     torch runs in the one thread)."""
-    torch.manual_seed(0)
-    factory, batch = CASES[case]
-    model, make = factory()
-    x, y = make(batch)
-    step = models.train_step(model)
-    staged = stagetorch.jit(step)
+    model, x, y, step, staged = _case(case)
     for _ in range(20):
         for run in (step, staged):
             model.zero_grad(set_to_none=True)
