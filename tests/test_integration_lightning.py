@@ -458,12 +458,11 @@ def test_mixed_precision_step_holds_what_it_planned(precision):
     assert measured <= parse_bytes("110KiB")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the CPU's half-precision mm/addmm (oneDNN) allocate transient workspaces no workspace rule models yet: "
-    "on a 2-thread CPU ~28 KB (bf16) and ~133 KB (float16: the 256 -> 3 layer's addmm alone takes 166,016 B) "
-    "above the plan, over the 110 KiB budget in both"
-))
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_mixed_precision_step_at_the_allocator_holds_what_it_planned(precision):
+    """At the allocator, oneDNN's half-precision matmul scratchpads included (their workspace rule,
+    stagetorch/ops/linalg.py): the float16 256 -> 3 layer's addmm alone takes 145-166 KB from 6 examples
+    up, more than the budget. The plan (chunks of 4 examples on torch 2.13) keeps every product at or under
+    16 * 16 * 16 multiply-adds, where ATen's own gemm runs and allocates nothing."""
     measured, predicted = _mixed_step_peak(precision, AllocatorPeak)
     assert measured <= 1.02 * predicted and measured <= parse_bytes("110KiB"), (measured, predicted)

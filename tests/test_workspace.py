@@ -415,3 +415,68 @@ def test_a_custom_op_workspace_is_held_while_it_runs_only():
     stagetorch.ops.register(torch.ops.stagetorch_test.scratch_heavy, workspace=lambda eqn: 5 * eqn.invars[0].aval.nbytes)
     assert peak_bytes(graph) == 2 * x.nbytes + 5 * x.nbytes  # during the op: x, its output, the workspace
     assert stagetorch.ops.lookup(torch.ops.stagetorch_test.scratch_heavy.default).workspace is not None
+
+
+# -- oneDNN's half-precision matmul on the CPU (stagetorch/ops/linalg.py) --------------------------------------
+# The rule bounds oneDNN's scratchpad from above (the blocking search is not replayed): never under the
+# allocator, within 8x of it (+16 KiB) on these shapes (a float16 128 x 4 by 4 x 256: 6x); about 2x above it
+# at the median over random shapes.
+
+from stagetorch.ops import linalg  # noqa: E402
+
+HALF_MATMULS = [  # (batch or 0, M, K, N, A transposed, B transposed)
+    (0, 8, 256, 3, False, False), (0, 32, 256, 3, False, False), (0, 128, 4, 256, False, True),
+    (0, 3, 128, 256, True, False), (0, 256, 32, 4, True, False), (0, 100, 37, 51, False, False),
+    (0, 1, 1000, 64, False, False), (0, 64, 1, 100, False, False), (0, 5, 1000, 7, False, True),
+    (0, 17, 512, 1000, False, False), (0, 300, 680, 129, True, True), (0, 16, 16, 16, False, False),
+    (0, 4, 4, 256, False, True), (4, 12, 64, 12, False, False), (2, 8, 3072, 100, False, True),
+    (3, 40, 16, 40, True, False), (8, 2, 2, 2, False, False),
+]
+
+
+def _half_case(case, dtype):
+    b, m, k, n, ta, tb = case
+    lead = (b,) if b else ()
+    a = torch.zeros(*lead, k, m, dtype=dtype).transpose(-1, -2) if ta else torch.zeros(*lead, m, k, dtype=dtype)
+    w = torch.zeros(*lead, n, k, dtype=dtype).transpose(-1, -2) if tb else torch.zeros(*lead, k, n, dtype=dtype)
+    if b:
+        return (aten.bmm, (a, w)), (aten.baddbmm, (torch.zeros(b, m, n, dtype=dtype), a, w))
+    return (aten.mm, (a, w)), (aten.addmm, (torch.zeros(n, dtype=dtype), a, w))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", HALF_MATMULS, ids=lambda c: "x".join(map(str, c)))
+def test_half_precision_matmul_workspace_bounds_the_allocators(case, dtype, threads):
+    """A float16/bfloat16 product over 16 * 16 * 16 multiply-adds runs oneDNN, which allocates a scratchpad
+    per thread (a 32 x 256 by 256 x 3 float16 product: 166,016 B at 2 threads); at or under that size, ATen's
+    own gemm, which allocates nothing (the rule says 0 exactly)."""
+    if linalg._onednn_half(dtype) not in ("amx", "avx512"):
+        pytest.skip("the bounds were measured on AMX-BF16 and AVX512-FP16 kernels; this CPU runs others")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for op, args in _half_case(case, dtype):
+            measured, rule = op_workspace(op, *args), _rule(op, *args)
+            b, m, k, n = (case[0] or 1), *case[1:4]
+            if b * m * k * n <= 16 * 16 * 16:
+                assert measured == rule == 0, (op, measured, rule)
+            else:
+                assert measured > 0 and measured <= rule <= 8 * measured + 16 * 1024, (op, measured, rule)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_half_precision_matmul_workspace_follows_the_switches_and_copies():
+    """oneDNN off (torch.backends.mkldnn): ATen's gemm, no workspace; float32: none either. An operand laid out
+    neither contiguous nor transposed is copied contiguous first, and the rule counts the copy."""
+    a, w = torch.zeros(32, 256, dtype=torch.float16), torch.zeros(256, 3, dtype=torch.float16)
+    with _mkldnn(False):
+        assert op_workspace(aten.mm, a, w) == _rule(aten.mm, a, w) == 0
+    assert op_workspace(aten.mm, a.float(), w.float()) == 0 and not _rule(aten.mm, a.float(), w.float())
+    if linalg._onednn_half(torch.float16) != "avx512":
+        pytest.skip("the bounds were measured on AVX512-FP16 kernels; this CPU runs others")
+    strided = torch.zeros(32, 512, dtype=torch.float16)[:, ::2]
+    measured, rule = op_workspace(aten.mm, strided, w), _rule(aten.mm, strided, w)
+    assert measured - op_workspace(aten.mm, a, w) == strided.contiguous().nbytes
+    assert rule - _rule(aten.mm, a, w) == strided.contiguous().nbytes and measured <= rule

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 
-from .. import batching, flops
-from . import _shape
+from .. import _caches, batching, flops
+from ..ir import Eqn, Var
+from . import _layout, _shape
 
 aten = torch.ops.aten
 
@@ -42,3 +46,138 @@ BATCH: dict = {
 
 # FLOP rules: op -> rule(eqn) -> int (see stagetorch/flops.py)
 FLOPS: dict = {op: flops.matmul_rule for op in (aten.mm, aten.addmm, aten.bmm, aten.baddbmm)}
+
+
+# -- Workspace: oneDNN's half-precision matmul on the CPU ------------------------------------------------------
+#
+# On the CPU, a float16 or bfloat16 mm/addmm/bmm/baddbmm over more than 16 * 16 * 16 multiply-adds runs oneDNN's
+# brgemm matmul (ATen's ``use_mkldnn_matmul``; below that size, or with oneDNN disabled, ATen's own gemm, which
+# allocates nothing). oneDNN books a scratchpad per thread: the blocks of A and B it copies (reordered for its
+# kernels, float32 for float16 on AVX512-FP16, VNNI pairs for bfloat16 on AMX), a float32 accumulator block,
+# its batch descriptors and AMX tile state. Their sizes come from oneDNN's blocking heuristics, a search over
+# blockings that scores thread balance (src/cpu/x64/matmul/brgemm_matmul_utils.cpp,
+# amx_blocking_heuristics.cpp); the rule does not replay that search. It bounds each buffer by the size it
+# takes at the blocking's limits, fitted to the allocator on torch 2.13 (oneDNN 3.12) on a Sapphire Rapids
+# CPU (AMX-BF16, AVX512-FP16) at 1 and 2 threads over 13,000 shapes (tests/test_workspace.py): never below
+# the allocator, about 2x above it for bfloat16 (median), closer for float16. Elsewhere (no AMX, no
+# AVX512-FP16) oneDNN runs other kernels that these limits were not measured on: the larger of the two
+# bounds stands for them.
+
+
+def _ru(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _f16_thread_bytes(m: int, k: int, n: int) -> int:
+    """AVX512-FP16 brgemm: A and B copied to float32 (A's rows padded by 16, blocks of up to 256 rows and
+    512 of K, 1024 past K 1024; B 64 columns wide), a float32 accumulator of up to 256 x 1024."""
+    mx = min(m, 256)
+    kx = _ru(min(k, 512 if k <= 1024 else 1024), 16)
+    return 4096 + 4 * mx * (kx + 16) + 4 * kx * 64 + 4 * mx * min(_ru(n, 64), 1024)
+
+
+def _bf16_amx_thread_bytes(m: int, k: int, n: int, a_transposed: bool) -> int:
+    """AMX-BF16 brgemm: B copied in VNNI pairs, K padded to 32, N to 32 (64 past 32, at least 64 for a
+    transposed A or a single column), up to 3/4 of the L2 cache of it (at least 1.5 MiB: the misses at 1 MiB); A copied where it is transposed (up to 256 rows, in
+    float32 pairs) or K is not a multiple of 64 (up to 64 rows); an odd K keeps a float32 accumulator of up to
+    256 x 64. One row (M = 1) runs as one column, A and B swapped."""
+    if m == 1:
+        m, n = n, 1
+    kr = _ru(k, 32)
+    nr = _ru(n, 32) if n <= 32 else _ru(n, 64)
+    nb = min(max(nr, 64 if (n == 1 or a_transposed) else 0), max(64, _b_cap() // (2 * kr)))
+    mx = min(m, 64)
+    a = 4 * (min(m, 256) + 16) * kr if a_transposed else (2 * mx * kr if k % 64 else 0)
+    c = 4 * min(m, 256) * min(nr, 64) if k % 2 else 0
+    return 8192 + 2 * kr * nb + a + c
+
+
+@functools.lru_cache(maxsize=None)
+def _b_cap() -> int:
+    l2 = torch._C._cpu._get_cpu_capability().get("l2_cache_size") or 0
+    return max(3 * l2 // 4, 3 << 19)
+
+
+@functools.lru_cache(maxsize=None)
+def _onednn_half(dtype: torch.dtype) -> str | None:
+    """Which of the fitted bounds covers oneDNN's matmul for ``dtype`` on this CPU: "amx" (bfloat16 on AMX),
+    "avx512" (float16 on AVX512-FP16), "other" (a kernel the bounds were not measured on), None (ATen's gemm)."""
+    if dtype not in (torch.float16, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return None
+    supported = torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16 else torch.ops.mkldnn._is_mkldnn_fp16_supported
+    if not supported():
+        return None
+    isa = torch._C._cpu._get_cpu_capability()
+    if dtype == torch.bfloat16 and isa.get("amx_bf16"):
+        return "amx"
+    if dtype == torch.float16 and isa.get("avx512_fp16") and not isa.get("amx_fp16"):
+        return "avx512"
+    return "other"
+
+
+_caches.on_clear(_onednn_half.cache_clear)
+
+
+def _mkldnn_dense(shape: tuple[int, ...], strides: tuple[int, ...] | None) -> bool:
+    """Whether ATen's ``mkldnn_matmul`` takes the operand as it is: contiguous, or its last two dims
+    transposed from contiguous (else it copies it contiguous). Unknown strides: taken as they are."""
+    if strides is None:
+        return True
+    t = torch.empty_strided(shape, strides, device="meta")
+    if t.is_contiguous():
+        return True
+    if len(shape) == 2:
+        return strides[0] == 1 and strides[1] == shape[0]
+    return strides[0] == shape[1] * shape[2] and strides[1] == 1 and strides[2] == shape[1]
+
+
+def _a_transposed(shape: tuple[int, ...], strides: tuple[int, ...] | None) -> bool:
+    """A laid out column-major (a weight's gradient: grad_out.t() @ input), as oneDNN reads it; unknown
+    strides count as transposed, the larger bound."""
+    if strides is None:
+        return True
+    m, k = shape[-2:]
+    return m > 1 and k > 1 and strides[-2] == 1 and strides[-1] == m
+
+
+def matmul_workspace(operands: tuple[int, int]):  # noqa: ANN201
+    """The workspace rule of a matmul whose A and B are arguments ``operands``: oneDNN's scratchpad for a CPU
+    half-precision product (bounded, see above), and the contiguous copy ATen makes of an operand laid out
+    otherwise than contiguous or transposed."""
+
+    def rule(e: Eqn, layouts: Any) -> int:
+        a, b = (e.args[i] for i in operands)
+        if not (isinstance(a, Var) and isinstance(b, Var)) or a.aval.device.type != "cpu":
+            return 0
+        kernel = _onednn_half(a.aval.dtype)
+        if kernel is None or b.aval.dtype != a.aval.dtype or not torch._C._get_mkldnn_enabled():
+            return 0
+        if e.kwargs.get("alpha", 1) == 0:
+            return 0
+        (*batch, m, k), n = a.aval.shape, b.aval.shape[-1]
+        count = batch[0] if batch else 1
+        if count * m * k * n <= 16 * 16 * 16 or not a.aval.nbytes or not b.aval.nbytes:
+            return 0
+        a_strides, b_strides = _layout.strides_of(a, layouts), _layout.strides_of(b, layouts)
+        a_dense, b_dense = _mkldnn_dense(a.aval.shape, a_strides), _mkldnn_dense(b.aval.shape, b_strides)
+        copies = (0 if a_dense else a.aval.nbytes) + (0 if b_dense else b.aval.nbytes)
+        transposed = a_dense and _a_transposed(a.aval.shape, a_strides)
+        if kernel == "amx":
+            per_thread = _bf16_amx_thread_bytes(m, k, n, transposed)
+        elif kernel == "avx512":
+            per_thread = _f16_thread_bytes(m, k, n)
+        else:
+            per_thread = max(_bf16_amx_thread_bytes(m, k, n, True), _f16_thread_bytes(m, k, n))
+        return copies + torch.get_num_threads() * per_thread
+
+    rule.reads_layouts = True  # type: ignore[attr-defined]
+    return rule
+
+
+# Workspace rules: op -> rule(eqn, layouts) -> bytes (see stagetorch/costing.py).
+WORKSPACE: dict = {
+    aten.mm: matmul_workspace((0, 1)),
+    aten.bmm: matmul_workspace((0, 1)),
+    aten.addmm: matmul_workspace((1, 2)),
+    aten.baddbmm: matmul_workspace((1, 2)),
+}
