@@ -58,10 +58,11 @@ FLOPS: dict = {op: flops.matmul_rule for op in (aten.mm, aten.addmm, aten.bmm, a
 # blockings that scores thread balance (src/cpu/x64/matmul/brgemm_matmul_utils.cpp,
 # amx_blocking_heuristics.cpp); the rule does not replay that search. It bounds each buffer by the size it
 # takes at the blocking's limits, fitted to the allocator on torch 2.13 (oneDNN 3.12) on a Sapphire Rapids
-# CPU (AMX-BF16, AVX512-FP16) at 1 and 2 threads over 13,000 shapes (tests/test_workspace.py): never below
-# the allocator, about 2x above it for bfloat16 (median), closer for float16. Elsewhere (no AMX, no
-# AVX512-FP16) oneDNN runs other kernels that these limits were not measured on: the larger of the two
-# bounds stands for them.
+# CPU (AMX-BF16, AVX512-FP16, 2 MiB of L2) at 1 and 2 threads, over a grid of 13,000 products and 1,200 random
+# ones (bench/RESULTS.md, tests/test_workspace.py): never below the allocator; at the median 2x above it for
+# bfloat16, 1.3x for float16 (up to 8x for small products). More threads are taken to book as many buffers
+# (measured at 2). Elsewhere (no AMX, no AVX512-FP16) oneDNN runs kernels these limits were not measured on:
+# the larger of the two bounds stands for them.
 
 
 def _ru(x: int, m: int) -> int:
@@ -69,18 +70,21 @@ def _ru(x: int, m: int) -> int:
 
 
 def _f16_thread_bytes(m: int, k: int, n: int) -> int:
-    """AVX512-FP16 brgemm: A and B copied to float32 (A's rows padded by 16, blocks of up to 256 rows and
-    512 of K, 1024 past K 1024; B 64 columns wide), a float32 accumulator of up to 256 x 1024."""
+    """AVX512-FP16 brgemm: A copied to float32 in blocks of up to 256 rows and 512 of K (1024 past K 1024),
+    rows padded to 16 and by 16 more; B copied to float32, 64 columns wide; a float32 accumulator as wide as
+    N's block (up to 64 columns) while one block of K covers K, else as a chunk of up to 1024 columns."""
     mx = min(m, 256)
     kx = _ru(min(k, 512 if k <= 1024 else 1024), 16)
-    return 4096 + 4 * mx * (kx + 16) + 4 * kx * 64 + 4 * mx * min(_ru(n, 64), 1024)
+    acc = min(_ru(n, 16), 64) if k <= 512 else min(_ru(n, 64), 1024)
+    return 4096 + 4 * kx * 64 + 4 * mx * (kx + 16 + acc)
 
 
 def _bf16_amx_thread_bytes(m: int, k: int, n: int, a_transposed: bool) -> int:
     """AMX-BF16 brgemm: B copied in VNNI pairs, K padded to 32, N to 32 (64 past 32, at least 64 for a
-    transposed A or a single column), up to 3/4 of the L2 cache of it (at least 1.5 MiB: the misses at 1 MiB); A copied where it is transposed (up to 256 rows, in
-    float32 pairs) or K is not a multiple of 64 (up to 64 rows); an odd K keeps a float32 accumulator of up to
-    256 x 64. One row (M = 1) runs as one column, A and B swapped."""
+    transposed A or a single column), up to the L2 cache's size of it (at least 2 MiB: oneDNN sizes its
+    blocks to L2; caps of 1 and 1.5 MiB were each missed by a shape); A copied where it is transposed (up to 256 rows, in
+    float32 pairs) or K is not a multiple of 64 (up to 64 rows); a float32 accumulator of up to 256 x 64 for
+    an odd K, of up to 64 x 256 past K 1024 (K in chunks). One row (M = 1) runs as one column, A and B swapped."""
     if m == 1:
         m, n = n, 1
     kr = _ru(k, 32)
@@ -88,17 +92,17 @@ def _bf16_amx_thread_bytes(m: int, k: int, n: int, a_transposed: bool) -> int:
     nb = min(max(nr, 64 if (n == 1 or a_transposed) else 0), max(64, _b_cap() // (2 * kr)))
     mx = min(m, 64)
     a = 4 * (min(m, 256) + 16) * kr if a_transposed else (2 * mx * kr if k % 64 else 0)
-    c = 4 * min(m, 256) * min(nr, 64) if k % 2 else 0
+    c = max(4 * min(m, 256) * min(nr, 64) if k % 2 else 0, 4 * mx * min(nr, 256) if k > 1024 else 0)
     return 8192 + 2 * kr * nb + a + c
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _b_cap() -> int:
     l2 = torch._C._cpu._get_cpu_capability().get("l2_cache_size") or 0
-    return max(3 * l2 // 4, 3 << 19)
+    return max(l2, 2 << 20)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _onednn_half(dtype: torch.dtype) -> str | None:
     """Which of the fitted bounds covers oneDNN's matmul for ``dtype`` on this CPU: "amx" (bfloat16 on AMX),
     "avx512" (float16 on AVX512-FP16), "other" (a kernel the bounds were not measured on), None (ATen's gemm)."""
