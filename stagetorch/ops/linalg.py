@@ -69,37 +69,44 @@ def _ru(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def _f16_thread_bytes(m: int, k: int, n: int) -> int:
+def _f16_thread_bytes(m: int, k: int, n: int, a_transposed: bool, batch: int, threads: int) -> int:
     """AVX512-FP16 brgemm: A copied to float32 in blocks of up to 256 rows and 512 of K (1024 past K 1024),
     rows padded to 16 and by 16 more; B copied to float32, 64 columns wide; a float32 accumulator as wide as
-    N's block (up to 64 columns) while one block of K covers K, else as a chunk of up to 1024 columns."""
+    N's block (up to 64 columns) while one block of K covers K, else as a chunk of up to 1024 columns. A
+    weight's gradient (A transposed) over K >= 2048 with fewer 64-column blocks of N than threads splits K
+    across threads, each summing the whole M x N in float32 (oneDNN's ``bwd_w_par_k_blk``)."""
     mx = min(m, 256)
     kx = _ru(min(k, 512 if k <= 1024 else 1024), 16)
-    acc = min(_ru(n, 16), 64) if k <= 512 else min(_ru(n, 64), 1024)
-    return 4096 + 4 * kx * 64 + 4 * mx * (kx + 16 + acc)
+    acc = 4 * mx * (min(_ru(n, 16), 64) if k <= 512 else min(_ru(n, 64), 1024))
+    if batch == 1 and a_transposed and k >= 2048 and threads > -(-n // 64):
+        acc = max(acc, 4 * m * n)
+    return 4096 + 4 * kx * 64 + 4 * mx * (kx + 16) + acc
 
 
 def _bf16_amx_thread_bytes(m: int, k: int, n: int, a_transposed: bool) -> int:
     """AMX-BF16 brgemm: B copied in VNNI pairs, K padded to 32, N to 32 (64 past 32, at least 64 for a
-    transposed A or a single column), up to the L2 cache's size of it (at least 2 MiB: oneDNN sizes its
-    blocks to L2; caps of 1 and 1.5 MiB were each missed by a shape); A copied where it is transposed (up to 256 rows, in
-    float32 pairs) or K is not a multiple of 64 (up to 64 rows); a float32 accumulator of up to 256 x 64 for
-    an odd K, of up to 64 x 256 past K 1024 (K in chunks). One row (M = 1) runs as one column, A and B swapped."""
+    transposed A or a single column), up to the L2 cache's size of it (caps of 1 and 1.5 MiB were each
+    missed by a shape); A copied where it is transposed (up to 256 rows, in float32 pairs) or K is not a
+    multiple of 64 (up to 64 rows); a float32 accumulator of up to 256 x 64 for an odd K, of up to 64 x 256
+    past K 1024 (K in chunks). One row (M = 1) runs as one column, A and B swapped. oneDNN sizes its blocks
+    to the L2 cache: at most 0.82 of it was measured per thread (a 291 x 2048 by 2048 x 512 product), where
+    these terms grow with K (a weight's gradient over many tokens: up to 30x above the allocator); the sum
+    is capped at 1.25 L2."""
     if m == 1:
         m, n = n, 1
     kr = _ru(k, 32)
     nr = _ru(n, 32) if n <= 32 else _ru(n, 64)
-    nb = min(max(nr, 64 if (n == 1 or a_transposed) else 0), max(64, _b_cap() // (2 * kr)))
+    nb = min(max(nr, 64 if (n == 1 or a_transposed) else 0), max(64, _l2() // (2 * kr)))
     mx = min(m, 64)
     a = 4 * (min(m, 256) + 16) * kr if a_transposed else (2 * mx * kr if k % 64 else 0)
     c = max(4 * min(m, 256) * min(nr, 64) if k % 2 else 0, 4 * mx * min(nr, 256) if k > 1024 else 0)
-    return 8192 + 2 * kr * nb + a + c
+    return min(8192 + 2 * kr * nb + a + c, 5 * _l2() // 4)
 
 
 @functools.cache
-def _b_cap() -> int:
-    l2 = torch._C._cpu._get_cpu_capability().get("l2_cache_size") or 0
-    return max(l2, 2 << 20)
+def _l2() -> int:
+    """The CPU's L2 cache per core (at least 2 MiB: the size the bounds were measured at)."""
+    return max(torch._C._cpu._get_cpu_capability().get("l2_cache_size") or 0, 2 << 20)
 
 
 @functools.cache
@@ -166,13 +173,14 @@ def matmul_workspace(operands: tuple[int, int]):  # noqa: ANN201
         a_dense, b_dense = _mkldnn_dense(a.aval.shape, a_strides), _mkldnn_dense(b.aval.shape, b_strides)
         copies = (0 if a_dense else a.aval.nbytes) + (0 if b_dense else b.aval.nbytes)
         transposed = a_dense and _a_transposed(a.aval.shape, a_strides)
+        threads = torch.get_num_threads()
         if kernel == "amx":
             per_thread = _bf16_amx_thread_bytes(m, k, n, transposed)
         elif kernel == "avx512":
-            per_thread = _f16_thread_bytes(m, k, n)
+            per_thread = _f16_thread_bytes(m, k, n, transposed, count, threads)
         else:
-            per_thread = max(_bf16_amx_thread_bytes(m, k, n, True), _f16_thread_bytes(m, k, n))
-        return copies + torch.get_num_threads() * per_thread
+            per_thread = max(_bf16_amx_thread_bytes(m, k, n, True), _f16_thread_bytes(m, k, n, True, count, threads))
+        return copies + threads * per_thread
 
     rule.reads_layouts = True  # type: ignore[attr-defined]
     return rule
