@@ -86,19 +86,19 @@ def _f16_thread_bytes(m: int, k: int, n: int, a_transposed: bool, batch: int, th
 def _bf16_amx_thread_bytes(m: int, k: int, n: int, a_transposed: bool) -> int:
     """AMX-BF16 brgemm: B copied in VNNI pairs, K padded to 32, N to 32 (64 past 32, at least 64 for a
     transposed A or a single column), up to the L2 cache's size of it (caps of 1 and 1.5 MiB were each
-    missed by a shape); A copied where it is transposed (up to 256 rows, in float32 pairs) or K is not a
-    multiple of 64 (up to 64 rows); a float32 accumulator of up to 256 x 64 for an odd K, of up to 64 x 256
-    past K 1024 (K in chunks). One row (M = 1) runs as one column, A and B swapped. oneDNN sizes its blocks
-    to the L2 cache: at most 0.82 of it was measured per thread (a 291 x 2048 by 2048 x 512 product), where
-    these terms grow with K (a weight's gradient over many tokens: up to 30x above the allocator); the sum
-    is capped at 1.25 L2."""
+    missed by a shape); A copied, up to 256 rows in float32 pairs where it is transposed, else up to 64 rows
+    (seen where K is not a multiple of 64, and for a batch of 8 over 8 threads); a float32 accumulator of up
+    to 256 x 64 for an odd K, of up to 64 x 256 past K 1024 (K in chunks). One row (M = 1) runs as one
+    column, A and B swapped. oneDNN sizes its blocks to the L2 cache: at most 0.82 of it was measured per
+    thread (a 291 x 2048 by 2048 x 512 product), where these terms grow with K (a weight's gradient over many
+    tokens: up to 30x above the allocator); the sum is capped at 1.25 L2."""
     if m == 1:
         m, n = n, 1
     kr = _ru(k, 32)
     nr = _ru(n, 32) if n <= 32 else _ru(n, 64)
     nb = min(max(nr, 64 if (n == 1 or a_transposed) else 0), max(64, _l2() // (2 * kr)))
     mx = min(m, 64)
-    a = 4 * (min(m, 256) + 16) * kr if a_transposed else (2 * mx * kr if k % 64 else 0)
+    a = 4 * (min(m, 256) + 16) * kr if a_transposed else 2 * mx * kr
     c = max(4 * min(m, 256) * min(nr, 64) if k % 2 else 0, 4 * mx * min(nr, 256) if k > 1024 else 0)
     return min(8192 + 2 * kr * nb + a + c, 5 * _l2() // 4)
 
