@@ -104,9 +104,18 @@ def _bf16_amx_thread_bytes(m: int, k: int, n: int, a_transposed: bool) -> int:
 
 
 @functools.cache
+def _cpu_capability() -> dict:
+    """What the CPU has (ISA extensions, cache sizes) as PyTorch's cpuinfo says; empty where it cannot say."""
+    try:
+        return dict(torch._C._cpu._get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return {}
+
+
+@functools.cache
 def _l2() -> int:
     """The CPU's L2 cache per core (at least 2 MiB: the size the bounds were measured at)."""
-    return max(torch._C._cpu._get_cpu_capability().get("l2_cache_size") or 0, 2 << 20)
+    return max(_cpu_capability().get("l2_cache_size") or 0, 2 << 20)
 
 
 @functools.cache
@@ -118,7 +127,7 @@ def _onednn_half(dtype: torch.dtype) -> str | None:
     supported = torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16 else torch.ops.mkldnn._is_mkldnn_fp16_supported
     if not supported():
         return None
-    isa = torch._C._cpu._get_cpu_capability()
+    isa = _cpu_capability()
     if dtype == torch.bfloat16 and isa.get("amx_bf16"):
         return "amx"
     if dtype == torch.float16 and isa.get("avx512_fp16") and not isa.get("amx_fp16"):
