@@ -483,6 +483,10 @@ def test_half_precision_matmul_workspace_follows_the_switches_and_copies():
     measured, rule = op_workspace(aten.mm, strided, w), _rule(aten.mm, strided, w)
     assert measured - op_workspace(aten.mm, a, w) == strided.contiguous().nbytes
     assert rule - _rule(aten.mm, a, w) == strided.contiguous().nbytes and measured <= rule
+    # Strides unknown (no layouts): both operands counted as copied, the costlier case.
+    graph = stagetorch.make_ir(lambda a, w: aten.mm(a, w))(a, w)
+    (eqn,) = [e for e in graph.eqns if e.prim is aten.mm.default]
+    assert workspace(eqn) == workspace(eqn, layouts=Layouts(graph)) + a.nbytes + w.nbytes
 
 
 def test_an_autocast_step_under_a_budget_stays_under_it_at_the_allocator():

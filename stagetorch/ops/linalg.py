@@ -140,9 +140,9 @@ _caches.on_clear(_onednn_half.cache_clear)
 
 def _mkldnn_dense(shape: tuple[int, ...], strides: tuple[int, ...] | None) -> bool:
     """Whether ATen's ``mkldnn_matmul`` takes the operand as it is: contiguous, or its last two dims
-    transposed from contiguous (else it copies it contiguous). Unknown strides: taken as they are."""
+    transposed from contiguous (else it copies it contiguous). Unknown strides: copied, the costlier case."""
     if strides is None:
-        return True
+        return False
     t = torch.empty_strided(shape, strides, device="meta")
     if t.is_contiguous():
         return True
@@ -181,7 +181,8 @@ def matmul_workspace(operands: tuple[int, int]):  # noqa: ANN201
         a_strides, b_strides = _layout.strides_of(a, layouts), _layout.strides_of(b, layouts)
         a_dense, b_dense = _mkldnn_dense(a.aval.shape, a_strides), _mkldnn_dense(b.aval.shape, b_strides)
         copies = (0 if a_dense else a.aval.nbytes) + (0 if b_dense else b.aval.nbytes)
-        transposed = a_dense and _a_transposed(a.aval.shape, a_strides)
+        # Unknown strides: copied and read transposed, each the costlier case.
+        transposed = a_strides is None or (a_dense and _a_transposed(a.aval.shape, a_strides))
         threads = torch.get_num_threads()
         if kernel == "amx":
             per_thread = _bf16_amx_thread_bytes(m, k, n, transposed)
