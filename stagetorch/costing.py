@@ -6,7 +6,10 @@ after the last use of any value living in it; outputs and accumulated gradients 
 nobody needs not run. Memory rules in the registry add what tensor sizes
 do not show (transient workspace). On CUDA, sizes are rounded as the caching allocator rounds them.
 
-It knows the IR, the registry and the passes' schedule; it runs nothing.
+A step's last program commits an optimizer's update as :func:`stagetorch.execute.commit_plan` lays it out
+(one workspace for its temporaries, allocated before its first write): costed as such.
+
+It knows the IR, the registry, the passes' schedule and the commit's layout; it runs nothing.
 """
 
 from __future__ import annotations
@@ -21,14 +24,14 @@ from torch._prims_common import compute_elementwise_output_strides
 
 from . import _gc
 from .devices import format_bytes
-from .ir import Eqn, Graph, SourceInfo, Var, op_name
 from .execute import commit_plan, may_commit
+from .ir import Eqn, Graph, SourceInfo, Var, op_name
 from .passes import Liveness, liveness, scheduled
 from .registry import slot
 
 __all__ = [
     "CATEGORIES", "MemoryEffect", "effect", "workspace", "Layouts", "allocated", "Lifetimes", "Timeline", "timeline", "peak_bytes", "Schedule",
-    "MemoryReport", "report",
+    "MemoryReport", "report", "CommitCost", "commit_cost",
 ]
 
 # "optimizer": an optimizer's state the step reads or makes (it steps inside the staged function; a first step
