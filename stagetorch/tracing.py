@@ -1168,9 +1168,14 @@ def _trace(fn: Callable, args: Sequence, kwargs: dict, static_argnums: Sequence[
             rec.add_input(fake, "arg", name)
             fake_leaves.append(fake)
         elif isinstance(leaf, Aval):
-            # An argument known by its aval only (a process group's global batch): a contiguous tensor.
+            # An argument known by its aval only (a process group's global batch): laid out as its strides
+            # say (the rank's shard's layout), else contiguous.
+            strides = getattr(leaf, "strides", ())
             with fake_mode:
-                fake = torch.empty(leaf.shape, dtype=leaf.dtype, device=leaf.device)
+                if strides:
+                    fake = torch.empty_strided(leaf.shape, strides, dtype=leaf.dtype, device=leaf.device)
+                else:
+                    fake = torch.empty(leaf.shape, dtype=leaf.dtype, device=leaf.device)
             rec.add_input(fake, "arg", name)
             fake_leaves.append(fake)
         else:
