@@ -226,7 +226,8 @@ class Lifetimes:
     the same storages (the planner's chunk graphs for another chunk size: same schedule, other shapes).
 
     Parallel lists, one entry per root in order of allocation (inputs first), then one per equation with a
-    workspace rule (its kernel's workspace, live in that equation's row only): ``nbytes`` as the tensor sizes
+    workspace rule (its kernel's workspace, live in that equation's row only) and one per device of a
+    commit's workspace (live from its first write to the end), in order: ``nbytes`` as the tensor sizes
     (or the workspace rule) say, before the allocator's rounding, ``rounded`` whether the device's allocator
     rounds it, ``start`` and ``end`` the first and last timeline row it is live in. ``rows``: the rows the
     peak is taken over (before the first equation, and each equation that runs). ``ruled``: a memory rule
@@ -279,7 +280,9 @@ def timeline(graph: Graph, workspaces: bool = True, final: bool = True) -> Timel
     (dead, or an alias of a value already held) adds nothing; its row repeats the one before.
     ``workspaces=False`` leaves out the registry's workspace rules: tensor sizes alone. ``final``: the graph
     runs as a step's last program, whose commit (an optimizer stepped last) allocates its temporaries in
-    one workspace and a first step's buffers with it (:func:`commit_cost`); else each where it is made."""
+    one workspace and a first step's buffers with it (:func:`commit_cost`); else each where it is made. A
+    program that is not the last (a chunk, the shared phase) has no commit; costed as final, one whose tail
+    writes its inputs is over-estimated (the workspace holds at least the temporaries live at once, longer)."""
     roles = graph.roles or ["arg"] * len(graph.invars)
     cat_of_role = {"param": "parameters", "buffer": "buffers", "arg": "inputs", "const": "inputs"}
     schedule = liveness(graph)
