@@ -6,7 +6,10 @@ after the last use of any value living in it; outputs and accumulated gradients 
 nobody needs not run. Memory rules in the registry add what tensor sizes
 do not show (transient workspace). On CUDA, sizes are rounded as the caching allocator rounds them.
 
-It knows the IR, the registry and the passes' schedule; it runs nothing.
+A step's last program commits an optimizer's update as :func:`stagetorch.execute.commit_plan` lays it out
+(one workspace for its temporaries, allocated before its first write): costed as such.
+
+It knows the IR, the registry, the passes' schedule and the commit's layout; it runs nothing.
 """
 
 from __future__ import annotations
@@ -21,17 +24,21 @@ from torch._prims_common import compute_elementwise_output_strides
 
 from . import _gc
 from .devices import format_bytes
+from .execute import commit_plan, may_commit
 from .ir import Eqn, Graph, SourceInfo, Var, op_name
-from .passes import liveness
+from .passes import Liveness, liveness, scheduled
 from .registry import slot
 
 __all__ = [
     "CATEGORIES", "MemoryEffect", "effect", "workspace", "Layouts", "allocated", "Lifetimes", "Timeline", "timeline", "peak_bytes", "Schedule",
-    "MemoryReport", "report",
+    "MemoryReport", "report", "CommitCost", "commit_cost",
 ]
 
-# "optimizer": an optimizer's state the step reads (it steps inside the staged function); "held": what the
-# call holds beside the program (each .grad it adds into or replaces, restore copies), in reports only.
+# "optimizer": an optimizer's state the step reads or makes (it steps inside the staged function; a first step
+# makes its moments); "workspace": what kernels allocate inside themselves while they run, and the one
+# allocation an optimizer's commit makes for its temporaries (:func:`stagetorch.execute.commit_plan`), held
+# from its first write to the end of the program; "held": what the call holds beside the program (each .grad
+# it adds into or replaces, restore copies), in reports only.
 CATEGORIES = (
     "parameters", "buffers", "optimizer", "inputs", "gradients", "activations", "temporaries", "workspace", "held",
 )
@@ -183,12 +190,44 @@ _NO_EFFECT = MemoryEffect()
 
 
 @attrs.frozen
+class CommitCost:
+    """What a program's commit (:func:`stagetorch.execute.commit_plan`) allocates otherwise than one
+    tensor per equation: before equation ``eqn`` runs, one ``spaces`` allocation per device (bytes before
+    rounding, device), held to the end of the program, which ``placed`` outputs (the commit's temporaries)
+    live in; and, beside it, the storage of each ``early`` output (a first step's momentum buffer: a tensor
+    the program keeps, filled at its own equation). Indices are the graph's equations."""
+
+    eqn: int
+    spaces: tuple[tuple[int, torch.device], ...]
+    placed: frozenset[Var]
+    early: tuple[Var, ...]
+
+
+def commit_cost(graph: Graph, schedule: Liveness | None = None) -> CommitCost | None:
+    """The commit of ``graph`` run as a step's last program (``Program(graph, final=True)``), in the
+    graph's own equations; None when it has none (it writes no input in a tail that cannot fail)."""
+    schedule = schedule if schedule is not None else liveness(graph)
+    if not may_commit(graph, schedule):
+        return None
+    run = scheduled(graph, schedule)
+    commit = commit_plan(run)
+    if commit.start is None:
+        return None
+    steps = [i for i, runs in enumerate(schedule.runs) if runs]  # run.eqns[k] is graph.eqns[steps[k]]
+    placed = frozenset(v for k in commit.places for v in run.eqns[k].outvars if v is not None)
+    early = tuple(run.eqns[k].outvars[0] for k in commit.fresh)
+    spaces = tuple((b, d) for d, b in commit.workspace.items() if b)
+    return CommitCost(steps[commit.start], spaces, placed, early)
+
+
+@attrs.frozen
 class Lifetimes:
     """When each storage a run allocates is live, so that the peak can be summed again for other sizes of
     the same storages (the planner's chunk graphs for another chunk size: same schedule, other shapes).
 
     Parallel lists, one entry per root in order of allocation (inputs first), then one per equation with a
-    workspace rule (its kernel's workspace, live in that equation's row only): ``nbytes`` as the tensor sizes
+    workspace rule (its kernel's workspace, live in that equation's row only) and one per device of a
+    commit's workspace (live from its first write to the end), in order: ``nbytes`` as the tensor sizes
     (or the workspace rule) say, before the allocator's rounding, ``rounded`` whether the device's allocator
     rounds it, ``start`` and ``end`` the first and last timeline row it is live in. ``rows``: the rows the
     peak is taken over (before the first equation, and each equation that runs). ``ruled``: a memory rule
@@ -235,16 +274,26 @@ class Timeline:
 
 
 @_gc.paused()  # a row and a list per equation, all kept: the collector's passes would find nothing
-def timeline(graph: Graph, workspaces: bool = True) -> Timeline:
+def timeline(graph: Graph, workspaces: bool = True, final: bool = True) -> Timeline:
     """Walk ``graph`` in program order, along the schedule the executor runs
     (:func:`stagetorch.passes.liveness`), and record live bytes by category. An equation that does not run
     (dead, or an alias of a value already held) adds nothing; its row repeats the one before.
-    ``workspaces=False`` leaves out the registry's workspace rules: tensor sizes alone."""
+    ``workspaces=False`` leaves out the registry's workspace rules: tensor sizes alone. ``final``: the graph
+    runs as a step's last program, whose commit (an optimizer stepped last) allocates its temporaries in
+    one workspace and a first step's buffers with it (:func:`commit_cost`); else each where it is made. A
+    program that is not the last (a chunk, the shared phase) has no commit; costed as final, one whose tail
+    writes its inputs is over-estimated (the workspace holds at least the temporaries live at once, longer)."""
     roles = graph.roles or ["arg"] * len(graph.invars)
     cat_of_role = {"param": "parameters", "buffer": "buffers", "arg": "inputs", "const": "inputs"}
     schedule = liveness(graph)
     storage = schedule.storage
     grad_roots = {storage(v) for _, v in graph.grads}
+    # The outputs past the user's are the state an optimizer stepped inside makes (a first step's moments).
+    made_state = graph.outvars[graph.out_tree.num_leaves:] if graph.out_tree is not None else ()
+    state_roots = {storage(v) for v in made_state if isinstance(v, Var)}
+    commit = commit_cost(graph, schedule) if final else None
+    placed = commit.placed if commit is not None else frozenset()
+    commit_ws = 0  # bytes of the commit's workspace, once allocated
     n = len(graph.eqns)
     last = schedule.last_use
     index = {c: k for k, c in enumerate(CATEGORIES)}
@@ -255,7 +304,8 @@ def timeline(graph: Graph, workspaces: bool = True) -> Timeline:
     start: list[int] = []
     ended: dict[Var, int] = {}
     ruled = False
-    ws_entries: list[tuple[int, bool, int]] = []  # (bytes, rounded, row) of each workspace rule's answer
+    # (bytes, rounded, first row, last row) of each workspace rule's answer and of a commit's workspace
+    ws_entries: list[tuple[int, bool, int, int]] = []
     names = graph.names or [""] * len(graph.invars)
     for v, role, name in zip(graph.invars, roles, names):
         r = v.root
@@ -269,7 +319,7 @@ def timeline(graph: Graph, workspaces: bool = True) -> Timeline:
             start.append(0)
     frees: list[list[Var]] = [[] for _ in range(n + 1)]
     for r, i in last.items():
-        if owners.get(r, ("", 0, 0))[2] != -1:
+        if owners.get(r, ("", 0, 0))[2] != -1 and r not in placed:
             frees[i].append(r)
     rows = [tuple(live)]
     ran = [0]
@@ -284,13 +334,33 @@ def timeline(graph: Graph, workspaces: bool = True) -> Timeline:
         ruled = ruled or eff is not _NO_EFFECT
         extra = workspace(e, rules, layouts) if workspaces else None
         ran.append(i + 1)
+        if commit is not None and i == commit.eqn:
+            # The commit's one allocation, before its first write: its workspace, held to the end, and the
+            # tensors it keeps that a first step makes (filled at their own equations).
+            for nbytes, device in commit.spaces:
+                size = allocated(nbytes, device)
+                commit_ws += size
+                live[index["workspace"]] += size
+                ws_entries.append((nbytes, device.type == "cuda", i + 1, n))
+            for v in commit.early:
+                r = storage(v)
+                if r not in owners:
+                    made = next(k for k in range(i, n) if v in graph.eqns[k].outvars)
+                    cat = "optimizer" if r in state_roots else "activations"
+                    owners[r] = (cat, allocated(r.owned_nbytes, r.aval.device), made)
+                    live[index[cat]] += owners[r][1]
+                    raw.append(r.owned_nbytes)
+                    start.append(i + 1)
         for j, v in enumerate(e.outvars):
             if v is None:
                 continue
             r = storage(v)
-            if r in owners:
+            if r in owners or r in placed:
                 continue
-            cat = "gradients" if r in grad_roots else ("temporaries" if e.source.backward else "activations")
+            if r in state_roots:
+                cat = "optimizer"
+            else:
+                cat = "gradients" if r in grad_roots else ("temporaries" if e.source.backward else "activations")
             nbytes = eff.outputs.get(j, r.owned_nbytes)
             size = allocated(nbytes, r.aval.device)
             raw.append(nbytes)
@@ -302,24 +372,23 @@ def timeline(graph: Graph, workspaces: bool = True) -> Timeline:
         ws = eff.workspace
         if extra is not None:
             device = next((v.aval.device for v in e.outvars if v is not None), torch.device("cpu"))
-            ws_entries.append((extra, device.type == "cuda", i + 1))
+            ws_entries.append((extra, device.type == "cuda", i + 1, i + 1))
             ws += allocated(extra, device)
         total = sum(live) + ws
         row = list(live)
         row[index["workspace"]] += ws
         rows.append(tuple(row))
         if total > peak:
-            peak, peak_index, peak_ws = total, i + 1, ws
+            peak, peak_index, peak_ws = total, i + 1, ws + commit_ws
         for r in frees[i]:
             cat, size, _ = owners[r]
             live[index[cat]] -= size
             ended[r] = i + 1
     end = [ended.get(r, n) for r in owners]
     rounded = [r.aval.device.type == "cuda" for r in owners]
-    ws_rows = [row for _, _, row in ws_entries]
     lifetimes = Lifetimes(
-        raw + [b for b, _, _ in ws_entries], rounded + [c for _, c, _ in ws_entries], start + ws_rows, end + ws_rows,
-        ran, ruled, len(ws_entries),
+        raw + [w[0] for w in ws_entries], rounded + [w[1] for w in ws_entries], start + [w[2] for w in ws_entries],
+        end + [w[3] for w in ws_entries], ran, ruled, len(ws_entries),
     )
     # The roots live at the peak, from their lifetimes (a copy of the live set at each new peak would cost
     # the square of a forward pass's length).

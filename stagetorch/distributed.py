@@ -26,6 +26,7 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -43,7 +44,7 @@ from .ir import Aval, Graph, Var
 from .planning import Plan, chunked_peak, plan_chunks
 from .tracing import State
 
-__all__ = ["ShardGroup", "Signature", "plan_shard", "run_shard", "global_aval", "staging"]
+__all__ = ["ShardGroup", "Signature", "plan_shard", "run_shard", "global_aval", "LaidOutAval", "staging"]
 
 # Gradients are all-reduced in buckets of this many bytes, DDP's default.
 BUCKET_BYTES = 25 * 2**20
@@ -219,8 +220,18 @@ def _buckets(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
         yield bucket
 
 
-def global_aval(x: torch.Tensor, dim: int, batch: int) -> Aval:
-    """The aval ``x`` would have if its batch ``dim`` held the global ``batch``."""
+@attrs.frozen
+class LaidOutAval(Aval):
+    """An aval and the strides of a tensor of it: a global batch the tracer stages for a rank's shard, laid
+    out as the shard is."""
+
+    strides: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+
+
+def global_aval(x: torch.Tensor, dim: int, batch: int) -> LaidOutAval:
+    """The aval ``x`` would have if its batch ``dim`` held the global ``batch``, with the strides of a dense
+    tensor laid out as ``x`` (its dims in the order of ``x``'s strides: a channels-last shard stands for a
+    channels-last global batch)."""
     if x.requires_grad:
         raise UnsupportedOpError(
             f"a batched argument of shape {tuple(x.shape)} requires grad; with process_group= the batched "
@@ -228,7 +239,13 @@ def global_aval(x: torch.Tensor, dim: int, batch: int) -> Aval:
         )
     shape = list(x.shape)
     shape[dim] = batch
-    return Aval(tuple(shape), x.dtype, x.device)
+    order = sorted(range(x.ndim), key=lambda d: -x.stride(d))  # outermost first; ties in the order of the dims
+    strides = [0] * x.ndim
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return LaidOutAval(tuple(shape), x.dtype, x.device, tuple(strides))
 
 
 def _positions(split: Split) -> dict[Var, tuple[int, int]]:

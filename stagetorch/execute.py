@@ -26,7 +26,7 @@ import torch
 from . import _gc
 from ._tree import flatten
 from .ir import Aval, Eqn, Graph, Literal, Var, iter_vars, op_name
-from .passes import add_into, is_random, liveness, scheduled, writes
+from .passes import Liveness, add_into, is_random, liveness, scheduled, writes
 
 __all__ = ["Program", "Undo", "Commit", "commit_plan", "accumulate_grad", "grad_to_install", "install_grads"]
 
@@ -234,6 +234,25 @@ def commit_plan(run: Graph, keep: Sequence[Var] = (), final: bool = True) -> Com
             layout.append((device, offset, v.aval.nbytes, v.aval.dtype, v.aval.shape))
         places[k] = (overload, names, tuple(ids))
     return Commit(saves, start, places, tuple(layout), workspace, fresh, _numbers(eqns, start, places, fresh, last))
+
+
+def may_commit(graph: Graph, live: Liveness) -> bool:
+    """Whether ``graph``, run as a step's last program on the schedule ``live``, may have a commit: a cheap
+    test before :func:`commit_plan` (which the memory interpreter would otherwise make for every graph it
+    costs). It walks back the tail of equations that cannot fail, as the commit does but on the graph
+    before scheduling, where every test is as lenient (an accumulation into a dying gradient is still an
+    ``add``), and looks for a write to an input's storage there. False: there is none."""
+    eqns, runs = graph.eqns, live.runs
+    kept = {live.storage(v) for v in graph.outvars if isinstance(v, Var)} | {live.storage(v) for _, v in graph.grads}
+    for k in range(len(eqns) - 1, -1, -1):
+        if not runs[k]:
+            continue
+        e = eqns[k]
+        if not _cannot_fail(e, kept):
+            return False
+        if any(live.defined.get(live.storage(x)) == -1 for x in writes(e)):
+            return True
+    return False
 
 
 _WRAPPED = 16  # bytes: a Python number an op wraps as a 0-dim tensor (complex double), or its cast

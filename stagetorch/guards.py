@@ -2,7 +2,7 @@
 changed, not what exists.
 
 Every call of a staged function must know that the program it runs was staged for the state the function
-sees now: the same parameters and buffers (their shapes, dtypes, devices, ``requires_grad``), the same
+sees now: the same parameters and buffers (their shapes, strides, dtypes, devices, ``requires_grad``), the same
 Python values a trace may have baked in (module attributes, globals, closure cells, defaults, optimizer
 hyperparameters), the same hooks. :func:`stagetorch.tracing.discover` and :meth:`State.tensors_and_key`
 walk all of that and make the key; this module remembers, beside the key, every mutable place that walk
@@ -40,6 +40,7 @@ _is = operator.is_
 _CELL = operator.attrgetter("cell_contents")
 # What State.tensors_and_key keys a tensor on, and its hooks (held as copies: a hook added changes them).
 _META = operator.attrgetter("shape", "dtype", "device", "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks")
+_STRIDE = torch.Tensor.stride  # and its strides (a parameter whose data ``Module.to`` swapped keeps the rest)
 # A list or dict longer than this is not looked into by discover (see ``tracing.discover``).
 _LONG = 256
 
@@ -142,7 +143,7 @@ class Guard:
         lists = tuple(c for c in reads.lists if c)
         tensors = tuple(reads.tensors)
         names: dict[str, Any] = {
-            "_is": _is, "_CELL": _CELL, "_META": _META, "_MISSING": _MISSING, "_LONG": _LONG, "_Module": torch.nn.Module,
+            "_is": _is, "_CELL": _CELL, "_META": _META, "_STRIDE": _STRIDE, "_MISSING": _MISSING, "_LONG": _LONG, "_Module": torch.nn.Module,
             "chain": chain, "repeat": repeat, "getattr": getattr, "len": len, "map": map, "all": all, "any": any,
             "type": type, "list": list, "isinstance": isinstance, "dict_get": dict.get, "dict_values": dict.values,
         }
@@ -180,6 +181,7 @@ class Guard:
             check("all(len(c) > _LONG for c in long)", long=tuple(reads.long))
         if tensors:
             check("list(map(_META, tensors)) == metas", tensors=tensors, metas=[_copy_hooks(m) for m in map(_META, tensors)])
+            check("list(map(_STRIDE, tensors)) == strides", strides=list(map(_STRIDE, tensors)))
         if modules:
             check("_same(tuple(x for x in leaves if isinstance(x, _Module)), modules)", _same=_same, modules=modules)
         else:

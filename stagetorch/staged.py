@@ -19,7 +19,7 @@ from .batching import Batched
 from .devices import free_memory
 from .errors import OutOfMemoryError, ShapeError, UnsupportedOpError
 from .executable import Executable
-from .execute import accumulate_grad, install_grads
+from .execute import _dense, accumulate_grad, install_grads
 from .guards import StateWalk, flatten_args
 from .ir import Graph
 from .planner import COPIES
@@ -330,8 +330,10 @@ class Staged:
 
         sizes = group.global_sizes(describe, getattr(self.fn, "__name__", "the step"))
         local = sizes[group.rank]
-        # The program is the global batch's, staged on contiguous stand-ins; the shard runs on what it cuts.
-        args, kwargs = _map_batched(self, args, kwargs, lambda x, dim: x.contiguous())
+        # The program is the global batch's, staged on stand-ins laid out as the shard (dense, in the order
+        # of its strides: channels-last stays channels-last, with no copy); the shard runs on what it cuts.
+        # A shard with gaps or overlaps (a strided view) runs on a contiguous copy, as the stand-in is.
+        args, kwargs = _map_batched(self, args, kwargs, lambda x, dim: x if _dense(x) else x.contiguous())
         entry, inputs, _ = self._stage(args, kwargs, global_batch=sum(sizes))
         plan = entry.executable.shard_plan(local, self._budget(entry.executable))
         return entry, inputs, plan, sum(sizes[: group.rank])

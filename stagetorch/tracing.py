@@ -168,7 +168,7 @@ class State:
         function assumed about its state, in one walk: what a call of a staged function needs (while
         nothing changes, :class:`stagetorch.guards.StateWalk` reuses it).
 
-        The key holds each tensor's identity and metadata, every module's scalar attributes (``training``,
+        The key holds each tensor's identity and metadata (strides included), every module's scalar attributes (``training``,
         ``Dropout.p``, ``eps``, a user's ``self.scale``: whatever a forward may read and bake into the
         trace) and the scalars of :attr:`values`. ``reads`` (a :class:`stagetorch.guards.Reads`) is told
         what the walk read: a read added here is added to ``Reads.modules``."""
@@ -185,7 +185,9 @@ class State:
             if id(t) not in seen:
                 seen.add(id(t))
                 tensors.append(t)
-        avals = tuple((id(t), t.shape, t.dtype, t.device, t.requires_grad) for t in tensors)
+        # Strides too: ``model.to(memory_format=torch.channels_last)`` keeps each parameter and swaps its
+        # data, and a program staged for the old layout views the new one wrongly (or fails).
+        avals = tuple((id(t), t.shape, t.dtype, t.device, t.requires_grad, t.stride()) for t in tensors)
         scalars = tuple([_scalar_items(sub.__dict__) for sub in subs])
         # A hook's tensor math is staged with the step, so adding or removing one stages again.
         # (The checks are spelled out: this runs for every module and tensor on every call.)
@@ -232,7 +234,7 @@ class State:
         (old_avals, old_scalars, old_values, old_hooks), (avals, scalars, values, hooks) = old, new
         out = []
         if old_avals != avals:
-            out.append("its parameters, buffers or optimizer state (a new tensor, shape, dtype, device or requires_grad)")
+            out.append("its parameters, buffers or optimizer state (a new tensor, shape, strides, dtype, device or requires_grad)")
         if old_hooks != hooks:
             out.append("the hooks on its modules or parameters (one added or removed)")
         names = [_join(prefix, name) if name else prefix for prefix, m in self.modules for name, _ in m.named_modules()]
@@ -1166,9 +1168,14 @@ def _trace(fn: Callable, args: Sequence, kwargs: dict, static_argnums: Sequence[
             rec.add_input(fake, "arg", name)
             fake_leaves.append(fake)
         elif isinstance(leaf, Aval):
-            # An argument known by its aval only (a process group's global batch): a contiguous tensor.
+            # An argument known by its aval only (a process group's global batch): laid out as its strides
+            # say (the rank's shard's layout), else contiguous.
+            strides = getattr(leaf, "strides", ())
             with fake_mode:
-                fake = torch.empty(leaf.shape, dtype=leaf.dtype, device=leaf.device)
+                if strides:
+                    fake = torch.empty_strided(leaf.shape, strides, dtype=leaf.dtype, device=leaf.device)
+                else:
+                    fake = torch.empty(leaf.shape, dtype=leaf.dtype, device=leaf.device)
             rec.add_input(fake, "arg", name)
             fake_leaves.append(fake)
         else:

@@ -173,6 +173,48 @@ def empty_rank(rank: int) -> dict:
     return run_step(rank, (0, 50), chunks=(1, 3))
 
 
+def conv_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 6 * 6, C)
+    ).double()
+    return model.to(memory_format=torch.channels_last)
+
+
+def conv_batch(sizes: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Channels-last image shards (each cut from one channels-last global batch: no copy)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(sum(sizes), 3, 6, 6, dtype=torch.float64, generator=g).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, C, (sum(sizes),), generator=g)
+    return list(zip(x.split(list(sizes)), y.split(list(sizes))))
+
+
+@case
+def channels_last_shards(rank: int) -> dict:
+    """Each rank's channels-last shard is staged as a channels-last global batch, in its own chunks."""
+    sizes, chunks = (5, 11), (1, 3)
+    model = conv_model()
+    x, y = conv_batch(sizes)[rank]
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss.detach()
+
+    staged = stagetorch.jit(step, process_group=dist.group.WORLD, remat=False)
+    if chunks[rank] > 1:
+        staged.memory_budget = shard_budget(staged, x, y, sum(sizes), chunks[rank])
+    plan = staged.plan(x, y)
+    loss = staged(x, y)
+    graph = next(iter(staged._cache.values())).traced.graph
+    return {
+        "loss": loss.item(),
+        "grads": [p.grad.numpy() for p in model.parameters()],
+        "plan": plan.chunk_sizes,
+        "strides": [v.strides for v, role in zip(graph.invars, graph.roles) if role == "arg"],
+    }
+
+
 @case
 def injected_oom(rank: int) -> dict:
     model = make_model()
@@ -802,6 +844,23 @@ def test_every_rank_gets_the_global_batch_gradient(ranks, name, sizes, loss_fn, 
         # an empty rank).
         assert sum(got["plan"]) == sizes[rank] and len(got["plan"]) >= chunks[rank]
         assert got["chunks"] == len(got["plan"])
+
+
+def test_channels_last_shards_are_staged_laid_out_as_they_are(ranks):
+    """A channels-last shard stands for a channels-last global batch (it was staged on a contiguous copy of
+    the shard: a copy of the batch beside the plan, and kernels planned for another layout)."""
+    sizes = (5, 11)
+    model = conv_model()
+    x, y = (torch.cat(t) for t in zip(*conv_batch(sizes)))
+    loss = F.cross_entropy(model(x.contiguous(memory_format=torch.channels_last)), y)
+    loss.backward()
+    for rank in range(WORLD):
+        got = result(ranks, "channels_last_shards", rank)
+        assert got["strides"] == [(108, 1, 18, 3), (1,)]  # (16, 3, 6, 6) channels-last, and the targets
+        assert abs(got["loss"] - loss.item()) <= 1e-10 * abs(loss.item())
+        for g, p in zip(got["grads"], model.parameters(), strict=True):
+            assert rel(g, p.grad.numpy()) <= 1e-10
+        assert sum(got["plan"]) == sizes[rank] and len(got["plan"]) >= (1, 3)[rank]
 
 
 def test_a_max_over_the_global_batch(ranks):

@@ -122,6 +122,7 @@ CHANGES = {
     "dropout-like attribute of a child": (lambda c: setattr(c.model.norm, "momentum", 0.5), True),
     "requires_grad flipped": (lambda c: c.model.fc.bias.requires_grad_(False), True),
     "dtype changed in place (.data)": (lambda c: setattr(c.model.fc.weight, "data", c.model.fc.weight.data.double()), True),
+    "strides changed in place (.data)": (lambda c: setattr(c.model.fc.weight, "data", c.model.fc.weight.data.t().contiguous().t()), True),
     "parameter replaced by one of the same shape": (lambda c: setattr(c.model.fc, "weight", nn.Parameter(torch.randn(3, 4))), True),
     "buffer replaced": (lambda c: setattr(c.model.norm, "running_mean", torch.zeros(3)), True),
     "child module replaced": (lambda c: setattr(c.model, "norm", nn.BatchNorm1d(3)), True),
@@ -301,3 +302,47 @@ def test_a_training_loop_that_changes_its_state_between_steps_matches_eager():
     for h in handles:
         h.remove()
     assert staged._walk.walks < 12
+
+
+@pytest.mark.usefixtures("verify")
+@pytest.mark.parametrize("optimizer", [False, True], ids=["step", "step_with_sgd_momentum"])
+def test_a_model_moved_to_channels_last_after_its_first_step_stages_again_and_matches_eager(optimizer):
+    """``model.to(memory_format=torch.channels_last)`` keeps every parameter and swaps its data: shapes,
+    dtypes and identities stay, the strides do not. The key and the guard hold strides, so the next call
+    stages again; before, it ran the program staged for contiguous weights, whose views of them failed
+    ("view size is not compatible with input tensor's size and stride")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 8 * 8, 10)
+    )
+    reference = copy.deepcopy(model)
+
+    def step_of(m):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) if optimizer else None
+
+        def step(x, y):
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
+            return loss
+
+        return step
+
+    staged, eager = stagetorch.jit(step_of(model)), step_of(reference)
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    for k in range(3):
+        if k == 1:
+            model.to(memory_format=torch.channels_last)
+            reference.to(memory_format=torch.channels_last)
+        torch.testing.assert_close(staged(x, y), eager(x, y), rtol=0, atol=0)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert p.stride() == q.stride()
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+            assert (p.grad is None) == (q.grad is None)
+            if p.grad is not None:
+                assert p.grad.stride() == q.grad.stride()
+                torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+                p.grad = q.grad = None
+    assert len(staged._cache) == 2

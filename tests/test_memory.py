@@ -335,3 +335,106 @@ def test_the_report_of_an_accumulating_step_counts_the_held_grads():
     grads = sum(p.grad.nbytes for p in model.parameters())
     assert after.by_category["held"] == grads and after.peak_bytes == before.peak_bytes + grads
     assert after.predict(16) == before.predict(16) + grads
+
+
+_INSIDE = {
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=False),
+    "adam_foreach": lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False),
+}
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["later_step", "first_step"])
+@pytest.mark.parametrize("kind", list(_INSIDE))
+def test_the_report_counts_the_commits_workspace_and_the_state_a_first_step_makes(kind, first):
+    """An optimizer stepped last is the program's commit: its temporaries live in one workspace allocated
+    before its first write and held to the end, beside the state a first step makes
+    (``stagetorch.execute.commit_plan``). The report and the plan cost that, not one tensor per equation:
+    Adam's first step measured 7% over both before. The report's peak is the plan's and the allocator's
+    (within the 0-dim numbers the commit makes), the workspace in its category, the state made in the
+    optimizer's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(256, 256), nn.GELU())])
+    opt = _INSIDE[kind](model.parameters())
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()  # mse_loss has a kernel workspace of its own: not this test's
+        loss.backward()
+        opt.step()
+        return loss
+
+    x, y = torch.randn(32, 256), torch.randn(32, 256)
+    staged = stagetorch.jit(step, memory_budget=1 << 40)
+    if not first:
+        staged(x, y)
+        model.zero_grad(set_to_none=True)
+    report = stagetorch.memory(step)(x, y)
+    plan = staged.plan(x, y)
+    executable = next(reversed(staged._cache.values())).executable
+    commit = executable.program.commit
+    assert commit.start is not None
+    state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    with AllocatorPeak([*model.parameters(), x, y, *state]) as run:
+        staged(x, y)
+    assert report.peak_bytes == plan.peak and abs(run.peak - report.peak_bytes) <= 64, (report.peak_bytes, run.peak)
+    made = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    assert report.by_category["optimizer"] == sum(t.nbytes for t in made)
+    if report.peak_index > commit.start:
+        assert report.by_category.get("workspace", 0) >= sum(commit.workspace.values())
+
+
+def _bert_step():
+    import transformer_models
+
+    model, batch = transformer_models.model_and_batch("BERT", layers=2, tokens=64)
+    ids = batch["input_ids"]
+
+    def step(input_ids, labels):
+        loss = model(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        return loss
+
+    return step, lambda b: (ids.repeat(b, 1), ids.repeat(b, 1))
+
+
+def _classifier_step(factory):
+    def build():
+        torch.manual_seed(0)
+        model, make = factory()
+        return models.train_step(model), make
+
+    return build
+
+
+_PREDICTED = {
+    "cnn_groupnorm": (_classifier_step(lambda: models.cnn("group")), range(1, 33)),
+    "cnn_batchnorm": (_classifier_step(lambda: models.cnn("batch")), range(1, 33)),
+    "transformer": (_classifier_step(models.transformer), range(1, 33)),
+    "lstm": (_classifier_step(models.lstm), range(1, 33)),
+    "bert": (_bert_step, (1, 2, 3, 5, 7, 8, 11, 16, 23, 31, 32)),
+}
+
+
+@pytest.mark.parametrize("name", list(_PREDICTED))
+def test_a_report_made_at_any_batch_predicts_the_report_made_at_another(name):
+    """``report.predict(b)`` is within 2% of the report made at ``b``, for batches 1-32, from reports made at
+    2, 8 and 16. oneDNN's LSTM workspace is page-rounded: lines through batches 2, 4 and 8 agreed, and
+    the report at 8 predicted odd batches up to 7.4% under (a report made where a rule answers also
+    checks an odd batch, and stages the step at the batch asked when its lines miss it)."""
+    make_step, batches = _PREDICTED[name]
+    step, make = make_step()
+    # The first trace of an LSTM backward at a shape records the two bias gradients as one tensor, later
+    # ones as two (512 B apart here; open): the truth is a later trace, as the reports' are.
+    truth = {}
+    for b in batches:
+        if name == "lstm":
+            stagetorch.jit(step).graph(*make(b))
+        truth[b] = peak_bytes(stagetorch.jit(step).graph(*make(b)))
+    for at in (2, 8, 16):
+        report = stagetorch.memory(step)(*make(at))
+        held = report.by_category.get("held", 0)  # BatchNorm's statistics, copied to restore a failed step
+        assert report.predict(at) == report.peak_bytes == truth[at] + held
+        errors = {b: (report.predict(b) - t - held) / (t + held) for b, t in truth.items()}
+        assert all(abs(e) <= 0.02 for e in errors.values()), (at, {b: f"{e:+.2%}" for b, e in errors.items() if abs(e) > 0.02})
