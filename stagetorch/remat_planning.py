@@ -699,7 +699,11 @@ def frontier(graph: Graph) -> list[Recompute]:
     if len(cands.roots) <= _SWAP_MAX:
         points += _greedy(sim, full, per_flop=False)
     out = _pareto(full, points)
-    return _pareto(full, out + _bridges(sim, out))
+    out = _pareto(full, out + _bridges(sim, out))
+    # Each set, too, with what an autograd node reads recomputed before the node's first equation
+    # (remat(hoist=True)), where that lowers its peak: the same FLOPs, so it replaces the set on the frontier.
+    hoisted = _Simulator(graph, cands, hoist=True)
+    return _pareto(full, out + [q for p in out[1:] if (q := _point(hoisted, p.keep, p.transient)).peak_bytes < p.peak_bytes])
 
 
 def chunk_frontier(whole: Recompute, body: Graph, vars: Mapping[Var, Var]) -> list[tuple[Recompute, int]]:
