@@ -969,8 +969,8 @@ def _descended(p: Recompute) -> Recompute | None:
     Before that, the same set with what an autograd node reads recomputed before the node's first equation
     (``remat(hoist=True)``, as checkpointing recomputes a layer before its backward), where its peak is
     lower: there, a Linear's recomputed input is not made beside the input gradient its node made first
-    (OPT at 8 x 512: 4.24 -> 4.15 MiB). Only here, as the frontier's sets costed that way cost others more
-    (VNet at a third of its peak: 1.10x -> 1.85x its FLOPs)."""
+    (OPT at 8 x 512: 4.24 -> 4.15 MiB). (The frontier holds its sets hoisted where that is lower too, beside
+    the others: hoisting every set instead cost VNet at a third of its peak 1.10x -> 1.85x its FLOPs.)"""
     sim = p.sim
     if sim is None:
         return None
