@@ -703,7 +703,8 @@ def frontier(graph: Graph) -> list[Recompute]:
     # Each set, too, with what an autograd node reads recomputed before the node's first equation
     # (remat(hoist=True)), where that lowers its peak: the same FLOPs, so it replaces the set on the frontier.
     hoisted = _Simulator(graph, cands, hoist=True)
-    return _pareto(full, out + [q for p in out[1:] if (q := _point(hoisted, p.keep, p.transient)).peak_bytes < p.peak_bytes])
+    lower = [q for p in out[1:] if (q := _point(hoisted, p.keep, p.transient)).peak_bytes < p.peak_bytes]
+    return _pareto(full, out + lower)
 
 
 def chunk_frontier(whole: Recompute, body: Graph, vars: Mapping[Var, Var]) -> list[tuple[Recompute, int]]:
@@ -1026,7 +1027,10 @@ def _below(least: Recompute, points: list[Recompute], eqns: int) -> Recompute | 
     near = sorted((p for p in points if p is not least and p.sim is not None
                    and p.peak_bytes <= _NEAR * least.peak_bytes), key=lambda p: p.peak_bytes)
     for p in near[:_NEAR_STARTS]:
-        q = _repaired(_descended(p) or p, floor.peak_bytes)
+        q = _descended(p) or p
+        if q.extra_flops >= floor.extra_flops:
+            continue  # the repair and the descent only add FLOPs
+        q = _repaired(q, floor.peak_bytes, floor.extra_flops)
         if q is None:
             continue
         q = _descended(q) or q
@@ -1086,18 +1090,20 @@ _REPAIR_STARTS = 2
 _REPAIR_MOVES = 12
 
 
-def _repaired(p: Recompute, target: int) -> Recompute | None:
+def _repaired(p: Recompute, target: int, most_flops: float = math.inf) -> Recompute | None:
     """``p`` brought within ``target`` bytes: one candidate live at its peak at a time (only those can lower
     it) is dropped (recomputed once and held, or recomputed for its own segment only) or, held once
     recomputed, recomputed for its own segment only: the move that lowers the peak most per FLOP it adds.
-    None when no move lowers it, or it takes more than ``_REPAIR_STEPS``. (The frontier's sets just above a
-    budget are often far cheaper than the first below it: a few more drops where the peak is, then the
-    polish, cost less than the next family's whole step down.)"""
+    None when no move lowers it, it takes more than ``_REPAIR_STEPS``, or it adds ``most_flops`` or more.
+    (The frontier's sets just above a budget are often far cheaper than the first below it: a few more drops
+    where the peak is, then the polish, cost less than the next family's whole step down.)"""
     sim = p.sim
     if sim is None:
         return None
     segment = sim.segment
     for _ in range(_REPAIR_STEPS):
+        if p.extra_flops >= most_flops:
+            return None
         if p.peak_bytes <= target:
             return p
         live: set[Var] = set()
