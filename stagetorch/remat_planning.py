@@ -1003,8 +1003,8 @@ _NEAR_EQNS = 2 * _BIG
 
 def _least_peak(points: list[Recompute], eqns: int) -> Recompute | None:
     """The set below the frontier that a budget under its least peak gets (None: none lower): the frontier's
-    least-peak set, descended (:func:`_descended`), or, where one costs fewer FLOPs at a peak no higher, one of
-    the few sets just above it descended, repaired to that peak (:func:`_repaired`) and descended again. The
+    least-peak set, descended (:func:`_descended`), or, where one costs fewer FLOPs at a peak no higher, one
+    of the few sets just above it descended, repaired to that peak (:func:`_repaired`) and descended again. The
     frontier's least-peak set is often a two-level one that recomputes much to save little beside a
     per-layer one: BERT at 8 layers x 256 tokens, 0.9% of peak for 8% of a forward more (the per-layer set,
     repaired where its peak is, is 1% lower at one forward); BART at 8 x 512, a set of 0.32 forwards repairs
@@ -1034,7 +1034,8 @@ def _below(least: Recompute, points: list[Recompute], eqns: int) -> Recompute | 
         if q is None:
             continue
         q = _descended(q) or q
-        if (q.extra_flops, q.peak_bytes) < (floor.extra_flops, floor.peak_bytes) and q.peak_bytes <= floor.peak_bytes:
+        cheaper = (q.extra_flops, q.peak_bytes) < (floor.extra_flops, floor.peak_bytes)
+        if cheaper and q.peak_bytes <= floor.peak_bytes:
             best = floor = q
     return best
 
