@@ -7,9 +7,12 @@ checkpointing, its peak and step time; stagetorch at the smallest budget it acce
 ``OutOfMemoryError`` of a tiny one names), its predicted and measured peak and step time. Peaks are measured
 at the CPU allocator (``tests/memtrack.py``'s ``AllocatorPeak``: every byte it hands out, the model's
 parameters, the batch and the gradients held before the step counted as resident); step times are medians of
-interleaved runs (checkpointing, stagetorch, checkpointing, ...), in the same process.
+interleaved runs (checkpointing, stagetorch, checkpointing, ...), in the same process: wall-clock, and the
+process's CPU time (``time.process_time``), the measure that holds on a shared machine, with ``--threads 1``
+(two threads of a loaded 2-core machine wait on each other: T5's step took 3.5 s at load 6 against 0.5 s of CPU).
+The ratio columns are the medians of the per-repeat ratios (stagetorch / the checkpointing run beside it).
 
-    PYTHONPATH=.:tests python bench/bench_transformers.py [--models gpt2,llama] [--repeats 5] [--mask]
+    PYTHONPATH=.:tests python bench/bench_transformers.py [--models gpt2,llama] [--repeats 5] [--mask] [--threads 1]
 
 ``--mask`` passes an all-ones ``attention_mask`` too (batch 1, so nothing is padded). The column
 "chunked exact, 3 chunks": the same model in float64 with its dropout off, a padded batch of 3 x 128 tokens
@@ -43,7 +46,7 @@ import stagetorch  # noqa: E402
 MiB = 2**20
 
 
-def measure(name: str, repeats: int = 5, mask: bool = False) -> dict:
+def measure(name: str, repeats: int = 5, mask: bool = False, chunked: bool = True) -> dict:
     """One row of the table (bytes and seconds)."""
     model, batch = model_and_batch(name, mask)
     step = step_of(model)
@@ -66,16 +69,21 @@ def measure(name: str, repeats: int = 5, mask: bool = False) -> dict:
     ckpt_model = copy.deepcopy(model)
     ckpt_step = step_of(ckpt_model)
     times: dict[str, list[float]] = {"ckpt": [], "stagetorch": []}
+    cpu: dict[str, list[float]] = {"ckpt": [], "stagetorch": []}
     with checkpointing(ckpt_model):
         for _ in range(repeats):
             for kind, m, fn in (("ckpt", ckpt_model, ckpt_step), ("stagetorch", model, staged)):
                 m.zero_grad(set_to_none=True)
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 fn(**batch)
                 times[kind].append(time.perf_counter() - start)
+                cpu[kind].append(time.process_time() - start_cpu)
     row["ckpt_time"] = statistics.median(times["ckpt"])
     row["stagetorch_time"] = statistics.median(times["stagetorch"])
-    row["chunked"] = chunked_exact(name)
+    row["time_ratio"] = statistics.median(s / c for s, c in zip(times["stagetorch"], times["ckpt"]))
+    row["cpu_ratio"] = statistics.median(s / c for s, c in zip(cpu["stagetorch"], cpu["ckpt"]))
+    row["ckpt_cpu"] = statistics.median(cpu["ckpt"])
+    row["chunked"] = chunked_exact(name) if chunked else "not run"
     return row
 
 
@@ -122,18 +130,19 @@ def chunked_exact(name: str, examples: int = 3, tokens: int = 128) -> str:
 def table(rows: list[dict]) -> str:
     lines = [
         "| model | eager peak | checkpointing: peak | step | stagetorch: smallest budget | predicted | measured "
-        "| step | chunked exact, 3 chunks |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| step | step, CPU time | chunked exact, 3 chunks |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['error']} |  |  |  |  |  |  |  |")
+            lines.append(f"| {r['model']} | {r['error']} |  |  |  |  |  |  |  |  |")
             continue
         lines.append(
             f"| {r['model']} | {r['eager_peak'] / MiB:.1f} MiB | {r['ckpt_peak'] / MiB:.2f} MiB | "
             f"{r['ckpt_time'] * 1e3:.0f} ms | {r['budget'] / MiB:.2f} MiB | {r['predicted'] / MiB:.2f} MiB | "
             f"**{r['stagetorch_peak'] / MiB:.2f} MiB** ({r['stagetorch_peak'] / r['ckpt_peak']:.2f}x) | "
-            f"{r['stagetorch_time'] * 1e3:.0f} ms ({r['stagetorch_time'] / r['ckpt_time']:.2f}x) | {r['chunked']} |"
+            f"{r['stagetorch_time'] * 1e3:.0f} ms ({r['time_ratio']:.2f}x) | {r['cpu_ratio']:.2f}x of "
+            f"{r['ckpt_cpu'] * 1e3:.0f} ms | {r['chunked']} |"
         )
     return "\n".join(lines)
 
@@ -143,11 +152,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--mask", action="store_true", help="pass an all-ones attention_mask too")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (1 on a shared machine)")
+    parser.add_argument("--no-chunked", action="store_true", help="skip the chunked exactness column")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = []
     for name in args.models.split(","):
         try:
-            rows.append(measure(name, args.repeats, args.mask))
+            rows.append(measure(name, args.repeats, args.mask, chunked=not args.no_chunked))
         except Exception as e:  # a model that fails is a row saying how, not the end of the table
             rows.append({"model": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
         print(table(rows[-1:]).splitlines()[-1], flush=True)
