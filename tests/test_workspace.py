@@ -145,6 +145,27 @@ def test_onednn_strided_input_gradient_is_the_allocators(case, threads):
             assert abs(rule - measured) <= 0.02 * measured + 256, (mask, measured, rule)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("case", [(4, 16, 24, 32, 3, 1, 2, 1), (4, 3, 24, 32, 3, 1, 2, 1), (4, 16, 12, 16, 3, 1, 2, 2),
+                                  (2, 8, 12, 16, 3, 1, 3, 1), (4, 24, 24, 24, 3, 1, 2, 1), (4, 16, 24, 40, 5, 2, 2, 1),
+                                  (4, 32, 24, 8, 1, 0, 2, 1)], ids=lambda c: "x".join(map(str, c)))
+def test_onednn_channels_last_forward_workspace_is_the_allocators(case, threads):
+    """Over a channels-last input oneDNN's brgemm kernel reads the input and writes the output in place: the
+    weight made channels-last and reordered, and a small scratchpad, are all (the rule counted the contiguous
+    kernel's blocked copies: up to 20x the allocator). A 1x1 kernel at one thread holds less (a bound)."""
+    n, c, size, o, k, padding, nd, stride = case
+    torch.manual_seed(0)
+    x = _laid_out(torch.randn(n, c, *[size] * nd), "channels-last")
+    w, b = torch.randn(o, c, *[k] * nd), torch.randn(o)
+    with _threads(threads):
+        args = _conv(x, w, b, stride, padding, False, 1)
+        measured, rule = op_workspace(aten.convolution, *args), _rule(aten.convolution, *args)
+    if k == 1 and threads == 1:
+        assert measured <= rule <= measured + 16 * 1024
+    else:
+        assert rule == measured
+
+
 def test_vnet_down_convolution_recomputing_in_chunks_of_one_is_at_its_plan():
     """A VNet's first level (48^3 in the bench; 40^3 here) recomputing at 0.4x its peak in chunks of one example:
     the peak is the strided down-convolution's input gradient, which the allocator measured 12.9% above the

@@ -273,7 +273,7 @@ def convolution_workspace(e: Eqn, layouts: Any = None) -> int:
     if x.device.type != "cpu":
         return 0
     mkldnn = _uses_mkldnn(x, w, stride, dilation, transposed, groups)
-    copies, _ = _copies(e, False, mkldnn, layouts or _unknown)
+    copies, channels_last = _copies(e, False, mkldnn, layouts or _unknown)
     if not mkldnn:
         slices = _group_slices(e, False, layouts or _unknown) if groups > 1 else None
         columns = _columns(x, w, out, stride, padding, transposed, groups, False, False, slices)
@@ -281,8 +281,13 @@ def convolution_workspace(e: Eqn, layouts: Any = None) -> int:
             # Each group's output apart, then concatenated into the one returned: all of them at the end.
             columns = max(columns, out.nbytes)
         return copies + columns
-    # oneDNN over channels-last tensors reorders less than the formula below counts for contiguous ones (but
-    # for a few shapes: tests/test_workspace.py); it stands for it, mostly an over-estimate.
+    if channels_last and groups == 1 and not transposed:
+        # oneDNN's brgemm kernel reads the input and writes the output in place (channels-last both): only the
+        # weight is reordered (output channels padded to the vector width), beside a scratchpad of a page and
+        # an array of 103 batch elements of 40 bytes per thread (brgemm_convolution_utils::init_scratchpad).
+        return copies + w.nbytes * _pad(w.shape[0], _block()) // w.shape[0] + 4096 + 4120 * torch.get_num_threads()
+    # oneDNN over grouped channels-last tensors reorders less than the formula below counts for contiguous ones
+    # (but for a few shapes: tests/test_workspace.py); it stands for it, mostly an over-estimate.
     src, weight, dst, _ = _onednn_parts(x, w, out, groups, transposed)
     # The blocked output is reordered into the returned tensor after the input and weight copies are freed.
     return copies + max(src + weight + dst, dst + out.nbytes) - out.nbytes
