@@ -307,11 +307,13 @@ def _strided_backward_data(x: Aval, w: Aval, stride, dilation, groups: int, tran
     )
 
 
-def _strided_data(x: Aval, w: Aval, grad: Aval, stride, padding) -> int:  # noqa: ANN001
+def _strided_data(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: bool) -> int:  # noqa: ANN001
     """The input gradient's peak under oneDNN's strided brgemm kernel, which works channels-last (nxc): the
     output gradient and the weight (input channels padded) reordered, the input gradient channels-last and the
     kernel's scratchpad; then ``mkldnn_to_dense`` copies the channels-last result out whole and makes that copy
-    contiguous (``.contiguous()`` of a channels-last tensor: a clone), three input gradients at once.
+    contiguous (``.contiguous()`` of a channels-last tensor: a clone), three input gradients at once. Over
+    channels-last tensors the kernel reads the output gradient and writes the input gradient returned in place:
+    the weight and the scratchpad beside it are all.
 
     The scratchpad (oneDNN's brgemm_convolution_bwd_utils::init_scratchpad, f32) books per thread the output
     gradient of one example, padded where the kernel overhangs the input, in pages of 4096 elements; an array
@@ -334,6 +336,8 @@ def _strided_data(x: Aval, w: Aval, grad: Aval, stride, padding) -> int:  # noqa
         bookings += 1
     scratchpad = torch.get_num_threads() * per_thread + bookings * page
     weight = w.nbytes * _pad(w.shape[1], _block()) // w.shape[1]  # a group's input channels padded
+    if channels_last:
+        return weight + x.nbytes + scratchpad
     return max(grad.nbytes + weight + x.nbytes + scratchpad, 3 * x.nbytes)
 
 
@@ -342,7 +346,7 @@ def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
     if x.device.type != "cpu":
         return 0
     mkldnn = _uses_mkldnn(x, w, stride, dilation, transposed, groups)
-    copies, _ = _copies(e, True, mkldnn, layouts or _unknown)
+    copies, channels_last = _copies(e, True, mkldnn, layouts or _unknown)
     if not mkldnn:
         slices = _group_slices(e, True, layouts or _unknown) if groups > 1 else None
         # The 3-d 1x1 kernel's input-sized buffer is the input's contiguous copy, where it makes one.
@@ -365,7 +369,7 @@ def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
     if mask[0] and _strided_backward_data(x, w, stride, dilation, groups, transposed):
         # Before the weight's gradient and the bias's are made: the workspace is the excess over all three.
         later = (w.nbytes if mask[1] else 0) + (e.args[3][0] * x.itemsize if mask[2] and e.args[3] is not None else 0)
-        data = _strided_data(x, w, grad, stride, padding) - grad_input - later
+        data = _strided_data(x, w, grad, stride, padding, channels_last) - grad_input - later
     elif mask[0]:
         blocked_input = x.nbytes * _pad(x.shape[1], b) // x.shape[1]
         data = max(grad_blocked + weight_padded + blocked_input, blocked_input + grad_input) - grad_input
