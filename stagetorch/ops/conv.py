@@ -88,7 +88,8 @@ FLOPS: dict = {
 #   and the output, which is then reordered into the tensor returned. Its backward reorders the output
 #   gradient again and keeps per-thread reduction buffers for the weight gradient; those buffers follow no
 #   formula we could fit: the rule is within 15% of the allocator on most shapes, and 45% under on a 3-d
-#   layer of 8 input channels (tests/test_workspace.py lists the misses).
+#   layer of 8 input channels (tests/test_workspace.py lists the misses). A strided convolution's input
+#   gradient runs another kernel, channels-last inside (_strided_data), exact at the allocator.
 # - without oneDNN, a 2-d forward of 16 examples or more runs NNPACK, whose buffers torch does not hand out;
 #   the backward then unfolds fewer examples at once than the column buffer counted (an over-estimate).
 #
@@ -272,7 +273,7 @@ def convolution_workspace(e: Eqn, layouts: Any = None) -> int:
     if x.device.type != "cpu":
         return 0
     mkldnn = _uses_mkldnn(x, w, stride, dilation, transposed, groups)
-    copies, _ = _copies(e, False, mkldnn, layouts or _unknown)
+    copies, channels_last = _copies(e, False, mkldnn, layouts or _unknown)
     if not mkldnn:
         slices = _group_slices(e, False, layouts or _unknown) if groups > 1 else None
         columns = _columns(x, w, out, stride, padding, transposed, groups, False, False, slices)
@@ -280,8 +281,13 @@ def convolution_workspace(e: Eqn, layouts: Any = None) -> int:
             # Each group's output apart, then concatenated into the one returned: all of them at the end.
             columns = max(columns, out.nbytes)
         return copies + columns
-    # oneDNN over channels-last tensors reorders less than the formula below counts for contiguous ones (but
-    # for a few shapes: tests/test_workspace.py); it stands for it, mostly an over-estimate.
+    if channels_last and groups == 1 and not transposed:
+        # oneDNN's brgemm kernel reads the input and writes the output in place (channels-last both): only the
+        # weight is reordered (output channels padded to the vector width), beside a scratchpad of a page and
+        # an array of 103 batch elements of 40 bytes per thread (brgemm_convolution_utils::init_scratchpad).
+        return copies + w.nbytes * _pad(w.shape[0], _block()) // w.shape[0] + 4096 + 4120 * torch.get_num_threads()
+    # oneDNN over grouped channels-last tensors reorders less than the formula below counts for contiguous ones
+    # (but for a few shapes: tests/test_workspace.py); it stands for it, mostly an over-estimate.
     src, weight, dst, _ = _onednn_parts(x, w, out, groups, transposed)
     # The blocked output is reordered into the returned tensor after the input and weight copies are freed.
     return copies + max(src + weight + dst, dst + out.nbytes) - out.nbytes
@@ -291,12 +297,56 @@ def _unknown(v: Any) -> None:
     return None
 
 
+def _strided_backward_data(x: Aval, w: Aval, stride, dilation, groups: int, transposed: bool) -> bool:  # noqa: ANN001
+    """Whether oneDNN computes this input gradient with its strided brgemm kernel (brgconv_strided): the first
+    of the f32 backward-data kernels that accepts a stride above 1, undilated, but for a grouped convolution of
+    a vector's worth of output channels per group or fewer."""
+    return (
+        not transposed and any(s != 1 for s in stride) and all(d == 1 for d in dilation)
+        and (groups == 1 or w.shape[0] // groups > _block())
+    )
+
+
+def _strided_data(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: bool) -> int:  # noqa: ANN001
+    """The input gradient's peak under oneDNN's strided brgemm kernel, which works channels-last (nxc): the
+    output gradient and the weight (input channels padded) reordered, the input gradient channels-last and the
+    kernel's scratchpad; then ``mkldnn_to_dense`` copies the channels-last result out whole and makes that copy
+    contiguous (``.contiguous()`` of a channels-last tensor: a clone), three input gradients at once. Over
+    channels-last tensors the kernel reads the output gradient and writes the input gradient returned in place:
+    the weight and the scratchpad beside it are all.
+
+    The scratchpad (oneDNN's brgemm_convolution_bwd_utils::init_scratchpad, f32) books per thread the output
+    gradient of one example, padded where the kernel overhangs the input, in pages of 4096 elements; an array
+    of batch elements (40 bytes each, a page's worth or more) and a page of masks; where the input's width is
+    not a multiple of the stride, a row of the input gradient (the rule takes the kernel's block of the row to
+    be all of it) times the stride; each booking 4096-byte aligned."""
+    spatial = x.ndim - 2
+    ins, outs, kernel = x.shape[2:], grad.shape[2:], w.shape[2:]
+    padded = 1
+    for i in range(spatial):
+        s, p, k = stride[i], padding[i], kernel[i]
+        far = (outs[i] - 1) * s + k - ins[i] - p  # the padding oneDNN infers at the far end
+        padded *= outs[i] + max(0, k - 1 - p) // s + max(0, k - 1 - far) // s
+    page, element = 4096, 40
+    batch = -(-_pad(math.prod(kernel) * element, page) // element) * element
+    per_thread = _pad(padded * w.shape[0], page) * grad.itemsize + batch + page
+    bookings = 3
+    if ins[-1] % stride[-1]:
+        per_thread += _pad(_pad(ins[-1], stride[-1]) * stride[-1] * x.shape[1], page) * x.itemsize
+        bookings += 1
+    scratchpad = torch.get_num_threads() * per_thread + bookings * page
+    weight = w.nbytes * _pad(w.shape[1], _block()) // w.shape[1]  # a group's input channels padded
+    if channels_last:
+        return weight + x.nbytes + scratchpad
+    return max(grad.nbytes + weight + x.nbytes + scratchpad, 3 * x.nbytes)
+
+
 def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
     grad, x, w, stride, padding, dilation, transposed, groups, mask = _geometry(e, backward=True)
     if x.device.type != "cpu":
         return 0
     mkldnn = _uses_mkldnn(x, w, stride, dilation, transposed, groups)
-    copies, _ = _copies(e, True, mkldnn, layouts or _unknown)
+    copies, channels_last = _copies(e, True, mkldnn, layouts or _unknown)
     if not mkldnn:
         slices = _group_slices(e, True, layouts or _unknown) if groups > 1 else None
         # The 3-d 1x1 kernel's input-sized buffer is the input's contiguous copy, where it makes one.
@@ -316,7 +366,11 @@ def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
     # The input gradient: the output gradient and the weight reordered, the input gradient in blocked layout
     # (channels padded), then reordered into the tensor returned.
     data = 0
-    if mask[0]:
+    if mask[0] and _strided_backward_data(x, w, stride, dilation, groups, transposed):
+        # Before the weight's gradient and the bias's are made: the workspace is the excess over all three.
+        later = (w.nbytes if mask[1] else 0) + (e.args[3][0] * x.itemsize if mask[2] and e.args[3] is not None else 0)
+        data = _strided_data(x, w, grad, stride, padding, channels_last) - grad_input - later
+    elif mask[0]:
         blocked_input = x.nbytes * _pad(x.shape[1], b) // x.shape[1]
         data = max(grad_blocked + weight_padded + blocked_input, blocked_input + grad_input) - grad_input
     # The weight gradient, with the input gradient already held: the output gradient and the input reordered,
