@@ -13,7 +13,7 @@ from test_lazy_replay import assert_same_loop, batches, mlp
 
 import stagetorch
 from stagetorch import devices
-from stagetorch.lazymode import recording
+from stagetorch.lazymode import recording, session
 
 pytestmark = pytest.mark.usefixtures("lazy_mode")
 
@@ -70,3 +70,48 @@ def test_the_budget_of_a_flush_follows_free_memory_per_device(monkeypatch):
     assert devices.free_memory("cpu") == 4096 * 1000  # within the time to live
     devices._HOST_FREE[0] = float("-inf")
     assert devices.free_memory(torch.device("cpu")) == devices.free_memory("cpu") == 4096 * 7
+
+
+def test_the_optimizer_step_runs_a_metric_computed_after_backward_first():
+    """A metric computed with the model after backward() (a second forward: calls on a session whose backward
+    ran everything) and read after optimizer.step() is the one of the parameters before the step, as in eager:
+    the optimizer's hook finds the session again although its backward left it with nothing pending."""
+    model = mlp()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    optimizer0 = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for x, y in batches(5):
+        x0, y0 = x, y
+        x, y = stagetorch.lazy(x, y, batch=0)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        metric = F.cross_entropy(model(x), y, reduction="none")
+        optimizer.step()
+        optimizer0.zero_grad()
+        F.cross_entropy(reference(x0), y0).backward()
+        expected = F.cross_entropy(reference(x0), y0, reduction="none").detach()
+        optimizer0.step()
+        assert torch.allclose(metric, expected, rtol=1e-5, atol=1e-6)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_the_optimizer_hook_walks_no_session_whose_calls_all_ran():
+    """The optimizer's hook costs what is pending, not what is alive: losses kept across steps (their
+    sessions alive) are not looked at once their backward ran every call; a call on one makes it pending
+    again."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, y in batches(4):
+        x, y = stagetorch.lazy(x, y, batch=0)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        assert len(session._PENDING) == 1  # this step's, with its forward not run yet
+        loss.backward()
+        assert not session._PENDING
+        optimizer.step()
+        losses.append(loss)
+    total = losses[0] * 2  # a call on the first session, long idle
+    assert len(session._PENDING) == 1
+    assert total.item() == 2 * losses[0].item()

@@ -55,22 +55,33 @@ _kernel_switches = eval(  # noqa: S307 - made from the names above
 
 _SESSIONS: weakref.WeakSet = weakref.WeakSet()  # every session still reachable (from its lazy tensors)
 _SERIALS = itertools.count()
+# A weak reference to each session that may have calls not yet run: added when a session starts and when a call
+# reaches an idle one (tensor.py), dropped by the flush that runs its last call, or with the session. The
+# optimizer's hook walks only these: a step loop whose backward() ran everything walks none.
+_PENDING: set[weakref.ref] = set()
 
 
 def _flush_before_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     """An optimizer step changes parameters in place: lazy work recorded before it that reads them ran, in
     eager, on their old values, so it runs first (a metric computed with the model, read after the step)."""
+    if not _PENDING:
+        return
     params = None
-    for session in list(_SESSIONS):
+    for ref in list(_PENDING):
+        session = ref()
         # A session whose flush failed was abandoned with its error (a retry with a larger budget is another
         # session, which may hold the same work): it is not run behind the user's back. Its pending calls
         # bound the parameters' versions, so reading one of its values after this step raises
         # ModifiedInputError rather than compute with the new parameters.
-        if session.eqn_count > session.done and not session.failed:
-            if params is None:
-                params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            if session.reads_any(params):
-                session.flush([])
+        if session is None or session.failed:
+            continue
+        if session.eqn_count == session.done:
+            session.idle()
+            continue
+        if params is None:
+            params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if session.reads_any(params):
+            session.flush([])
 
 
 register_optimizer_step_pre_hook(_flush_before_optimizer_step)
@@ -168,6 +179,8 @@ class _Session(BackwardSkip):
             if taping:
                 self.tape = self.recording.tape = []
         _SESSIONS.add(self)
+        self.ref = ref = weakref.ref(self, _PENDING.discard)  # (hashed while alive: discarded once dead)
+        _PENDING.add(ref)
         self.serial = next(_SERIALS)  # newer sessions have larger ones
         refs: list[weakref.ref] = []
         self.input_refs = refs
@@ -188,6 +201,15 @@ class _Session(BackwardSkip):
             alive[var] = ref = weakref.ref(lazy_t)
             refs.append(ref)
             lazies.append(lazy_t)
+
+    def pending(self) -> None:
+        self.ran_all = False
+        _PENDING.add(self.ref)
+
+    def idle(self) -> None:
+        """Every call so far has run: the optimizer's hook need not look at the session until the next."""
+        self.ran_all = True
+        _PENDING.discard(self.ref)
 
     def count_batch(self) -> None:
         """BatchNorm's forward (training) added one to ``num_batches_tracked`` before calling batch_norm on
@@ -412,6 +434,8 @@ class _Session(BackwardSkip):
                 self._take_back()
             raise
         self.failed = False
+        if end == self.eqn_count:
+            self.idle()
         self.versions = {}  # nothing pending reads them now; the flush's own in-place writes are the program's
         self.counted = []
         self.done = end

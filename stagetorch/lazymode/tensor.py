@@ -46,6 +46,11 @@ class _SessionBase:
     tape_pos: int  # the next call of the recording's tape to replay express
     serial: int  # newer sessions have larger ones
     hooked: bool  # a hook or grad_fn was reached: backward always runs the autograd engine
+    ran_all = False  # its last flush ran every call, and no call came since (see session._PENDING)
+
+    def pending(self) -> None:
+        """A call reached a session that had run every call (``ran_all``): it may have calls to run again."""
+        raise NotImplementedError
 
     def call(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
         """An ATen call on lazy tensors (``__torch_dispatch__``): replayed, recorded or run for real."""
@@ -145,6 +150,8 @@ class LazyTensor(torch.Tensor):
             first = args[0] if args else None
             session = first._session if type(first) is LazyTensor else _session_of(args, kwargs)
             if session is not None:
+                if session.ran_all:
+                    session.pending()
                 if session.mode is _EXPRESS:
                     # The hot path of a replayed step: the tape's next call, if it is this one, matched by its
                     # guard (which makes the lazy results). Anything else leaves the express replay.
@@ -175,13 +182,18 @@ class LazyTensor(torch.Tensor):
             roots = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
             lazies = [t for t in roots if type(t) is LazyTensor]
             if lazies:
-                lazies[0]._session.backward(func, args, kwargs, roots)
+                session = lazies[0]._session
+                if session.ran_all:
+                    session.pending()
+                session.backward(func, args, kwargs, roots)
                 return None
         elif kind == "read":
             return func(*map_leaves(args, torch.Tensor, _real), **kwargs)
         else:  # the user reaches into autograd (a hook, a grad_fn): backward must run through the engine
             for t in flat_call(args, kwargs):
                 if type(t) is LazyTensor:
+                    if t._session.ran_all:
+                        t._session.pending()
                     if t._session.mode is _EXPRESS:
                         t._session.leave_express()  # the autograd graph is needed
                     t._session.hooked = True
@@ -206,6 +218,8 @@ class LazyTensor(torch.Tensor):
                         "torch._C.DisableTorchFunctionSubclass?); call it on the tensor directly"
                     )
                 session = t._session
+        if session.ran_all:
+            session.pending()
         return session.call(func, args, kwargs, leaves)
 
 def _one_session(args: tuple, kwargs: dict, leaves: list | None = None) -> tuple[tuple, dict] | None:
