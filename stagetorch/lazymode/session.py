@@ -209,7 +209,7 @@ class _Session(BackwardSkip):
             for t, var, (shape, stride, dtype, device, requires_grad) in zip(tensors, inputs, metas):
                 values[var] = t.detach() if requires_grad else t  # the value, without its autograd graph
                 lazy_t = _make_subclass(LazyTensor, shape, strides=stride, dtype=dtype, device=device, requires_grad=requires_grad)
-                lazy_t._var, lazy_t._session = var, self
+                lazy_t._fake, lazy_t._var, lazy_t._session, lazy_t._express, lazy_t._shadow = None, var, self, False, None
                 alive[var] = ref = weakref.ref(lazy_t)
                 refs.append(ref)
                 lazies.append(lazy_t)

@@ -125,11 +125,14 @@ _SPECIAL = {
 class LazyTensor(torch.Tensor):
     """A ``torch.Tensor`` whose operations are recorded, not run, until a value is needed."""
 
-    _fake: torch.Tensor | None = None
+    # Slots, each set where a lazy tensor is made (_lazy_tensor; inline in session.py and the express guards):
+    # a step makes a handful, and attributes in a __dict__ cost its allocation each time (~0.4 us a tensor).
+    __slots__ = ("_fake", "_var", "_session", "_express", "_shadow")
+    _fake: torch.Tensor | None  # its fake tensor while recording
     _var: Var
     _session: _SessionBase
-    _express = False  # made by the express replay: no autograd graph behind it
-    _shadow: LazyTensor | None = None  # once the session left the express replay: the same value with one
+    _express: bool  # made by the express replay: no autograd graph behind it
+    _shadow: LazyTensor | None  # once the session left the express replay: the same value with one
 
     def value(self) -> torch.Tensor:
         """The real tensor, evaluated (chunked where it is per-example) and memoised."""
@@ -243,7 +246,7 @@ def _lazy_tensor(
 ) -> LazyTensor:
     """A LazyTensor standing for ``var`` of ``session`` (``fake``: its fake tensor while recording)."""
     out = _make_subclass(LazyTensor, shape, strides=stride, dtype=dtype, device=device, requires_grad=requires_grad)
-    out._fake, out._var, out._session = fake, var, session
+    out._fake, out._var, out._session, out._express, out._shadow = fake, var, session, False, None
     return out
 
 def _real(t: Any) -> Any:
