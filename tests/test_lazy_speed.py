@@ -115,3 +115,53 @@ def test_the_optimizer_hook_walks_no_session_whose_calls_all_ran():
     total = losses[0] * 2  # a call on the first session, long idle
     assert len(session._PENDING) == 1
     assert total.item() == 2 * losses[0].item()
+
+
+class _Scaled(nn.Module):
+    """Two layers with a buffer and a Python number between them: state a guard compares, of each kind."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(12, 16)
+        self.out = nn.Linear(16, 3)
+        self.register_buffer("shift", torch.zeros(16))
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.out((F.relu(self.lin(x)) * self.scale + self.shift).to(self.out.weight.dtype))
+
+
+def _strided(p: nn.Parameter) -> None:
+    p.data = p.data.t().contiguous().t()  # the same object and values, column-major: other strides
+
+
+# What a step loop may change between steps without a call that stagetorch sees (in place, or by a Python
+# assignment). Each must make the next step's guard miss (or be read as the new value): never a silent reuse.
+_CHANGES = {
+    "a parameter in place": lambda m: m.lin.weight.mul_(0.5),
+    "a buffer in place": lambda m: m.shift.add_(0.25),
+    "a number attribute": lambda m: setattr(m, "scale", 2.0),
+    "a parameter replaced": lambda m: setattr(m.lin, "weight", nn.Parameter(torch.randn(16, 12))),
+    "a buffer of another dtype": lambda m: setattr(m, "shift", m.shift.double() + 0.5),
+    "a buffer of another shape": lambda m: setattr(m, "shift", torch.full((1,), 0.5)),
+    "a module replaced": lambda m: setattr(m, "out", nn.Linear(16, 3)),
+    "requires_grad off": lambda m: m.lin.bias.requires_grad_(False),
+    "a parameter's strides (.data)": lambda m: _strided(m.out.weight),
+    "a parameter's storage (.data)": lambda m: setattr(m.lin.weight, "data", torch.randn(16, 12)),
+}
+
+
+@pytest.mark.parametrize("change", list(_CHANGES))
+def test_every_guard_still_fires(change):
+    """State changed between steps after the express replay started (step 3 of 6): each step still equals
+    eager PyTorch's (loss, gradients and parameters), however the guards are cached."""
+
+    def step(i, model, x, y):
+        if i == 3:
+            with torch.no_grad():
+                torch.manual_seed(3)
+                _CHANGES[change](model)
+        return F.cross_entropy(model(x), y)
+
+    assert_same_loop(step, n=6, model_fn=_Scaled)
