@@ -165,3 +165,48 @@ def test_every_guard_still_fires(change):
         return F.cross_entropy(model(x), y)
 
     assert_same_loop(step, n=6, model_fn=_Scaled)
+
+
+class _Dispatched(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.lazy_modes("express")  # (no lazy tensor: one mode is enough)
+def test_a_program_calls_a_binding_only_where_it_dispatches_the_op_alone(monkeypatch):
+    """A staged program calls torch's Python bindings (torch.addmm) rather than each overload's boxed entry,
+    where the binding dispatches that overload alone: the same ops, in the same order, with the same results
+    as a program that calls every overload's own entry (ones_like's binding also detaches: not taken)."""
+    from stagetorch import execute
+
+    def run(bindings: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+
+        def step(x, y):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+
+        staged = stagetorch.jit(step)
+        staged(x, y)
+        model.zero_grad()
+        with _Dispatched() as seen:
+            loss = staged(x, y)
+        return seen.ops, loss, [p.grad for p in model.parameters()]
+
+    ops, loss, grads = run(True)
+    assert execute._ENTRIES and any(execute._ENTRIES.values())
+    assert torch.ops.aten.detach.default not in ops
+    monkeypatch.setattr(execute, "_ENTRIES", {})
+    monkeypatch.setattr(execute, "_exact_binding", lambda *args: None)
+    boxed_ops, boxed_loss, boxed_grads = run(False)
+    assert ops == boxed_ops
+    assert torch.equal(loss, boxed_loss)
+    assert all(torch.equal(g, h) for g, h in zip(grads, boxed_grads))
