@@ -112,6 +112,8 @@ def test_the_optimizer_hook_walks_no_session_whose_calls_all_ran():
         assert not session._PENDING
         optimizer.step()
         losses.append(loss)
+    live = sorted(session._SESSIONS, key=lambda s: s.serial)  # the sessions alive: the losses hold theirs
+    assert len(live) == len(session._SESSIONS) >= 4 and losses[0]._session in live
     total = losses[0] * 2  # a call on the first session, long idle
     assert len(session._PENDING) == 1
     assert total.item() == 2 * losses[0].item()

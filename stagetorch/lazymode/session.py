@@ -76,7 +76,7 @@ class _Sessions:
         return iter([s for ref in list(_LIVE) if (s := ref()) is not None])
 
     def __len__(self) -> int:
-        return len(list(self))
+        return sum(1 for ref in list(_LIVE) if ref() is not None)
 
 
 _SESSIONS = _Sessions()
