@@ -556,6 +556,12 @@ def _exact_binding(prim: Any, name: str, args: tuple, kwargs: dict) -> Callable 
             return type(x)(meta(y) for y in x)
         return x.value if isinstance(x, Literal) else x
 
+    # The user's dispatch modes (a FlopCounterMode around the first call) see none of it.
+    with torch.utils._python_dispatch._disable_current_modes():
+        return _exact_binding_of(prim, name, meta, args, kwargs)
+
+
+def _exact_binding_of(prim: Any, name: str, meta: Callable, args: tuple, kwargs: dict) -> Callable | None:
     try:
         margs, mkwargs = meta(list(args)), {k: meta(v) for k, v in kwargs.items()}
     except Exception:  # noqa: BLE001 - no meta tensor for it (a layout the aval does not say): the overload's entry

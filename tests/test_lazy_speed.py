@@ -212,3 +212,30 @@ def test_a_program_calls_a_binding_only_where_it_dispatches_the_op_alone(monkeyp
     assert ops == boxed_ops
     assert torch.equal(loss, boxed_loss)
     assert all(torch.equal(g, h) for g, h in zip(grads, boxed_grads))
+
+
+@pytest.mark.lazy_modes("express")
+def test_choosing_the_bindings_is_invisible_to_a_users_dispatch_mode(monkeypatch):
+    """The meta calls that choose a program's bindings run with the user's dispatch modes put aside: a mode
+    around a step's first call (which compiles the program) sees the same ops whether the bindings are chosen
+    then or were chosen before."""
+    from stagetorch import execute
+
+    def first_call():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+
+        def step(x, y):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+
+        with _Dispatched() as seen:
+            stagetorch.jit(step)(x, y)
+        return seen.ops
+
+    monkeypatch.setattr(execute, "_ENTRIES", {})
+    choosing = first_call()
+    assert execute._ENTRIES
+    assert first_call() == choosing  # (chosen before: no meta call)
