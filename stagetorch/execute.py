@@ -17,11 +17,13 @@ from __future__ import annotations
 import itertools
 import keyword
 import linecache
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
 import torch
+import torch.utils._python_dispatch
 
 from . import _gc
 from ._tree import flatten
@@ -512,6 +514,107 @@ def install_grads(
 _PROGRAMS = itertools.count()
 
 
+class _Dispatched(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops a call dispatches (on meta tensors, see :func:`_entry`), with their arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.calls.append((func, args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+# Where torch's Python bindings are: functions (torch.addmm, torch._C._nn.nll_loss_forward), then methods.
+_BINDINGS = [torch._C._VariableFunctions, torch._C._nn, torch._C._linalg, torch._C._special, torch._C.TensorBase]
+_ENTRIES: dict[tuple, Any] = {}  # (overload, what its arguments are) -> the binding that calls it, or None
+
+
+def _entry(e: Eqn) -> Callable:
+    """What the program calls for ``e``: the Python binding of torch's that calls exactly ``e.prim`` with these
+    arguments and nothing else (``torch.addmm``, ``Tensor.view``), where there is one, else the overload's
+    own entry point.
+    A binding parses its arguments in C++ and calls the kernel unboxed; an overload's ``_op`` boxes each
+    argument through the JIT's operator registry, ~1-2 us more per op: a third of what one-line mode added
+    to a small step (bench/RESULTS.md). Whether a binding is exact is found once per overload and kinds of
+    arguments, by calling it on meta tensors under a dispatch mode that sees each op it dispatches: it must
+    dispatch ``e.prim`` alone (``torch.ones_like`` also detaches), with the same arguments (nothing
+    decomposed, defaulted or converted on the way)."""
+    prim = e.prim
+    fallback = getattr(prim, "_op", prim)  # the overload's C++ entry point
+    packet = getattr(prim, "overloadpacket", None)
+    if packet is None or prim.namespace != "aten" or any(a.name == "pin_memory" for a in prim._schema.arguments):
+        # (A factory's binding (ones_like) does more than its op, which a dispatch mode does not always see: it
+        # set requires_grad on a detached result in a staged backward.)
+        return fallback
+    key = (prim, _kinds(e.args), _kinds(e.kwargs))
+    if key not in _ENTRIES:
+        _ENTRIES[key] = _exact_binding(prim, packet.__name__, e.args, e.kwargs)
+    return _ENTRIES[key] or fallback
+
+
+def _kinds(tree: Any) -> Any:
+    if isinstance(tree, Var):
+        return Var
+    if isinstance(tree, (list, tuple)):
+        return (type(tree), tuple(_kinds(x) for x in tree))
+    if isinstance(tree, dict):
+        return tuple((k, _kinds(v)) for k, v in tree.items())
+    return type(tree)
+
+
+def _exact_binding(prim: Any, name: str, args: tuple, kwargs: dict) -> Callable | None:
+    metas: dict[int, torch.Tensor] = {}
+
+    def meta(x: Any) -> Any:
+        if isinstance(x, Var):
+            t = metas[len(metas)] = torch.empty(x.aval.shape, dtype=x.aval.dtype, device="meta")
+            return t
+        if isinstance(x, (list, tuple)):
+            return type(x)(meta(y) for y in x)
+        return x.value if isinstance(x, Literal) else x
+
+    # The user's dispatch modes (a FlopCounterMode around the first call) see none of it.
+    with torch.utils._python_dispatch._disable_current_modes():
+        return _exact_binding_of(prim, name, meta, args, kwargs)
+
+
+def _exact_binding_of(prim: Any, name: str, meta: Callable, args: tuple, kwargs: dict) -> Callable | None:
+    try:
+        margs, mkwargs = meta(list(args)), {k: meta(v) for k, v in kwargs.items()}
+    except Exception:  # noqa: BLE001 - no meta tensor for it (a layout the aval does not say): the overload's entry
+        return None
+    for owner in _BINDINGS:
+        binding = getattr(owner, name, None)
+        if binding is None or not callable(binding):
+            continue
+        seen = _Dispatched()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a deprecated signature matched: not this one
+                with seen:
+                    binding(*margs, **mkwargs)
+        except Exception:  # noqa: BLE001, S112 - it does not take these arguments (or has no meta kernel)
+            continue
+        if len(seen.calls) == 1:
+            func, a, k = seen.calls[0]
+            if func is prim and _same(list(a), margs) and _same(k, mkwargs):
+                return binding
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The same arguments: the same meta tensors (by identity), equal everything else, in the same structure."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
 def _has_var(tree: Any) -> bool:
     if isinstance(tree, Var):
         return True
@@ -593,6 +696,7 @@ def _compile(
             if free:
                 lines.append("    " + " = ".join(f"s{slot}" for slot in free) + " = None")
             continue
+        names[op] = _entry(e)
         call = f"{op}({', '.join(args)})"
         schema = getattr(e.prim, "_schema", None)
         single = (

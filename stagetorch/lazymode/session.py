@@ -8,6 +8,8 @@ from __future__ import annotations
 import itertools
 import sys
 import weakref
+from collections.abc import Iterator
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -26,12 +28,10 @@ from .mode import Mode, cap
 from .recording import _RECORDINGS
 from .shard import LazyShard
 from .tape import _Call
-from .tensor import LazyTensor, _make_subclass
+from .tensor import LazyTensor, _lazy_tensor, _make_subclass
 
 __all__ = ["lazy"]
 
-
-_BATCHED_AT: dict[int, Batched] = {}  # Batched(dim) of an input, made once per dim
 
 _BATCH_NORM_FORWARD = torch.nn.modules.batchnorm._BatchNorm.forward.__code__
 
@@ -53,24 +53,56 @@ _kernel_switches = eval(  # noqa: S307 - made from the names above
     {f"_k{i}": get for i, get in enumerate(_KERNEL_SWITCHES)},
 )
 
-_SESSIONS: weakref.WeakSet = weakref.WeakSet()  # every session still reachable (from its lazy tensors)
 _SERIALS = itertools.count()
+# A weak reference to each session still reachable (from its lazy tensors).
+_LIVE: set[weakref.ref] = set()
+# A weak reference to each session that may have calls not yet run: added when a session starts and when a call
+# reaches an idle one (tensor.py), dropped by the flush that runs its last call, or with the session. The
+# optimizer's hook walks only these: a step loop whose backward() ran everything walks none.
+_PENDING: set[weakref.ref] = set()
+
+_EXPRESS, _RECORD = Mode.EXPRESS, Mode.RECORD  # module globals: read on every flush
+
+
+def _gone(ref: weakref.ref) -> None:  # (a reference is hashed while its session lives: found once it died)
+    _LIVE.discard(ref)
+    _PENDING.discard(ref)
+
+
+class _Sessions:
+    """The sessions still reachable, newest or oldest first as the caller sorts them (tests look at them)."""
+
+    def __iter__(self) -> Iterator[_Session]:
+        return iter([s for ref in list(_LIVE) if (s := ref()) is not None])
+
+    def __len__(self) -> int:
+        return sum(1 for ref in list(_LIVE) if ref() is not None)
+
+
+_SESSIONS = _Sessions()
 
 
 def _flush_before_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     """An optimizer step changes parameters in place: lazy work recorded before it that reads them ran, in
     eager, on their old values, so it runs first (a metric computed with the model, read after the step)."""
+    if not _PENDING:
+        return
     params = None
-    for session in list(_SESSIONS):
+    for ref in list(_PENDING):
+        session = ref()
         # A session whose flush failed was abandoned with its error (a retry with a larger budget is another
         # session, which may hold the same work): it is not run behind the user's back. Its pending calls
         # bound the parameters' versions, so reading one of its values after this step raises
         # ModifiedInputError rather than compute with the new parameters.
-        if session.eqn_count > session.done and not session.failed:
-            if params is None:
-                params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            if session.reads_any(params):
-                session.flush([])
+        if session is None or session.failed:
+            continue
+        if session.eqn_count == session.done:
+            session.idle()
+            continue
+        if params is None:
+            params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if session.reads_any(params):
+            session.flush([])
 
 
 register_optimizer_step_pre_hook(_flush_before_optimizer_step)
@@ -133,8 +165,6 @@ class _Session(BackwardSkip):
         self.failed = False  # its last flush raised: nothing runs it implicitly (see _flush_before_optimizer_step)
         alive: dict[Var, weakref.ref] = {}
         self.alive = alive
-        batched: dict[Var, Batched] = {}
-        self.batched = batched
         self.made: dict[Var, Batched] = {}  # the batch labels of per-example values earlier flushes made
         lazies: list[LazyTensor] = []
         self.lazies = lazies
@@ -164,30 +194,45 @@ class _Session(BackwardSkip):
         else:
             self.mode = Mode.RECORD
             self.recording = self._start_recording()
-            inputs = [None] * len(tensors)
             if taping:
                 self.tape = self.recording.tape = []
-        _SESSIONS.add(self)
+        self.ref = ref = weakref.ref(self, _gone)
+        _LIVE.add(ref)
+        _PENDING.add(ref)
         self.serial = next(_SERIALS)  # newer sessions have larger ones
         refs: list[weakref.ref] = []
         self.input_refs = refs
-        for i, (t, var, (shape, stride, dtype, device, requires_grad)) in enumerate(zip(tensors, inputs, metas)):
-            real = t.detach() if requires_grad else t  # the value, without its autograd graph
-            fake = None
-            if var is None:
-                var, fake = self._add_input(i, real)
+        if replaying is not None:
+            # A replayed step's hot path, where each call saved is measurable: the inputs' variables and batch
+            # labels are the recording's, the same each step; _lazy_tensor inline.
+            self.batched = _input_labels(replaying, batch, metas)
+            for t, var, (shape, stride, dtype, device, requires_grad) in zip(tensors, inputs, metas):
+                values[var] = t.detach() if requires_grad else t  # the value, without its autograd graph
+                lazy_t = _make_subclass(LazyTensor, shape, strides=stride, dtype=dtype, device=device, requires_grad=requires_grad)
+                lazy_t._fake, lazy_t._var, lazy_t._session, lazy_t._express, lazy_t._shadow = None, var, self, False, None
+                alive[var] = ref = weakref.ref(lazy_t)
+                refs.append(ref)
+                lazies.append(lazy_t)
+            return
+        batched = self.batched = {}
+        for i, (t, (shape, stride, dtype, device, requires_grad)) in enumerate(zip(tensors, metas)):
+            real = t.detach() if requires_grad else t
+            var, fake = self._add_input(i, real)
             values[var] = real
-            # _lazy_tensor and Batched(dim), inline and cached: a replayed step's hot path, where each call
-            # saved is measurable (with these and flush's inline .grad, batch 256 ran 1.044x eager, not 1.051x).
-            dim = batch % len(shape)
-            batched[var] = _BATCHED_AT.get(dim) or _BATCHED_AT.setdefault(dim, Batched(dim))
-            lazy_t = _make_subclass(LazyTensor, shape, strides=stride, dtype=dtype, device=device, requires_grad=requires_grad)
-            if fake is not None:  # (LazyTensor._fake is None unless set)
-                lazy_t._fake = fake
-            lazy_t._var, lazy_t._session = var, self
+            batched[var] = Batched(batch % len(shape))
+            lazy_t = _lazy_tensor(shape, stride, dtype, device, var, self, fake, requires_grad)
             alive[var] = ref = weakref.ref(lazy_t)
             refs.append(ref)
             lazies.append(lazy_t)
+
+    def pending(self) -> None:
+        self.ran_all = False
+        _PENDING.add(self.ref)
+
+    def idle(self) -> None:
+        """Every call so far has run: the optimizer's hook need not look at the session until the next."""
+        self.ran_all = True
+        _PENDING.discard(self.ref)
 
     def count_batch(self) -> None:
         """BatchNorm's forward (training) added one to ``num_batches_tracked`` before calling batch_norm on
@@ -320,7 +365,8 @@ class _Session(BackwardSkip):
         because a value it would keep has rows each chunk orders its own way (an MoE layer's tokens sorted by
         expert, saved for the backward), only ``needed`` is computed (:meth:`_peek`) and every equation is
         left to the next flush, where those rows are consumed inside the program."""
-        end = self.eqn_count
+        express = self.mode is _EXPRESS
+        end = len(self.eqns) if self.mode is _RECORD else self.end  # eqn_count, inline
         if end == self.done:
             return
         if grads is None:
@@ -344,12 +390,18 @@ class _Session(BackwardSkip):
         produced, invars = span
         values = self.values
         # Only what can still be read is kept: the inputs, and values whose lazy tensor is alive.
-        alive = self.alive = {v: ref for v, ref in self.alive.items() if ref() is not None}
+        alive = {}
         wanted = {v for v in targets if v not in values}
-        wanted.update(v for v in alive if v not in values)
-        wanted.update(v for _, v in grads)
+        for v, ref in self.alive.items():
+            if ref() is not None:
+                alive[v] = ref
+                if v not in values:
+                    wanted.add(v)
+        self.alive = alive
+        for _, v in grads:
+            wanted.add(v)
         later = None
-        if self.mode is Mode.EXPRESS:
+        if express:
             # No autograd graph holds what the recording's later steps (the backward) read: keep it here.
             # (The recording is complete: an express replay only replays a recorded session's calls.)
             later_key = ("later", self.done, end)
@@ -412,6 +464,8 @@ class _Session(BackwardSkip):
                 self._take_back()
             raise
         self.failed = False
+        if end == (len(self.eqns) if self.mode is _RECORD else self.end):
+            self.idle()
         self.versions = {}  # nothing pending reads them now; the flush's own in-place writes are the program's
         self.counted = []
         self.done = end
@@ -434,6 +488,17 @@ class _Session(BackwardSkip):
             if v in alive or (later is not None and v in later):
                 kept[v] = x
         self.values = kept
+
+
+def _input_labels(recording: Any, batch: int, metas: list) -> MappingProxyType:
+    """The batch labels of a recording's inputs (their batch along dim ``batch``), made once: every session
+    that replays it shares them (read only)."""
+    labels = recording.flushes.get(("input labels",))
+    if labels is None:
+        labels = recording.flushes[("input labels",)] = MappingProxyType(
+            {var: Batched(batch % len(m[0])) for var, m in zip(recording.inputs, metas)}
+        )
+    return labels
 
 
 def _kept_chunk_local(error: StagingError) -> BatchCouplingError:

@@ -188,7 +188,7 @@ def _map_out(spec: Any, leaves: list, session: RecordingSteps) -> Any:
 def _express_out(session: RecordingSteps, o: _New) -> LazyTensor:
     """A lazy tensor the express replay made for a taped result: no autograd graph behind it."""
     t = _make_subclass(LazyTensor, o.shape, strides=o.stride, dtype=o.dtype, device=o.device, requires_grad=o.requires_grad)
-    t._var, t._session, t._express = o.var, session, True
+    t._fake, t._var, t._session, t._express, t._shadow = None, o.var, session, True, None  # (its slots)
     session.alive[o.var] = weakref.ref(t)
     return t
 
@@ -285,7 +285,7 @@ def _compile_guard(call: _Call) -> Callable:
         lines.append(
             f"    t = _make(LazyTensor, {const(out.shape)}, strides={out.stride!r}, dtype={const(out.dtype)},"
             f" device={const(out.device)}, requires_grad={out.requires_grad!r})\n"
-            f"    t._var = {const(out.var)}\n    t._session = session\n    t._express = True\n"
+            f"    t._fake = None\n    t._var = {const(out.var)}\n    t._session = session\n    t._express = True\n    t._shadow = None\n"
             f"    session.alive[{const(out.var)}] = _weakref(t)\n    return t"
         )
     elif type(out) is _Arg:

@@ -46,6 +46,11 @@ class _SessionBase:
     tape_pos: int  # the next call of the recording's tape to replay express
     serial: int  # newer sessions have larger ones
     hooked: bool  # a hook or grad_fn was reached: backward always runs the autograd engine
+    ran_all = False  # its last flush ran every call, and no call came since (see session._PENDING)
+
+    def pending(self) -> None:
+        """A call reached a session that had run every call (``ran_all``): it may have calls to run again."""
+        raise NotImplementedError
 
     def call(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
         """An ATen call on lazy tensors (``__torch_dispatch__``): replayed, recorded or run for real."""
@@ -120,11 +125,14 @@ _SPECIAL = {
 class LazyTensor(torch.Tensor):
     """A ``torch.Tensor`` whose operations are recorded, not run, until a value is needed."""
 
-    _fake: torch.Tensor | None = None
+    # Slots, each set where a lazy tensor is made (_lazy_tensor; inline in session.py and the express guards):
+    # a step makes a handful, and attributes in a __dict__ cost its allocation each time (~0.4 us a tensor).
+    __slots__ = ("_fake", "_var", "_session", "_express", "_shadow")
+    _fake: torch.Tensor | None  # its fake tensor while recording
     _var: Var
     _session: _SessionBase
-    _express = False  # made by the express replay: no autograd graph behind it
-    _shadow: LazyTensor | None = None  # once the session left the express replay: the same value with one
+    _express: bool  # made by the express replay: no autograd graph behind it
+    _shadow: LazyTensor | None  # once the session left the express replay: the same value with one
 
     def value(self) -> torch.Tensor:
         """The real tensor, evaluated (chunked where it is per-example) and memoised."""
@@ -145,6 +153,8 @@ class LazyTensor(torch.Tensor):
             first = args[0] if args else None
             session = first._session if type(first) is LazyTensor else _session_of(args, kwargs)
             if session is not None:
+                if session.ran_all:
+                    session.pending()
                 if session.mode is _EXPRESS:
                     # The hot path of a replayed step: the tape's next call, if it is this one, matched by its
                     # guard (which makes the lazy results). Anything else leaves the express replay.
@@ -175,13 +185,18 @@ class LazyTensor(torch.Tensor):
             roots = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
             lazies = [t for t in roots if type(t) is LazyTensor]
             if lazies:
-                lazies[0]._session.backward(func, args, kwargs, roots)
+                session = lazies[0]._session
+                if session.ran_all:
+                    session.pending()
+                session.backward(func, args, kwargs, roots)
                 return None
         elif kind == "read":
             return func(*map_leaves(args, torch.Tensor, _real), **kwargs)
         else:  # the user reaches into autograd (a hook, a grad_fn): backward must run through the engine
             for t in flat_call(args, kwargs):
                 if type(t) is LazyTensor:
+                    if t._session.ran_all:
+                        t._session.pending()
                     if t._session.mode is _EXPRESS:
                         t._session.leave_express()  # the autograd graph is needed
                     t._session.hooked = True
@@ -206,6 +221,8 @@ class LazyTensor(torch.Tensor):
                         "torch._C.DisableTorchFunctionSubclass?); call it on the tensor directly"
                     )
                 session = t._session
+        if session.ran_all:
+            session.pending()
         return session.call(func, args, kwargs, leaves)
 
 def _one_session(args: tuple, kwargs: dict, leaves: list | None = None) -> tuple[tuple, dict] | None:
@@ -229,7 +246,7 @@ def _lazy_tensor(
 ) -> LazyTensor:
     """A LazyTensor standing for ``var`` of ``session`` (``fake``: its fake tensor while recording)."""
     out = _make_subclass(LazyTensor, shape, strides=stride, dtype=dtype, device=device, requires_grad=requires_grad)
-    out._fake, out._var, out._session = fake, var, session
+    out._fake, out._var, out._session, out._express, out._shadow = fake, var, session, False, None
     return out
 
 def _real(t: Any) -> Any:
