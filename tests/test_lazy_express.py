@@ -461,3 +461,96 @@ def test_a_step_that_always_leaves_the_replay_stops_replaying_express(monkeypatc
 
     assert_same_loop(step, n=6)
     assert left == ([2, 2] if lazy_mode is Mode.EXPRESS else []), left
+
+
+
+@pytest.mark.lazy_modes("express")
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
+def test_padded_transformers_stay_on_the_express_replay(name, dispatched, monkeypatch, lazy_mode):
+    """A padded batch (attention mask): CPU ``scaled_dot_product_attention`` turns the boolean mask into
+    ``where(mask, 0, -inf)``, two 0-d tensors it makes itself, which the express replay binds again as they
+    are. Four AdamW steps equal eager's (losses, every gradient, the parameters), and from the second step on
+    no op reaches a lazy tensor and no step leaves the express replay (before: every step left it at the
+    first attention, and after two steps the recording was replayed slowly)."""
+    pytest.importorskip("transformers")
+    import test_transformers_zoo as zoo
+
+    left = []
+    leave = _Session.leave_express
+    monkeypatch.setattr(_Session, "leave_express", lambda self: left.append(self.tape_pos) or leave(self))
+    model = zoo.make_model(name)
+    reference = copy.deepcopy(model)
+    batch = zoo.make_batch(name, padded=True)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
+    counts = []
+    for _ in range(4):
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        inputs = dict(zip(batch, stagetorch.lazy(*batch.values(), batch=0)))
+        dispatched.clear()
+        loss = model(**inputs).loss
+        loss.backward()
+        counts.append(len(dispatched))
+        expected = reference(**batch).loss
+        expected.backward()
+        zoo.assert_same(model, reference, loss, expected)
+        for optimizer in optimizers:
+            optimizer.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert (p - q).norm() <= 1e-9 * q.norm(), (p - q).norm()
+    assert counts[0] > 0 and counts[1:] == [0, 0, 0], counts
+    assert left == [], left
+
+
+class _Masked(nn.Module):
+    """Attention under a boolean mask (SDPA makes 0-d tensors of its own), a ``torch.where`` of a real
+    tensor and a number, and a cosine similarity with a parameter (a 0-d norm of the parameter made inside
+    the call: its value changes every step, so that call must never be replayed from the tape)."""
+
+    def __init__(self, cosine: bool):
+        super().__init__()
+        self.proj = nn.Linear(8, 24)
+        self.direction = nn.Parameter(torch.randn(8))
+        self.bias = torch.randn(5, 5)
+        self.cosine = cosine
+
+    def forward(self, x, mask):
+        q, k, v = self.proj(x).unflatten(-1, (3, 8)).unbind(-2)
+        keep = mask[:, None, :] & mask[:, :, None]
+        scores = torch.where(keep, self.bias, -1e4)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep) + scores.softmax(-1) @ v
+        if self.cosine:
+            out = out * F.cosine_similarity(out, self.direction, dim=-1)[..., None]
+        return out.square().mean()
+
+
+@pytest.mark.parametrize("cosine", [False, True], ids=["literals", "computed"])
+def test_constants_a_call_makes_itself(cosine, dispatched, lazy_mode):
+    """Constants a taped call makes itself replay express only where their value is the call's Python
+    arguments': SDPA's own 0-d tensors and ``torch.where``'s number do; a 0-d norm of a parameter (cosine
+    similarity) does not, and the steps still equal eager's as the parameter trains."""
+    recording._RECORDINGS.clear()
+    torch.manual_seed(0)
+    model = _Masked(cosine)
+    reference = copy.deepcopy(model)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, reference)]
+    x = torch.randn(4, 5, 8)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 0]], dtype=torch.bool)
+    counts = []
+    for _ in range(4):
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        dispatched.clear()
+        loss = model(*stagetorch.lazy(x, mask, batch=0))
+        loss.backward()
+        counts.append(len(dispatched))
+        expected = reference(x, mask)
+        expected.backward()
+        assert torch.allclose(loss, expected, rtol=1e-6, atol=0), (loss.item(), expected.item())
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert (p.grad is None) == (q.grad is None) == (p is model.direction and not cosine)
+            assert p.grad is None or torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+        for optimizer in optimizers:
+            optimizer.step()
+    if lazy_mode is Mode.EXPRESS:
+        assert counts[0] > 0 and (all(counts[1:]) if cosine else counts[1:] == [0, 0, 0]), counts

@@ -6,6 +6,7 @@ the session continues with the slow replay.
 
 from __future__ import annotations
 
+import types
 import weakref
 from typing import Any
 
@@ -31,6 +32,30 @@ from .tape import (
     _view,
 )
 from .tensor import LazyTensor, _lazy_tensor, _unshadow
+
+
+# Functions written in C++: what they make inside a call they make anew, from their arguments alone (a
+# Python function could hand back a tensor it keeps, whose value changes from one step to the next).
+_BUILTIN = (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType)
+# Functions whose only tensors made inside are their number arguments as tensors (``where.ScalarOther``), even
+# with real tensor arguments, whose values a function could otherwise reduce into a new 0-d tensor.
+_SCALAR_WRAPPERS = frozenset({torch.where, torch.Tensor.where})
+
+
+def _made_from_python_values(func: Any, t: torch.Tensor, leaves: list) -> bool:
+    """Whether ``t``, a real tensor a taped call made itself (no argument's view), is a value of the call's
+    Python arguments alone, which the tape's key compares: a 0-d tensor, with its own storage, made by a C++
+    function that took no real tensor (the ``0`` and ``-inf`` of CPU ``scaled_dot_product_attention``'s
+    ``where(mask, 0, -inf)``), or by ``torch.where`` from its number argument. Its value is then the same in
+    every step that matches the call."""
+    if not isinstance(func, _BUILTIN) or type(t) is not torch.Tensor or t.ndim != 0 or t.requires_grad:
+        return False
+    if t._base is not None or t.untyped_storage().nbytes() != t.element_size():
+        return False
+    if func in _SCALAR_WRAPPERS:
+        # ``torch.where(mask, bias, float("-inf"))`` (T5): the number argument made a tensor, and it is its value.
+        return any(type(x) in (int, float, bool) and x == t.item() for x in leaves)
+    return not any(isinstance(x, torch.Tensor) and type(x) is not LazyTensor for x in leaves)
 
 
 class ExpressReplay(SlowReplay):
@@ -128,11 +153,14 @@ class ExpressReplay(SlowReplay):
                 call.mutated.append((i, x._var))
         for var, t in list(self.consts.items())[n_consts:]:
             source = _source(t, leaves)
-            if source is None:
+            if source is not None:
+                call.consts.append((var, *source))
+            elif _made_from_python_values(call.func, t, leaves):
+                call.made.append((var, t, t._version))
+            else:
                 call.express = False  # a real tensor the call made itself: its value is not the arguments'
                 break
-            call.consts.append((var, *source))
-        new = {var for var, *_ in call.consts}
+        new = {var for var, *_ in call.consts} | {var for var, *_ in call.made}
         call.rereads = list(dict.fromkeys(v for st in steps for _, v in st.consts if v is not None and v not in new))
         bound = {i for _, i, _ in call.consts}
         for i, (x, k) in enumerate(zip(leaves, call.key)):
