@@ -3,7 +3,10 @@ staged with ``jit`` and in eager, run alternately in one process; and where one-
 ``Executable.run``: the peeks a mid-step write makes, the step's flush). "lazy, before" is one-line mode as it
 was before two fixes: the answer to "does the whole flush keep rows a chunk orders its own way" was not kept
 (the whole flush planned again, and refused, at each mid-step write), and a recording made again after a
-divergence forgot that sessions had left its express replay (unpadded, every other step recorded).
+divergence forgot that sessions had left its express replay (unpadded, every other step recorded). "lazy, write
+leaves" is one-line mode before the express replay ran the router loss's write into a real tensor
+(``zeros(E).scatter_add_``) itself: every step left the express replay there, and after two steps the
+recording was replayed slowly.
 
 Setup: tests/test_moe.py's tiny Mixtral (hidden 32, 2 layers, 4 experts, top 2), float32, its router loss
 weighted 1, the padded batch of 7 x 16, the budget at which ``jit`` splits it in >= 3 chunks.
@@ -29,6 +32,7 @@ import stagetorch  # noqa: E402
 import stagetorch.devices  # noqa: E402
 from stagetorch.errors import StagingError  # noqa: E402
 from stagetorch.executable import Executable  # noqa: E402
+from stagetorch.lazymode import express  # noqa: E402
 from stagetorch.lazymode.recording import _RECORDINGS  # noqa: E402
 from stagetorch.lazymode.session import _Session  # noqa: E402
 
@@ -56,6 +60,7 @@ def replanning_peeks(self, executable, device):
 
 
 _diverge = _Session._diverge
+_a_real_write = express._a_real_write
 
 
 def forgetting_diverge(self):
@@ -107,7 +112,17 @@ def main(steps: int = 30, name: str = "mixtral", padded: str = "padded") -> None
         finally:
             _Session._peeks, _Session._diverge = _peeks, _diverge
 
-    variants = (("eager", eager), ("jit", jit), ("lazy", apart("lazy", lazy)), ("lazy, before", apart("before", lazy_before)))
+    def lazy_write_leaves():
+        express._a_real_write = lambda *a: False
+        try:
+            lazy()
+        finally:
+            express._a_real_write = _a_real_write
+
+    variants = (
+        ("eager", eager), ("jit", jit), ("lazy", apart("lazy", lazy)),
+        ("lazy, write leaves", apart("write leaves", lazy_write_leaves)), ("lazy, before", apart("before", lazy_before)),
+    )
     times: dict[str, list[float]] = {label: [] for label, _ in variants}
     per_run: dict[str, list[float]] = {}
     for i in range(steps + 3):

@@ -554,3 +554,76 @@ def test_constants_a_call_makes_itself(cosine, dispatched, lazy_mode):
             optimizer.step()
     if lazy_mode is Mode.EXPRESS:
         assert counts[0] > 0 and (all(counts[1:]) if cosine else counts[1:] == [0, 0, 0]), counts
+
+
+@pytest.mark.parametrize("case", ["fresh", "read-before", "diverge-after"])
+def test_writes_into_real_tensors_replay_express(case, dispatched, monkeypatch, lazy_mode):
+    """A router's token counts, ``torch.zeros(E).scatter_add_(0, experts, ones)``, and a running mean a
+    buffer keeps, ``ema.add_(logits.detach().mean(0))``: writes into real tensors, which run for real at once
+    (the user may read them). The express replay runs them for real too, after what they read: the counts
+    read each step equal eager's, and so do the buffer, the losses and the gradients. ``read-before``: the
+    loss reads the buffer before the write, so the write waits for what was recorded before it;
+    ``diverge-after``: every other step leaves the express replay after the writes, which the slow replay
+    does not run again (the counts and the buffer would be added twice)."""
+    left = []
+    leave = _Session.leave_express
+    monkeypatch.setattr(_Session, "leave_express", lambda self: left.append(self.tape_pos) or leave(self))
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    reference = copy.deepcopy(model)
+    buffers = [torch.zeros(4), torch.zeros(4)]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, reference)]
+    counts = []
+    for i in range(5):
+        x = torch.randn(10, 8)
+        seen = []
+        for net, ema, one_line in ((model, buffers[0], True), (reference, buffers[1], False)):
+            logits = net(stagetorch.lazy(x, batch=0) if one_line else x)
+            if one_line:
+                dispatched.clear()
+            if case == "read-before":
+                logits = logits + ema
+            experts = logits.argmax(-1)
+            tokens = torch.zeros(4).scatter_add_(0, experts, torch.ones_like(logits[:, 0]))
+            ema.add_(logits.detach().mean(0))
+            if case == "diverge-after" and i % 2:
+                logits = logits * 2
+            loss = (logits.softmax(-1) * tokens).sum() / 10
+            loss.backward()
+            seen.append((tokens.tolist(), loss.item(), ema.clone()))
+            if one_line:
+                counts.append(len(dispatched))
+        (tokens, loss, ema), (tokens0, loss0, ema0) = seen
+        assert tokens == tokens0 and abs(loss - loss0) <= 1e-6 * abs(loss0) and torch.allclose(ema, ema0, atol=1e-6)
+        assert_same_grads(model, reference)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    if lazy_mode is Mode.EXPRESS and case != "diverge-after":
+        assert counts[0] > 0 and counts[1:] == [0] * 4 and left == [], (counts, left)
+    elif lazy_mode is Mode.EXPRESS:
+        assert left and all(pos > 3 for pos in left), left  # past both writes
+
+
+def test_a_write_of_a_value_that_requires_grad_is_not_replayed_express(monkeypatch, lazy_mode):
+    """``bank.add_(h)`` with ``h`` requiring grad: the real tensor joins the autograd graph (eager: it gets a
+    grad_fn), which the express replay does not make, so the call stops it; the steps still equal eager's."""
+    left = []
+    leave = _Session.leave_express
+    monkeypatch.setattr(_Session, "leave_express", lambda self: left.append(self.tape_pos) or leave(self))
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    reference = copy.deepcopy(model)
+    for _ in range(4):
+        x = torch.randn(10, 8)
+        losses = []
+        for net, one_line in ((model, True), (reference, False)):
+            h = net(stagetorch.lazy(x, batch=0) if one_line else x)
+            bank = torch.zeros(10, 4)
+            bank.add_(h)
+            loss = bank.square().mean()
+            loss.backward()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) <= 1e-6 * abs(losses[1])
+        assert_same_grads(model, reference, clear=True)
+    assert (left != []) == (lazy_mode is Mode.EXPRESS), left

@@ -17,7 +17,7 @@ from .._tree import flat_call, flatten, map_leaves, unflat_call
 from ..ir import Var
 from .autograd_graph import _PYTHON_FUNCTION_NODE, _autograd_graph, _Unreadable
 from .mode import Mode
-from .recording import _BACKWARD, _Backward, _meta
+from .recording import _BACKWARD, _CONCRETE, _Backward, _meta
 from .replay import SlowReplay
 from .tape import (
     _MAX_LEAVES,
@@ -58,6 +58,25 @@ def _made_from_python_values(func: Any, t: torch.Tensor, leaves: list) -> bool:
     return not any(isinstance(x, torch.Tensor) and type(x) is not LazyTensor for x in leaves)
 
 
+def _version(x: Any) -> int | None:
+    """The version counter of a real tensor (None for anything else, and an inference tensor, which has none)."""
+    if not isinstance(x, torch.Tensor) or type(x) is LazyTensor or x.is_inference():
+        return None
+    return x._version
+
+
+def _a_real_write(steps: list, call: _Call, leaves: list, out: Any, written: list[bool]) -> bool:
+    """Whether a call is a write into real tensors that the express replay can run again for real: one
+    step, run for real (not a value read), that changed real arguments in place and returned one of them
+    or nothing, with no tensor that requires grad among its arguments (no autograd graph is made or
+    needed: ``torch.zeros(E).scatter_add_(0, experts, mask)`` of a router's token counts)."""
+    if len(steps) != 1 or steps[0].recorded or steps[0].func in _CONCRETE or call.neqns or not any(written):
+        return False
+    if any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
+        return False
+    return out is None or any(out is x for x, w in zip(leaves, written) if w)
+
+
 class ExpressReplay(SlowReplay):
     """The express replay: torch-level calls taped, and matched by their guards without running (below it,
     the slow replay it leaves to)."""
@@ -82,6 +101,7 @@ class ExpressReplay(SlowReplay):
         leaves = flat_call(args, kwargs)
         first, n_eqns, n_consts = self.step_count, self.eqn_count, len(self.consts)
         call = self._tape_key(func, leaves, first, tape)
+        versions = [_version(x) for x in leaves]
         try:
             with torch._C.DisableTorchFunctionSubclass():
                 out = func(*args, **kwargs)
@@ -89,7 +109,8 @@ class ExpressReplay(SlowReplay):
             self.tape = None
             raise
         if self.tape is tape:  # not diverged meanwhile
-            self._tape_result(call, leaves, n_eqns, n_consts, out)
+            written = [v is not None and _version(x) != v for x, v in zip(leaves, versions)]
+            self._tape_result(call, leaves, n_eqns, n_consts, out, written)
             tape.append(call)
             if not call.express:
                 self.tape = None  # the express replay stops at this call: the rest need not be taped
@@ -142,11 +163,15 @@ class ExpressReplay(SlowReplay):
             spec.append((self._slot(leaf), False, _meta(leaf)) if slot is None else (slot, True, None))
         return _Graph(kinds, self._saved_state(nodes)[0], tuple(spec))
 
-    def _tape_result(self, call: _Call, leaves: list, n_eqns: int, n_consts: int, out: Any) -> None:
+    def _tape_result(
+        self, call: _Call, leaves: list, n_eqns: int, n_consts: int, out: Any, written: list[bool]
+    ) -> None:
         call.nsteps = self.step_count - call.first
         call.neqns = self.eqn_count - n_eqns
         steps = self.recording.steps[call.first : call.first + call.nsteps]
-        if not all(st.recorded and st.func is not _BACKWARD for st in steps):
+        if _a_real_write(steps, call, leaves, out, written):
+            call.write = True
+        elif not all(st.recorded and st.func is not _BACKWARD for st in steps):
             call.express = False  # an op that ran for real (read a value)
         for i, (x, k) in enumerate(zip(leaves, call.key)):
             if type(x) is LazyTensor and x._var is not k:
@@ -171,6 +196,9 @@ class ExpressReplay(SlowReplay):
                     call.key = (*call.key[:i], attrs.evolve(k, value=x.item()), *call.key[i + 1 :])
                 else:
                     call.express = False
+        if call.write:  # it returned nothing or the real tensor it wrote (its guard runs it again for that)
+            call.out = None
+            return
         try:
             call.out = _out_spec(out, leaves, self)
         except _Unreadable:
@@ -179,6 +207,16 @@ class ExpressReplay(SlowReplay):
             # No op: only a call that hands back its own arguments (``x.to(x.dtype)``, ``x.contiguous()``) is
             # reproduced; anything else changed what the tape cannot see (autograd state, a new alias).
             call.express = False
+
+    def _express_write(self, call: _Call, args: tuple, kwargs: dict) -> Any:
+        """A taped write into real tensors (``call.write``), matched by its guard: what the step recorded
+        before it runs first (only what it reads, where no pending equation reads what it writes), then the
+        call runs for real on the values, as it did when taped (no autograd: nothing in it requires grad)."""
+        written = {id(x) for x in flat_call(args, kwargs) if isinstance(x, torch.Tensor) and type(x) is not LazyTensor}
+        self._flush_before_write(written, args, kwargs)
+        real = lambda t: t.value() if type(t) is LazyTensor else t  # noqa: E731
+        with torch._C.DisableTorchFunctionSubclass():
+            return call.func(*map_leaves(args, torch.Tensor, real), **map_leaves(kwargs, torch.Tensor, real))
 
     def leave_express(self) -> None:
         """Go back to the slow replay: run the calls replayed so far again through autograd, from the start
@@ -214,6 +252,9 @@ class ExpressReplay(SlowReplay):
                 self.cursor, self.end = call.mark + 1 + mark.nsteps, self.end + mark.neqns
                 # What it took from this step's graph: a later divergence records its steps again.
                 self.consts.update((d[0], bound[d[0]]) for d in mark.derived if d[0] in bound)
+                continue
+            if call.write:  # it ran for real when replayed: its step is not run again
+                self.cursor += call.nsteps
                 continue
             flat = [shadow_of[k] if type(k) is Var else self.slots[k.slot] if type(k) is _Real else k for k in call.key]
             args, kwargs = unflat_call(flat)

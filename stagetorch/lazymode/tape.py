@@ -78,7 +78,7 @@ class _Call:
     ``[first, first + nsteps)`` and ``neqns`` equations, bound ``consts`` (variable, leaf index, and the
     view of that leaf's storage or None for the leaf itself), moved the lazy arguments at ``mutated``
     (leaf index, new variable) to new values in place, and returned ``out`` (a _New, an _Arg, None, or a
-    _Seq of them). ``made`` are the constants the call made itself from its Python arguments (variable,
+    _Seq of them). A ``write`` into real tensors runs for real again. ``made`` are the constants the call made itself from its Python arguments (variable,
     tensor, version): the 0-d tensors a C++ function creates (CPU ``scaled_dot_product_attention`` turns a
     boolean mask into ``where(mask, 0, -inf)``), bound again as they are. A call ``express`` cannot reproduce (it ran a kernel for real, read a value, ran Python
     autograd code...) stops the express replay there. A backward is ``func`` Tensor.backward with ``key``
@@ -100,6 +100,9 @@ class _Call:
     slots_before: int = 0  # how many real tensors the session's earlier calls took
     rereads: list = attrs.field(factory=list)  # constants earlier calls bound that this one's steps read too
     made: list = attrs.field(factory=list)  # (variable, 0-d tensor, its version): constants the call made itself
+    # The call wrote real tensors (``torch.zeros(E).scatter_add_(0, experts, mask)``), nothing requiring grad:
+    # its one step ran for real. The express replay runs it again for real (see ExpressReplay._express_write).
+    write: bool = False
     guard: Any = None  # the generated match (_compile_guard), made at its first replay
 
     def compile_guard(self) -> Callable:
@@ -288,7 +291,9 @@ def _compile_guard(call: _Call) -> Callable:
         lines.append(f"    x{i}._var = {const(var)}\n    session.alive[{const(var)}] = _weakref(x{i})")
     lines.append(f"    session.cursor += {call.nsteps}\n    session.end += {call.neqns}\n    session.tape_pos += 1")
     out = call.out
-    if type(out) is _New:
+    if call.write:
+        lines.append("    return session._express_write(call, args, kwargs)")
+    elif type(out) is _New:
         lines.append(
             f"    t = _make(LazyTensor, {const(out.shape)}, strides={out.stride!r}, dtype={const(out.dtype)},"
             f" device={const(out.device)}, requires_grad={out.requires_grad!r})\n"
