@@ -29,37 +29,36 @@ from stagetorch.lazymode.recording import _RECORDINGS  # noqa: E402
 _made = express._made_from_python_values
 
 
+def _step(label: str, model, optimizer, batch: dict, kept: dict) -> None:
+    optimizer.zero_grad()
+    if label == "eager":
+        model(**batch).loss.backward()
+    else:
+        recordings = kept.setdefault(label, {})  # each lazy variant's recordings, apart (kept per input signature)
+        _RECORDINGS.clear()
+        _RECORDINGS.update(recordings)
+        express._made_from_python_values = _made if label == "lazy" else (lambda *a: False)
+        try:
+            model(**dict(zip(batch, stagetorch.lazy(*batch.values(), batch=0)))).loss.backward()
+        finally:
+            express._made_from_python_values = _made
+            recordings.clear()
+            recordings.update(_RECORDINGS)
+    optimizer.step()
+
+
 def main(steps: int = 30, names: str = "bert,gpt2,llama") -> None:
     torch.set_num_threads(1)
     for name in names.split(","):
         model, batch = zoo.make_model(name), zoo.make_batch(name, padded=True)
         models = {label: copy.deepcopy(model) for label in ("eager", "lazy", "lazy, before")}
         optimizers = {label: torch.optim.AdamW(m.parameters(), lr=1e-3) for label, m in models.items()}
-        kept: dict[str, dict] = {}  # each lazy variant's recordings, apart (they are kept per input signature)
-
-        def step(label: str) -> None:
-            m, optimizer = models[label], optimizers[label]
-            optimizer.zero_grad()
-            if label == "eager":
-                m(**batch).loss.backward()
-            else:
-                recordings = kept.setdefault(label, {})
-                _RECORDINGS.clear()
-                _RECORDINGS.update(recordings)
-                express._made_from_python_values = _made if label == "lazy" else (lambda *a: False)
-                try:
-                    m(**dict(zip(batch, stagetorch.lazy(*batch.values(), batch=0)))).loss.backward()
-                finally:
-                    express._made_from_python_values = _made
-                    recordings.clear()
-                    recordings.update(_RECORDINGS)
-            optimizer.step()
-
+        kept: dict[str, dict] = {}
         times: dict[str, list[float]] = {label: [] for label in models}
         for i in range(steps + 5):
             for label in models:
                 t = time.perf_counter()
-                step(label)
+                _step(label, models[label], optimizers[label], batch, kept)
                 if i >= 5:  # warm-up: recording, planning, the first replays
                     times[label].append(time.perf_counter() - t)
         for label in ("lazy", "lazy, before"):  # the same training as eager's

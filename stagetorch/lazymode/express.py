@@ -33,7 +33,6 @@ from .tape import (
 )
 from .tensor import LazyTensor, _lazy_tensor, _unshadow
 
-
 # Functions written in C++: what they make inside a call they make anew, from their arguments alone (a
 # Python function could hand back a tensor it keeps, whose value changes from one step to the next).
 _BUILTIN = (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType)

@@ -269,7 +269,7 @@ def _compile_guard(call: _Call) -> Callable:
     for name in names:
         take(f"kwargs.get({name!r}, _MISS)")
     lines.append("    if new: slots.extend(new)")
-    for var, t, version in call.made:  # never handed out; a change in place would be a bug, not a new value
+    for _, t, version in call.made:  # never handed out; a change in place would be a bug, not a new value
         lines.append(f"    if {const(t)}._version != {version}: return _MISS")
     if call.consts or call.rereads or call.made:
         lines.append("    consts = session.consts\n    versions = session.versions")
