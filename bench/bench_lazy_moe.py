@@ -140,7 +140,7 @@ def main(steps: int = 30, name: str = "mixtral", padded: str = "padded", layers:
     )
     times: dict[str, list[float]] = {label: [] for label, _ in variants}
     per_run: dict[str, list[float]] = {}
-    for i in range(steps + 3):
+    for i in range(steps + 8):
         for label, fn in variants:
             for m in (m_eager, m_jit, m_lazy):
                 m.zero_grad()
@@ -148,7 +148,7 @@ def main(steps: int = 30, name: str = "mixtral", padded: str = "padded", layers:
             t = time.perf_counter()
             fn()
             dt = time.perf_counter() - t
-            if i >= 3:  # warm-up: recording, planning
+            if i >= 8:  # warm-up: recording, planning, the re-recordings before a recording settles
                 times[label].append(dt)
                 if label in ("lazy", "lazy, unchained"):
                     for j, (what, rt) in enumerate(runs):
