@@ -1,14 +1,18 @@
 """One-line mode on an MoE model with its load-balancing loss (issue 24): a step's time against the same step
 staged with ``jit`` and in eager, run alternately in one process; and where one-line mode's time goes (each
-``Executable.run``: the peeks a mid-step write makes, the step's flush). "lazy, before" is one-line mode as it
-was before two fixes: the answer to "does the whole flush keep rows a chunk orders its own way" was not kept
-(the whole flush planned again, and refused, at each mid-step write), and a recording made again after a
+``Executable.run``: the peeks a mid-step write makes, the step's flush). Each "lazy, ..." variant takes one more
+fix away than the one above it: "unchained", each peek starting from the values the one before it kept (a
+write per layer: each peek computed the layers before its own again, quadratic in the depth); "write leaves",
+the express replay running the router loss's write into a real tensor (``zeros(E).scatter_add_``) itself
+(every step left the express replay there, and after two steps the recording was replayed slowly);
+"before", two older fixes: the answer to "does the whole flush keep rows a chunk orders its own way" was not
+kept (the whole flush planned again, and refused, at each mid-step write), and a recording made again after a
 divergence forgot that sessions had left its express replay (unpadded, every other step recorded).
 
 Setup: tests/test_moe.py's tiny Mixtral (hidden 32, 2 layers, 4 experts, top 2), float32, its router loss
 weighted 1, the padded batch of 7 x 16, the budget at which ``jit`` splits it in >= 3 chunks.
 
-Run: python bench/bench_lazy_moe.py [steps] [mixtral|qwen2_moe|olmoe] [padded|unpadded]
+Run: python bench/bench_lazy_moe.py [steps] [mixtral|qwen2_moe|olmoe] [padded|unpadded] [layers]
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import test_moe  # noqa: E402
 from test_chunking import budget_for  # noqa: E402
 from test_moe import aux_step_of, batch, with_router_loss  # noqa: E402
 
@@ -29,6 +34,7 @@ import stagetorch  # noqa: E402
 import stagetorch.devices  # noqa: E402
 from stagetorch.errors import StagingError  # noqa: E402
 from stagetorch.executable import Executable  # noqa: E402
+from stagetorch.lazymode import express, session  # noqa: E402
 from stagetorch.lazymode.recording import _RECORDINGS  # noqa: E402
 from stagetorch.lazymode.session import _Session  # noqa: E402
 
@@ -56,6 +62,8 @@ def replanning_peeks(self, executable, device):
 
 
 _diverge = _Session._diverge
+_a_real_write = express._a_real_write
+_learn_chain = session._learn_chain
 
 
 def forgetting_diverge(self):
@@ -65,8 +73,9 @@ def forgetting_diverge(self):
     self.recording.left, self.recording.express = 0, True
 
 
-def main(steps: int = 30, name: str = "mixtral", padded: str = "padded") -> None:
+def main(steps: int = 30, name: str = "mixtral", padded: str = "padded", layers: int = 2) -> None:
     torch.set_num_threads(1)
+    test_moe.H["num_hidden_layers"] = layers
     model, b = with_router_loss(name), batch(padded == "padded")
     m_eager, m_jit, m_lazy = (copy.deepcopy(model) for _ in range(3))
     staged = stagetorch.jit(aux_step_of(m_jit), remat=False)
@@ -100,17 +109,38 @@ def main(steps: int = 30, name: str = "mixtral", padded: str = "padded") -> None
 
         return run
 
-    def lazy_before():
-        _Session._peeks, _Session._diverge = replanning_peeks, forgetting_diverge
-        try:
-            lazy()
-        finally:
-            _Session._peeks, _Session._diverge = _peeks, _diverge
+    # Each variant below takes one more fix away than the one above it.
+    def unchained():
+        session._learn_chain = lambda before, before_key, span, key: setattr(span, "alone", True)
 
-    variants = (("eager", eager), ("jit", jit), ("lazy", apart("lazy", lazy)), ("lazy, before", apart("before", lazy_before)))
+    def write_leaves():
+        unchained()
+        express._a_real_write = lambda *a: False
+
+    def before():
+        write_leaves()
+        _Session._peeks, _Session._diverge = replanning_peeks, forgetting_diverge
+
+    def patched(patch):
+        def run():
+            patch()
+            try:
+                lazy()
+            finally:
+                session._learn_chain, express._a_real_write = _learn_chain, _a_real_write
+                _Session._peeks, _Session._diverge = _peeks, _diverge
+
+        return run
+
+    variants = (
+        ("eager", eager), ("jit", jit), ("lazy", apart("lazy", lazy)),
+        ("lazy, unchained", apart("unchained", patched(unchained))),
+        ("lazy, write leaves", apart("write leaves", patched(write_leaves))),
+        ("lazy, before", apart("before", patched(before))),
+    )
     times: dict[str, list[float]] = {label: [] for label, _ in variants}
     per_run: dict[str, list[float]] = {}
-    for i in range(steps + 3):
+    for i in range(steps + 8):
         for label, fn in variants:
             for m in (m_eager, m_jit, m_lazy):
                 m.zero_grad()
@@ -118,13 +148,18 @@ def main(steps: int = 30, name: str = "mixtral", padded: str = "padded") -> None
             t = time.perf_counter()
             fn()
             dt = time.perf_counter() - t
-            if i >= 3:  # warm-up: recording, planning
+            if i >= 8:  # warm-up: recording, planning, the re-recordings before a recording settles
                 times[label].append(dt)
-                if label == "lazy":
+                if label in ("lazy", "lazy, unchained"):
                     for j, (what, rt) in enumerate(runs):
-                        per_run.setdefault(f"lazy run {j}: {what}", []).append(rt)
+                        per_run.setdefault(f"{label} run {j}: {what}", []).append(rt)
+                    # every run but the step's flush at backward() (the last that chunks, then the optimizer's)
+                    last = max(j for j, (what, _) in enumerate(runs) if not what.endswith(" 1 chunks")) if any(
+                        not what.endswith(" 1 chunks") for what, _ in runs) else len(runs) - 1
+                    per_run.setdefault(f"{label}: runs before the step's flush, summed", []).append(
+                        sum(rt for _, rt in runs[:last]))
     Executable.run = _run
-    print(f"{name}, {padded} batch {tuple(b[0].shape)}, budget {budget} B, {steps} steps, medians:")
+    print(f"{name}, {layers} layers, {padded} batch {tuple(b[0].shape)}, budget {budget} B, {steps} steps, medians:")
     for label, ts in times.items():
         print(f"  {label:17s} {statistics.median(ts) * 1e3:8.2f} ms")
     for what, ts in per_run.items():

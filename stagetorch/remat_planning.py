@@ -941,6 +941,9 @@ def plan_joint(
         f"{first_error} Recomputing forward values in the backward does not fit either: the smallest budget any "
         f"schedule fits is {format_bytes(bytes_ceiling(smallest))} (recomputing {points[least].dropped} op(s))."
     )
+    # What callers read off the planner's error carries over (``chunk_local_result``: one-line mode then
+    # computes only what a mid-step read needs, as it does without recomputation).
+    error.__dict__.update(vars(first_error))
     error.smallest_budget = smallest
     raise error from first_error
 

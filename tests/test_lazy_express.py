@@ -461,3 +461,169 @@ def test_a_step_that_always_leaves_the_replay_stops_replaying_express(monkeypatc
 
     assert_same_loop(step, n=6)
     assert left == ([2, 2] if lazy_mode is Mode.EXPRESS else []), left
+
+
+
+@pytest.mark.lazy_modes("express")
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
+def test_padded_transformers_stay_on_the_express_replay(name, dispatched, monkeypatch, lazy_mode):
+    """A padded batch (attention mask): CPU ``scaled_dot_product_attention`` turns the boolean mask into
+    ``where(mask, 0, -inf)``, two 0-d tensors it makes itself, which the express replay binds again as they
+    are. Four AdamW steps equal eager's (losses, every gradient, the parameters), and from the second step on
+    no op reaches a lazy tensor and no step leaves the express replay (before: every step left it at the
+    first attention, and after two steps the recording was replayed slowly)."""
+    pytest.importorskip("transformers")
+    import test_transformers_zoo as zoo
+
+    left = []
+    leave = _Session.leave_express
+    monkeypatch.setattr(_Session, "leave_express", lambda self: left.append(self.tape_pos) or leave(self))
+    model = zoo.make_model(name)
+    reference = copy.deepcopy(model)
+    batch = zoo.make_batch(name, padded=True)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
+    counts = []
+    for _ in range(4):
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        inputs = dict(zip(batch, stagetorch.lazy(*batch.values(), batch=0)))
+        dispatched.clear()
+        loss = model(**inputs).loss
+        loss.backward()
+        counts.append(len(dispatched))
+        expected = reference(**batch).loss
+        expected.backward()
+        zoo.assert_same(model, reference, loss, expected)
+        for optimizer in optimizers:
+            optimizer.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert (p - q).norm() <= 1e-9 * q.norm(), (p - q).norm()
+    assert counts[0] > 0 and counts[1:] == [0, 0, 0], counts
+    assert left == [], left
+
+
+class _Masked(nn.Module):
+    """Attention under a boolean mask (SDPA makes 0-d tensors of its own), a ``torch.where`` of a real
+    tensor and a number, and a cosine similarity with a parameter (a 0-d norm of the parameter made inside
+    the call: its value changes every step, so that call must never be replayed from the tape)."""
+
+    def __init__(self, cosine: bool):
+        super().__init__()
+        self.proj = nn.Linear(8, 24)
+        self.direction = nn.Parameter(torch.randn(8))
+        self.bias = torch.randn(5, 5)
+        self.cosine = cosine
+
+    def forward(self, x, mask):
+        q, k, v = self.proj(x).unflatten(-1, (3, 8)).unbind(-2)
+        keep = mask[:, None, :] & mask[:, :, None]
+        scores = torch.where(keep, self.bias, -1e4)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep) + scores.softmax(-1) @ v
+        if self.cosine:
+            out = out * F.cosine_similarity(out, self.direction, dim=-1)[..., None]
+        return out.square().mean()
+
+
+@pytest.mark.parametrize("cosine", [False, True], ids=["literals", "computed"])
+def test_constants_a_call_makes_itself(cosine, dispatched, lazy_mode):
+    """Constants a taped call makes itself replay express only where their value is the call's Python
+    arguments': SDPA's own 0-d tensors and ``torch.where``'s number do; a 0-d norm of a parameter (cosine
+    similarity) does not, and the steps still equal eager's as the parameter trains."""
+    recording._RECORDINGS.clear()
+    torch.manual_seed(0)
+    model = _Masked(cosine)
+    reference = copy.deepcopy(model)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, reference)]
+    x = torch.randn(4, 5, 8)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 0]], dtype=torch.bool)
+    counts = []
+    for _ in range(4):
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        dispatched.clear()
+        loss = model(*stagetorch.lazy(x, mask, batch=0))
+        loss.backward()
+        counts.append(len(dispatched))
+        expected = reference(x, mask)
+        expected.backward()
+        assert torch.allclose(loss, expected, rtol=1e-6, atol=0), (loss.item(), expected.item())
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert (p.grad is None) == (q.grad is None) == (p is model.direction and not cosine)
+            assert p.grad is None or torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+        for optimizer in optimizers:
+            optimizer.step()
+    if lazy_mode is Mode.EXPRESS:
+        assert counts[0] > 0 and (all(counts[1:]) if cosine else counts[1:] == [0, 0, 0]), counts
+
+
+@pytest.mark.parametrize("case", ["fresh", "read-before", "diverge-after"])
+def test_writes_into_real_tensors_replay_express(case, dispatched, monkeypatch, lazy_mode):
+    """A router's token counts, ``torch.zeros(E).scatter_add_(0, experts, ones)``, and a running mean a
+    buffer keeps, ``ema.add_(logits.detach().mean(0))``: writes into real tensors, which run for real at once
+    (the user may read them). The express replay runs them for real too, after what they read: the counts
+    read each step equal eager's, and so do the buffer, the losses and the gradients. ``read-before``: the
+    loss reads the buffer before the write, so the write waits for what was recorded before it;
+    ``diverge-after``: every other step leaves the express replay after the writes, which the slow replay
+    does not run again (the counts and the buffer would be added twice)."""
+    left = []
+    leave = _Session.leave_express
+    monkeypatch.setattr(_Session, "leave_express", lambda self: left.append(self.tape_pos) or leave(self))
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    reference = copy.deepcopy(model)
+    buffers = [torch.zeros(4), torch.zeros(4)]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, reference)]
+    counts = []
+    for i in range(5):
+        x = torch.randn(10, 8)
+        seen = []
+        for net, ema, one_line in ((model, buffers[0], True), (reference, buffers[1], False)):
+            logits = net(stagetorch.lazy(x, batch=0) if one_line else x)
+            if one_line:
+                dispatched.clear()
+            if case == "read-before":
+                logits = logits + ema
+            experts = logits.argmax(-1)
+            tokens = torch.zeros(4).scatter_add_(0, experts, torch.ones_like(logits[:, 0]))
+            ema.add_(logits.detach().mean(0))
+            if case == "diverge-after" and i % 2:
+                logits = logits * 2
+            loss = (logits.softmax(-1) * tokens).sum() / 10
+            loss.backward()
+            seen.append((tokens.tolist(), loss.item(), ema.clone()))
+            if one_line:
+                counts.append(len(dispatched))
+        (tokens, loss, ema), (tokens0, loss0, ema0) = seen
+        assert tokens == tokens0 and abs(loss - loss0) <= 1e-6 * abs(loss0) and torch.allclose(ema, ema0, atol=1e-6)
+        assert_same_grads(model, reference)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    if lazy_mode is Mode.EXPRESS and case != "diverge-after":
+        assert counts[0] > 0 and counts[1:] == [0] * 4 and left == [], (counts, left)
+    elif lazy_mode is Mode.EXPRESS:
+        assert left and all(pos > 3 for pos in left), left  # past both writes
+
+
+def test_a_write_of_a_value_that_requires_grad_is_not_replayed_express(monkeypatch, lazy_mode):
+    """``bank.add_(h)`` with ``h`` requiring grad: the real tensor joins the autograd graph (eager: it gets a
+    grad_fn), which the express replay does not make, so the call stops it; the steps still equal eager's."""
+    left = []
+    leave = _Session.leave_express
+    monkeypatch.setattr(_Session, "leave_express", lambda self: left.append(self.tape_pos) or leave(self))
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    reference = copy.deepcopy(model)
+    for _ in range(4):
+        x = torch.randn(10, 8)
+        losses = []
+        for net, one_line in ((model, True), (reference, False)):
+            h = net(stagetorch.lazy(x, batch=0) if one_line else x)
+            bank = torch.zeros(10, 4)
+            bank.add_(h)
+            loss = bank.square().mean()
+            loss.backward()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) <= 1e-6 * abs(losses[1])
+        assert_same_grads(model, reference, clear=True)
+    assert (left != []) == (lazy_mode is Mode.EXPRESS), left

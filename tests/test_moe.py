@@ -625,3 +625,54 @@ def _sessions():
     from stagetorch.lazymode.session import _SESSIONS
 
     return sorted(_SESSIONS, key=lambda s: -s.serial)
+
+
+@pytest.mark.lazy_modes("express")
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+def test_router_loss_in_one_line_mode_stays_on_the_express_replay(padded, lazy_mode, dispatched, monkeypatch):
+    """The router loss's token counts, ``zeros(E).scatter_add_(0, experts, mask)``, are a write into a real
+    tensor mid-step: the express replay runs it for real on the experts and the mask (computed then), and
+    goes on. From the second step on no op reaches a lazy tensor and no step leaves the express replay
+    (before: every step left it at that write, and after two steps the recording was replayed slowly);
+    four AdamW steps under a budget that chunks equal eager's."""
+    from stagetorch.lazymode.session import _Session
+
+    left = []
+    leave = _Session.leave_express
+    monkeypatch.setattr(_Session, "leave_express", lambda self: left.append(self.tape_pos) or leave(self))
+    model, b = with_router_loss("mixtral"), batch(padded)
+    reference = copy.deepcopy(model)
+    budget = budget_for(stagetorch.jit(aux_step_of(copy.deepcopy(model)), remat=False), *b)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
+    counts = []
+    for _ in range(4):
+        loss0, aux0 = aux_step_of(reference)(*b)
+        ids, mask, labels = stagetorch.lazy(*b, batch=0, memory_budget=budget, remat=False)
+        dispatched.clear()
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        counts.append(len(dispatched))
+        assert rel(out.aux_loss.detach(), aux0.detach()) <= TOL
+        assert_close(model, out.loss, (loss0.detach(), [p.grad for p in reference.parameters()]), TOL)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    assert counts[0] > 0 and counts[1:] == [0, 0, 0] and left == [], (counts, left)
+
+
+def test_router_loss_in_one_line_mode_with_recomputation_computes_only_what_the_write_reads():
+    """As without recomputation (above), with it (``remat`` left at its default): the flush at the router
+    loss's write would keep rows each chunk orders its own way, and the planner that also tries recomputing
+    says so on its error (before: it lost that on the error it raised, and the step failed with it). Two
+    steps equal eager's."""
+    model, b = with_router_loss("mixtral"), batch(True)
+    reference = copy.deepcopy(model)
+    budget = budget_for(stagetorch.jit(aux_step_of(copy.deepcopy(model)), remat=False), *b)
+    for _ in range(2):
+        loss0, aux0 = aux_step_of(reference)(*b)
+        ids, mask, labels = stagetorch.lazy(*b, batch=0, memory_budget=budget)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        assert rel(out.aux_loss.detach(), aux0.detach()) <= TOL
+        assert_close(model, out.loss, (loss0.detach(), [p.grad for p in reference.parameters()]), TOL)
+        model.zero_grad(), reference.zero_grad()

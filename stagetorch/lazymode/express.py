@@ -6,6 +6,7 @@ the session continues with the slow replay.
 
 from __future__ import annotations
 
+import types
 import weakref
 from typing import Any
 
@@ -16,7 +17,7 @@ from .._tree import flat_call, flatten, map_leaves, unflat_call
 from ..ir import Var
 from .autograd_graph import _PYTHON_FUNCTION_NODE, _autograd_graph, _Unreadable
 from .mode import Mode
-from .recording import _BACKWARD, _Backward, _meta
+from .recording import _BACKWARD, _CONCRETE, _Backward, _meta
 from .replay import SlowReplay
 from .tape import (
     _MAX_LEAVES,
@@ -31,6 +32,48 @@ from .tape import (
     _view,
 )
 from .tensor import LazyTensor, _lazy_tensor, _unshadow
+
+# Functions written in C++: what they make inside a call they make anew, from their arguments alone (a
+# Python function could hand back a tensor it keeps, whose value changes from one step to the next).
+_BUILTIN = (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType)
+# Functions whose only tensors made inside are their number arguments as tensors (``where.ScalarOther``), even
+# with real tensor arguments, whose values a function could otherwise reduce into a new 0-d tensor.
+_SCALAR_WRAPPERS = frozenset({torch.where, torch.Tensor.where})
+
+
+def _made_from_python_values(func: Any, t: torch.Tensor, leaves: list) -> bool:
+    """Whether ``t``, a real tensor a taped call made itself (no argument's view), is a value of the call's
+    Python arguments alone, which the tape's key compares: a 0-d tensor, with its own storage, made by a C++
+    function that took no real tensor (the ``0`` and ``-inf`` of CPU ``scaled_dot_product_attention``'s
+    ``where(mask, 0, -inf)``), or by ``torch.where`` from its number argument. Its value is then the same in
+    every step that matches the call."""
+    if not isinstance(func, _BUILTIN) or type(t) is not torch.Tensor or t.ndim != 0 or t.requires_grad:
+        return False
+    if t._base is not None or t.untyped_storage().nbytes() != t.element_size():
+        return False
+    if func in _SCALAR_WRAPPERS:
+        # ``torch.where(mask, bias, float("-inf"))`` (T5): the number argument made a tensor, and it is its value.
+        return any(type(x) in (int, float, bool) and x == t.item() for x in leaves)
+    return not any(isinstance(x, torch.Tensor) and type(x) is not LazyTensor for x in leaves)
+
+
+def _version(x: Any) -> int | None:
+    """The version counter of a real tensor (None for anything else, and an inference tensor, which has none)."""
+    if not isinstance(x, torch.Tensor) or type(x) is LazyTensor or x.is_inference():
+        return None
+    return x._version
+
+
+def _a_real_write(steps: list, call: _Call, leaves: list, out: Any, written: list[bool]) -> bool:
+    """Whether a call is a write into real tensors that the express replay can run again for real: one
+    step, run for real (not a value read), that changed real arguments in place and returned one of them
+    or nothing, with no tensor that requires grad among its arguments (no autograd graph is made or
+    needed: ``torch.zeros(E).scatter_add_(0, experts, mask)`` of a router's token counts)."""
+    if len(steps) != 1 or steps[0].recorded or steps[0].func in _CONCRETE or call.neqns or not any(written):
+        return False
+    if any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
+        return False
+    return out is None or any(out is x for x, w in zip(leaves, written) if w)
 
 
 class ExpressReplay(SlowReplay):
@@ -57,6 +100,7 @@ class ExpressReplay(SlowReplay):
         leaves = flat_call(args, kwargs)
         first, n_eqns, n_consts = self.step_count, self.eqn_count, len(self.consts)
         call = self._tape_key(func, leaves, first, tape)
+        versions = [_version(x) for x in leaves]
         try:
             with torch._C.DisableTorchFunctionSubclass():
                 out = func(*args, **kwargs)
@@ -64,7 +108,8 @@ class ExpressReplay(SlowReplay):
             self.tape = None
             raise
         if self.tape is tape:  # not diverged meanwhile
-            self._tape_result(call, leaves, n_eqns, n_consts, out)
+            written = [v is not None and _version(x) != v for x, v in zip(leaves, versions)]
+            self._tape_result(call, leaves, n_eqns, n_consts, out, written)
             tape.append(call)
             if not call.express:
                 self.tape = None  # the express replay stops at this call: the rest need not be taped
@@ -117,22 +162,29 @@ class ExpressReplay(SlowReplay):
             spec.append((self._slot(leaf), False, _meta(leaf)) if slot is None else (slot, True, None))
         return _Graph(kinds, self._saved_state(nodes)[0], tuple(spec))
 
-    def _tape_result(self, call: _Call, leaves: list, n_eqns: int, n_consts: int, out: Any) -> None:
+    def _tape_result(
+        self, call: _Call, leaves: list, n_eqns: int, n_consts: int, out: Any, written: list[bool]
+    ) -> None:
         call.nsteps = self.step_count - call.first
         call.neqns = self.eqn_count - n_eqns
         steps = self.recording.steps[call.first : call.first + call.nsteps]
-        if not all(st.recorded and st.func is not _BACKWARD for st in steps):
+        if _a_real_write(steps, call, leaves, out, written):
+            call.write = True
+        elif not all(st.recorded and st.func is not _BACKWARD for st in steps):
             call.express = False  # an op that ran for real (read a value)
         for i, (x, k) in enumerate(zip(leaves, call.key)):
             if type(x) is LazyTensor and x._var is not k:
                 call.mutated.append((i, x._var))
         for var, t in list(self.consts.items())[n_consts:]:
             source = _source(t, leaves)
-            if source is None:
+            if source is not None:
+                call.consts.append((var, *source))
+            elif _made_from_python_values(call.func, t, leaves):
+                call.made.append((var, t, t._version))
+            else:
                 call.express = False  # a real tensor the call made itself: its value is not the arguments'
                 break
-            call.consts.append((var, *source))
-        new = {var for var, *_ in call.consts}
+        new = {var for var, *_ in call.consts} | {var for var, *_ in call.made}
         call.rereads = list(dict.fromkeys(v for st in steps for _, v in st.consts if v is not None and v not in new))
         bound = {i for _, i, _ in call.consts}
         for i, (x, k) in enumerate(zip(leaves, call.key)):
@@ -143,6 +195,9 @@ class ExpressReplay(SlowReplay):
                     call.key = (*call.key[:i], attrs.evolve(k, value=x.item()), *call.key[i + 1 :])
                 else:
                     call.express = False
+        if call.write:  # it returned nothing or the real tensor it wrote (its guard runs it again for that)
+            call.out = None
+            return
         try:
             call.out = _out_spec(out, leaves, self)
         except _Unreadable:
@@ -151,6 +206,16 @@ class ExpressReplay(SlowReplay):
             # No op: only a call that hands back its own arguments (``x.to(x.dtype)``, ``x.contiguous()``) is
             # reproduced; anything else changed what the tape cannot see (autograd state, a new alias).
             call.express = False
+
+    def _express_write(self, call: _Call, args: tuple, kwargs: dict) -> Any:
+        """A taped write into real tensors (``call.write``), matched by its guard: what the step recorded
+        before it runs first (only what it reads, where no pending equation reads what it writes), then the
+        call runs for real on the values, as it did when taped (no autograd: nothing in it requires grad)."""
+        written = {id(x) for x in flat_call(args, kwargs) if isinstance(x, torch.Tensor) and type(x) is not LazyTensor}
+        self._flush_before_write(written, args, kwargs)
+        real = lambda t: t.value() if type(t) is LazyTensor else t  # noqa: E731
+        with torch._C.DisableTorchFunctionSubclass():
+            return call.func(*map_leaves(args, torch.Tensor, real), **map_leaves(kwargs, torch.Tensor, real))
 
     def leave_express(self) -> None:
         """Go back to the slow replay: run the calls replayed so far again through autograd, from the start
@@ -186,6 +251,9 @@ class ExpressReplay(SlowReplay):
                 self.cursor, self.end = call.mark + 1 + mark.nsteps, self.end + mark.neqns
                 # What it took from this step's graph: a later divergence records its steps again.
                 self.consts.update((d[0], bound[d[0]]) for d in mark.derived if d[0] in bound)
+                continue
+            if call.write:  # it ran for real when replayed: its step is not run again
+                self.cursor += call.nsteps
                 continue
             flat = [shadow_of[k] if type(k) is Var else self.slots[k.slot] if type(k) is _Real else k for k in call.key]
             args, kwargs = unflat_call(flat)

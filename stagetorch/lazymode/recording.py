@@ -273,28 +273,30 @@ class RecordingSteps(_SessionBase):
         if self.mode is Mode.RECORD:
             self.recording.steps.append(_Step(func, _key(leaves), self._consts_in(leaves), None, False, False))
         if func not in _CONCRETE:
-            # A write into a real tensor (or a data-dependent shape): everything recorded before it runs
-            # first, so what it read is the old value, as in eager. Where no pending equation reads a tensor it
-            # writes (``torch.zeros(E).scatter_add_(0, experts, mask)``), the flush may compute only the
-            # values the op reads (see flush's ``needed``).
-            written = {id(t) for t in _written(func, args, kwargs)}
-            needed = None
-            consts = self.consts  # (session.reads_any, here: this module sits below the session's)
-            if not any(
-                v in consts and id(consts[v]) in written for e in self.eqns[self.done : self.eqn_count] for v in e.invars
-            ):
-                needed = []
-
-                def need(t: torch.Tensor) -> torch.Tensor:
-                    if type(t) is LazyTensor:
-                        t = t if t._shadow is None else t._shadow
-                        if t._session is self and t._var not in needed:
-                            needed.append(t._var)
-                    return t
-
-                map_leaves((args, kwargs), torch.Tensor, need)
-            self.flush([], needed=needed)
+            self._flush_before_write({id(t) for t in _written(func, args, kwargs)}, args, kwargs)
         return func(*map_leaves(args, torch.Tensor, _real), **map_leaves(kwargs, torch.Tensor, _real))
+
+    def _flush_before_write(self, written: set[int], args: tuple, kwargs: dict) -> None:
+        """Before a write into real tensors (ids ``written``; or a data-dependent shape): everything recorded
+        before it runs first, so what it read is the old value, as in eager. Where no pending equation reads a
+        tensor it writes (``torch.zeros(E).scatter_add_(0, experts, mask)``), the flush may compute only the
+        values the op reads (see flush's ``needed``)."""
+        needed = None
+        consts = self.consts  # (session.reads_any, here: this module sits below the session's)
+        if not any(
+            v in consts and id(consts[v]) in written for e in self.eqns[self.done : self.eqn_count] for v in e.invars
+        ):
+            needed = []
+
+            def need(t: torch.Tensor) -> torch.Tensor:
+                if type(t) is LazyTensor:
+                    t = t if t._shadow is None else t._shadow
+                    if t._session is self and t._var not in needed:
+                        needed.append(t._var)
+                return t
+
+            map_leaves((args, kwargs), torch.Tensor, need)
+        self.flush([], needed=needed)
 
     def _wrap_fake(self, fake: torch.Tensor) -> LazyTensor:
         var = self.recorder.var(fake)

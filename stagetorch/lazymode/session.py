@@ -284,39 +284,76 @@ class _Session(BackwardSkip):
             flushes[key] = answer
         return answer
 
+    # The previous peek of this step: its key and the values it computed for the next one (_PeekSpan.extra),
+    # with their batch labels. Valid while no flush ran since (its key holds the flush it started from).
+    peek_kept: tuple | None = None
+
     def _peek(self, needed: list[Var]) -> None:
         """Compute ``needed`` from the equations not yet run that it depends on, chunked within the budget,
         without running the flush: every equation stays pending and runs again at the next flush. The values
         an op run for real mid-step reads are per-example or reduced, so this program chunks where the whole
-        flush, keeping an MoE layer's sorted rows for the backward, could not."""
+        flush, keeping an MoE layer's sorted rows for the backward, could not.
+
+        Peeks in a row (one per MoE layer: each layer's router counts) would each compute the step from the
+        last flush, the layers before theirs again. Once a peek has been seen after another, the earlier one
+        also keeps the values the later one reads from its equations (the hidden states between them), and
+        the later one computes only the equations the earlier did not."""
         end = self.eqn_count
         flushes = self.recording.flushes
         key = ("peek", self.done, end, tuple(needed), self.remat)
-        built = flushes.get(key)
+        span = flushes.get(key)
+        if span is None:
+            span = flushes[key] = _PeekSpan(_ancestors(self.eqns[self.done : end], needed), list(needed))
+        kept, self.peek_kept = self.peek_kept, None
+        before = kept[0] if kept is not None and kept[0][1] == self.done else None
+        if before is not None and span.follows is None and not span.alone:
+            _learn_chain(flushes[before], before, span, key)
+        after = before is not None and before == span.follows and kept[1] is not None
+        kept_values, kept_labels = (kept[1], kept[2]) if after else ({}, {})
+        built = span.built.get((after, span.extra))
         if built is None:
-            pending = _ancestors(self.eqns[self.done : end], needed)
-            made = {v for e in pending for v in e.outvars if v is not None}
+            eqns = span.tail if after else span.eqns
+            made = {v for e in eqns for v in e.outvars if v is not None}
             invars: list[Var] = []
-            for e in pending:
+            for e in eqns:
                 for v in e.invars:
                     if v not in made and v not in invars:
                         invars.append(v)
-            labels = {**self.batched, **self.made}  # (no process group: flush peeks only without one)
+            labels = {**self.batched, **self.made, **kept_labels}  # (no process group: flush peeks only without one)
             roles = ["arg" if v in labels else "const" for v in invars]
-            graph = Graph(invars, pending, list(needed), roles, [""] * len(invars))
+            graph = Graph(invars, eqns, [*needed, *span.extra], roles, [""] * len(invars))
             batched = {v: b for v, b in labels.items() if v in invars}
             executable = Executable(graph, batched, self.batch, remat=self.remat)
             device = next((v.aval.device for v in executable.batched), torch.device("cpu"))
-            built = flushes[key] = (executable, device, invars)
-        executable, device, invars = built
+            built = span.built[(after, span.extra)] = [executable, device, invars, None]
+        executable, device, invars, labels_out = built
         values, consts = self.values, self.consts
-        inputs = [values[v] if v in values else consts[v] for v in invars]
+        inputs = [kept_values[v] if v in kept_values else values[v] if v in values else consts[v] for v in invars]
         if self.versions:
             self._check_versions(invars)
-        plan = executable.planner.plan_call(free_memory(device, self.memory_budget), *executable.restoring, inputs)[1]
+        budget = free_memory(device, self.memory_budget)
+        try:
+            plan = executable.planner.plan_call(budget, *executable.restoring, inputs)[1]
+        except StagingError:
+            if not span.extra:
+                raise
+            # The values kept for the next peek do not chunk (rows each chunk orders its own way): not kept.
+            span.extra, span.alone = (), True
+            flushes[span.next].follows = None
+            flushes[span.next].alone = True
+            self.peek_kept = kept
+            self._peek(needed)
+            return
         results, _ = executable.run(inputs, plan, name="lazy")
         for v, x in zip(needed, results):
             values[v] = x
+        if span.extra:
+            if labels_out is None:  # after its first run: an executable learns about its inputs there
+                labels_out = built[3] = _per_example_outputs(executable)
+            extra = dict(zip(span.extra, results[len(needed) :]))
+            self.peek_kept = (key, extra, {v: b for v, b in labels_out.items() if v in extra})
+        else:
+            self.peek_kept = (key, None, None)
 
     def _check_versions(self, invars: list[Var]) -> None:
         """Raise ModifiedInputError if a real tensor a pending call read was changed in place since."""
@@ -429,6 +466,7 @@ class _Session(BackwardSkip):
         if needed and self.shard is None and self._peeks(executable, device):
             self._peek(needed)
             return
+        self.peek_kept = None  # (what a peek kept for the next one is not held through the flush)
         kept = {v: x for v, x in values.items() if v in alive or v in batched or (later is not None and v in later)}
         try:
             versions = self.versions
@@ -530,6 +568,53 @@ def _ancestors(eqns: list, needed: list[Var]) -> list:
             roots.update(v.root for v in ins)
     keep.reverse()
     return keep
+
+
+class _PeekSpan:
+    """A peek (:meth:`_Session._peek`) of a recording: the pending equations its values depend on, and, once
+    it has been seen right after another peek (``follows``, that one's key), the equations of its own
+    (``tail``) it computes from what that one kept. ``extra`` are the values it keeps for the peek that
+    follows it (``next``); ``alone``: chaining was tried and refused (a value kept would not chunk, or an
+    equation writes into one). ``built``: its executables, per (starting from ``follows``, ``extra``)."""
+
+    def __init__(self, eqns: list, needed: list[Var]):
+        self.eqns, self.needed = eqns, needed
+        self.follows: tuple | None = None
+        self.tail: list = []
+        self.extra: tuple = ()
+        self.next: tuple | None = None
+        self.alone = False
+        self.built: dict[tuple, list] = {}
+
+
+def _learn_chain(before: _PeekSpan, before_key: tuple, span: _PeekSpan, key: tuple) -> None:
+    """``span`` ran right after ``before`` (same flush): from the next step on, ``before`` keeps the values
+    ``span``'s other equations read from its equations, and ``span`` computes only those others."""
+    if before.next is not None or before.alone:
+        return  # it keeps values for another peek already
+    ours = {id(e) for e in before.eqns}
+    tail = [e for e in span.eqns if id(e) not in ours]
+    produced = {v for e in before.eqns for v in e.outvars if v is not None}
+    extra: list[Var] = []
+    for e in tail:
+        for v in e.invars:
+            if v in produced and v not in extra and v not in before.needed:
+                extra.append(v)
+    roots = {v.root for v in extra}
+    if not extra or len(tail) == len(span.eqns) or any(
+        _is_write(e) and any(v is not None and v.root in roots for v in e.outvars) for e in (*before.eqns, *tail)
+    ):
+        span.alone = True  # nothing to share, or a write into the storage of a value kept (which version?)
+        return
+    before.extra, before.next = tuple(extra), key
+    span.follows, span.tail = before_key, tail
+
+
+def _is_write(e: Any) -> bool:
+    returns = getattr(getattr(e.prim, "_schema", None), "returns", None)
+    if returns is None:
+        return True  # not an ATen op: assume it may write
+    return any(r.alias_info is not None and r.alias_info.is_write for r in returns)
 
 
 def _per_example_outputs(executable: Executable) -> dict[Var, Batched]:

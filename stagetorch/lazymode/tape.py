@@ -78,7 +78,9 @@ class _Call:
     ``[first, first + nsteps)`` and ``neqns`` equations, bound ``consts`` (variable, leaf index, and the
     view of that leaf's storage or None for the leaf itself), moved the lazy arguments at ``mutated``
     (leaf index, new variable) to new values in place, and returned ``out`` (a _New, an _Arg, None, or a
-    _Seq of them). A call ``express`` cannot reproduce (it ran a kernel for real, read a value, ran Python
+    _Seq of them). A ``write`` into real tensors runs for real again. ``made`` are the constants the call made itself from its Python arguments (variable,
+    tensor, version): the 0-d tensors a C++ function creates (CPU ``scaled_dot_product_attention`` turns a
+    boolean mask into ``where(mask, 0, -inf)``), bound again as they are. A call ``express`` cannot reproduce (it ran a kernel for real, read a value, ran Python
     autograd code...) stops the express replay there. A backward is ``func`` Tensor.backward with ``key``
     (the loss variable,), ``mark`` the index of its _Backward step and ``leaves`` the slots of its leaves."""
 
@@ -97,6 +99,10 @@ class _Call:
     views: _Views = attrs.field(factory=lambda: _Views())
     slots_before: int = 0  # how many real tensors the session's earlier calls took
     rereads: list = attrs.field(factory=list)  # constants earlier calls bound that this one's steps read too
+    made: list = attrs.field(factory=list)  # (variable, 0-d tensor, its version): constants the call made itself
+    # The call wrote real tensors (``torch.zeros(E).scatter_add_(0, experts, mask)``), nothing requiring grad:
+    # its one step ran for real. The express replay runs it again for real (see ExpressReplay._express_write).
+    write: bool = False
     guard: Any = None  # the generated match (_compile_guard), made at its first replay
 
     def compile_guard(self) -> Callable:
@@ -263,7 +269,9 @@ def _compile_guard(call: _Call) -> Callable:
     for name in names:
         take(f"kwargs.get({name!r}, _MISS)")
     lines.append("    if new: slots.extend(new)")
-    if call.consts or call.rereads:
+    for _, t, version in call.made:  # never handed out; a change in place would be a bug, not a new value
+        lines.append(f"    if {const(t)}._version != {version}: return _MISS")
+    if call.consts or call.rereads or call.made:
         lines.append("    consts = session.consts\n    versions = session.versions")
     for var in map(const, call.rereads):  # bound before the last flush: bound again, as it is now
         lines.append(f"    if {var} not in versions: versions[{var}] = consts[{var}]._version")
@@ -277,11 +285,15 @@ def _compile_guard(call: _Call) -> Callable:
                 f" else views.get({j}, x{i}, {const(view)})"
             )
         lines.append(f"    versions[{const(var)}] = x{i}._version")
+    for var, t, version in call.made:
+        lines.append(f"    consts[{const(var)}] = {const(t)}\n    versions[{const(var)}] = {version}")
     for i, var in call.mutated:
         lines.append(f"    x{i}._var = {const(var)}\n    session.alive[{const(var)}] = _weakref(x{i})")
     lines.append(f"    session.cursor += {call.nsteps}\n    session.end += {call.neqns}\n    session.tape_pos += 1")
     out = call.out
-    if type(out) is _New:
+    if call.write:
+        lines.append("    return session._express_write(call, args, kwargs)")
+    elif type(out) is _New:
         lines.append(
             f"    t = _make(LazyTensor, {const(out.shape)}, strides={out.stride!r}, dtype={const(out.dtype)},"
             f" device={const(out.device)}, requires_grad={out.requires_grad!r})\n"
