@@ -68,7 +68,8 @@ class Planner:
     _inner: dict[Graph, Planner] = attrs.field(factory=dict)
     _merge_ok: dict[Graph, bool] = attrs.field(factory=dict)  # see _merges_as_planned
     _points: list[Recompute] | None = None
-    _chunk_points: dict[int, list[tuple[Recompute, int]]] = attrs.field(factory=dict)
+    _chunk_points: dict[tuple[int, int | None], list[tuple[Recompute, int, int]]] = attrs.field(factory=dict)
+    _chunk_frontiers: dict[int, list[Recompute]] = attrs.field(factory=dict)  # frontier() of a chunk's graph, by size
 
     def split(self) -> Split:
         """The graph split for chunking (the shared, body and post graphs), which the executor runs too."""
@@ -138,16 +139,26 @@ class Planner:
             self._points = frontier(self.graph)
         return self._points
 
-    def chunk_frontier(self, n: int) -> list[tuple[Recompute, int]]:
-        """Recompute sets chosen for chunks of ``n`` examples, each with the peak of a chunked run of this
-        graph predicted by its chunk's graph (:func:`stagetorch.remat_planning.chunk_frontier`)."""
-        if n not in self._chunk_points:
+    def chunk_frontier(self, n: int, usable: int | None = None) -> list[tuple[Recompute, int, int]]:
+        """Recompute sets chosen for chunks of ``n`` examples, each with the peak of a chunked run's first
+        chunk predicted by its chunk's graph, and a bound on a later chunk's
+        (:func:`stagetorch.remat_planning.chunk_frontier`); with ``usable``, also its sets just above those
+        bytes repaired so that a later chunk's bound fits them."""
+        key = (n, usable)
+        if key not in self._chunk_points:
             split = self.split()
             body = split.body(n)
-            # As planning._peaks: what the run holds for every chunk, beside the chunk's own peak.
+            # As planning._peaks: what the run holds for every chunk, beside the chunk's own peak; a later
+            # chunk holds the accumulators too, beside an own peak no larger than the first chunk's (which
+            # makes the partials that a later one adds into them).
             beside = _base(split) + body.held_bytes[0] - sum(v.aval.nbytes for v in body.first.invars)
-            self._chunk_points[n] = [(q, peak + beside) for q, peak in chunk_frontier(self.frontier()[0], body.first, body.vars)]
-        return self._chunk_points[n]
+            acc = body.held_bytes[1]
+            if n not in self._chunk_frontiers:
+                self._chunk_frontiers[n] = frontier(body.first)
+            fit = None if usable is None else usable - beside - acc
+            self._chunk_points[key] = [(q, peak + beside, peak + beside + acc) for q, peak in chunk_frontier(
+                self.frontier()[0], body.first, body.vars, fit, self._chunk_frontiers[n])]
+        return self._chunk_points[key]
 
     def recomputing(self, graph: Graph) -> Planner:
         """The planner of a recomputing graph the joint planner made from this one (same inputs)."""

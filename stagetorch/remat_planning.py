@@ -707,24 +707,39 @@ def frontier(graph: Graph) -> list[Recompute]:
     return _pareto(full, out + lower)
 
 
-def chunk_frontier(whole: Recompute, body: Graph, vars: Mapping[Var, Var]) -> list[tuple[Recompute, int]]:
+def chunk_frontier(whole: Recompute, body: Graph, vars: Mapping[Var, Var], fit: int | None = None,
+                   inner: list[Recompute] | None = None) -> list[tuple[Recompute, int]]:
     """Recompute sets of ``whole``'s graph chosen for a chunk: the frontier of ``body``, the graph that one
     chunk of it runs (``vars``: the chunk's var for each of the graph's), each set mapped back to the
     graph's candidates (those the chunk does not make are kept), with its peak on ``body``. A graph's peak
     is not affine in the batch (a kernel's workspace has a fixed part; which equation makes the peak moves),
-    so a set the whole batch's frontier leaves out may be the cheapest that lets a chunk fit."""
+    so a set the whole batch's frontier leaves out may be the cheapest that lets a chunk fit.
+
+    ``fit``, when given, is the peak ``body`` must stay within: the frontier's sets just above it are also
+    repaired to it on ``body`` (:func:`_repaired`, looking a move ahead), after those of the frontier;
+    ``inner``: ``frontier(body)``, for a caller that keeps it across budgets. (VNet
+    at a third of its peak, in chunks of one: its 32-channel convolutions' backward holds a 46 MiB workspace,
+    beside which no full-resolution value fits, and the frontier's sets either hold one across it or
+    recompute the first stage for every segment: 1.29x the step. Recomputing the stage once, after it, and
+    its first half again for its own backward: 1.17x; the first drop alone raises the peak, as the stage is
+    then rebuilt whole before the strided convolution's backward.)"""
     sim = whole.sim
     if sim is None:
         return []
-    inner = frontier(body)
+    inner = frontier(body) if inner is None else inner
     if len(inner) < 2 or inner[1].sim is None:
         return []
     roots = set(inner[1].sim.cands.roots)
     mapped = {r: vars[r].root for r in sim.cands.roots if r in vars and vars[r].root in roots}
     if len(set(mapped.values())) != len(mapped):
         return []  # not one candidate of the chunk's for each of the graph's
+    sets = inner[1:]
+    if fit is not None:
+        above = [p for p in sets if p.peak_bytes > fit and p.sim is not None]
+        repaired = (_repaired(p, fit, lookahead=True) for p in reversed(above[-_REPAIR_STARTS:]))
+        sets = sets + [q for q in repaired if q is not None]
     out = []
-    for p in inner[1:]:
+    for p in sets:
         keep = frozenset(r for r in sim.cands.roots if r not in mapped or mapped[r] in p.keep)
         transient = {r: p.transient[b] for r, b in mapped.items() if b in p.transient}
         out.append((_point(sim, keep, transient), p.peak_bytes))
@@ -828,7 +843,7 @@ def plan_joint(
     points: Callable[[], list[Recompute]] | None = None,
     *,
     batch: int | None = None,
-    chunk_points: Callable[[int], list[tuple[Recompute, int]]] | None = None,
+    chunk_points: Callable[[int, int], list[tuple[Recompute, int, int]]] | None = None,
 ) -> Plan:
     """Choose the recompute set and the chunk sizes for ``graph`` within ``budget`` bytes.
 
@@ -839,9 +854,10 @@ def plan_joint(
     fewest bytes ``g`` can run in (one example per chunk, or the whole batch when it cannot be chunked);
     ``points()`` is ``frontier(graph)``, for a caller that keeps it across budgets. ``batch``, when given,
     is the number of examples: with one, no graph can be chunked, and no chunk planning is tried for a
-    recompute set that does not fit whole. ``chunk_points(n)``, when given, is :func:`chunk_frontier` for
-    chunks of ``n`` examples, each set with the chunked run's peak its chunk's graph predicts: where the
-    cheapest plan recomputes in chunks, the sets chosen for a chunk are tried too.
+    recompute set that does not fit whole. ``chunk_points(n, usable)``, when given, is :func:`chunk_frontier`
+    for chunks of ``n`` examples, each set with the peak of the chunked run's first chunk its chunk's graph
+    predicts and a bound on a later chunk's, and its sets just above ``usable`` bytes repaired to fit it:
+    where the cheapest plan recomputes in chunks, the sets chosen for a chunk are tried too.
     Returns the plain chunk plan when no recomputation is needed or it is the cheapest; else a
     :class:`RematPlan`. Raises the chunk planner's error, naming the smallest budget some schedule fits,
     when none fits.
@@ -1094,36 +1110,50 @@ _REPAIR_STARTS = 2
 _REPAIR_MOVES = 12
 
 
-def _repaired(p: Recompute, target: int, most_flops: float = math.inf) -> Recompute | None:
+def _repaired(p: Recompute, target: int, most_flops: float = math.inf, lookahead: bool = False) -> Recompute | None:
     """``p`` brought within ``target`` bytes: one candidate live at its peak at a time (only those can lower
     it) is dropped (recomputed once and held, or recomputed for its own segment only) or, held once
     recomputed, recomputed for its own segment only: the move that lowers the peak most per FLOP it adds.
     None when no move lowers it, it takes more than ``_REPAIR_STEPS``, or it adds ``most_flops`` or more.
     (The frontier's sets just above a budget are often far cheaper than the first below it: a few more drops
-    where the peak is, then the polish, cost less than the next family's whole step down.)"""
+    where the peak is, then the polish, cost less than the next family's whole step down.)
+
+    ``lookahead``: a move that does not lower the peak is also tried followed by the best move from it (a
+    drop whose recomputation makes a new peak elsewhere, which a second drop there removes)."""
     sim = p.sim
     if sim is None:
         return None
-    segment = sim.segment
     for _ in range(_REPAIR_STEPS):
         if p.extra_flops >= most_flops:
             return None
         if p.peak_bytes <= target:
             return p
-        live: set[Var] = set()
-        sim.run(p.keep, p.transient, live)
-        moves = []
-        # The largest first: a drop lowers the peak by at most its bytes.
-        for r in sorted((r for r in sim.cands.roots if r in live), key=lambda r: -r.owned_nbytes)[:_REPAIR_MOVES]:
-            if r in p.keep:
-                moves.append(_point(sim, p.keep - {r}, p.transient))
-            if r not in p.transient and r in segment:
-                moves.append(_point(sim, p.keep - {r}, {**p.transient, r: segment[r]}))
+        moves = _repair_moves(p)
+        if lookahead:
+            moves += [q for m in moves if m.peak_bytes >= p.peak_bytes
+                      if (q := _best_move(m, _repair_moves(m), per_flop=True)) is not None]
         best = _best_move(p, moves, per_flop=True)
         if best is None:
             return None
         p = best
     return p if p.peak_bytes <= target else None
+
+
+def _repair_moves(p: Recompute) -> list[Recompute]:
+    """The repair's moves from ``p`` (see :func:`_repaired`), of its largest candidates live at its peak."""
+    sim = p.sim
+    assert sim is not None
+    segment = sim.segment
+    live: set[Var] = set()
+    sim.run(p.keep, p.transient, live)
+    moves = []
+    # The largest first: a drop lowers the peak by at most its bytes.
+    for r in sorted((r for r in sim.cands.roots if r in live), key=lambda r: -r.owned_nbytes)[:_REPAIR_MOVES]:
+        if r in p.keep:
+            moves.append(_point(sim, p.keep - {r}, p.transient))
+        if r not in p.transient and r in segment:
+            moves.append(_point(sim, p.keep - {r}, {**p.transient, r: segment[r]}))
+    return moves
 
 
 def _repairs(best: tuple[float, int, Plan], points: list[Recompute], usable: int, chunk_plan: Callable[..., Plan],
@@ -1179,20 +1209,27 @@ _CHUNK_FRONTIER_MIN = 0.01
 _CHUNK_TRIES = 4
 
 
-def _for_chunks(best: tuple[float, int, Plan], chunk_points: Callable[[int], list[tuple[Recompute, int]]], usable: int,
-                chunk_plan: Callable[..., Plan], base_flops: int, base_calls: int,
+def _for_chunks(best: tuple[float, int, Plan], chunk_points: Callable[[int, int], list[tuple[Recompute, int, int]]],
+                usable: int, chunk_plan: Callable[..., Plan], base_flops: int, base_calls: int,
                 device: torch.device) -> tuple[float, int, Plan]:
     """``best``, or a plan of a set chosen for chunks of its size (:func:`chunk_frontier`) that costs
-    less: the cheapest sets first, those whose chunk is predicted to fit."""
+    less: of those whose first chunk is predicted to fit, the cheapest first, those whose later chunks are
+    bounded within ``usable`` too before the others (each predicted peak is the first chunk's; a later
+    chunk holds the accumulators beside its own, and may not fit: trying the cheapest first spent the
+    tries on those)."""
     score, _, plan = best
     if not (isinstance(plan, RematPlan) and plan.chunked and plan.extra_flops > _CHUNK_FRONTIER_MIN * base_flops):
         return best
     chunks = len(plan.chunk_sizes)
-    sets = [(step_cost(base_flops + q.extra_flops, base_calls + q.extra_calls, chunks, device), i, q)
-            for i, (q, peak) in enumerate(chunk_points(max(plan.chunk_sizes))) if peak <= usable]
-    for tries, (cost, _, q) in enumerate(sorted(sets, key=operator.itemgetter(0, 1))):
-        if cost >= best[0] or tries >= _CHUNK_TRIES:
+    sets = [(later > usable, step_cost(base_flops + q.extra_flops, base_calls + q.extra_calls, chunks, device), i, q)
+            for i, (q, first, later) in enumerate(chunk_points(max(plan.chunk_sizes), usable)) if first <= usable]
+    tries = 0
+    for _, cost, _, q in sorted(sets, key=operator.itemgetter(0, 1, 2)):
+        if tries >= _CHUNK_TRIES:
             break
+        if cost >= best[0]:
+            continue
+        tries += 1
         sized = _sized(q, chunk_plan, base_flops, base_calls, device)
         if sized is not None and sized[0] < best[0]:
             best = (sized[0], best[1], sized[1])
