@@ -825,18 +825,7 @@ def test_fewer_recompute_flops_than_per_block_checkpoint(name):
     assert ours <= 0.6 * theirs, (ours / theirs, tracker.peak / points[0].peak_bytes)
 
 
-_VNET_AT_A_THIRD = pytest.mark.xfail(
-    strict=True,
-    reason="VNet at 1/3 of its peak predicts 1.287x since the strided Conv3d input gradient's oneDNN "
-    "workspace is counted as the allocator measures it (three input gradients and a per-thread scratchpad; "
-    "it was 1.098x under the understated rule); 0.36 of the peak costs 1.011x. Open in issue 25.",
-)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=_VNET_AT_A_THIRD) if n == "vnet" else n for n in sorted(remat_models.TRAINING)],
-)
+@pytest.mark.parametrize("name", sorted(remat_models.TRAINING))
 def test_one_third_of_the_peak_at_training_sizes(name):
     """At a budget of 1/3 the no-recompute peak, the joint plan's predicted step cost (FLOPs, recomputed ones
     included, plus the price of each op call per chunk) is at most 1.20x the unconstrained step's on the
