@@ -445,13 +445,19 @@ def test_a_positional_lookup_replays_with_its_saved_indices(dispatched, lazy_mod
         assert counts[0] > 0 and counts[1:] == [0, 0, 0], counts
 
 
+def _record_leaves(monkeypatch):
+    """The tape positions at which sessions leave the express replay, appended as they do."""
+    left = []
+    leave = _Session.leave_express
+    monkeypatch.setattr(_Session, "leave_express", lambda self: left.append(self.tape_pos) or leave(self))
+    return left
+
+
 def test_a_step_that_always_leaves_the_replay_stops_replaying_express(monkeypatch, lazy_mode):
     """A call the tape does not replay (here one under autocast) in every step: the first two replays leave
     the express replay there; after that the recording is replayed slowly from the start, not express then
     slow."""
-    left = []
-    leave = _Session.leave_express
-    monkeypatch.setattr(_Session, "leave_express", lambda self: left.append(self.tape_pos) or leave(self))
+    left = _record_leaves(monkeypatch)
 
     def step(i, model, x, y):
         h = model[1](model[0](x))
@@ -475,9 +481,7 @@ def test_padded_transformers_stay_on_the_express_replay(name, dispatched, monkey
     pytest.importorskip("transformers")
     import test_transformers_zoo as zoo
 
-    left = []
-    leave = _Session.leave_express
-    monkeypatch.setattr(_Session, "leave_express", lambda self: left.append(self.tape_pos) or leave(self))
+    left = _record_leaves(monkeypatch)
     model = zoo.make_model(name)
     reference = copy.deepcopy(model)
     batch = zoo.make_batch(name, padded=True)
@@ -565,9 +569,7 @@ def test_writes_into_real_tensors_replay_express(case, dispatched, monkeypatch, 
     loss reads the buffer before the write, so the write waits for what was recorded before it;
     ``diverge-after``: every other step leaves the express replay after the writes, which the slow replay
     does not run again (the counts and the buffer would be added twice)."""
-    left = []
-    leave = _Session.leave_express
-    monkeypatch.setattr(_Session, "leave_express", lambda self: left.append(self.tape_pos) or leave(self))
+    left = _record_leaves(monkeypatch)
     torch.manual_seed(0)
     model = nn.Linear(8, 4)
     reference = copy.deepcopy(model)
@@ -608,9 +610,7 @@ def test_writes_into_real_tensors_replay_express(case, dispatched, monkeypatch, 
 def test_a_write_of_a_value_that_requires_grad_is_not_replayed_express(monkeypatch, lazy_mode):
     """``bank.add_(h)`` with ``h`` requiring grad: the real tensor joins the autograd graph (eager: it gets a
     grad_fn), which the express replay does not make, so the call stops it; the steps still equal eager's."""
-    left = []
-    leave = _Session.leave_express
-    monkeypatch.setattr(_Session, "leave_express", lambda self: left.append(self.tape_pos) or leave(self))
+    left = _record_leaves(monkeypatch)
     torch.manual_seed(0)
     model = nn.Linear(8, 4)
     reference = copy.deepcopy(model)

@@ -179,6 +179,20 @@ class _Dispatched(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _small_classifier_step():
+    """A seeded three-layer classifier, its training step, and a batch: the programs the binding tests stage."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    return model, step, x, y
+
+
 @pytest.mark.lazy_modes("express")  # (no lazy tensor: one mode is enough)
 def test_a_program_calls_a_binding_only_where_it_dispatches_the_op_alone(monkeypatch):
     """A staged program calls torch's Python bindings (torch.addmm) rather than each overload's boxed entry,
@@ -187,15 +201,7 @@ def test_a_program_calls_a_binding_only_where_it_dispatches_the_op_alone(monkeyp
     from stagetorch import execute
 
     def run(bindings: bool):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
-        x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
-
-        def step(x, y):
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            return loss
-
+        model, step, x, y = _small_classifier_step()
         staged = stagetorch.jit(step)
         staged(x, y)
         model.zero_grad()
@@ -222,15 +228,7 @@ def test_choosing_the_bindings_is_invisible_to_a_users_dispatch_mode(monkeypatch
     from stagetorch import execute
 
     def first_call():
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
-        x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
-
-        def step(x, y):
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            return loss
-
+        model, step, x, y = _small_classifier_step()
         with _Dispatched() as seen:
             stagetorch.jit(step)(x, y)
         return seen.ops
