@@ -490,10 +490,19 @@ def install_grads(
     fed = {i for i in grad_params if inputs[i].grad is None} if grad_params else ()
     assigned = set(assign_grads) if assign_grads else ()
     ready = []  # (parameter, gradient, laid out as the parameter)
+    installed = set()  # the ids of the gradients installed as they are
     for i, g in grads:
         param = inputs[i]
         if i in assigned or (param.grad is None and i not in fed):
-            ready.append((param, grad_to_install(param, g), True))
+            g = grad_to_install(param, g)
+            if id(g) in installed:
+                # One gradient for two parameters (the oneDNN LSTM's backward returns one bias gradient for
+                # both biases): autograd's AccumulateGrad copies a gradient another edge still holds (views of
+                # one storage it installs as they are), so each ``.grad`` is a tensor of its own, which an
+                # in-place clip or accumulation touches once.
+                g = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device=param.device).copy_(g)
+            installed.add(id(g))
+            ready.append((param, g, True))
         else:
             ready.append((param, g, False))
     for i, zero in zip(grad_params, zeros):

@@ -697,3 +697,44 @@ def test_a_step_failing_after_the_optimizer_restores_weights_grads_and_optimizer
         _FAIL["above"] = 10**9
     _assert_unchanged(model, before)
     torch.testing.assert_close(opt.state_dict(), state, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("path", ["whole", "chunked", "one-line"])
+def test_one_gradient_for_two_parameters_is_installed_as_two_grads(path):
+    """The oneDNN LSTM's backward returns one bias gradient for both biases of a layer; eager's
+    AccumulateGrad copies it, so ``bias_ih.grad`` and ``bias_hh.grad`` are tensors of their own. A staged step
+    installed the same tensor as both: an in-place ``clip_grad_norm_`` then scaled it twice, and accumulating
+    into held ``.grad`` added twice (silently wrong). A training loop with clipping, SGD, and accumulation over
+    two steps before each update, against the same loop in eager."""
+    torch.manual_seed(0)
+    model = nn.LSTM(6, 8, num_layers=2, batch_first=True)
+    reference = copy.deepcopy(model)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference)]
+
+    def step(m, x):
+        out, _ = m(x)
+        loss = out.square().mean()
+        loss.backward()
+        return loss
+
+    staged = stagetorch.jit(lambda x: step(model, x))
+    for i in range(6):
+        x = torch.randn(BATCH, 5, 6)
+        if path == "one-line":
+            loss = step(model, stagetorch.lazy(x, batch=0))
+        else:
+            if path == "chunked" and i == 0:
+                budget_for(staged, x)
+            loss = staged(x)
+        expected = step(reference, x)
+        torch.testing.assert_close(loss.item(), expected.item(), rtol=1e-5, atol=1e-7)
+        for m in (model, reference):
+            assert m.bias_ih_l0.grad is not m.bias_hh_l0.grad
+        if i % 2:  # two steps accumulated, then clipped in place and stepped
+            for m in (model, reference):
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            assert_same_state(model, reference)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+    assert_same_state(model, reference)
