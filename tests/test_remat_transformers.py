@@ -30,22 +30,28 @@ pytest.importorskip("transformers")
 SMALL = dict(layers=4, tokens=256)
 
 
-# Every zoo model with gradient_checkpointing_enable(). (BART's least plan ran 1.045x checkpointing while the
-# planner's chain of segments was cut per stack, encoder then decoder, and not per layer: issue 24.)
-@pytest.mark.parametrize("name", MODELS)
-def test_the_smallest_budget_runs_below_gradient_checkpointing_and_bit_exact(name):
-    model, batch = model_and_batch(name, **SMALL)
+def _checkpointed_and_smallest(model, batch):
+    """The step, checkpointing's peak at the allocator, and the step staged at its smallest budget with its plan.
+
+    The smallest budget of the step that is measured: one with no .grad yet. (Asked with the checkpointed
+    step's .grad still there, the plan counts them as held, since the step adds into them, and the budget
+    came out 0.7 MB larger than the measured step needs: that was the "6% above checkpointing" once recorded.)"""
     step = step_of(model)
     with checkpointing(model):
         step(**batch)
         checkpointed = allocator_peak(step, model, batch)
     staged = stagetorch.jit(step)
-    # The smallest budget of the step that is measured: one with no .grad yet. (Asked with the checkpointed
-    # step's .grad still there, the plan counts them as held, since the step adds into them, and the budget
-    # came out 0.7 MB larger than the measured step needs: that was the "6% above checkpointing" once recorded.)
     model.zero_grad(set_to_none=True)
     staged.memory_budget = smallest_budget(staged, batch)
-    plan = staged.plan(**batch)
+    return step, checkpointed, staged, staged.plan(**batch)
+
+
+# Every zoo model with gradient_checkpointing_enable(). (BART's least plan ran 1.045x checkpointing while the
+# planner's chain of segments was cut per stack, encoder then decoder, and not per layer: issue 24.)
+@pytest.mark.parametrize("name", MODELS)
+def test_the_smallest_budget_runs_below_gradient_checkpointing_and_bit_exact(name):
+    model, batch = model_and_batch(name, **SMALL)
+    step, checkpointed, staged, plan = _checkpointed_and_smallest(model, batch)
     assert isinstance(plan, RematPlan) and plan.peak <= staged.memory_budget
     if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):  # GPT-2's, BERT's
         assert any(isinstance(e.prim, ReplayRandom) for e in recomputed_eqns(plan.recompute.graph))
@@ -92,14 +98,7 @@ def test_opt_at_a_long_sequence_runs_below_gradient_checkpointing():
     recomputation (recomputed before the weight gradient that reads the input, not before the node: 1.02x
     until the descent below the frontier tried ``hoist``)."""
     model, batch = model_and_batch("OPT", layers=8, tokens=512)
-    step = step_of(model)
-    with checkpointing(model):
-        step(**batch)
-        checkpointed = allocator_peak(step, model, batch)
-    staged = stagetorch.jit(step)
-    model.zero_grad(set_to_none=True)
-    staged.memory_budget = smallest_budget(staged, batch)
-    plan = staged.plan(**batch)
+    step, checkpointed, staged, plan = _checkpointed_and_smallest(model, batch)
     staged(**batch)
     measured = allocator_peak(staged, model, batch)
     assert measured <= checkpointed, (measured, checkpointed)
