@@ -86,10 +86,11 @@ FLOPS: dict = {
 #   8 on AVX2): the weight (output channels padded), the input when it has a block of channels or more
 #   (or the kernel is 1x1),
 #   and the output, which is then reordered into the tensor returned. Its backward reorders the output
-#   gradient again and keeps per-thread reduction buffers for the weight gradient; those buffers follow no
-#   formula we could fit: the rule is within 15% of the allocator on most shapes, and 45% under on a 3-d
-#   layer of 8 input channels (tests/test_workspace.py lists the misses). A strided convolution's input
-#   gradient runs another kernel, channels-last inside (_strided_data), exact at the allocator.
+#   gradient again; the weight gradient runs one of five kernels (_weight_gradient_kernel), each with its
+#   scratchpad: exact for gemm and for the jit kernels at one thread, a bound from above where the jit kernels
+#   split threads over the batch (never under the allocator over 750 measured shapes; grouped and depthwise
+#   ones a loose bound: _grouped_weight_gradient). A strided convolution's input gradient runs another kernel,
+#   channels-last inside (_strided_data), exact at the allocator.
 # - without oneDNN, a 2-d forward of 16 examples or more runs NNPACK, whose buffers torch does not hand out;
 #   the backward then unfolds fewer examples at once than the column buffer counted (an over-estimate).
 #
@@ -341,6 +342,127 @@ def _strided_data(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: 
     return max(grad.nbytes + weight + x.nbytes + scratchpad, 3 * x.nbytes)
 
 
+def _weight_gradient_kernel(x: Aval, w: Aval, stride, padding, channels_last: bool) -> str:  # noqa: ANN001
+    """Which of oneDNN's f32 backward-weights kernels runs an ungrouped convolution (the first of
+    cpu_convolution_list's that accepts it, on AVX-512): ``1x1`` (jit_avx512_common_1x1: a 1x1 kernel without
+    padding, strided only in 1-d and 2-d), ``first`` (jit_avx512_common's first-layer kernel: up to 3 input
+    channels, or fewer than a block channels-last; the input read in place, the weight's output channels
+    padded), ``avx2`` (jit_avx2, blocks of 8: 4-15 input channels, no padding in depth), ``gemm``
+    (gemm_convolution, plain layouts: a 3-d one of 4-15 input channels padded in depth) or ``blocked``
+    (jit_avx512_common, channels padded to the block)."""
+    c, kernel, spatial = x.shape[1], w.shape[2:], x.ndim - 2
+    if math.prod(kernel) == 1 and all(p == 0 for p in padding) and (spatial < 3 or all(s == 1 for s in stride)):
+        return "1x1"
+    for i in range(spatial):
+        # The jit kernels' padding limits (boundaries_ok): none past half the kernel but along the width, and a
+        # kernel within the padded input; else the gemm kernel.
+        out = _window(x.shape[2 + i], kernel[i], stride[i], padding[i], 1)
+        far = (out - 1) * stride[i] + kernel[i] - x.shape[2 + i] - padding[i]
+        if (i < spatial - 1 and max(padding[i], far) > kernel[i] // 2) or kernel[i] >= x.shape[2 + i] + padding[i] > x.shape[2 + i]:
+            return "gemm or avx2"  # jit_avx2's limits differ (not replayed): the costlier of the two
+    if channels_last:
+        return "first" if c < _block() else "blocked"
+    if c <= 3:
+        return "first"
+    if c < _block():
+        if spatial == 3:
+            depth_out = _window(x.shape[2], kernel[0], stride[0], padding[0], 1)
+            far = (depth_out - 1) * stride[0] + kernel[0] - x.shape[2] - padding[0]
+            if padding[0] > 0 or far > 0:
+                return "gemm"
+        return "avx2"
+    return "blocked"
+
+
+def _weight_gradient(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: bool, bias: bool) -> int:  # noqa: ANN001
+    """The weight gradient's workspace under oneDNN (groups 1, f32), over the weight's and the bias's gradients
+    returned. ideep reorders the input and the output gradient into the layout the kernel picked (channels
+    padded to its block; none channels-last, and a first layer's input is read in place), computes the weight
+    gradient in the kernel's layout (padded) and the bias gradient beside a scratchpad, and then copies both
+    into the tensors returned while its own are alive (channels-last, torch first makes an empty weight
+    gradient and copies the result dense and then channels-last: three weights at once).
+
+    The scratchpad follows the kernel's ``init_scratchpad`` (each booking 128 bytes over its size): the gemm
+    kernel's is exact (per thread when it threads over examples: a column buffer of one depth slice and the
+    weight's reduction, booked as 4 bytes per byte of weight). The jit kernels' reduction buffers depend on how
+    ``balance()`` splits the threads, which is not replayed: the rule takes every thread to reduce over the
+    batch (a padded weight and bias per thread beyond the first) and a bias reducer of 8 KiB per thread and
+    8 KiB more (the most measured: 24 KiB at 2-3 threads), a bound from above; a strided 1x1 kernel's input
+    compacted to unit stride, per thread, is counted whole. At one thread the jit kernels have no reduction
+    and the rule is exact but for the 1x1 kernel's compacted input (a bound)."""
+    layouts = (True, False) if channels_last and x.shape[1] == 1 else (channels_last,)
+    # One input channel: channels-last and contiguous are the same strides; which one torch and oneDNN take is
+    # not followed: the costlier. jit_avx2's padding limits are not replayed either: the costlier of it and gemm.
+    out = 0
+    for layout in layouts:
+        kind = _weight_gradient_kernel(x, w, stride, padding, layout)
+        for k in ("gemm", "avx2") if kind == "gemm or avx2" else (kind,):
+            out = max(out, _weight_gradient_as(k, x, w, grad, stride, padding, layout, bias))
+    return out
+
+
+def _weight_gradient_as(kind: str, x: Aval, w: Aval, grad: Aval, stride, padding, channels_last, bias: bool) -> int:  # noqa: ANN001
+    threads = torch.get_num_threads()
+    n, c, o = x.shape[0], x.shape[1], w.shape[0]
+    kernel, itemsize = math.prod(w.shape[2:]), x.itemsize
+    weight, bias_bytes = w.nbytes, o * itemsize if bias else 0
+    if kind == "gemm" and channels_last:
+        # gemm's channels-last variant: per thread a column buffer and a transposed input of all positions
+        # and a reduction weight (4 bytes booked per byte), threads taken all.
+        columns = c * kernel * math.prod(grad.shape[2:]) * itemsize
+        scratchpad = threads * (columns + x.nbytes // n + 4 * weight) + 3 * 128
+        blocked, copies = weight, 0
+    elif kind == "gemm":
+        rows = math.prod(grad.shape[-2:])  # a depth slice's output positions
+        unfolded = any(s != 1 for s in stride) or any(p != 0 for p in padding) or kernel != 1
+        columns = c * kernel * rows * itemsize if unfolded else 0
+        limit = min(1 << 30, 15 * threads * (x.nbytes + weight + grad.nbytes))
+        estimate = threads * (4 * weight + c * kernel * 16 * itemsize)
+        per_example = rows / threads < 256 and n != 1 and estimate < limit
+        nthr = threads if per_example else 1
+        scratchpad = nthr * columns + (128 if columns else 0) + nthr * 4 * weight + 128
+        blocked, copies = weight, 0
+    else:
+        b = 8 if kind == "avx2" else _block()
+        c_in = c if kind == "first" else _pad(c, b)
+        blocked = _pad(o, b) * c_in * kernel * itemsize
+        src = 0 if channels_last or kind == "first" else x.nbytes * _pad(c, b) // c
+        dst = 0 if channels_last else grad.nbytes * _pad(o, b) // o
+        copies = src + dst
+        padded_bias = _pad(o, b) * itemsize
+        scratchpad = (_pad(o, b) * itemsize + 128 if bias and o % b else 0)
+        if threads > 1:
+            scratchpad += (threads - 1) * (blocked + padded_bias) + 8192 * (threads + 1)
+        if kind == "1x1" and any(s != 1 for s in stride):
+            scratchpad += threads * _pad(c, b) * math.prod(grad.shape[2:]) * itemsize + 128
+    before = weight if channels_last else 0  # channels-last: the weight gradient made empty first
+    compute = before + copies + blocked + bias_bytes + scratchpad
+    end = blocked + bias_bytes + weight + bias_bytes + (before + weight if channels_last else 0)
+    return max(compute, end) - weight - bias_bytes
+
+
+def _grouped_weight_gradient(x: Aval, w: Aval, grad: Aval, groups: int, bias: bool) -> int:
+    """A grouped or depthwise weight gradient's workspace under oneDNN, a bound from above: its kernels
+    (jit_avx512_common_dw, the grouped jit kernels with each group's channels padded to the block, gemm per
+    group) are not told apart; the rule sums what the costliest of each books: the input and the output gradient
+    reordered with each group's channels padded, the padded weight gradient and one per thread, gemm's column
+    buffer of one depth slice and its weight reduction (4 bytes booked per byte) per thread, and 8 KiB per
+    thread and 8 KiB more."""
+    threads, b, itemsize = torch.get_num_threads(), _block(), x.itemsize
+    c_g, o_g, kernel = x.shape[1] // groups, w.shape[0] // groups, math.prod(w.shape[2:])
+    if c_g == o_g == 1:  # depthwise: channels blocked across groups
+        src, dst = x.nbytes // x.shape[1] * _pad(groups, b), grad.nbytes // grad.shape[1] * _pad(groups, b)
+        padded = _pad(groups, b) * kernel * itemsize
+    else:
+        src = x.nbytes // x.shape[1] * groups * _pad(c_g, b)
+        dst = grad.nbytes // grad.shape[1] * groups * _pad(o_g, b)
+        padded = groups * _pad(o_g, b) * _pad(c_g, b) * kernel * itemsize
+    columns = c_g * kernel * math.prod(grad.shape[-2:]) * itemsize
+    bias_bytes = w.shape[0] * itemsize if bias else 0
+    scratchpad = threads * (padded + columns + 4 * w.nbytes + 8192) + 8192 + groups * _pad(o_g, b) * itemsize
+    return src + dst + padded + bias_bytes + scratchpad + w.nbytes
+
+
 def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
     grad, x, w, stride, padding, dilation, transposed, groups, mask = _geometry(e, backward=True)
     if x.device.type != "cpu":
@@ -373,15 +495,17 @@ def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
     elif mask[0]:
         blocked_input = x.nbytes * _pad(x.shape[1], b) // x.shape[1]
         data = max(grad_blocked + weight_padded + blocked_input, blocked_input + grad_input) - grad_input
-    # The weight gradient, with the input gradient already held: the output gradient and the input reordered,
-    # the blocked weight gradient and per-thread reduction buffers, which follow no shape we could fit: a
-    # weight's worth per thread and 16 KiB stand for them.
+    # The weight gradient, after the input gradient (an output, already held).
     if not mask[1]:
         weights = 0
-    elif groups > 1:  # the grouped kernel's buffers, measured at 16 weights' worth whatever the batch
-        weights = 17 * weight
+    elif groups > 1:
+        weights = _grouped_weight_gradient(x, w, grad, groups, mask[2])
+        if channels_last and x.ndim == 5:
+            # Measured, not followed in oneDNN's source: a 3-d grouped channels-last weight gradient held 256
+            # weights' worth (jit and gemm kernels alike, 1-3 threads, depthwise and 3 groups).
+            weights += 256 * w.nbytes + 8192
     else:
-        weights = grad_blocked + src + weight * (1 + torch.get_num_threads()) + 16 * 1024
+        weights = _weight_gradient(x, w, grad, stride, padding, channels_last, mask[2])
     return copies + max(data, weights)
 
 
