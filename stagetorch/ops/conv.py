@@ -89,7 +89,7 @@ FLOPS: dict = {
 #   gradient again; the weight gradient runs one of five kernels (_weight_gradient_kernel), each with its
 #   scratchpad: exact for gemm and for the jit kernels at one thread, a bound from above where the jit kernels
 #   split threads over the batch (never under the allocator over 750 measured shapes; grouped and depthwise
-#   ones a loose bound: _grouped_weight_gradient). A strided convolution's input gradient runs another kernel,
+#   ones the costlier of two kernels: _grouped_weight_gradient). A strided convolution's input gradient runs another kernel,
 #   channels-last inside (_strided_data), exact at the allocator.
 # - without oneDNN, a 2-d forward of 16 examples or more runs NNPACK, whose buffers torch does not hand out;
 #   the backward then unfolds fewer examples at once than the column buffer counted (an over-estimate).
@@ -379,8 +379,8 @@ def _weight_gradient(x: Aval, w: Aval, grad: Aval, stride, padding, channels_las
     returned. ideep reorders the input and the output gradient into the layout the kernel picked (channels
     padded to its block; none channels-last, and a first layer's input is read in place), computes the weight
     gradient in the kernel's layout (padded) and the bias gradient beside a scratchpad, and then copies both
-    into the tensors returned while its own are alive (channels-last, torch first makes an empty weight
-    gradient and copies the result dense and then channels-last: three weights at once).
+    into the tensors returned while its own are alive (channels-last, the weight gradient is copied dense and
+    then channels-last: three weights at once).
 
     The scratchpad follows the kernel's ``init_scratchpad`` (each booking 128 bytes over its size): the gemm
     kernel's is exact (per thread when it threads over examples: a column buffer of one depth slice and the
@@ -401,9 +401,10 @@ def _weight_gradient(x: Aval, w: Aval, grad: Aval, stride, padding, channels_las
     return out
 
 
-def _weight_gradient_as(kind: str, x: Aval, w: Aval, grad: Aval, stride, padding, channels_last, bias: bool) -> int:  # noqa: ANN001
+def _weight_gradient_as(kind: str, x: Aval, w: Aval, grad: Aval, stride, padding, channels_last, bias: bool, groups: int = 1) -> int:  # noqa: ANN001
     threads = torch.get_num_threads()
     n, c, o = x.shape[0], x.shape[1], w.shape[0]
+    c_g, o_g = c // groups, o // groups
     kernel, itemsize = math.prod(w.shape[2:]), x.itemsize
     weight, bias_bytes = w.nbytes, o * itemsize if bias else 0
     if kind == "gemm" and channels_last:
@@ -415,13 +416,28 @@ def _weight_gradient_as(kind: str, x: Aval, w: Aval, grad: Aval, stride, padding
     elif kind == "gemm":
         rows = math.prod(grad.shape[-2:])  # a depth slice's output positions
         unfolded = any(s != 1 for s in stride) or any(p != 0 for p in padding) or kernel != 1
-        columns = c * kernel * rows * itemsize if unfolded else 0
+        columns = c_g * kernel * rows * itemsize if unfolded else 0
         limit = min(1 << 30, 15 * threads * (x.nbytes + weight + grad.nbytes))
-        estimate = threads * (4 * weight + c * kernel * 16 * itemsize)
-        per_example = rows / threads < 256 and n != 1 and estimate < limit
+        estimate = threads * (4 * weight + c_g * kernel * 16 * itemsize)
+        per_example = rows / threads < 256 and (n != 1 or groups > 2) and estimate < limit
         nthr = threads if per_example else 1
         scratchpad = nthr * columns + (128 if columns else 0) + nthr * 4 * weight + 128
         blocked, copies = weight, 0
+    elif kind == "depthwise":  # channels blocked across groups
+        b = _block()
+        blocked = _pad(c, b) * kernel * itemsize
+        copies = 0 if channels_last else x.nbytes * _pad(c, b) // c + grad.nbytes * _pad(o, b) // o
+        scratchpad = (threads - 1) * (blocked + _pad(o, b) * itemsize) + 512 * threads
+    elif kind in ("grouped", "grouped8"):  # each group's channels padded to the block
+        b = 8 if kind == "grouped8" else _block()
+        blocked = groups * _pad(o_g, b) * _pad(c_g, b) * kernel * itemsize
+        src = x.nbytes // c * groups * _pad(c_g, b)
+        dst = grad.nbytes // o * groups * _pad(o_g, b)
+        copies = 0 if channels_last else src + dst
+        padded_bias = groups * _pad(o_g, b) * itemsize
+        scratchpad = (padded_bias + 128 if bias and o_g % b else 0)
+        if threads > 1:
+            scratchpad += (threads - 1) * (blocked + padded_bias) + 8192 * (threads + 1)
     else:
         b = 8 if kind == "avx2" else _block()
         c_in = c if kind == "first" else _pad(c, b)
@@ -435,32 +451,31 @@ def _weight_gradient_as(kind: str, x: Aval, w: Aval, grad: Aval, stride, padding
             scratchpad += (threads - 1) * (blocked + padded_bias) + 8192 * (threads + 1)
         if kind == "1x1" and any(s != 1 for s in stride):
             scratchpad += threads * _pad(c, b) * math.prod(grad.shape[2:]) * itemsize + 128
-    before = weight if channels_last else 0  # channels-last: the weight gradient made empty first
-    compute = before + copies + blocked + bias_bytes + scratchpad
-    end = blocked + bias_bytes + weight + bias_bytes + (before + weight if channels_last else 0)
+    compute = copies + blocked + bias_bytes + scratchpad
+    # Channels-last, the weight gradient is copied out dense and then made channels-last.
+    end = blocked + bias_bytes + weight + bias_bytes + (weight if channels_last else 0)
     return max(compute, end) - weight - bias_bytes
 
 
-def _grouped_weight_gradient(x: Aval, w: Aval, grad: Aval, groups: int, bias: bool) -> int:
-    """A grouped or depthwise weight gradient's workspace under oneDNN, a bound from above: its kernels
-    (jit_avx512_common_dw, the grouped jit kernels with each group's channels padded to the block, gemm per
-    group) are not told apart; the rule sums what the costliest of each books: the input and the output gradient
-    reordered with each group's channels padded, the padded weight gradient and one per thread, gemm's column
-    buffer of one depth slice and its weight reduction (4 bytes booked per byte) per thread, and 8 KiB per
-    thread and 8 KiB more."""
-    threads, b, itemsize = torch.get_num_threads(), _block(), x.itemsize
-    c_g, o_g, kernel = x.shape[1] // groups, w.shape[0] // groups, math.prod(w.shape[2:])
-    if c_g == o_g == 1:  # depthwise: channels blocked across groups
-        src, dst = x.nbytes // x.shape[1] * _pad(groups, b), grad.nbytes // grad.shape[1] * _pad(groups, b)
-        padded = _pad(groups, b) * kernel * itemsize
+def _grouped_weight_gradient(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: bool, groups: int, bias: bool) -> int:  # noqa: ANN001
+    """A grouped or depthwise weight gradient's workspace under oneDNN. Contiguous: jit_avx512_common_dw for a
+    depthwise 1-d or 2-d one (channels blocked across groups), the grouped jit kernels where each group's
+    channels are a multiple of 16 (jit_avx512_common) or 8 (jit_avx2), else gemm per group; channels-last, the
+    grouped jit kernel with each group's channels padded to 16 (a depthwise 3x3x3 layer's weight gradient 256
+    times its size). Their fallbacks are not replayed: the rule takes the costlier of the kernel and gemm."""
+    c_g, o_g = x.shape[1] // groups, w.shape[0] // groups
+    depthwise = c_g == o_g == 1
+    if channels_last:
+        kinds = ["grouped", "gemm"] + (["depthwise"] if depthwise else [])
+    elif depthwise:
+        kinds = ["depthwise", "gemm"] if x.ndim < 5 else ["gemm"]
+    elif c_g % _block() == 0 and o_g % _block() == 0:
+        kinds = ["grouped", "gemm"]
+    elif c_g % 8 == 0 and o_g % 8 == 0:
+        kinds = ["grouped8", "gemm"]
     else:
-        src = x.nbytes // x.shape[1] * groups * _pad(c_g, b)
-        dst = grad.nbytes // grad.shape[1] * groups * _pad(o_g, b)
-        padded = groups * _pad(o_g, b) * _pad(c_g, b) * kernel * itemsize
-    columns = c_g * kernel * math.prod(grad.shape[-2:]) * itemsize
-    bias_bytes = w.shape[0] * itemsize if bias else 0
-    scratchpad = threads * (padded + columns + 4 * w.nbytes + 8192) + 8192 + groups * _pad(o_g, b) * itemsize
-    return src + dst + padded + bias_bytes + scratchpad + w.nbytes
+        kinds = ["gemm"]
+    return max(_weight_gradient_as(k, x, w, grad, stride, padding, channels_last, bias, groups) for k in kinds)
 
 
 def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
@@ -499,11 +514,7 @@ def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
     if not mask[1]:
         weights = 0
     elif groups > 1:
-        weights = _grouped_weight_gradient(x, w, grad, groups, mask[2])
-        if channels_last and x.ndim == 5:
-            # Measured, not followed in oneDNN's source: a 3-d grouped channels-last weight gradient held 256
-            # weights' worth (jit and gemm kernels alike, 1-3 threads, depthwise and 3 groups).
-            weights += 256 * w.nbytes + 8192
+        weights = _grouped_weight_gradient(x, w, grad, stride, padding, channels_last, groups, mask[2])
     else:
         weights = _weight_gradient(x, w, grad, stride, padding, channels_last, mask[2])
     return copies + max(data, weights)
