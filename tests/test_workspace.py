@@ -68,11 +68,8 @@ CONVS = [
     (1, 4, 8, 8, 3, 1, 1, 3, 1), (2, 4, 8, 8, 3, 1, 1, 3, 1), (2, 1, 16, 8, 3, 1, 1, 3, 1),
     (2, 8, 16, 8, 3, 1, 1, 3, 1), (2, 8, 16, 2, 1, 1, 0, 3, 1),
 ]
-# oneDNN's weight-gradient reduction buffers follow no formula we could fit (stagetorch/ops/conv.py): the rule
-# stands for them with a weight per thread and 16 KiB, within 20% of the allocator on these shapes, except three
-# 3-d ones (the first under by up to 45%, the second over by up to 55%).
-BACKWARD_MISSES = {(2, 8, 8, 16, 3, 1, 1, 3, 1): 0.45, (2, 16, 4, 8, 3, 1, 1, 3, 2): 0.55, (2, 4, 8, 8, 3, 1, 1, 3, 1): 0.25}
-CONVS += list(BACKWARD_MISSES)
+# Three 3-d ones the weight gradient's old bound missed (45% under, 55% and 25% over): gemm and jit_avx512_common.
+CONVS += [(2, 8, 8, 16, 3, 1, 1, 3, 1), (2, 16, 4, 8, 3, 1, 1, 3, 2), (2, 4, 8, 8, 3, 1, 1, 3, 1)]
 
 
 def _conv_case(case):
@@ -91,7 +88,9 @@ def test_convolution_workspace_is_the_allocators(case, mkldnn):
     if not mkldnn and case[0] >= 16 and case[7] == 2:
         pytest.skip("without oneDNN, 16 examples run NNPACK's forward (no workspace) and a backward not modelled")
     x, w, b, stride, padding, groups = _conv_case(case)
-    with _mkldnn(mkldnn):
+    # Two threads: oneDNN's jit kernels split the weight gradient's threads over the batch, which the rule bounds
+    # (every thread beyond the first reducing a weight: test_onednn_weight_gradient_workspace_is_never_under...).
+    with _mkldnn(mkldnn), _threads(2):
         args = _conv(x, w, b, stride, padding, False, groups)
         measured, rule = op_workspace(aten.convolution, *args), _rule(aten.convolution, *args)
         assert abs(rule - measured) <= 0.02 * measured + 256, ("forward", measured, rule)
@@ -100,8 +99,10 @@ def test_convolution_workspace_is_the_allocators(case, mkldnn):
             args = _conv_backward(go, x, w, stride, padding, False, groups, mask)
             measured = op_workspace(aten.convolution_backward, *args)
             rule = _rule(aten.convolution_backward, *args)
-            tolerance = 0.02 if not mkldnn else BACKWARD_MISSES.get(case, 0.20)
-            assert abs(rule - measured) <= tolerance * measured + 256, ("backward", mask, measured, rule)
+            if mkldnn:  # never under; over by the reductions the rule bounds
+                assert measured <= rule <= 1.10 * measured + 256, ("backward", mask, measured, rule)
+            else:
+                assert abs(rule - measured) <= 0.02 * measured + 256, ("backward", mask, measured, rule)
 
 
 @contextlib.contextmanager
