@@ -88,7 +88,7 @@ FLOPS: dict = {
 #   and the output, which is then reordered into the tensor returned. Its backward reorders the output
 #   gradient again; the weight gradient runs one of five kernels (_weight_gradient_kernel), each with its
 #   scratchpad: exact for gemm and for the jit kernels at one thread, a bound from above where the jit kernels
-#   split threads over the batch (never under the allocator over 750 measured shapes; grouped and depthwise
+#   split threads over the batch (never under the allocator over 710 measured shapes; grouped and depthwise
 #   ones the costlier of two kernels: _grouped_weight_gradient). A strided convolution's input gradient runs another kernel,
 #   channels-last inside (_strided_data), exact at the allocator.
 # - without oneDNN, a 2-d forward of 16 examples or more runs NNPACK, whose buffers torch does not hand out;
