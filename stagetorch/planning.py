@@ -294,7 +294,10 @@ def plan_chunks(
     p_small, p_large = peak(small), peak(large)
     per_example = max((p_large - p_small) / (large - small), 1)
     fixed = p_small - per_example * small
-    largest = min(int((usable - fixed) // per_example), batch - 1, cap or batch)
+    # The line through two samples is only a first guess: below the smaller sample a workspace that does not
+    # shrink with the chunk (a per-thread reduction) bends the peak, so a chunk smaller than the line allows may
+    # still fit. Every size is checked against its own peak before one example is refused.
+    largest = max(min(int((usable - fixed) // per_example), batch - 1, cap or batch), 1)
     while largest >= 1 and peak(largest) > usable:
         largest -= max(1, largest // 16)
     if sizes_of.approximate:
