@@ -35,7 +35,7 @@ from .devices import bytes_ceiling, format_bytes
 from .errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError
 from .flops import eqn_calls, eqn_flops, graph_calls, graph_flops
 from .ir import Graph, Var, op_name
-from .passes import has_effect, is_random, steals
+from .passes import adds_in_place, has_effect, is_random, steals
 from .planning import SAFETY_MARGIN, Plan
 from .registry import slot
 from .remat import NOT_HELD, Candidates, candidates, node_spans, remat
@@ -141,6 +141,26 @@ class _Simulator:
         self.shaped_like = {k: self.reads[k][0] for k in range(cands.boundary)
                             if getattr(graph.eqns[k].prim, "overloadpacket", None) in METADATA_ONLY
                             and graph.eqns[k].args and isinstance(graph.eqns[k].args[0], Var)}
+        # A recomputed sum (its equation's source is the recomputation, which steals() treats as the backward's)
+        # adds into a dying operand's storage where the built graph's copy of that operand is read by the sum
+        # alone: per forward add.Tensor that may, the positions in its reads of the operands that may be taken
+        # over, in steals()' order; run() checks the rest (the copy's readers and views) on its events.
+        self.add_steals: dict[int, tuple[int, ...]] = {}
+        for k in range(cands.boundary):
+            e = graph.eqns[k]
+            if e.prim is not torch.ops.aten.add.Tensor or len(e.outvars) != 1 or e.outvars[0] is None:
+                continue
+            y = e.outvars[0]
+            if y.base is not None:
+                continue
+            at = []
+            for p in ((0, 1) if e.kwargs.get("alpha", 1) == 1 else (0,)):
+                x, other = e.args[p], e.args[1 - p]
+                if (type(x) is Var and x.base is None and x.aval == y.aval and x.owned_nbytes == x.aval.nbytes
+                        and not (isinstance(other, Var) and other.root is x) and adds_in_place(x, other, y)):
+                    at.append(self.reads[k].index(index[x]))
+            if at:
+                self.add_steals[k] = tuple(at)
         self.SAVE = len(graph.eqns)
         self.workspace.append(0)
         self.effect.append(False)
@@ -294,7 +314,10 @@ class _Simulator:
         events = [ev for ev, ok in zip(events, live) if ok]
         extra = [ev[0] for ev in events if ev[1]]
         names = tuple(self.names[k] for k in extra)
-        peak = self._peak(events, [store[v] for v in kept], at_peak)
+        kept_stores = [store[v] for v in kept]
+        if self.add_steals:
+            events, kept_stores = self._steal_into_copies(events, store, kept_stores)
+        peak = self._peak(events, kept_stores, at_peak)
         if at_peak is not None:
             keys, n = list(at_peak), self.n
             at_peak.clear()
@@ -304,6 +327,45 @@ class _Simulator:
                 if v is not None and v in self.cands.recomputable:
                     at_peak.add(v)
         return peak, sum(self.flops[k] for k in extra), names, sum(self.calls[k] for k in extra)
+
+    def _steal_into_copies(self, events: list, store: list[int], kept: list[int]) -> tuple[list, list[int]]:
+        """``events`` with each recomputed sum that the built graph adds into its dying operand's copy
+        (:func:`~stagetorch.passes.steals` on ``remat``'s graph: the copy is read by the sum alone, has no
+        view, is not kept) living in that copy's storage. A forward sum whose operand other forward
+        equations read adds out of place; its recomputation, where they are not recomputed, in place."""
+        steals = self.add_steals
+        found = [(i, ev[5][j]) for i, ev in enumerate(events) if ev[1] and ev[0] in steals for j in steals[ev[0]]]
+        if not found:
+            return events, kept
+        wanted = {s for _, s in found}
+        reads = dict.fromkeys(wanted, 0)
+        owners = dict.fromkeys(wanted, 0)
+        for ev in events:
+            for s in ev[5]:
+                if s in wanted:
+                    reads[s] += 1
+            for o in ev[3]:
+                if store[o] in wanted:
+                    owners[store[o]] += 1
+        wanted.difference_update(kept)
+        into: dict[int, int] = {}  # the storage of a sum -> the storage it adds into
+        done: set[int] = set()
+        for i, s in found:
+            if i not in done and s in wanted and reads[s] == 1 and owners[s] == 1:
+                done.add(i)
+                into[events[i][6][0][0]] = s
+        if not into:
+            return events, kept
+
+        def where(s: int) -> int:
+            while s in into:
+                s = into[s]
+            return s
+
+        sums = into.keys()
+        return [ev if sums.isdisjoint(ev[5]) and sums.isdisjoint(key for key, _ in ev[6]) else
+                (*ev[:5], tuple(where(s) for s in ev[5]), tuple((where(key), size) for key, size in ev[6]))
+                for ev in events], [where(s) for s in kept]
 
     def _peak(self, events: list, kept: list[int], at_peak: set | None = None) -> int:
         """The memory interpreter's peak over ``events``: each storage from the event that first defines it
