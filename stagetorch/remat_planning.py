@@ -30,7 +30,7 @@ import attrs
 import numpy as np
 import torch
 
-from .costing import Layouts, allocated, effect, peak_bytes
+from .costing import Layouts, allocated, commit_cost, effect, peak_bytes
 from .devices import bytes_ceiling, format_bytes
 from .errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError
 from .flops import eqn_calls, eqn_flops, graph_calls, graph_flops
@@ -161,6 +161,18 @@ class _Simulator:
                     at.append(self.reads[k].index(index[x]))
             if at:
                 self.add_steals[k] = tuple(at)
+        # An optimizer stepped last is the program's commit (costing.commit_cost), the same tail in every
+        # graph remat builds (it reads no forward value): before its first equation, its workspace is
+        # allocated and held to the end, with the tensors a first step keeps (filled at their own equations);
+        # its temporaries take no storage of their own. None: no commit.
+        self.commit: tuple[int, int, frozenset[int], dict[int, int]] | None = None
+        commit = commit_cost(graph)
+        if commit is not None:
+            by_id = list(index)
+            early = {self.root[index[v]]: allocated(by_id[self.root[index[v]]].owned_nbytes, v.aval.device)
+                     for v in commit.early}
+            self.commit = (commit.eqn, sum(allocated(b, d) for b, d in commit.spaces),
+                           frozenset(index[v] for v in commit.placed), early)
         self.SAVE = len(graph.eqns)
         self.workspace.append(0)
         self.effect.append(False)
@@ -380,6 +392,16 @@ class _Simulator:
             last[key] = count
         # delta[i]: bytes allocated at event i less those freed after event i - 1.
         delta = [0] * (count + 2)
+        if self.commit is not None:
+            eqn, space, placed, early = self.commit
+            at = next(i for i in range(count - 1, -1, -1) if events[i][0] == eqn and not events[i][1])
+            delta[at] += space
+            delta[count] -= space
+            for key in placed:
+                first.pop(key, None)
+            for key, size in early.items():
+                if key not in resident and first.get(key, (-1,))[0] > at:
+                    first[key] = (at, size)
         for key, (i, size) in first.items():
             if key not in resident:
                 delta[i] += size
