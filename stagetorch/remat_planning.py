@@ -326,10 +326,9 @@ class _Simulator:
         events = [ev for ev, ok in zip(events, live) if ok]
         extra = [ev[0] for ev in events if ev[1]]
         names = tuple(self.names[k] for k in extra)
-        kept_stores = [store[v] for v in kept]
-        if self.add_steals:
-            events, kept_stores = self._steal_into_copies(events, store, kept_stores)
-        peak = self._peak(events, kept_stores, at_peak)
+        steals = self.add_steals
+        sums = [i for i, ev in enumerate(events) if ev[1] and ev[0] in steals] if steals and extra else None
+        peak = self._peak(events, [store[v] for v in kept], at_peak, sums)
         if at_peak is not None:
             keys, n = list(at_peak), self.n
             at_peak.clear()
@@ -340,49 +339,39 @@ class _Simulator:
                     at_peak.add(v)
         return peak, sum(self.flops[k] for k in extra), names, sum(self.calls[k] for k in extra)
 
-    def _steal_into_copies(self, events: list, store: list[int], kept: list[int]) -> tuple[list, list[int]]:
-        """``events`` with each recomputed sum that the built graph adds into its dying operand's copy
-        (:func:`~stagetorch.passes.steals` on ``remat``'s graph: the copy is read by the sum alone, has no
-        view, is not kept) living in that copy's storage. A forward sum whose operand other forward
-        equations read adds out of place; its recomputation, where they are not recomputed, in place."""
-        steals = self.add_steals
-        found = [(i, ev[5][j]) for i, ev in enumerate(events) if ev[1] and ev[0] in steals for j in steals[ev[0]]]
-        if not found:
-            return events, kept
-        wanted = {s for _, s in found}
-        reads = dict.fromkeys(wanted, 0)
-        owners = dict.fromkeys(wanted, 0)
-        for ev in events:
-            for s in ev[5]:
-                if s in wanted:
-                    reads[s] += 1
-            for o in ev[3]:
-                if store[o] in wanted:
-                    owners[store[o]] += 1
-        wanted.difference_update(kept)
-        into: dict[int, int] = {}  # the storage of a sum -> the storage it adds into
-        done: set[int] = set()
-        for i, s in found:
-            if i not in done and s in wanted and reads[s] == 1 and owners[s] == 1:
-                done.add(i)
-                into[events[i][6][0][0]] = s
-        if not into:
-            return events, kept
-
-        def where(s: int) -> int:
+    def _steal(self, events: list, sums: list[int], first: dict, last: dict) -> None:
+        """Each recomputed sum of ``sums`` that the built graph adds into its operand's storage (as
+        :func:`~stagetorch.passes.steals` does on ``remat``'s graph, where a recomputation is the backward's:
+        the operand is read by the sum alone, has no view and is not kept) lives in that storage: its own
+        storage leaves ``first``, and the operand's is held to the sum's last read. A forward sum whose
+        operand other forward equations read adds out of place; its recomputation, where they are not
+        recomputed, in place."""
+        into: dict[int, int] = {}  # a sum's storage -> the storage it adds into
+        for i in sums:
+            ev = events[i]
+            for j in self.add_steals[ev[0]]:
+                s = ev[5][j]
+                # Read last here (so not kept, and read by no later event), once, and by nothing since it
+                # was made, which nothing viewed.
+                if last.get(s) != i or ev[5].count(s) != 1 or s not in first:
+                    continue
+                made = first[s][0]
+                if sum(key == s for key, _ in events[made][6]) != 1 or any(
+                        s in e[5] or any(key == s for key, _ in e[6]) for e in events[made + 1: i]):
+                    continue
+                into[ev[6][0][0]] = s
+                break
+        for t, s in into.items():  # in program order: a sum added into by a later one is settled first
             while s in into:
                 s = into[s]
-            return s
+            last[s] = max(last[s], last.get(t, first[t][0]))
+            del first[t]
 
-        sums = into.keys()
-        return [ev if sums.isdisjoint(ev[5]) and sums.isdisjoint(key for key, _ in ev[6]) else
-                (*ev[:5], tuple(where(s) for s in ev[5]), tuple((where(key), size) for key, size in ev[6]))
-                for ev in events], [where(s) for s in kept]
-
-    def _peak(self, events: list, kept: list[int], at_peak: set | None = None) -> int:
+    def _peak(self, events: list, kept: list[int], at_peak: set | None = None, sums: list[int] | None = None) -> int:
         """The memory interpreter's peak over ``events``: each storage from the event that first defines it
         until after the last that reads it (inputs always, the ``kept`` storages to the end), each event's
-        workspace on top while it runs. ``at_peak``, when given, gets the storages live at the peak."""
+        workspace on top while it runs. ``at_peak``, when given, gets the storages live at the peak.
+        ``sums``: the events of recomputed sums that may add into a dying operand (``add_steals``)."""
         workspace, resident = self.workspace, self.resident
         count = len(events)
         # The first definition of each storage (walking back, so the earliest stands) and its last read.
@@ -390,6 +379,8 @@ class _Simulator:
         last = {key: i for i, ev in enumerate(events) for key in ev[5]}
         for key in kept:
             last[key] = count
+        if sums:
+            self._steal(events, sums, first, last)
         # delta[i]: bytes allocated at event i less those freed after event i - 1.
         delta = [0] * (count + 2)
         if self.commit is not None:
