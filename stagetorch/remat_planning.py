@@ -166,6 +166,7 @@ class _Simulator:
         # allocated and held to the end, with the tensors a first step keeps (filled at their own equations);
         # its temporaries take no storage of their own. None: no commit.
         self.commit: tuple[int, int, frozenset[int], dict[int, int]] | None = None
+        self._commit_from_end = 0
         commit = commit_cost(graph)
         if commit is not None:
             by_id = list(index)
@@ -385,7 +386,11 @@ class _Simulator:
         delta = [0] * (count + 2)
         if self.commit is not None:
             eqn, space, placed, early = self.commit
-            at = next(i for i in range(count - 1, -1, -1) if events[i][0] == eqn and not events[i][1])
+            # Its event: as many from the end in every set's walk (the tail recomputes nothing), found once.
+            at = count - self._commit_from_end
+            if not (0 <= at < count and events[at][0] == eqn and not events[at][1]):
+                at = next(i for i in range(count - 1, -1, -1) if events[i][0] == eqn and not events[i][1])
+                self._commit_from_end = count - at
             delta[at] += space
             delta[count] -= space
             for key in placed:
