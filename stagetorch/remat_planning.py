@@ -144,7 +144,7 @@ class _Simulator:
         # A recomputed sum (its equation's source is the recomputation, which steals() treats as the backward's)
         # adds into a dying operand's storage where the built graph's copy of that operand is read by the sum
         # alone: per forward add.Tensor that may, the positions in its reads of the operands that may be taken
-        # over, in steals()' order; run() checks the rest (the copy's readers and views) on its events.
+        # over, in steals()' order; _steal() checks the rest (the copy's readers and views) on each walk.
         self.add_steals: dict[int, tuple[int, ...]] = {}
         for k in range(cands.boundary):
             e = graph.eqns[k]
