@@ -347,7 +347,7 @@ def steals(graph: Graph, kept: set[Var] | None = None) -> dict[Var, Var]:
                 x, other = e.args[p], e.args[1 - p]
                 if dying(x, e, y) and x.base is None and owners.get(x) == 1 and not (
                     isinstance(other, Var) and other.root is x
-                ) and _adds_in_place(x, other, y):
+                ) and adds_in_place(x, other, y):
                     out[y] = x
                     break
         elif e.prim is aten.new_empty_strided.default and y.base is None and not e.kwargs.get("pin_memory"):
@@ -366,7 +366,7 @@ def _same_strides(a: Sequence[int], b: Sequence[int], shape: Sequence[int]) -> b
     return all(x == y or n <= 1 for x, y, n in zip(a, b, shape))
 
 
-def _adds_in_place(x: Var, other: Any, out: Var) -> bool:
+def adds_in_place(x: Var, other: Any, out: Var) -> bool:
     """Whether :func:`add_into` adds into ``x`` (contiguous, or laid out as ``other``), and the sum is then
     laid out as the out-of-place ``add`` lays out ``out`` (the strides the memory rules read for it), as far
     as the vars' strides show (unknown: it does)."""

@@ -30,12 +30,12 @@ import attrs
 import numpy as np
 import torch
 
-from .costing import Layouts, allocated, effect, peak_bytes
+from .costing import Layouts, allocated, commit_cost, effect, peak_bytes
 from .devices import bytes_ceiling, format_bytes
 from .errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError
 from .flops import eqn_calls, eqn_flops, graph_calls, graph_flops
 from .ir import Graph, Var, op_name
-from .passes import has_effect, is_random, steals
+from .passes import adds_in_place, has_effect, is_random, steals
 from .planning import SAFETY_MARGIN, Plan
 from .registry import slot
 from .remat import NOT_HELD, Candidates, candidates, node_spans, remat
@@ -141,6 +141,39 @@ class _Simulator:
         self.shaped_like = {k: self.reads[k][0] for k in range(cands.boundary)
                             if getattr(graph.eqns[k].prim, "overloadpacket", None) in METADATA_ONLY
                             and graph.eqns[k].args and isinstance(graph.eqns[k].args[0], Var)}
+        # A recomputed sum (its equation's source is the recomputation, which steals() treats as the backward's)
+        # adds into a dying operand's storage where the built graph's copy of that operand is read by the sum
+        # alone: per forward add.Tensor that may, the positions in its reads of the operands that may be taken
+        # over, in steals()' order; _steal() checks the rest (the copy's readers and views) on each walk.
+        self.add_steals: dict[int, tuple[int, ...]] = {}
+        for k in range(cands.boundary):
+            e = graph.eqns[k]
+            if e.prim is not torch.ops.aten.add.Tensor or len(e.outvars) != 1 or e.outvars[0] is None:
+                continue
+            y = e.outvars[0]
+            if y.base is not None:
+                continue
+            at = []
+            for p in ((0, 1) if e.kwargs.get("alpha", 1) == 1 else (0,)):
+                x, other = e.args[p], e.args[1 - p]
+                if (type(x) is Var and x.base is None and x.aval == y.aval and x.owned_nbytes == x.aval.nbytes
+                        and not (isinstance(other, Var) and other.root is x) and adds_in_place(x, other, y)):
+                    at.append(self.reads[k].index(index[x]))
+            if at:
+                self.add_steals[k] = tuple(at)
+        # An optimizer stepped last is the program's commit (costing.commit_cost), the same tail in every
+        # graph remat builds (it reads no forward value): before its first equation, its workspace is
+        # allocated and held to the end, with the tensors a first step keeps (filled at their own equations);
+        # its temporaries take no storage of their own. None: no commit.
+        self.commit: tuple[int, int, frozenset[int], dict[int, int]] | None = None
+        self._commit_from_end = 0
+        commit = commit_cost(graph)
+        if commit is not None:
+            by_id = list(index)
+            early = {self.root[index[v]]: allocated(by_id[self.root[index[v]]].owned_nbytes, v.aval.device)
+                     for v in commit.early}
+            self.commit = (commit.eqn, sum(allocated(b, d) for b, d in commit.spaces),
+                           frozenset(index[v] for v in commit.placed), early)
         self.SAVE = len(graph.eqns)
         self.workspace.append(0)
         self.effect.append(False)
@@ -294,7 +327,9 @@ class _Simulator:
         events = [ev for ev, ok in zip(events, live) if ok]
         extra = [ev[0] for ev in events if ev[1]]
         names = tuple(self.names[k] for k in extra)
-        peak = self._peak(events, [store[v] for v in kept], at_peak)
+        steals = self.add_steals
+        sums = [i for i, ev in enumerate(events) if ev[1] and ev[0] in steals] if steals and extra else None
+        peak = self._peak(events, [store[v] for v in kept], at_peak, sums)
         if at_peak is not None:
             keys, n = list(at_peak), self.n
             at_peak.clear()
@@ -305,10 +340,39 @@ class _Simulator:
                     at_peak.add(v)
         return peak, sum(self.flops[k] for k in extra), names, sum(self.calls[k] for k in extra)
 
-    def _peak(self, events: list, kept: list[int], at_peak: set | None = None) -> int:
+    def _steal(self, events: list, sums: list[int], first: dict, last: dict) -> None:
+        """Each recomputed sum of ``sums`` that the built graph adds into its operand's storage (as
+        :func:`~stagetorch.passes.steals` does on ``remat``'s graph, where a recomputation is the backward's:
+        the operand is read by the sum alone, has no view and is not kept) lives in that storage: its own
+        storage leaves ``first``, and the operand's is held to the sum's last read. A forward sum whose
+        operand other forward equations read adds out of place; its recomputation, where they are not
+        recomputed, in place."""
+        into: dict[int, int] = {}  # a sum's storage -> the storage it adds into
+        for i in sums:
+            ev = events[i]
+            for j in self.add_steals[ev[0]]:
+                s = ev[5][j]
+                # Read last here (so not kept, and read by no later event), once, and by nothing since it
+                # was made, which nothing viewed.
+                if last.get(s) != i or ev[5].count(s) != 1 or s not in first:
+                    continue
+                made = first[s][0]
+                if sum(key == s for key, _ in events[made][6]) != 1 or any(
+                        s in e[5] or any(key == s for key, _ in e[6]) for e in events[made + 1: i]):
+                    continue
+                into[ev[6][0][0]] = s
+                break
+        for t, s in into.items():  # in program order: a sum added into by a later one is settled first
+            while s in into:
+                s = into[s]
+            last[s] = max(last[s], last.get(t, first[t][0]))
+            del first[t]
+
+    def _peak(self, events: list, kept: list[int], at_peak: set | None = None, sums: list[int] | None = None) -> int:
         """The memory interpreter's peak over ``events``: each storage from the event that first defines it
         until after the last that reads it (inputs always, the ``kept`` storages to the end), each event's
-        workspace on top while it runs. ``at_peak``, when given, gets the storages live at the peak."""
+        workspace on top while it runs. ``at_peak``, when given, gets the storages live at the peak.
+        ``sums``: the events of recomputed sums that may add into a dying operand (``add_steals``)."""
         workspace, resident = self.workspace, self.resident
         count = len(events)
         # The first definition of each storage (walking back, so the earliest stands) and its last read.
@@ -316,8 +380,24 @@ class _Simulator:
         last = {key: i for i, ev in enumerate(events) for key in ev[5]}
         for key in kept:
             last[key] = count
+        if sums:
+            self._steal(events, sums, first, last)
         # delta[i]: bytes allocated at event i less those freed after event i - 1.
         delta = [0] * (count + 2)
+        if self.commit is not None:
+            eqn, space, placed, early = self.commit
+            # Its event: as many from the end in every set's walk (the tail recomputes nothing), found once.
+            at = count - self._commit_from_end
+            if not (0 <= at < count and events[at][0] == eqn and not events[at][1]):
+                at = next(i for i in range(count - 1, -1, -1) if events[i][0] == eqn and not events[i][1])
+                self._commit_from_end = count - at
+            delta[at] += space
+            delta[count] -= space
+            for key in placed:
+                first.pop(key, None)
+            for key, size in early.items():
+                if key not in resident and first.get(key, (-1,))[0] > at:
+                    first[key] = (at, size)
         for key, (i, size) in first.items():
             if key not in resident:
                 delta[i] += size

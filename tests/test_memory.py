@@ -351,9 +351,9 @@ def test_the_report_counts_the_commits_workspace_and_the_state_a_first_step_make
     """An optimizer stepped last is the program's commit: its temporaries live in one workspace allocated
     before its first write and held to the end, beside the state a first step makes
     (``stagetorch.execute.commit_plan``). The report and the plan cost that, not one tensor per equation:
-    Adam's first step measured 7% over both before. The report's peak is the plan's and the allocator's
-    (within the 0-dim numbers the commit makes), the workspace in its category, the state made in the
-    optimizer's."""
+    Adam's first step measured 7% over both before. The report's peak is the plan's and the allocator's, to
+    the byte (the bias corrections' ``beta ** step`` wraps each beta as a 0-dim tensor: 12 B, unplanned
+    before, were the foreach steps' peak), the workspace in its category, the state made in the optimizer's."""
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(256, 256), nn.GELU())])
     opt = _INSIDE[kind](model.parameters())
@@ -378,7 +378,7 @@ def test_the_report_counts_the_commits_workspace_and_the_state_a_first_step_make
     state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
     with AllocatorPeak([*model.parameters(), x, y, *state]) as run:
         staged(x, y)
-    assert report.peak_bytes == plan.peak and abs(run.peak - report.peak_bytes) <= 64, (report.peak_bytes, run.peak)
+    assert report.peak_bytes == plan.peak == run.peak, (report.peak_bytes, run.peak)
     made = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
     assert report.by_category["optimizer"] == sum(t.nbytes for t in made)
     if report.peak_index > commit.start:

@@ -697,3 +697,27 @@ def test_an_autocast_step_under_a_budget_stays_under_it_at_the_allocator():
         assert run.peak <= 1.2 * 2**20, run.peak
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("number", [0.9, 2])
+def test_a_wrapped_python_number_is_the_allocators(number, dtype):
+    """``beta ** step`` and ``1 - t``: the CPU kernel wraps the number as a 0-dim tensor and casts it to the
+    result's dtype inside the call (12 B for float32, 8 B for a float to a float64 result). An optimizer's
+    bias corrections run these in its commit, where they were the 12 B an AdamW stepped inside ran over its
+    plan (tests/test_memory.py)."""
+    steps = [torch.tensor(3.0, dtype=dtype) for _ in range(4)]
+
+    def rule(fn):
+        graph = stagetorch.make_ir(fn)(*steps)
+        (eqn,) = [e for e in graph.eqns if getattr(e.prim, "overloadpacket", None) in (aten.pow, aten._foreach_pow, aten.rsub)]
+        return workspace(eqn)
+
+    cases = [
+        (lambda *ts: torch._foreach_pow(number, list(ts)), lambda: op_workspace(aten._foreach_pow, number, steps)),
+        (lambda t, *_: torch.pow(number, t), lambda: op_workspace(aten.pow, number, steps[0])),
+        (lambda t, *_: number - t, lambda: op_workspace(aten.rsub, steps[0], number)),
+    ]
+    for fn, measured in cases:
+        expected = measured()
+        assert expected > 0 and rule(fn) == expected, (rule(fn), expected)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import batching
-from ..ir import Aval
+from ..ir import Aval, Eqn
 from . import _layout, _shape
 
 aten = torch.ops.aten
@@ -106,4 +106,35 @@ LAYOUT: dict = {
     aten.xlogy.Tensor: _layout.elementwise,
     aten.special_xlog1py.default: _layout.elementwise,
     aten.log_sigmoid_forward: _layout.all_contiguous(2, devices=("cpu",)),
+}
+
+
+# The dtype a Python number an op wraps as a 0-dim tensor takes (bool first: it is an int too).
+_WRAPPED = ((bool, torch.bool), (int, torch.int64), (float, torch.float64), (complex, torch.complex128))
+
+
+def wrapped_number_workspace(position: int):  # noqa: ANN201
+    """An op whose CPU kernel wraps the Python number at argument ``position`` as a 0-dim tensor and casts
+    it to the result's dtype, both freed inside the call: ``pow`` of a number to tensor powers
+    (``pow.Scalar``; ``_foreach_pow.ScalarAndTensor``) and ``rsub.Scalar`` (``1 - t``), an optimizer's bias
+    corrections (``1 - beta ** step``). 12 B at the allocator for a float32 result (the double and its
+    float32 copy), 8 B for a float64 one. Adam and AdamW stepped inside a step peaked there, 12 B over the
+    plan, where the commit was the step's peak."""
+
+    def rule(e: Eqn) -> int:
+        number, out = e.args[position], e.outvars[0]
+        if out is None or out.aval.device.type != "cpu":
+            return 0
+        wrapped = next((dtype for kind, dtype in _WRAPPED if isinstance(number, kind)), None)
+        if wrapped is None:
+            return 0
+        return wrapped.itemsize + (0 if out.aval.dtype == wrapped else out.aval.itemsize)
+
+    return rule
+
+
+WORKSPACE: dict = {
+    aten.pow.Scalar: wrapped_number_workspace(0),
+    aten._foreach_pow.ScalarAndTensor: wrapped_number_workspace(0),
+    aten.rsub.Scalar: wrapped_number_workspace(1),
 }
