@@ -349,6 +349,20 @@ def _hoisted(sim: _Simulator) -> _Simulator:
     return hoisted
 
 
+def _storage_bytes(sim: _Simulator) -> dict[Var, int]:
+    """Per candidate, the most bytes an equation defines of its storage (what dropping it can free at most).
+    Built once per simulator."""
+    out = sim.__dict__.get("_storage_bytes")
+    if out is None:
+        most: dict[int, int] = {}
+        for outs, sizes in zip(sim.outs, sim.sizes):
+            for o, size in zip(outs, sizes):
+                r = sim.root[o]
+                most[r] = max(most.get(r, 0), size)
+        out = sim._storage_bytes = {r: most.get(sim.index[r], 0) for r in sim.cands.roots}
+    return out
+
+
 def _live_at_peak(p: Recompute) -> set[Var]:
     """The candidates whose storage (or its recomputed copy) is live at ``p``'s peak: only dropping one of
     those can lower it. One simulation, kept on ``p`` (the descent and the repair both ask)."""
@@ -1028,10 +1042,20 @@ def _descended(p: Recompute) -> Recompute | None:
                                  **p.transient})
     if loose.peak_bytes < (1 - _LOOSE_GAIN) * p.peak_bytes:
         p = loose
+    nbytes = _storage_bytes(sim)
     for _ in range(_DESCENT_STEPS):
         live = _live_at_peak(p)  # only these can lower the peak: the others are not simulated
-        moves = [_point(sim, p.keep - {r}, p.transient) for r in sim.cands.roots if r in p.keep and r in live]
-        best = min(moves, key=lambda q: (q.peak_bytes, q.extra_flops), default=None)
+        order = [r for r in sim.cands.roots if r in p.keep and r in live]
+        moves: dict[int, Recompute] = {}
+        lowest = p.peak_bytes
+        # The largest first: a drop lowers the peak by at most its storage's bytes, so once one has lowered
+        # it further than the next could, the rest cannot be the lowest.
+        for i in sorted(range(len(order)), key=lambda i: -nbytes[order[i]]):
+            if p.peak_bytes - nbytes[order[i]] > lowest:
+                break
+            moves[i] = q = _point(sim, p.keep - {order[i]}, p.transient)
+            lowest = min(lowest, q.peak_bytes)
+        best = min((moves[i] for i in sorted(moves)), key=lambda q: (q.peak_bytes, q.extra_flops), default=None)
         if best is None or best.peak_bytes >= p.peak_bytes:
             break
         p = best
