@@ -464,8 +464,10 @@ def test_joint_plan_is_the_cheapest_of_every_frontier_point(case, monkeypatch):
 
 
 # Not the VNet any more: at one example its native 3-d convolutions' column buffers are the peak (counted since
-# the workspace rules), and no recomputation lowers them below 0.9x.
-@pytest.mark.parametrize("case", ["resnet-0.5", "densenet-0.6"])
+# the workspace rules), and no recomputation lowers them below 0.9x. DenseNet at 0.65, not 0.6: with oneDNN's
+# weight-gradient reductions counted per thread, no frontier point fits 0.6 (the least is 1,360,364 B against
+# 1,323,468 usable; the search below the frontier plans it, which this test does not compare with).
+@pytest.mark.parametrize("case", ["resnet-0.5", "densenet-0.65"])
 def test_the_winning_set_is_polished_to_keep_what_fits(case):
     """One example (it cannot be chunked): the plan's recompute set is the cheapest frontier point that fits,
     with dropped values kept again where that lowers the predicted cost and the peak still fits. It costs
