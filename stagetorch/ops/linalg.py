@@ -206,20 +206,31 @@ def _cpu_count(cpu_list: str) -> int:
 _caches.on_clear(_replay_caches.cache_clear)
 
 
-def _replayed(kernel: str, m: int, k: int, n: int, count: int, threads: int, a_transposed: bool,
+def _replayed(kernel: str, m: int, k: int, n: int, count: int | None, threads: int, a_transposed: bool,
               b_transposed: bool) -> int | None:
-    """oneDNN's scratchpad for the product ATen hands it, replayed (None where the replay does not apply). A 2-D
-    product with one column is computed transposed (ATen's gemm treats the n x 1 result as column-major: one
+    """oneDNN's scratchpad for the product ATen hands it (``count`` products of a bmm, None for an mm), replayed
+    (None where the replay does not apply). A 2-D product with one column is computed transposed (ATen's gemm treats the n x 1 result as column-major: one
     row of N = M); oneDNN tags a single row of A as transposed (its strides match both layouts)."""
     caches = _replay_caches()
     if caches is None or kernel not in ("amx", "avx512"):
         return None
-    if count == 1 and n == 1 and m > 1:
+    if count is None and n == 1 and m > 1:
         m, n, a_transposed, b_transposed = 1, m, True, not a_transposed
+    # A single column of A (K = 1) is tagged either way, by a rule of ATen's gemm not replayed: the larger.
+    tags = (False, True) if k == 1 else (a_transposed or m == 1,)
     try:
-        return _onednn.scratchpad(kernel, m, k, n, count, threads, a_transposed or m == 1, b_transposed, caches)
+        return max(_onednn.scratchpad(kernel, m, k, n, count or 1, threads, tag, b_transposed, caches)
+                   for tag in tags)
     except NotImplementedError:
         return None
+
+
+def _read_as(shape: tuple[int, ...], strides: tuple[int, ...] | None, dense: bool) -> tuple[bool, ...]:
+    """How oneDNN may read an operand (transposed or not): as it lies where dense; copied contiguous where
+    ATen copies it (strides known, laid out otherwise); either way where its strides are unknown."""
+    if dense:
+        return (_transposed(shape, strides),)
+    return (False, True) if strides is None or (len(shape) == 2 and 1 in strides) else (False,)
 
 
 def matmul_workspace(operands: tuple[int, int]):  # noqa: ANN201
@@ -245,20 +256,19 @@ def matmul_workspace(operands: tuple[int, int]):  # noqa: ANN201
         a_dense, b_dense = _mkldnn_dense(a.aval.shape, a_strides), _mkldnn_dense(b.aval.shape, b_strides)
         copies = (0 if a_dense else a.aval.nbytes) + (0 if b_dense else b.aval.nbytes)
         threads = torch.get_num_threads()
-        a_t, b_t = _transposed(a.aval.shape, a_strides), _transposed(b.aval.shape, b_strides)
         # ATen's own float16 gemv takes a row (or a column) against a transposed operand: nothing allocated.
         if (kernel == "avx512" and a_dense and b_dense and not batch and 1 in (m, n) and k > 1 and alpha == 1
                 and tuple(a_strides) == (k, 1) and tuple(b_strides) == (1, k)):
             return 0
-        # An operand of unknown strides is copied (counted above) or read as it lies, either way round.
-        ways = (False, True)
-        orients = [(ta, tb) for ta in ((a_t,) if a_dense else ways) for tb in ((b_t,) if b_dense else ways)]
-        replays = [_replayed(kernel, m, k, n, count, threads, ta, tb) for ta, tb in orients]
-        bound = _bound(kernel, m, k, n, a_strides is None or (a_dense and a_t), count, threads)
+        a_ways, b_ways = _read_as(a.aval.shape, a_strides, a_dense), _read_as(b.aval.shape, b_strides, b_dense)
+        replays = [_replayed(kernel, m, k, n, batch[0] if batch else None, threads, ta, tb)
+                   for ta in a_ways for tb in b_ways]
+        transposed = a_strides is None or (a_dense and _transposed(a.aval.shape, a_strides))
+        bound = _bound(kernel, m, k, n, transposed, count, threads)
         if None in replays:
             return copies + bound
-        if (a_strides is not None and not a_dense) or (b_strides is not None and not b_dense):
-            # Laid out otherwise (a slice's padded rows): ATen's gemm may pass it as it lies; not replayed.
+        if not batch and any(s is not None and not d and 1 in s for s, d in ((a_strides, a_dense), (b_strides, b_dense))):
+            # A matrix with padded rows (a slice's): ATen's gemm may read it as it lies; not replayed.
             return copies + max(*replays, bound)
         return copies + max(replays)
 
