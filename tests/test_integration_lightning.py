@@ -25,6 +25,7 @@ import stagetorch  # noqa: E402
 from stagetorch.devices import parse_bytes  # noqa: E402
 from stagetorch.executable import Executable  # noqa: E402
 from stagetorch.integrations.lightning import StagedStrategy  # noqa: E402
+from stagetorch.ops import linalg  # noqa: E402
 
 # Lightning warns about DataLoader workers and its own deprecations; neither is what these tests check.
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
@@ -450,9 +451,12 @@ def _mixed_step_peak(precision: str, tracker) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
-def test_mixed_precision_step_holds_what_it_planned(precision):
+def test_mixed_precision_step_holds_what_it_planned(precision, monkeypatch):
     """Every tensor an op returns, in the chunked mixed-precision step with the run's gradients and momentum
-    beside it: the plan plus what the strategy took out of the budget, to the byte (16 B: 0-d values)."""
+    beside it: the plan plus what the strategy took out of the budget, to the byte (16 B: 0-d values). The
+    plan counts tensors only here, as this tracker sees them: oneDNN's matmul scratchpads, which the plan
+    counts at their size (a bfloat16 chunk's 19,324 B), are checked at the allocator below."""
+    monkeypatch.setattr(linalg, "_onednn_half", lambda dtype: None)
     measured, predicted = _mixed_step_peak(precision, LivePeak)
     assert abs(measured - predicted) <= 16, (measured, predicted)
     assert measured <= parse_bytes("110KiB")

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import _caches, batching, flops
 from ..ir import Eqn, Var
-from . import _layout, _shape
+from . import _layout, _onednn, _shape
 
 aten = torch.ops.aten
 
@@ -54,15 +55,17 @@ FLOPS: dict = {op: flops.matmul_rule for op in (aten.mm, aten.addmm, aten.bmm, a
 # brgemm matmul (ATen's ``use_mkldnn_matmul``; below that size, or with oneDNN disabled, ATen's own gemm, which
 # allocates nothing). oneDNN books a scratchpad per thread: the blocks of A and B it copies (reordered for its
 # kernels, float32 for float16 on AVX512-FP16, VNNI pairs for bfloat16 on AMX), a float32 accumulator block,
-# its batch descriptors and AMX tile state. Their sizes come from oneDNN's blocking heuristics, a search over
-# blockings that scores thread balance (src/cpu/x64/matmul/brgemm_matmul_utils.cpp,
-# amx_blocking_heuristics.cpp); the rule does not replay that search. It bounds each buffer by the size it
-# takes at the blocking's limits, fitted to the allocator on torch 2.13 (oneDNN 3.12) on a Sapphire Rapids
-# CPU (AMX-BF16, AVX512-FP16, 2 MiB of L2) at 1 and 2 threads, over a grid of 13,000 products and 1,200 random
-# ones (bench/RESULTS.md, tests/test_workspace.py): never below the allocator; at the median 2x above it for
-# bfloat16, 1.3x for float16 (up to 8x for small products). More threads are taken to book as many buffers
-# (measured at 2). Elsewhere (no AMX, no AVX512-FP16) oneDNN runs kernels these limits were not measured on:
-# the larger of the two bounds stands for them.
+# its batch descriptors and AMX tile state, sized by its blocking search. Where the kernel is one it was checked
+# on (bfloat16 on AMX-BF16, float16 on AVX512-FP16, oneDNN 3.12 as torch 2.13 bundles it) and both operands'
+# strides are known and dense, the rule replays that search (stagetorch/ops/_onednn.py): the allocator's bytes
+# exactly over a grid of 27,000 products at 1-3 threads and 2,300 random ones at 1-16 (bench/RESULTS.md,
+# bench/onednn_matmul_grid.py, tests/test_workspace.py), but for K = 1 (an outer product: which of two
+# blockings runs depends on oneDNN's primitive cache, the larger is taken) and, with an operand's strides
+# unknown, the larger of the ways it may be read. Elsewhere
+# (other ISAs or oneDNN versions, 16 threads or more splitting K, an operand laid out otherwise) the rule falls
+# back to a bound from above per thread, fitted on the same CPU at up to 2^29 multiply-adds (for bfloat16 it
+# misses larger products: 0.21 of a 4096^3 product's 25 MB), and for kernels it was not measured on the larger
+# of the two bounds.
 
 
 def _ru(x: int, m: int) -> int:
@@ -151,19 +154,93 @@ def _mkldnn_dense(shape: tuple[int, ...], strides: tuple[int, ...] | None) -> bo
     return strides[0] == shape[1] * shape[2] and strides[1] == 1 and strides[2] == shape[1]
 
 
-def _a_transposed(shape: tuple[int, ...], strides: tuple[int, ...] | None) -> bool:
-    """A laid out column-major (a weight's gradient: grad_out.t() @ input), as oneDNN reads it; unknown
-    strides count as transposed, the larger bound."""
+def _transposed(shape: tuple[int, ...], strides: tuple[int, ...] | None) -> bool:
+    """An operand laid out column-major (A of a weight's gradient: grad_out.t() @ input), as oneDNN reads it;
+    unknown strides count as transposed, the larger bound."""
     if strides is None:
         return True
     m, k = shape[-2:]
     return m > 1 and k > 1 and strides[-2] == 1 and strides[-1] == m
 
 
+def _bound(kernel: str, m: int, k: int, n: int, transposed: bool, count: int, threads: int) -> int:
+    """The fitted bound from above on oneDNN's scratchpad (``kernel`` as ``_onednn_half`` names it)."""
+    if kernel == "amx":
+        per_thread = _bf16_amx_thread_bytes(m, k, n, transposed)
+    elif kernel == "avx512":
+        per_thread = _f16_thread_bytes(m, k, n, transposed, count, threads)
+    else:
+        per_thread = max(_bf16_amx_thread_bytes(m, k, n, True), _f16_thread_bytes(m, k, n, True, count, threads))
+    return threads * per_thread
+
+
+@functools.cache
+def _replay_caches() -> _onednn.Caches | None:
+    """This CPU's per-core L1d and L2 sizes and L2 ways, as oneDNN reads them (cpuid leaf 4, here through
+    Linux's sysfs), where oneDNN is the version the replay follows; None where either is unknown."""
+    if "MKL-DNN v3.12." not in torch.__config__.show():
+        return None
+    found = {}
+    try:
+        for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+            kind, level = (entry / "type").read_text().strip(), int((entry / "level").read_text())
+            if kind in ("Data", "Unified") and level in (1, 2):
+                size = (entry / "size").read_text().strip()
+                sharing = _cpu_count((entry / "shared_cpu_list").read_text().strip())
+                nbytes = int(size[:-1]) * {"K": 1 << 10, "M": 1 << 20}[size[-1]] if size[-1] in "KM" else int(size)
+                found[level] = (nbytes // sharing, int((entry / "ways_of_associativity").read_text()))
+    except (OSError, ValueError, KeyError, ZeroDivisionError):
+        return None
+    if set(found) != {1, 2}:
+        return None
+    return _onednn.Caches(found[1][0], *found[2])
+
+
+def _cpu_count(cpu_list: str) -> int:
+    """How many CPUs a sysfs list names ("0", "0-1", "0,4")."""
+    count = 0
+    for part in cpu_list.split(","):
+        first, _, last = part.partition("-")
+        count += int(last or first) - int(first) + 1
+    return count
+
+
+_caches.on_clear(_replay_caches.cache_clear)
+
+
+def _replayed(kernel: str, m: int, k: int, n: int, count: int | None, threads: int, a_transposed: bool,
+              b_transposed: bool) -> int | None:
+    """oneDNN's scratchpad for the product ATen hands it (``count`` products of a bmm, None for an mm), replayed
+    (None where the replay does not apply). A 2-D product with one column is computed transposed (ATen's gemm treats the n x 1 result as column-major: one
+    row of N = M); oneDNN tags a single row of A as transposed (its strides match both layouts)."""
+    caches = _replay_caches()
+    if caches is None or kernel not in ("amx", "avx512"):
+        return None
+    if count is None and n == 1 and m > 1:
+        m, n, a_transposed, b_transposed = 1, m, True, not a_transposed
+    # With K = 1 both operands' strides fit both layouts, and oneDNN reuses the primitive its cache holds for
+    # the first layout seen (a 1000 x 1 by 1 x 1000 bfloat16 product: 69,120 B or 42,240): the larger.
+    a_tags = (False, True) if k == 1 else (a_transposed or m == 1,)
+    b_tags = (False, True) if k == 1 else (b_transposed,)
+    try:
+        return max(_onednn.scratchpad(kernel, m, k, n, count or 1, threads, ta, tb, caches)
+                   for ta in a_tags for tb in b_tags)
+    except NotImplementedError:
+        return None
+
+
+def _read_as(shape: tuple[int, ...], strides: tuple[int, ...] | None, dense: bool) -> tuple[bool, ...]:
+    """How oneDNN may read an operand (transposed or not): as it lies where dense; copied contiguous where
+    ATen copies it (strides known, laid out otherwise); either way where its strides are unknown."""
+    if dense:
+        return (_transposed(shape, strides),)
+    return (False, True) if strides is None or (len(shape) == 2 and 1 in strides) else (False,)
+
+
 def matmul_workspace(operands: tuple[int, int]):  # noqa: ANN201
     """The workspace rule of a matmul whose A and B are arguments ``operands``: oneDNN's scratchpad for a CPU
-    half-precision product (bounded, see above), and the contiguous copy ATen makes of an operand laid out
-    otherwise than contiguous or transposed."""
+    half-precision product (replayed, or bounded: see above), and the contiguous copy ATen makes of an operand
+    laid out otherwise than contiguous or transposed."""
 
     def rule(e: Eqn, layouts: Any) -> int:
         a, b = (e.args[i] for i in operands)
@@ -172,7 +249,8 @@ def matmul_workspace(operands: tuple[int, int]):  # noqa: ANN201
         kernel = _onednn_half(a.aval.dtype)
         if kernel is None or b.aval.dtype != a.aval.dtype or not torch._C._get_mkldnn_enabled():
             return 0
-        if e.kwargs.get("alpha", 1) == 0:
+        alpha = e.kwargs.get("alpha", 1)
+        if alpha == 0:
             return 0
         (*batch, m, k), n = a.aval.shape, b.aval.shape[-1]
         count = batch[0] if batch else 1
@@ -181,16 +259,22 @@ def matmul_workspace(operands: tuple[int, int]):  # noqa: ANN201
         a_strides, b_strides = _layout.strides_of(a, layouts), _layout.strides_of(b, layouts)
         a_dense, b_dense = _mkldnn_dense(a.aval.shape, a_strides), _mkldnn_dense(b.aval.shape, b_strides)
         copies = (0 if a_dense else a.aval.nbytes) + (0 if b_dense else b.aval.nbytes)
-        # Unknown strides: copied and read transposed, each the costlier case.
-        transposed = a_strides is None or (a_dense and _a_transposed(a.aval.shape, a_strides))
         threads = torch.get_num_threads()
-        if kernel == "amx":
-            per_thread = _bf16_amx_thread_bytes(m, k, n, transposed)
-        elif kernel == "avx512":
-            per_thread = _f16_thread_bytes(m, k, n, transposed, count, threads)
-        else:
-            per_thread = max(_bf16_amx_thread_bytes(m, k, n, True), _f16_thread_bytes(m, k, n, True, count, threads))
-        return copies + threads * per_thread
+        # ATen's own float16 gemv takes a row (or a column) against a transposed operand: nothing allocated.
+        if (kernel == "avx512" and a_dense and b_dense and not batch and 1 in (m, n) and k > 1 and alpha == 1
+                and tuple(a_strides) == (k, 1) and tuple(b_strides) == (1, k)):
+            return 0
+        a_ways, b_ways = _read_as(a.aval.shape, a_strides, a_dense), _read_as(b.aval.shape, b_strides, b_dense)
+        replays = [_replayed(kernel, m, k, n, batch[0] if batch else None, threads, ta, tb)
+                   for ta in a_ways for tb in b_ways]
+        transposed = a_strides is None or (a_dense and _transposed(a.aval.shape, a_strides))
+        bound = _bound(kernel, m, k, n, transposed, count, threads)
+        if None in replays:
+            return copies + bound
+        if not batch and any(s is not None and not d and 1 in s for s, d in ((a_strides, a_dense), (b_strides, b_dense))):
+            # A matrix with padded rows (a slice's): ATen's gemm may read it as it lies; not replayed.
+            return copies + max(*replays, bound)
+        return copies + max(replays)
 
     rule.reads_layouts = True  # type: ignore[attr-defined]
     return rule

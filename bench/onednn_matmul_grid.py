@@ -1,0 +1,175 @@
+"""The half-precision CPU matmul workspace rule (stagetorch/ops/linalg.py) against the allocator, over a grid of
+products or random ones (issue 25).
+
+Measure (each product run once below autograd, its allocations beyond its output recorded by
+tests/memtrack.op_workspace; about 0.1 s a product), writing one JSON row a product:
+
+    python bench/onednn_matmul_grid.py measure --grid --threads 3 > grid3.jsonl
+    python bench/onednn_matmul_grid.py measure --random 600 --seed 1 --threads 1 2 3 > random.jsonl
+    python bench/onednn_matmul_grid.py measure --random 90 --seed 3 --big --threads 1 2 3 4 8 16 > big.jsonl
+
+Compare the rule (as a staged program's equation sees it, strides included) and the fitted bound it falls back
+to, per dtype and thread count: exact / over / under, median and largest ratio to the allocator:
+
+    python bench/onednn_matmul_grid.py check grid3.jsonl random.jsonl big.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import json
+import math
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import stagetorch  # noqa: E402
+from stagetorch.costing import Layouts, workspace  # noqa: E402
+from stagetorch.ops import linalg  # noqa: E402
+
+aten = torch.ops.aten
+SIZES = [1, 3, 8, 16, 17, 32, 64, 100, 256, 512, 1000]
+HIDDEN = [16, 32, 64, 96, 128, 256, 384, 512, 768, 1024, 2048, 3072, 4096]
+
+
+def _layout(shape: list[int], transposed: bool) -> list[int]:
+    if len(shape) == 2:
+        return [1, shape[0]] if transposed else [shape[1], 1]
+    b, r, c = shape
+    return [r * c, 1, r] if transposed else [r * c, c, 1]
+
+
+def _case(dtype: str, op: str, a_shape: list[int], ta: bool, b_shape: list[int], tb: bool) -> list:
+    return [dtype, op, a_shape, _layout(a_shape, ta), b_shape, _layout(b_shape, tb)]
+
+
+def grid() -> list[list]:
+    """mm over M, K, N in SIZES, A and B each plain or transposed (transposed only up to 2^20 multiply-adds)."""
+    cases = []
+    for dtype in ("bfloat16", "float16"):
+        for m, k, n in itertools.product(SIZES, SIZES, SIZES):
+            for ta, tb in itertools.product((False, True), repeat=2):
+                if (ta or tb) and m * k * n > 64**3 * 4:
+                    continue
+                cases.append(_case(dtype, "mm", [m, k], ta, [k, n], tb))
+    return cases
+
+
+def random_cases(count: int, seed: int, big: bool) -> list[list]:
+    """Linear layers (M tokens, K and N hidden sizes; weight gradients with K tokens), other 2-D products and
+    batched ones (attention), up to 2^29 multiply-adds, or 2^33 with ``big``."""
+    rng = random.Random(seed)
+
+    def dim(lo: int, hi: int) -> int:
+        return round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+
+    cases: list[list] = []
+    while len(cases) < count:
+        dtype = rng.choice(["bfloat16", "float16"])
+        ta, tb = rng.random() < 0.3, rng.random() < 0.5
+        if rng.random() < (0.75 if big else 0.67):
+            op = rng.choice(["mm", "addmm"])
+            if big:
+                m, k, n = dim(256, 16384), rng.choice([*HIDDEN[2:], dim(1000, 16384)]), rng.choice(HIDDEN[2:])
+                if rng.random() < 0.3:
+                    m, k = k, m
+            elif rng.random() < 0.6:
+                m, k, n = dim(1, 4096), rng.choice(HIDDEN), rng.choice(HIDDEN)
+            else:
+                m, k, n = dim(1, 3000), dim(1, 3000), dim(1, 3000)
+            if m * k * n > 2 ** (33 if big else 29):
+                continue
+            cases.append(_case(dtype, op, [m, k], ta, [k, n], tb))
+        else:
+            op = rng.choice(["bmm", "baddbmm"])
+            b, m, k, n = dim(1, 64), dim(1, 512), dim(1, 512), dim(1, 512)
+            if big:
+                b, m, k, n = dim(4, 256), dim(64, 2048), rng.choice([32, 64, 128, dim(64, 2048)]), dim(64, 2048)
+            if b * m * k * n > 2 ** (32 if big else 28):
+                continue
+            cases.append(_case(dtype, op, [b, m, k], ta, [b, k, n], tb))
+    return cases
+
+
+def _tensors(case: list) -> tuple:
+    dtype, op, a_shape, a_strides, b_shape, b_strides = case
+    dt = getattr(torch, dtype)
+
+    def strided(shape: list[int], strides: list[int]) -> torch.Tensor:
+        return torch.zeros(1 + sum((s - 1) * t for s, t in zip(shape, strides)), dtype=dt).as_strided(shape, strides)
+
+    a, b = strided(a_shape, a_strides), strided(b_shape, b_strides)
+    if op == "addmm":
+        return aten.addmm, (torch.zeros(b_shape[-1], dtype=dt), a, b)
+    if op == "baddbmm":
+        return aten.baddbmm, (torch.zeros(a_shape[0], a_shape[1], b_shape[-1], dtype=dt), a, b)
+    return getattr(aten, op), (a, b)
+
+
+def rule(op: torch._ops.OpOverloadPacket, args: tuple) -> int:
+    graph = stagetorch.make_ir(lambda *ts: op(*ts))(*args)
+    (eqn,) = [e for e in graph.eqns if e.prim is op.default]
+    return workspace(eqn, layouts=Layouts(graph))
+
+
+def measure(cases: list[list], threads: list[int]) -> None:
+    from memtrack import op_workspace
+
+    for t in threads:
+        torch.set_num_threads(t)
+        for case in cases:
+            op, args = _tensors(case)
+            print(json.dumps([*case, t, op_workspace(op, *args)]), flush=True)
+
+
+def check(files: list[str]) -> None:
+    rows: dict = collections.defaultdict(list)
+    for name in files:
+        for line in Path(name).read_text().splitlines():
+            *case, t, measured = json.loads(line)
+            torch.set_num_threads(t)
+            op, args = _tensors(case)
+            a, b = (args[1], args[2]) if op in (aten.addmm, aten.baddbmm) else args
+            m, k, n = *a.shape[-2:], b.shape[-1]
+            count = a.shape[0] if a.dim() == 3 else 1
+            kernel = linalg._onednn_half(a.dtype)
+            transposed = a.stride(-2) == 1 and a.stride(-1) == m and m > 1 and k > 1
+            bound = 0 if count * m * k * n <= 4096 else linalg._bound(kernel, m, k, n, transposed, count, t)
+            rows[(case[0], t)].append((measured, rule(op, args), bound))
+    print("dtype     threads products | rule: exact over under  median  max   | bound: under median  max")
+    for (dtype, t), found in sorted(rows.items()):
+        ratios = [r / w for w, r, _ in found if w]
+        bounds = [b / w for w, _, b in found if w]
+        exact, over = sum(r == w for w, r, _ in found), sum(r > w for w, r, _ in found)
+        print(f"{dtype:9} {t:7} {len(found):8} | {exact:11} {over:4} {len(found) - exact - over:5}"
+              f"  {statistics.median(ratios):6.3f} {max(ratios):5.3f} | {sum(b < w for w, _, b in found):12}"
+              f" {statistics.median(bounds):6.2f} {max(bounds):5.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="mode", required=True)
+    m = sub.add_parser("measure")
+    m.add_argument("--grid", action="store_true")
+    m.add_argument("--random", type=int, default=0)
+    m.add_argument("--seed", type=int, default=1)
+    m.add_argument("--big", action="store_true")
+    m.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    c = sub.add_parser("check")
+    c.add_argument("files", nargs="+")
+    args = parser.parse_args()
+    if args.mode == "measure":
+        measure((grid() if args.grid else []) + random_cases(args.random, args.seed, args.big), args.threads)
+    else:
+        check(args.files)
+
+
+if __name__ == "__main__":
+    main()
