@@ -438,3 +438,47 @@ def test_a_report_made_at_any_batch_predicts_the_report_made_at_another(name):
         assert report.predict(at) == report.peak_bytes == truth[at] + held
         errors = {b: (report.predict(b) - t - held) / (t + held) for b, t in truth.items()}
         assert all(abs(e) <= 0.02 for e in errors.values()), (at, {b: f"{e:+.2%}" for b, e in errors.items() if abs(e) > 0.02})
+
+
+# The losses and reductions the test models end with, after a 3 x (Linear(256) + GELU) model.
+_LOSS_STEPS = {
+    "mse": lambda o, y: F.mse_loss(o, y),
+    "mse_sum": lambda o, y: F.mse_loss(o, y, reduction="sum"),
+    "smooth_l1": lambda o, y: F.smooth_l1_loss(o, y),
+    "huber": lambda o, y: F.huber_loss(o, y),
+    "bce": lambda o, y: F.binary_cross_entropy(o.sigmoid(), y.sigmoid()),
+    "bce_logits": lambda o, y: F.binary_cross_entropy_with_logits(o, y.sigmoid()),
+    "soft_margin": lambda o, y: F.soft_margin_loss(o, y.sign()),
+    "kl_div": lambda o, y: F.kl_div(o.log_softmax(-1), y.softmax(-1), reduction="batchmean"),
+    "cross_entropy": lambda o, y: F.cross_entropy(o, y.argmax(-1)),
+    "sum": lambda o, y: ((o - y) ** 2).sum(),
+}
+
+
+@pytest.mark.parametrize("budget", [None, 0.6], ids=["whole", "chunked"])
+@pytest.mark.parametrize("loss", list(_LOSS_STEPS))
+def test_a_step_ending_in_a_loss_is_at_its_plan(loss, budget):
+    """Plan = allocator, whole and in chunks, within the Python numbers kernels wrap as 0-dim tensors (16 B).
+    Before the loss rules, F.mse_loss and smooth_l1_loss measured 8.7% over their plan at 512 x 256 (the
+    loss's 0-dim result keeps the storage of the unreduced loss, through the backward), soft_margin_loss 20.7%,
+    binary_cross_entropy (with logits too) 8.0%; mse_loss(reduction="sum") in chunks 1.8% (the first chunk's
+    loss, handed over as the accumulator, kept its storage)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(256, 256), nn.GELU())])
+
+    def step(x, y):
+        out = _LOSS_STEPS[loss](model(x), y)
+        out.backward()
+        return out
+
+    x, y = torch.randn(512, 256), torch.randn(512, 256)
+    if budget is not None:
+        budget = int(budget * stagetorch.jit(step, memory_budget=1 << 40).plan(x, y).peak)
+    staged = stagetorch.jit(step, memory_budget=budget or 1 << 40, remat=False)
+    plan = staged.plan(x, y)
+    assert (len(plan.chunk_sizes) > 1) == (budget is not None)
+    staged(x, y)
+    model.zero_grad(set_to_none=True)
+    with AllocatorPeak([*model.parameters(), x, y]) as run:
+        staged(x, y)
+    assert run.peak - 16 <= plan.peak <= run.peak * 1.02, (plan.peak, run.peak)
