@@ -16,6 +16,7 @@ import stagetorch
 from stagetorch.costing import MemoryEffect, peak_bytes
 from stagetorch.devices import bytes_ceiling, format_bytes, parse_bytes
 from stagetorch.errors import OutOfMemoryError
+from stagetorch.ops.reductions import partials_bytes
 
 MODELS = {**models.CLASSIFIERS, "gpt2": models.gpt2}
 
@@ -151,7 +152,8 @@ def test_a_custom_memory_rule_changes_the_estimate():
     graph = stagetorch.make_ir(fn)(x)
     before = peak_bytes(graph)
     stagetorch.ops.register(torch.ops.stagetorch_test.scratchy, memory=lambda eqn: 10 * eqn.invars[0].aval.nbytes)
-    assert before == 2 * x.nbytes + 4  # the input and the op's output, then the 4-byte sum
+    # the input and the op's output, then the 4-byte sum (and its partial sums, one per thread)
+    assert before == 2 * x.nbytes + 4 + partials_bytes(x.numel(), 1, 4)
     assert peak_bytes(graph) == 2 * x.nbytes + 10 * x.nbytes  # held while the op runs
     stagetorch.ops.register(torch.ops.stagetorch_test.scratchy, memory=lambda eqn: MemoryEffect(outputs={0: 3 * x.nbytes}))
     assert peak_bytes(graph) == before + 2 * x.nbytes

@@ -8,6 +8,12 @@ norms.py). Where a formula is a fit or a bound rather than the kernel's own arit
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +21,8 @@ from memtrack import op_workspace
 
 import stagetorch
 from stagetorch.costing import Layouts, effect, peak_bytes, workspace
+from stagetorch.ir import Aval
+from stagetorch.ops.conv import _uses_mkldnn
 
 aten = torch.ops.aten
 
@@ -102,12 +110,32 @@ def test_convolution_workspace_is_the_allocators(case, mkldnn):
         measured, rule = op_workspace(aten.convolution, *args), _rule(aten.convolution, *args)
         assert abs(rule - measured) <= 0.02 * measured + 256, ("forward", measured, rule)
         go = torch.randn_like(aten.convolution(*args))
-        for mask in ((True, True, True), (False, True, True)):
+        for mask in ((True, True, True), (False, True, True), (True, False, False)):
+            if mkldnn and mask == (True, False, False):
+                continue
             args = _conv_backward(go, x, w, stride, padding, False, groups, mask)
-            measured = op_workspace(aten.convolution_backward, *args)
+            measured = max(op_workspace(aten.convolution_backward, *args), _unseen_columns(x, w, go, stride, groups, mask, mkldnn))
             rule = _rule(aten.convolution_backward, *args)
+            if groups > 1 and mask == (True, False, False):
+                # Each group's unseen buffer beside what the profiler sees, or not: a bound (see
+                # _unseen_columns), as the full batch's columns the rule counted before were.
+                assert measured <= rule, ("backward", mask, measured, rule)
+                continue
             tolerance = 0.02 if not mkldnn else BACKWARD_MISSES.get(case, 0.20)
             assert abs(rule - measured) <= tolerance * measured + 256, ("backward", mask, measured, rule)
+
+
+def _unseen_columns(x, w, go, stride, groups, mask, mkldnn):
+    """What the profiler cannot see: the native 2-d kernel's input gradient (ungrouped) unfolds each example
+    into a buffer of its thread's own, one example's columns, from ``std::make_unique`` (plain ``malloc``,
+    not torch's allocator: ATen's ConvolutionMM2d.cpp), one per thread with examples. Measured at ``malloc``
+    by test_the_native_input_gradients_columns_are_real_but_unseen_by_the_profiler; the allocator's reading
+    of such an op is the larger of it and what the profiler sees (the weight gradient's columns come after)."""
+    if mkldnn:  # oneDNN enabled: whether it runs this convolution (ConvParams::use_mkldnn)
+        mkldnn = _uses_mkldnn(Aval.of(x), Aval.of(w), [stride] * (x.ndim - 2), [1] * (x.ndim - 2), False, groups)
+    if mkldnn or x.ndim != 4 or not mask[0]:
+        return 0
+    return min(torch.get_num_threads(), x.shape[0]) * w.shape[1] * w.shape[2:].numel() * go.shape[2:].numel() * 4
 
 
 @contextlib.contextmanager
@@ -720,3 +748,62 @@ def test_loss_backward_workspace_is_the_allocators(threads):
                                  (aten.huber_loss_backward, (g, x, t, reduction, 1.0))):
                     measured, rule = op_workspace(op, *args), _rule(op, *args) or 0
                     assert rule == measured, (op, shape, reduction, measured, rule)
+
+
+_AT_MALLOC = """
+import ctypes, json, sys
+import torch
+sys.path.insert(0, {tests!r})
+from memtrack import op_workspace
+from test_workspace import _conv, _conv_backward, _mkldnn, _rule
+shim = ctypes.CDLL(None)
+shim.mallocpeak_live.restype = shim.mallocpeak_peak.restype = ctypes.c_long
+aten = torch.ops.aten
+torch.set_num_threads(1)
+torch.manual_seed(0)
+rows = []
+for n, c, size, o, k, padding, stride in {cases!r}:
+    x, w = torch.randn(n, c, size, size), torch.randn(o, c, k, k, requires_grad=True)
+    with _mkldnn(False):
+        go = torch.randn_like(aten.convolution(*_conv(x, w, None, stride, padding, False, 1)))
+        for mask in ((True, False, False), (True, True, True)):
+            args = _conv_backward(go, x, w, stride, padding, False, 1, mask)
+            with torch._C._AutoDispatchBelowAutograd():
+                aten.convolution_backward(*args)
+                shim.mallocpeak_reset()
+                base = shim.mallocpeak_live()
+                out = aten.convolution_backward(*args)
+                peak = shim.mallocpeak_peak()
+            kept = sum(t.untyped_storage().nbytes() for t in out if isinstance(t, torch.Tensor))
+            columns = c * k * k * go.shape[2:].numel() * 4
+            rows.append((mask, peak - base - kept, op_workspace(aten.convolution_backward, *args),
+                         _rule(aten.convolution_backward, *args), columns))
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("cc") is None, reason="needs Linux and a C compiler")
+def test_the_native_input_gradients_columns_are_real_but_unseen_by_the_profiler(tmp_path):
+    """The native 2-d kernel's input gradient unfolds each example into ``std::make_unique<scalar_t[]>``
+    (ATen's ConvolutionMM2d.cpp, ``slow_conv2d_backward_out_cpu_template``): plain ``malloc``, so the profiler's
+    allocation events (tests/memtrack.AllocatorPeak) show nothing for it, where RSS grew by it. Measured here
+    at ``malloc`` itself (a preloaded shim, tests/mallocpeak.c): one example's columns per thread, whatever
+    the kernel's size (1x1 too), which the rule counts (it counted the whole batch's, up to 8x over, and
+    none for a 1x1 kernel). With the weight's gradient, that gradient's columns (torch's allocator, seen) come
+    after: the larger of the two is the op's peak."""
+    shim = tmp_path / "mallocpeak.so"
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(shim), str(Path(__file__).with_name("mallocpeak.c")), "-ldl"],
+                   check=True)
+    cases = [(4, 8, 24, 16, 3, 1, 1), (8, 8, 32, 8, 3, 1, 1), (2, 32, 40, 32, 3, 1, 1), (4, 16, 24, 8, 3, 1, 2),
+             (4, 8, 24, 16, 1, 0, 1)]
+    script = _AT_MALLOC.format(tests=str(Path(__file__).parent), cases=cases)
+    env = {**os.environ, "LD_PRELOAD": str(shim), "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    python = 4096  # what the interpreter itself allocates around the call
+    for case, (grad_input, both) in zip(cases, zip(rows[::2], rows[1::2])):
+        _, at_malloc, profiler, rule, columns = grad_input
+        assert profiler == 0 and columns <= at_malloc <= columns + python, (case, grad_input)
+        assert rule == columns, (case, grad_input)
+        _, at_malloc, profiler, rule, _ = both
+        assert rule == max(profiler, columns) <= at_malloc <= rule + python, (case, both)
