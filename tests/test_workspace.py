@@ -114,7 +114,7 @@ def test_convolution_workspace_is_the_allocators(case, mkldnn):
             if mkldnn and mask == (True, False, False):
                 continue
             args = _conv_backward(go, x, w, stride, padding, False, groups, mask)
-            measured = max(op_workspace(aten.convolution_backward, *args), _unseen_columns(x, w, go, stride, groups, mask, mkldnn))
+            measured = _backward_at_the_allocator(go, x, w, stride, padding, groups, mask, mkldnn)
             rule = _rule(aten.convolution_backward, *args)
             if groups > 1 and mask == (True, False, False):
                 # Each group's unseen buffer beside what the profiler sees, or not: a bound (see
@@ -125,17 +125,30 @@ def test_convolution_workspace_is_the_allocators(case, mkldnn):
             assert abs(rule - measured) <= tolerance * measured + 256, ("backward", mask, measured, rule)
 
 
+def _backward_at_the_allocator(go, x, w, stride, padding, groups, mask, mkldnn):
+    """The backward's excess at the allocator: the profiler's, or, while the input gradient's unseen buffer
+    (_unseen_columns) is live, what the profiler sees of the input gradient alone (the copies made before
+    it) plus that buffer; the weight gradient's columns come after it."""
+    seen = op_workspace(aten.convolution_backward, *_conv_backward(go, x, w, stride, padding, False, groups, mask))
+    unseen = _unseen_columns(x, w, go, stride, groups, mask, mkldnn)
+    if not unseen:
+        return seen
+    alone = op_workspace(aten.convolution_backward, *_conv_backward(go, x, w, stride, padding, False, groups, (True, False, False)))
+    return max(seen, alone + unseen)
+
+
 def _unseen_columns(x, w, go, stride, groups, mask, mkldnn):
     """What the profiler cannot see: the native 2-d kernel's input gradient (ungrouped) unfolds each example
     into a buffer of its thread's own, one example's columns, from ``std::make_unique`` (plain ``malloc``,
     not torch's allocator: ATen's ConvolutionMM2d.cpp), one per thread with examples. Measured at ``malloc``
-    by test_the_native_input_gradients_columns_are_real_but_unseen_by_the_profiler; the allocator's reading
-    of such an op is the larger of it and what the profiler sees (the weight gradient's columns come after)."""
+    by test_the_native_input_gradients_columns_are_real_but_unseen_by_the_profiler."""
     if mkldnn:  # oneDNN enabled: whether it runs this convolution (ConvParams::use_mkldnn)
         mkldnn = _uses_mkldnn(Aval.of(x), Aval.of(w), [stride] * (x.ndim - 2), [1] * (x.ndim - 2), False, groups)
-    if mkldnn or x.ndim != 4 or not mask[0]:
+    if mkldnn or x.ndim == 5 or not mask[0] or (groups > 1 and mask[1]):  # (a 1-d convolution runs as a 2-d one)
+        # Grouped with the weight's gradient: each group's buffer beside the others' columns or not, not
+        # measured at malloc; the rule keeps the profiler's view there (still weak).
         return 0
-    return min(torch.get_num_threads(), x.shape[0]) * w.shape[1] * w.shape[2:].numel() * go.shape[2:].numel() * 4
+    return min(torch.get_num_threads(), x.shape[0]) * w.shape[1] * w.shape[2:].numel() * go.shape[2:].numel() * x.element_size()
 
 
 @contextlib.contextmanager
@@ -289,7 +302,8 @@ def test_native_convolution_workspace_follows_the_arguments_layouts(case, layout
     go = _laid_out(torch.randn_like(aten.convolution(*args)), layouts[1])
     for mask in ((True, True, True), (False, True, True)):
         args = _conv_backward(go, x, w, stride, padding, False, groups, mask)
-        measured, rule = op_workspace(aten.convolution_backward, *args), _rule(aten.convolution_backward, *args)
+        measured = _backward_at_the_allocator(go, x, w, stride, padding, groups, mask, False)
+        rule = _rule(aten.convolution_backward, *args)
         assert abs(rule - measured) <= 0.02 * measured + 256, ("backward", mask, measured, rule)
 
 
