@@ -152,12 +152,13 @@ def _columns(x: Aval, w: Aval, out: Aval, stride, padding, transposed, groups, b
 
 
 def _input_gradient_columns(x: Aval, w: Aval, grad: Aval) -> int:
-    """The native 2-d kernel's input gradient (of each group, grouped) unfolds one example at a time into a buffer of each
-    thread's own, one example's columns (whatever the kernel's size), made with ``std::make_unique``
+    """The native 2-d kernel's input gradient (of each group, grouped) unfolds one example at a time into a
+    buffer of each thread's own, one example's columns (whatever the kernel's size), made with ``std::make_unique``
     (``slow_conv2d_backward_out_cpu_template``, ATen's ConvolutionMM2d.cpp): from plain ``malloc``, never
     torch's allocator, so the profiler does not see it (tests/test_workspace.py measures it at ``malloc``).
     One buffer per thread that has examples, at most, when all of them run at once."""
-    return min(torch.get_num_threads(), x.shape[0]) * w.shape[1] * math.prod(w.shape[2:]) * math.prod(grad.shape[2:]) * x.itemsize
+    examples = min(torch.get_num_threads(), x.shape[0])
+    return examples * w.shape[1] * math.prod(w.shape[2:]) * math.prod(grad.shape[2:]) * x.itemsize
 
 
 def _group_slices(e: Eqn, backward: bool, layouts: Any) -> int | None:

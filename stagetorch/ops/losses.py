@@ -268,7 +268,6 @@ BATCH: dict = {
 }
 
 
-
 # Memory rules: op -> rule(eqn) -> MemoryEffect (an output's true size: see keeps_unreduced).
 _KEEPS_UNREDUCED = {aten.mse_loss: 2, aten.smooth_l1_loss: 2, aten.binary_cross_entropy: 3, aten.soft_margin_loss: 2}
 MEMORY: dict = {op: keeps_unreduced(arg) for op, arg in _KEEPS_UNREDUCED.items()}

@@ -37,6 +37,7 @@ def _reduction_workspace(mean: bool):  # noqa: ANN202
 
     return rule
 
+
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
     aten.sum.dim_IntList: _shape.reduce("sum"),
@@ -92,7 +93,6 @@ BATCH: dict = {
     aten.sort.stable: batching.along("dim", default=-1),
     aten.topk: batching.along(2, default=-1),
 }
-
 
 
 # Workspace rules: op -> rule(eqn) -> bytes the kernel allocates inside itself (measured at the CPU allocator,
