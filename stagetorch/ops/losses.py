@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..batching import Chunked, Global, LabelFn, Prepass, Reduced, coupling, elementwise
+from ..costing import MemoryEffect
 from ..errors import ShapeError
-from ..ir import Aval, Eqn
+from ..ir import Aval, Eqn, op_name
+from ..registry import slot
 from . import _shape
+from .reductions import mean_bytes, partials_bytes
 
 aten = torch.ops.aten
 
@@ -59,12 +63,116 @@ def reduction_loss(*, reduction_arg: int, backward: bool = False) -> Callable[[E
     return rule
 
 
-def _divided(prim: Any, count: int) -> Callable[..., torch.Tensor]:
-    def divided(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return prim(*args, **kwargs) / count
+class _Divided:
+    """``prim(*args) / count``: a ``mean`` loss run on a chunk as the chunk's ``sum`` divided by the whole
+    batch's element count (a backward's gradient likewise). It answers for its own workspace rule (the registry
+    asks :meth:`stagetorch_rule`): the op's for a sum, plus the undivided result, freed once divided (with the
+    storage a reduced loss keeps: :data:`_KEEPS_UNREDUCED`), and the division's number, wrapped as a 0-dim
+    int64 tensor."""
 
-    divided.__name__ = f"{getattr(prim, '__name__', 'op')}_sum_over_{count}"
-    return divided
+    def __init__(self, prim: Any, count: int):
+        self.prim, self.count = prim, count
+        self.__name__ = f"{getattr(prim, '__name__', 'op')}_sum_over_{count}"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.prim(*args, **kwargs) / self.count
+
+    def __repr__(self) -> str:
+        return self.__name__
+
+    def stagetorch_rule(self, name: str) -> Callable[..., Any] | None:
+        return self._workspace if name == "workspace" else None
+
+    def _workspace(self, e: Eqn) -> int:
+        inner, kept = slot(self.prim, "workspace"), slot(self.prim, "memory")
+        out = e.outvars[0].aval
+        undivided = kept(e).outputs.get(0, out.nbytes) if kept is not None else out.nbytes
+        # The op's workspace is gone when the division makes the output: the larger of the two moments.
+        return undivided + max((inner(e) if inner is not None else 0) - out.nbytes, 8 if out.device.type == "cpu" else 0)
+
+
+def _divided(prim: Any, count: int) -> _Divided:
+    return _Divided(prim, count)
+
+
+# What the CPU loss kernels allocate (ATen's Loss.cpp and its structured kernels, torch 2.13; measured at the
+# allocator: tests/test_workspace.py). A reduced loss first computes the unreduced one, a tensor of the operands'
+# broadcast shape ("unreduced" below), then reduces it (:func:`mean_bytes`, :func:`partials_bytes`).
+
+def _reduction(e: Eqn, arg: int) -> int:
+    return e.args[arg] if len(e.args) > arg else e.kwargs.get("reduction", _MEAN)
+
+
+def _unreduced(e: Eqn) -> tuple[int, int]:
+    """(elements, bytes) of the unreduced loss of ``e``'s first two operands, in the output's dtype."""
+    x, y = e.args[0].aval, e.args[1].aval
+    numel = math.prod(_shape.broadcast_shapes(op_name(e.prim), x, y))
+    return numel, numel * e.outvars[0].aval.itemsize
+
+
+def _reduced(reduction: int, numel: int, itemsize: int) -> int:
+    if reduction == _NONE:
+        return 0
+    return (mean_bytes if reduction == _MEAN else partials_bytes)(numel, 1, itemsize)
+
+
+def _casts(e: Eqn) -> int:
+    """Bytes of the operands a CPU TensorIterator copies into the result's dtype (it casts by copying)."""
+    dtype = e.outvars[0].aval.dtype
+    return sum(a.aval.numel * dtype.itemsize for a in e.args[:2] if a.aval.dtype != dtype)
+
+
+def loss_workspace(reduction_arg: int, kind: str) -> Callable[[Eqn], int]:
+    """The workspace rule of a CPU loss kernel over operands 0 and 1, reduced per argument ``reduction_arg``.
+
+    ``kind``: ``"structured"`` (mse, smooth_l1: the output is made at the unreduced shape and resized to 0-dim,
+    keeping its storage, see :data:`_KEEPS_UNREDUCED`; the unreduced loss is a second tensor, and the operands
+    are cast once per TensorIterator, two when reduced); ``"fresh"`` (huber: the unreduced loss, then its
+    reduction in a new tensor); ``"in_place"`` (binary_cross_entropy, soft_margin_loss: the loss is computed
+    in the output, whose storage keeps it, and the reduction copied in); ``"logits"``
+    (binary_cross_entropy_with_logits: two tensors of the unreduced shape at once beside the loss)."""
+
+    def rule(e: Eqn) -> int:
+        if e.outvars[0].aval.device.type != "cpu":
+            return 0
+        reduction = _reduction(e, reduction_arg)
+        numel, nbytes = _unreduced(e)
+        itemsize = e.outvars[0].aval.itemsize
+        reduced = _reduced(reduction, numel, itemsize)
+        if kind == "structured":
+            return _casts(e) * (1 if reduction == _NONE else 2) + (0 if reduction == _NONE else nbytes + reduced)
+        if kind == "fresh":
+            return 0 if reduction == _NONE else nbytes + reduced
+        if kind == "in_place":
+            return 0 if reduction == _NONE else itemsize + reduced
+        return nbytes if reduction == _NONE else 2 * nbytes + reduced
+
+    return rule
+
+
+def keeps_unreduced(reduction_arg: int) -> Callable[[Eqn], MemoryEffect]:
+    """The memory rule of a CPU loss kernel whose reduced, 0-dim result keeps the storage of the unreduced
+    loss it was computed in (resized, not reallocated), for as long as the loss lives."""
+
+    def rule(e: Eqn) -> MemoryEffect:
+        if e.outvars[0].aval.device.type != "cpu" or _reduction(e, reduction_arg) == _NONE:
+            return MemoryEffect()
+        return MemoryEffect(outputs={0: _unreduced(e)[1]})
+
+    return rule
+
+
+def binary_cross_entropy_backward_workspace(e: Eqn) -> int:
+    """A ``mean`` gradient is divided in place by the element count: the number wrapped as a float64 tensor
+    and cast to the gradient's dtype (CPU)."""
+    x = e.args[1].aval
+    return 8 + x.itemsize if x.device.type == "cpu" and _reduction(e, 4) == _MEAN else 0
+
+
+def soft_margin_loss_backward_workspace(e: Eqn) -> int:
+    """``exp(-target * input)`` and the product before it: two tensors of the input's size (CPU)."""
+    x = e.args[1].aval
+    return 2 * x.nbytes if x.device.type == "cpu" else 0
 
 
 def _nll_total_weight(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
@@ -159,3 +267,20 @@ BATCH: dict = {
     aten.soft_margin_loss_backward: reduction_loss(reduction_arg=3, backward=True),
 }
 
+
+# Memory rules: op -> rule(eqn) -> MemoryEffect (an output's true size: see keeps_unreduced).
+_KEEPS_UNREDUCED = {aten.mse_loss: 2, aten.smooth_l1_loss: 2, aten.binary_cross_entropy: 3, aten.soft_margin_loss: 2}
+MEMORY: dict = {op: keeps_unreduced(arg) for op, arg in _KEEPS_UNREDUCED.items()}
+
+
+# Workspace rules: op -> rule(eqn) -> bytes the kernel allocates inside itself (see stagetorch/costing.py).
+WORKSPACE: dict = {
+    aten.mse_loss: loss_workspace(2, "structured"),
+    aten.smooth_l1_loss: loss_workspace(2, "structured"),
+    aten.huber_loss: loss_workspace(2, "fresh"),
+    aten.binary_cross_entropy: loss_workspace(3, "in_place"),
+    aten.soft_margin_loss: loss_workspace(2, "in_place"),
+    aten.binary_cross_entropy_with_logits: loss_workspace(4, "logits"),
+    aten.binary_cross_entropy_backward: binary_cross_entropy_backward_workspace,
+    aten.soft_margin_loss_backward: soft_margin_loss_backward_workspace,
+}

@@ -5,9 +5,38 @@ from __future__ import annotations
 import torch
 
 from .. import batching
+from ..ir import Eqn
 from . import _shape
 
 aten = torch.ops.aten
+
+GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: below it, a CPU reduction runs on one thread
+
+
+def partials_bytes(numel: int, out: int, itemsize: int) -> int:
+    """What a CPU sum or mean of ``numel`` elements into ``out`` elements allocates for its threads: a
+    reduction to one element over at least ``GRAIN_SIZE`` elements, on more than one thread, sums each
+    thread's part into a buffer of one element per thread (``two_pass_reduction``, ATen's
+    TensorIteratorReduce.cpp), in the output's dtype; a reduction to more elements splits the output instead."""
+    threads = torch.get_num_threads()
+    return threads * itemsize if out == 1 and numel >= GRAIN_SIZE and threads > 1 else 0
+
+
+def mean_bytes(numel: int, out: int, itemsize: int) -> int:
+    """What a CPU mean allocates beyond its output: the sum's partials, then (freed by then) the division by
+    the count, a Python number wrapped as a float64 tensor and cast to the output's dtype."""
+    return max(partials_bytes(numel, out, itemsize), 8 + itemsize)
+
+
+def _reduction_workspace(mean: bool):  # noqa: ANN202
+    def rule(e: Eqn) -> int:
+        x, out = e.args[0].aval, e.outvars[0].aval
+        if x.device.type != "cpu":
+            return 0
+        return (mean_bytes if mean else partials_bytes)(x.numel, out.numel, out.itemsize)
+
+    return rule
+
 
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
@@ -65,3 +94,12 @@ BATCH: dict = {
     aten.topk: batching.along(2, default=-1),
 }
 
+
+# Workspace rules: op -> rule(eqn) -> bytes the kernel allocates inside itself (measured at the CPU allocator,
+# float32 and float64, 1-3 threads: tests/test_workspace.py).
+WORKSPACE: dict = {
+    aten.sum.default: _reduction_workspace(mean=False),
+    aten.sum.dim_IntList: _reduction_workspace(mean=False),
+    aten.mean.default: _reduction_workspace(mean=True),
+    aten.mean.dim: _reduction_workspace(mean=True),
+}
