@@ -175,27 +175,44 @@ def _row(name: str, path: str, budget: int | None, planned: int, run: AllocatorP
     return f"| {name} | {where} | {spent} | {planned:,} | {run.peak:,} ({error}){over} | {reserved} | {eager or 0:,} | {ratio} |"
 
 
-def check_seed(name: str, device: str, dry: bool) -> list[str]:
-    """A seed model of tests/remat_models.py recomputing under budgets of 1.0, 0.7 and 0.5 of its peak
-    without recomputation (the budget less the planner's margin), against its eager step."""
-    torch.manual_seed(0)
-    model, x = remat_models.SEEDS[name]()
-    model, x = model.to(device), x.to(device)
+def seed_runs(model: nn.Module, x: torch.Tensor, device: str, dry: bool,
+              after: Callable[[float], None] | None = None) -> list[tuple[float, int, Plan | None, AllocatorPeak | None]]:
+    """``model``'s step recomputing under budgets of 1.0, 0.7 and 0.5 of its peak without recomputation (the
+    budget less the planner's margin): (fraction, budget, plan or None below the floor, the allocator's
+    peak of the call or None on a dry run) each; ``after(fraction)`` once each call has run."""
     step = remat_models.step_of(model)
     full = stagetorch.jit(step, remat=False).plan(x).peak
-    eager_model = copy.deepcopy(model)
-    eager = None if dry else measure(device, remat_models.step_of(eager_model), resident(eager_model, (x,)), x).peak
-    rows = []
+    out = []
     for fraction in (1.0, 0.7, 0.5):
         budget = int(full * fraction / (1 - SAFETY_MARGIN)) + 1
         staged = stagetorch.jit(step, memory_budget=budget)
+        # Before the plan: a .grad left by the last fraction's call is held beside a program that replaces it,
+        # which the plan counts (and recomputes more for), but the measured call, without it, plans again.
+        model.zero_grad(set_to_none=True)
         try:
             plan = staged.plan(x)
         except stagetorch.errors.StagingError:
+            out.append((fraction, budget, None, None))
+            continue
+        run = None if dry else measure(device, staged, resident(model, (x,)), x)
+        if after is not None and not dry:
+            after(fraction)
+        out.append((fraction, budget, plan, run))
+    return out
+
+
+def check_seed(name: str, device: str, dry: bool) -> list[str]:
+    """A seed model of tests/remat_models.py recomputing (:func:`seed_runs`), against its eager step."""
+    torch.manual_seed(0)
+    model, x = remat_models.SEEDS[name]()
+    model, x = model.to(device), x.to(device)
+    eager_model = copy.deepcopy(model)
+    eager = None if dry else measure(device, remat_models.step_of(eager_model), resident(eager_model, (x,)), x).peak
+    rows = []
+    for fraction, budget, plan, run in seed_runs(model, x, device, dry):
+        if plan is None:
             rows.append(f"| {name} | recomputing at {fraction}x | {budget:,} | below the floor | | | | |")
             continue
-        model.zero_grad(set_to_none=True)
-        run = None if dry else measure(device, staged, resident(model, (x,)), x)
         rows.append(_row(name, f"recomputing at {fraction}x", budget, plan.peak, run, eager, len(plan.chunk_sizes)))
     return rows
 
