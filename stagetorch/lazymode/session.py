@@ -6,6 +6,7 @@ real values kept) and its flush, which runs the pending equations through the sa
 from __future__ import annotations
 
 import itertools
+import operator
 import sys
 import weakref
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from .backward import BackwardSkip
 from .mode import Mode, cap
 from .recording import _RECORDINGS
 from .shard import LazyShard
-from .tape import _Call
+from .tape import _Call, express_guards
 from .tensor import LazyTensor, _lazy_tensor, _make_subclass
 
 __all__ = ["lazy"]
@@ -191,6 +192,7 @@ class _Session(BackwardSkip):
                 self.tape = replaying.tape = []
             if taping and tape and tape[0].express and replaying.express:
                 self.mode = Mode.EXPRESS
+                self.guards = express_guards(replaying, tape)
         else:
             self.mode = Mode.RECORD
             self.recording = self._start_recording()
@@ -234,10 +236,11 @@ class _Session(BackwardSkip):
         self.ran_all = True
         _PENDING.discard(self.ref)
 
-    def count_batch(self) -> None:
+    def count_batch(self, depth: int = 3) -> None:
         """BatchNorm's forward (training) added one to ``num_batches_tracked`` before calling batch_norm on
-        lazy tensors: a flush that fails takes it back, so a failed step leaves the buffers as they were."""
-        frame = sys._getframe(3)
+        lazy tensors: a flush that fails takes it back, so a failed step leaves the buffers as they were.
+        ``depth``: frames from here to ``F.batch_norm`` (3 from ``LazyTensor.__torch_function__``)."""
+        frame = sys._getframe(depth)
         for _ in range(4):  # batch_norm, called from _BatchNorm.forward (a subclass's forward in between)
             if frame is None:
                 return
@@ -387,7 +390,11 @@ class _Session(BackwardSkip):
             # Outputs in storage the flush made (no view of an input): a gradient there is no parameter's.
             made = set(produced)
             fresh = frozenset(v for v in outs if v.root in made)
-            built = flushes[key] = (executable, device, fresh, {v: i for i, v in enumerate(outs)}, outs)
+            # The inputs read from one dict in one call (operator.itemgetter: a tuple, for two or more).
+            take = operator.itemgetter(*invars) if len(invars) > 1 else None
+            built = flushes[key] = (
+                executable, device, fresh, {v: i for i, v in enumerate(outs)}, outs, take, executable.restoring
+            )
         return built
 
     def flush(
@@ -402,9 +409,10 @@ class _Session(BackwardSkip):
         because a value it would keep has rows each chunk orders its own way (an MoE layer's tokens sorted by
         expert, saved for the backward), only ``needed`` is computed (:meth:`_peek`) and every equation is
         left to the next flush, where those rows are consumed inside the program."""
-        express = self.mode is _EXPRESS
-        end = len(self.eqns) if self.mode is _RECORD else self.end  # eqn_count, inline
-        if end == self.done:
+        mode = self.mode
+        done = self.done
+        end = len(self.eqns) if mode is _RECORD else self.end  # eqn_count, inline
+        if end == done:
             return
         if grads is None:
             grads = [
@@ -413,22 +421,26 @@ class _Session(BackwardSkip):
                 if isinstance(leaf.grad, LazyTensor) and leaf.grad._session is self
             ]
         flushes = self.recording.flushes
-        span = flushes.get((self.done, end))
+        span = flushes.get((done, end))
         if span is None:
-            pending = self.eqns[self.done : end]
-            produced = [v for e in pending for v in e.outvars if v is not None]
-            made = set(produced)
-            invars: list[Var] = []  # every input of the pending equations that the user or a flush supplied
-            for e in pending:
-                for v in e.invars:
-                    if v not in made and v not in invars:
-                        invars.append(v)
-            span = flushes[(self.done, end)] = (produced, invars)
-        produced, invars = span
+            span = flushes[(done, end)] = _FlushSpan(self.eqns[done:end])
         values = self.values
+        later = None
+        if mode is _EXPRESS:
+            # No autograd graph holds what the recording's later steps (the backward) read: keep it here.
+            # (The recording is complete: an express replay only replays a recorded session's calls.)
+            later = span.later
+            if later is None:
+                later = span.later = frozenset(v for e in self.eqns[end:] for v in e.invars)
+                span.read_later = [v for v in span.produced if v in later]
+            wanted = set(span.read_later)
+        else:
+            wanted = set()
+        for v in targets:
+            if v not in values:
+                wanted.add(v)
         # Only what can still be read is kept: the inputs, and values whose lazy tensor is alive.
         alive = {}
-        wanted = {v for v in targets if v not in values}
         for v, ref in self.alive.items():
             if ref() is not None:
                 alive[v] = ref
@@ -437,29 +449,23 @@ class _Session(BackwardSkip):
         self.alive = alive
         for _, v in grads:
             wanted.add(v)
-        later = None
-        if express:
-            # No autograd graph holds what the recording's later steps (the backward) read: keep it here.
-            # (The recording is complete: an express replay only replays a recorded session's calls.)
-            later_key = ("later", self.done, end)
-            if later_key not in flushes:
-                later = frozenset(v for e in self.eqns[end:] for v in e.invars)
-                flushes[later_key] = (later, [v for v in produced if v in later])
-            later, read_later = flushes[later_key]
-            wanted.update(read_later)
         # The flush that keeps these values: found by what is wanted (a step loop wants the same each step),
         # else by the outputs that makes (produced, in order, that are wanted). A flush's executable plans
         # with or without recomputation, as the session that built it asked.
-        wanted_key = (self.done, end, frozenset(wanted), self.remat)
-        built = flushes.get(wanted_key)
+        builds = span.remat if self.remat else span.no_remat
+        wanted_key = frozenset(wanted)
+        built = builds.get(wanted_key)
         if built is None:
-            outs = tuple(v for v in produced if v in wanted)
-            built = flushes[wanted_key] = self._built(flushes, invars, end, produced, outs)
-        executable, device, fresh, position, outs = built
+            outs = tuple(v for v in span.produced if v in wanted)
+            built = builds[wanted_key] = self._built(flushes, span.invars, end, span.produced, outs)
+        executable, device, fresh, position, outs, take, held = built
 
         consts = self.consts
         try:
-            inputs = [values[v] if v in values else consts[v] for v in invars]
+            # The inputs: each one's value, else the constant a call bound (a user's value wins).
+            inputs = take({**consts, **values}) if take is not None else [
+                values[v] if v in values else consts[v] for v in span.invars
+            ]
         except KeyError:
             raise ConcretizationError("a lazy value was dropped before it ran; this is a bug in stagetorch.lazy") from None
         batched = self.batched
@@ -467,7 +473,10 @@ class _Session(BackwardSkip):
             self._peek(needed)
             return
         self.peek_kept = None  # (what a peek kept for the next one is not held through the flush)
-        kept = {v: x for v, x in values.items() if v in alive or v in batched or (later is not None and v in later)}
+        kept = {}
+        for v, x in values.items():
+            if v in alive or v in batched or (later is not None and v in later):
+                kept[v] = x
         try:
             versions = self.versions
             if versions:
@@ -476,7 +485,7 @@ class _Session(BackwardSkip):
                 for v, seen in versions.items():
                     t = consts.get(v)
                     if t is not None and t._version != seen:
-                        self._check_versions(invars)
+                        self._check_versions(span.invars)
                         break
             budget = free_memory(device, self.memory_budget)
             if self.shard is None:
@@ -484,7 +493,7 @@ class _Session(BackwardSkip):
                 # the planner plans the program in the budget less those copies (an error names the budget
                 # the whole flush fits in).
                 try:
-                    plan = executable.planner.plan_call(budget, *executable.restoring, inputs)[1]
+                    plan = executable.planner.plan_call(budget, held[0], held[1], inputs)[1]
                     results, _ = executable.run(inputs, plan, name="lazy")
                 except StagingError as e:
                     if getattr(e, "chunk_local_result", False):
@@ -493,7 +502,8 @@ class _Session(BackwardSkip):
                 made = flushes.get(("made", id(executable)))
                 if made is None:  # after its first run: an executable learns about its inputs there
                     made = flushes[("made", id(executable))] = _per_example_outputs(executable)
-                self.made.update(made)
+                if made:
+                    self.made.update(made)
             else:
                 results = shard.run(self.shard, executable, inputs, budget)
         except BaseException:
@@ -503,22 +513,26 @@ class _Session(BackwardSkip):
             raise
         self.failed = False
         if end == (len(self.eqns) if self.mode is _RECORD else self.end):
-            self.idle()
+            self.ran_all = True  # idle(), inline
+            _PENDING.discard(self.ref)
         self.versions = {}  # nothing pending reads them now; the flush's own in-place writes are the program's
-        self.counted = []
+        if self.counted:
+            self.counted = []
         self.done = end
         dropped = False
         for leaf, v in grads:
             grad = leaf.grad
-            if type(grad) is LazyTensor:
-                leaf.grad = grad = None  # autograd stored the lazy gradient; accumulate the real one as it would have
-                dropped = True
             i = position.get(v)
-            x = values[v] if i is None else results[i]
-            if grad is None and v in fresh and x.stride() == leaf.stride():
-                leaf.grad = x  # accumulate_grad's first case, inline: the hot path (see __init__)
-            else:
-                accumulate_grad(leaf, x, fresh=v in fresh)
+            if grad is None:
+                if i is not None and v in fresh:
+                    x = results[i]
+                    if x.stride() == leaf.stride():
+                        leaf.grad = x  # accumulate_grad's first case, inline: the hot path (see __init__)
+                        continue
+            elif type(grad) is LazyTensor:
+                leaf.grad = None  # autograd stored the lazy gradient; accumulate the real one as it would have
+                dropped = True
+            accumulate_grad(leaf, values[v] if i is None else results[i], fresh=v in fresh)
         if dropped:
             alive = self.alive = {v: ref for v, ref in alive.items() if ref() is not None}
             kept = {v: x for v, x in kept.items() if v in alive or v in batched or (later is not None and v in later)}
@@ -526,6 +540,29 @@ class _Session(BackwardSkip):
             if v in alive or (later is not None and v in later):
                 kept[v] = x
         self.values = kept
+
+
+class _FlushSpan:
+    """What the flushes of equations ``[done, end)`` of a recording share: the values they make (in order),
+    their inputs (what the user or an earlier flush supplied), and the executables built for it, per set of
+    values kept (with recomputation and without). ``later`` (what the recording's later equations read) and
+    ``read_later`` (those of its values) are filled in by an express replay's flush."""
+
+    __slots__ = ("produced", "invars", "later", "read_later", "remat", "no_remat")
+
+    def __init__(self, pending: list):
+        self.produced = [v for e in pending for v in e.outvars if v is not None]
+        made = set(self.produced)
+        invars: list[Var] = []
+        for e in pending:
+            for v in e.invars:
+                if v not in made and v not in invars:
+                    invars.append(v)
+        self.invars = invars
+        self.later: frozenset[Var] | None = None
+        self.read_later: list[Var] = []
+        self.remat: dict[frozenset, tuple] = {}
+        self.no_remat: dict[frozenset, tuple] = {}
 
 
 def _input_labels(recording: Any, batch: int, metas: list) -> MappingProxyType:
