@@ -9,7 +9,7 @@ import itertools
 import operator
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -25,10 +25,11 @@ from ..ir import Graph, Var, op_name
 from ..tracing import Recorder, user_frame
 from . import shard
 from .backward import BackwardSkip
-from .mode import Mode, cap
+from . import mode as _mode
+from .mode import Mode
 from .recording import _RECORDINGS
 from .shard import LazyShard
-from .tape import _Call, express_guards
+from .tape import _Call, _contiguous, express_guards
 from .tensor import LazyTensor, _lazy_tensor, _make_subclass
 
 __all__ = ["lazy"]
@@ -62,7 +63,8 @@ _LIVE: set[weakref.ref] = set()
 # optimizer's hook walks only these: a step loop whose backward() ran everything walks none.
 _PENDING: set[weakref.ref] = set()
 
-_EXPRESS, _RECORD = Mode.EXPRESS, Mode.RECORD  # module globals: read on every flush
+_EXPRESS, _REPLAY, _RECORD = Mode.EXPRESS, Mode.REPLAY, Mode.RECORD  # module globals: read on every step
+_INPUT_LABELS = ("input labels",)
 
 
 def _gone(ref: weakref.ref) -> None:  # (a reference is hashed while its session lives: found once it died)
@@ -129,6 +131,10 @@ class _Session(BackwardSkip):
 
     mode: Mode  # what the session does with each call; it only moves down, EXPRESS to REPLAY to RECORD
     done = 0  # equations before this index have run
+    # (Class-level defaults, replaced by the session's own where it has any: a step's hot path makes none.)
+    counted: list[torch.Tensor] | tuple = ()  # BatchNorm counters the step's Python code added one to
+    failed = False  # its last flush raised: nothing runs it implicitly (see _flush_before_optimizer_step)
+    made: Mapping[Var, Batched] = MappingProxyType({})  # batch labels of per-example values earlier flushes made
     hooked = False  # a hook or grad_fn was reached: backward always runs the autograd engine
     freed: frozenset[Var] = frozenset()  # losses whose backward ran (the engine would have freed their graph)
     reading_saved = False  # reading what autograd saved: calls are not steps
@@ -162,26 +168,23 @@ class _Session(BackwardSkip):
         # The version counter of each constant when a call that has not run yet bound it: an in-place change
         # before the flush would make that call read a value it never saw (see _check_versions).
         self.versions: dict[Var, int] = {}
-        self.counted: list[torch.Tensor] = []  # BatchNorm counters the step's Python code added one to
-        self.failed = False  # its last flush raised: nothing runs it implicitly (see _flush_before_optimizer_step)
         alive: dict[Var, weakref.ref] = {}
         self.alive = alive
-        self.made: dict[Var, Batched] = {}  # the batch labels of per-example values earlier flushes made
         lazies: list[LazyTensor] = []
         self.lazies = lazies
         self.slots: list[torch.Tensor] = []  # the real tensors the session's calls took, in order
         self.slot_ids: dict[int, int] = {}
         self.graph_nodes: dict[int, list] = {}  # slot of a real argument with a graph -> its nodes, walked
-        limit = cap()
-        replaying = _RECORDINGS.get(self.key) if limit >= Mode.REPLAY else None
+        limit = _mode._cap  # cap(), inline
+        replaying = _RECORDINGS.get(self.key) if limit >= _REPLAY else None
         # Inputs that require grad have an autograd graph the tape cannot reproduce: never express.
         # The express replay makes lazy tensors from the real inputs' metadata, a shard's not the global batch's.
-        taping = limit >= Mode.EXPRESS and shard is None
+        taping = limit >= _EXPRESS and shard is None
         for m in metas:
             if m[4]:
                 taping = False
         if replaying is not None:
-            self.mode = Mode.REPLAY
+            self.mode = _REPLAY
             self.recording = replaying
             self.eqns = replaying.eqns
             self.cursor = 0  # the next step to replay
@@ -191,10 +194,10 @@ class _Session(BackwardSkip):
             if tape is None and taping:
                 self.tape = replaying.tape = []
             if taping and tape and tape[0].express and replaying.express:
-                self.mode = Mode.EXPRESS
+                self.mode = _EXPRESS
                 self.guards = express_guards(replaying, tape)
         else:
-            self.mode = Mode.RECORD
+            self.mode = _RECORD
             self.recording = self._start_recording()
             if taping:
                 self.tape = self.recording.tape = []
@@ -207,10 +210,16 @@ class _Session(BackwardSkip):
         if replaying is not None:
             # A replayed step's hot path, where each call saved is measurable: the inputs' variables and batch
             # labels are the recording's, the same each step; _lazy_tensor inline.
-            self.batched = _input_labels(replaying, batch, metas)
-            for t, var, (shape, stride, dtype, device, requires_grad) in zip(tensors, inputs, metas):
+            labels = replaying.flushes.get(_INPUT_LABELS)
+            if labels is None:
+                labels = _input_labels(replaying, batch, metas)
+            self.batched, contiguous = labels
+            for t, var, (shape, stride, dtype, device, requires_grad), plain in zip(tensors, inputs, metas, contiguous):
                 values[var] = t.detach() if requires_grad else t  # the value, without its autograd graph
-                lazy_t = _make_subclass(LazyTensor, shape, strides=stride, dtype=dtype, device=device, requires_grad=requires_grad)
+                if plain:  # (contiguous strides: what the constructor makes without them, parsed faster)
+                    lazy_t = _make_subclass(LazyTensor, shape, dtype=dtype, device=device, requires_grad=requires_grad)
+                else:
+                    lazy_t = _make_subclass(LazyTensor, shape, strides=stride, dtype=dtype, device=device, requires_grad=requires_grad)
                 lazy_t._fake, lazy_t._var, lazy_t._session, lazy_t._express, lazy_t._shadow = None, var, self, False, None
                 alive[var] = ref = weakref.ref(lazy_t)
                 refs.append(ref)
@@ -248,13 +257,13 @@ class _Session(BackwardSkip):
                 module = frame.f_locals.get("self")
                 counter = getattr(module, "num_batches_tracked", None)
                 if module.training and isinstance(counter, torch.Tensor):
-                    self.counted.append(counter)
+                    self.counted = [*self.counted, counter]
                 return
             frame = frame.f_back
 
     def _take_back(self) -> None:
         """A flush failed: what the step's Python code counted before it is taken back."""
-        counted, self.counted = self.counted, []
+        counted, self.counted = self.counted, ()
         with torch.no_grad():
             for counter in counted:
                 counter.sub_(1)
@@ -503,7 +512,7 @@ class _Session(BackwardSkip):
                 if made is None:  # after its first run: an executable learns about its inputs there
                     made = flushes[("made", id(executable))] = _per_example_outputs(executable)
                 if made:
-                    self.made.update(made)
+                    self.made = {**self.made, **made}
             else:
                 results = shard.run(self.shard, executable, inputs, budget)
         except BaseException:
@@ -517,7 +526,7 @@ class _Session(BackwardSkip):
             _PENDING.discard(self.ref)
         self.versions = {}  # nothing pending reads them now; the flush's own in-place writes are the program's
         if self.counted:
-            self.counted = []
+            self.counted = ()
         self.done = end
         dropped = False
         for leaf, v in grads:
@@ -565,13 +574,15 @@ class _FlushSpan:
         self.no_remat: dict[frozenset, tuple] = {}
 
 
-def _input_labels(recording: Any, batch: int, metas: list) -> MappingProxyType:
+def _input_labels(recording: Any, batch: int, metas: list) -> tuple[MappingProxyType, list[bool]]:
     """The batch labels of a recording's inputs (their batch along dim ``batch``), made once: every session
-    that replays it shares them (read only)."""
-    labels = recording.flushes.get(("input labels",))
+    that replays it shares them (read only); and whether each input's strides are contiguous ones (the
+    sessions that replay it have the same: its key holds them)."""
+    labels = recording.flushes.get(_INPUT_LABELS)
     if labels is None:
-        labels = recording.flushes[("input labels",)] = MappingProxyType(
-            {var: Batched(batch % len(m[0])) for var, m in zip(recording.inputs, metas)}
+        labels = recording.flushes[_INPUT_LABELS] = (
+            MappingProxyType({var: Batched(batch % len(m[0])) for var, m in zip(recording.inputs, metas)}),
+            [_contiguous(m[0], m[1]) for m in metas],
         )
     return labels
 
@@ -697,10 +708,31 @@ def lazy(
     size = _batch_size(tensors, batch)
     if size == 0:
         raise ValueError("stagetorch.lazy: the batch is empty")
-    return _lazies(_Session(tensors, batch, memory_budget, size, remat=remat == "auto"))
+    session = _Session(tensors, batch, memory_budget, size, remat=remat == "auto")
+    out, session.lazies = session.lazies, []  # _lazies, inline
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def _batch_size(tensors: tuple[torch.Tensor, ...], batch: int) -> int:
+    """The batch size the tensors agree on along dim ``batch``; a clear error where they do not."""
+    size = -1
+    try:
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                break
+            n = t.size(batch)
+            if n != size:
+                if size >= 0:
+                    break
+                size = n
+        else:
+            return size
+    except (IndexError, RuntimeError, TypeError):
+        pass
+    return _checked_batch_size(tensors, batch)
+
+
+def _checked_batch_size(tensors: tuple[torch.Tensor, ...], batch: int) -> int:
     size = None
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
