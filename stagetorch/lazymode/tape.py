@@ -21,6 +21,7 @@ from .recording import _BACKWARD, RecordingSteps, _meta
 from .tensor import _MISS, LazyTensor, _make_subclass
 
 _MAX_LEAVES = 2
+_CPU = torch.device("cpu")
 
 @attrs.define(eq=False, frozen=True)
 class _Real:
@@ -271,9 +272,11 @@ def _compile_guard(call: _Call) -> Callable:
                 lines.append(f"    if {x} is not {other}: return _MISS")
             else:
                 shape, stride, dtype, device, requires_grad = k.meta
+                # (On the host, is_cpu says it without making a torch.device to compare.)
+                other_device = f"not {x}.is_cpu" if device == _CPU else f"{x}.device != {const(device)}"
                 lines.append(
                     f"    if {x}.shape != {const(shape)} or {x}.dtype is not {const(dtype)} or {x}.stride() != {stride!r}"
-                    f" or {x}.device != {const(device)} or {x}.requires_grad is not {requires_grad!r}: return _MISS"
+                    f" or {other_device} or {x}.requires_grad is not {requires_grad!r}: return _MISS"
                 )
                 lines.append(f"    new.append({x})")
                 if k.graph is not None:
