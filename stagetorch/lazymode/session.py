@@ -539,7 +539,9 @@ class _Session(BackwardSkip):
                         leaf.grad = x  # accumulate_grad's first case, inline: the hot path (see __init__)
                         continue
             elif type(grad) is LazyTensor:
-                leaf.grad = None  # autograd stored the lazy gradient; accumulate the real one as it would have
+                # autograd stored the lazy gradient; accumulate the real one as it would have (no reference
+                # to the lazy one is left here: the values kept are those whose lazy tensor is alive)
+                leaf.grad = grad = None
                 dropped = True
             accumulate_grad(leaf, values[v] if i is None else results[i], fresh=v in fresh)
         if dropped:
