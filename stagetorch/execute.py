@@ -33,6 +33,7 @@ from .passes import Liveness, add_into, is_random, liveness, scheduled, writes
 __all__ = ["Program", "Undo", "Commit", "commit_plan", "accumulate_grad", "grad_to_install", "install_grads"]
 
 aten = torch.ops.aten
+_below_autograd = torch._C._AutoDispatchBelowAutograd
 
 
 class Program:
@@ -56,6 +57,14 @@ class Program:
         in_slots = [slot_of[v] for v in run.invars]
         self.commit = commit_plan(run, keep, final)
         self._run = _compile(steps, slot_of, in_slots, nslots, self.out_slots, self.grad_slots, self.commit)
+        # What run() hands back, read from the environment by one generated expression each (a step's hot path:
+        # a comprehension over the slots cost ~10 bytecodes a value).
+        literals = {f"_l{k}": x.value for k, x in enumerate(self.out_slots) if isinstance(x, Literal)}
+        self._outputs = eval(  # noqa: S307 - made from slot numbers
+            "lambda env: [" + "".join(f"_l{k}, " if f"_l{k}" in literals else f"env[{x}], " for k, x in enumerate(self.out_slots)) + "]",
+            literals,
+        )
+        self._grads = eval("lambda env: [" + "".join(f"({i}, env[{s}]), " for i, s in self.grad_slots) + "]")  # noqa: S307
 
     def run_env(self, inputs: Sequence[torch.Tensor], undo: Undo | None = None) -> list:
         """Run on real inputs (parallel to the graph's invars); returns the environment of the slots the
@@ -67,13 +76,13 @@ class Program:
             return self._run(inputs, _NOTHING if undo is None else undo)
 
     def outputs(self, env: list) -> list:
-        return [x.value if isinstance(x, Literal) else env[x] for x in self.out_slots]
+        return self._outputs(env)
 
     def run(self, inputs: Sequence[torch.Tensor], undo: Undo | None = None) -> tuple[list, list[tuple[int, torch.Tensor]]]:
         """Run; return the flat outputs and the (input position, gradient) pairs to accumulate."""
-        with torch._C._AutoDispatchBelowAutograd():  # as run_env (a step's hot path: one call less)
+        with _below_autograd():  # as run_env (a step's hot path: one call less)
             env = self._run(inputs, _NOTHING if undo is None else undo)
-        return self.outputs(env), [(i, env[s]) for i, s in self.grad_slots]
+        return self._outputs(env), self._grads(env)
 
 
 class Undo:
@@ -714,6 +723,15 @@ def _compile(
         if single and len(e.outvars) == 1:
             target = f"s{outs[0][1]}" if outs else "_"
             lines.append(f"    {target} = {call}{comment}")
+        elif (
+            schema is not None and len(schema.returns) == len(e.outvars) > 1
+            and all(isinstance(r.type, torch.TensorType) for r in schema.returns)
+        ):  # a tuple of tensors (nll_loss_forward's output and total weight): unpacked as it is
+            slots = dict(outs)
+            targets = ", ".join(f"s{slots[j]}" if j in slots else "_" for j in range(len(e.outvars)))
+            lines.append(f"    {targets} = {call}{comment}")
+            if "_" in targets.split(", "):
+                lines.append("    _ = None")
         else:
             lines.append(f"    _f = _flatten({call}){comment}")
             lines.extend(f"    s{slot} = _f[{j}]" for j, slot in outs)

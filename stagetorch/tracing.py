@@ -112,6 +112,12 @@ def _no_grad_read_warning() -> Iterator[None]:
         yield
 
 
+def _grad_of_another_shape(t: torch.Tensor) -> bool:
+    """Whether leaf ``t`` holds a ``.grad`` whose shape is not its own (its ``.data`` was replaced since)."""
+    grad = t.grad
+    return grad is not None and grad.shape != t.shape
+
+
 def _is_leaf(t: torch.Tensor) -> bool:
     """``t.is_leaf``; False for a view made under no_grad whose base was changed in place since, whose
     autograd metadata torch refuses to read (a weight a replayed lazy step transposed, recorded again after
@@ -668,9 +674,14 @@ class Recorder:
             with self.fake_mode, _no_grad_read_warning():
                 try:
                     fake = self.fake_mode.from_tensor(source, static_shapes=True)
-                except AssertionError:
+                except (AssertionError, RuntimeError) as e:
                     # torch's meta converter rejects some views whose base has a .grad (a transposed
-                    # weight after a first backward); a fresh fake with the same layout stands in for it.
+                    # weight after a first backward), and a leaf whose .grad has another shape than it now
+                    # has (``p.data = torch.randn(new_shape)`` with the old .grad held, which eager allows:
+                    # autograd adds the new gradient into it, broadcasting, or raises there); a fresh fake
+                    # with the same layout stands in for it.
+                    if isinstance(e, RuntimeError) and not (leaf and _grad_of_another_shape(t)):
+                        raise
                     fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
             self.lifted[id(t)] = fake
             self.consts.append(t)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from test_lazy_replay import assert_same_grads, assert_same_loop, batches, mlp
 
 import stagetorch
+from stagetorch.errors import ShapeError
 from stagetorch.lazymode import recording
 from stagetorch.lazymode.mode import Mode
 from stagetorch.lazymode.session import _Session
@@ -204,6 +205,41 @@ def test_a_parameter_given_new_storage_is_read_from_its_new_storage():
     recording._RECORDINGS.clear()
     torch.manual_seed(5)
     assert_same_loop(step, n=5)
+
+
+@pytest.mark.parametrize(("old", "new"), [(3, 1), (1, 3), (3, 4)])
+def test_a_parameter_given_another_shape_with_its_grad_held(old, new):
+    """``w.data = torch.randn(new)`` between steps, the ``.grad`` of the old shape kept (accumulation): eager
+    PyTorch adds the new gradient into it, broadcasting (3 into 1), or raises where it cannot (1 into 3 in
+    the backward, 3 against 4 in the forward). One-line mode does the same, in every mode: it failed in the
+    recording, which copied the stale ``.grad`` onto the parameter's fake tensor (autograd's "attempting to
+    assign a gradient of size")."""
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+
+    def run(lazy):
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(old))
+        outcome = []
+        for i in range(4):
+            if i == 2:
+                w.data = torch.randn(new)
+            xi = stagetorch.lazy(x) if lazy else x
+            try:
+                (xi * w).sum().backward()
+            except (RuntimeError, ShapeError) as e:  # (stagetorch's error for a shape failure: ShapeError)
+                return outcome, e
+            outcome.append(w.grad.clone())
+        return outcome, None
+
+    (eager, eager_error), (lazy, lazy_error) = run(False), run(True)
+    assert (lazy_error is None) == (eager_error is None), (lazy_error, eager_error)
+    assert "attempting to assign a gradient" not in str(lazy_error)
+    assert len(lazy) == len(eager)
+    for a, b in zip(lazy, eager):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b)
+    if (old, new) == (3, 1):
+        assert eager_error is None and eager[-1].shape == (3,)  # the case eager runs through
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,8 @@ the session continues with the slow replay.
 
 from __future__ import annotations
 
+import itertools
+import linecache
 import types
 import weakref
 from typing import Any
@@ -223,6 +225,7 @@ class ExpressReplay(SlowReplay):
         tensor the express replay made a shadow, the same value with its autograd graph. Calls on it use
         its shadow from now on."""
         self.mode = Mode.REPLAY
+        self.guards = ()
         recording = self.recording
         recording.left += 1
         if recording.left >= _MAX_LEAVES:  # every step leaves it (at a call the tape cannot replay, say)
@@ -273,45 +276,20 @@ class ExpressReplay(SlowReplay):
 
     def _express_backward(self, args: tuple, kwargs: dict, roots: list) -> bool:
         """``loss.backward()`` in an express replay, as the tape's backward: no autograd graph exists, so
-        it runs the recorded backward steps (the _Backward marker's) and accumulates into the leaves."""
+        it runs the recorded backward steps (the _Backward marker's) and accumulates into the leaves. The
+        match and what follows it are generated per taped backward (:func:`_compile_backward`), as the
+        forward calls' guards are."""
         tape = self.recording.tape
-        call = tape[self.tape_pos] if self.tape_pos < len(tape) else None
-        loss = roots[0]
-        if (
-            call is None or call.mark < 0 or len(args) != 1 or len(roots) != 1 or type(loss) is not LazyTensor
-            or loss._session is not self or loss._var is not call.key[0] or loss._shadow is not None
-        ):
+        pos = self.tape_pos
+        if pos >= len(tape):
             return False
-        for v in kwargs.values():  # (a loop, not any() of a generator: the hot path of every express step)
-            if v is not None and v is not False:
-                return False
-        mark: _Backward = self.recording.steps[call.mark].out
-        leaves = [self.slots[i] for i in call.leaves]
-        for leaf in leaves:
-            # A real .grad (gradient accumulation) is added into, as AccumulateGrad would.
-            grad = leaf.grad
-            if (
-                (grad is not None and (type(grad) is not torch.Tensor or grad.layout != torch.strided))
-                or leaf._backward_hooks or getattr(leaf, "_post_accumulate_grad_hooks", None)
-            ):
-                return False
-        consts = self.consts
-        for j, ((v, _, shape, stride, offset), source) in enumerate(zip(mark.derived, call.consts)):
-            if type(source) is Var:
-                consts[v] = call.views.get(j, consts[source], (shape, stride, offset))
-            else:  # what a node of a real argument's graph saved (the indices of an embedding lookup)
-                slot, i, name = source
-                with torch._C.DisableTorchFunctionSubclass():
-                    base = getattr(self.graph_nodes[slot][i], name)
-                same = base.shape == shape and base.stride() == stride and base.storage_offset() == offset
-                consts[v] = base if same else _view(base, (shape, stride, offset))
-        self.cursor = call.mark + 1 + mark.nsteps
-        self.end += mark.neqns
-        self.tape_pos += 1
-        self.freed = self.freed | {loss._var}
-        self.recording.left = 0
-        self.flush([], grads=[(leaves[i], v) for i, v in mark.grads])
-        return True
+        call = tape[pos]
+        if call.mark < 0:
+            return False
+        run = call.backward
+        if run is None or run.mark is not self.recording.steps[call.mark].out:
+            run = call.backward = _compile_backward(call, self.recording.steps[call.mark].out)
+        return run(self, args, kwargs, roots)
 
     def _tape_backward(
         self, tape: list | None, first: int, marked: int, loss: LazyTensor, leaves: list, nodes: list
@@ -338,3 +316,76 @@ class ExpressReplay(SlowReplay):
         ))
         if express:
             self.tape = tape
+
+
+_BACKWARDS = itertools.count()
+
+
+def _compile_backward(call: _Call, mark: _Backward) -> Any:
+    """The express replay's ``loss.backward()`` for the taped backward ``call`` (its marker ``mark``) as
+    straight-line Python: the match (the loss is the taped one, no arguments, each leaf with no hook and a
+    ``.grad`` that is None or a dense tensor, which AccumulateGrad adds into), then the constants the
+    recorded backward derives from the forward's, and the flush that installs the gradients. Returns True,
+    or False where the call does not match (the session then leaves the express replay)."""
+    env: dict[str, Any] = {
+        "LazyTensor": LazyTensor, "Tensor": torch.Tensor, "_strided": torch.strided, "views": call.views,
+        "view_entries": call.views.entries, "_node_const": _node_const,
+    }
+
+    def const(x: Any) -> str:
+        name = f"_k{len(env)}"
+        env[name] = x
+        return name
+
+    loss = const(call.key[0])
+    lines = [
+        "def backward(session, args, kwargs, roots):",
+        "    loss = roots[0]",
+        f"    if len(args) != 1 or len(roots) != 1 or type(loss) is not LazyTensor or loss._session is not session"
+        f" or loss._var is not {loss} or loss._shadow is not None: return False",
+        "    for v in kwargs.values():",
+        "        if v is not None and v is not False: return False",
+        "    slots = session.slots",
+    ]
+    for n, slot in enumerate(call.leaves):
+        # A real .grad (gradient accumulation) is added into, as AccumulateGrad would.
+        lines.append(
+            f"    l{n} = slots[{slot}]\n    g = l{n}.grad\n"
+            f"    if (g is not None and (type(g) is not Tensor or g.layout != _strided)) or l{n}._backward_hooks"
+            f" or getattr(l{n}, '_post_accumulate_grad_hooks', None): return False"
+        )
+    lines.append("    consts = session.consts")
+    for j, ((v, _, shape, stride, offset), source) in enumerate(zip(mark.derived, call.consts)):
+        view = (shape, stride, offset)
+        if type(source) is Var:  # the view kept from the step before while its base and data pointer are the same
+            lines.append(
+                f"    b = consts[{const(source)}]\n    h = view_entries.get({j})\n"
+                f"    consts[{const(v)}] = h[2] if h is not None and h[0]() is b and h[1] == b.data_ptr()"
+                f" else views.get({j}, b, {const(view)})"
+            )
+        else:  # what a node of a real argument's graph saved (the indices of an embedding lookup)
+            lines.append(f"    consts[{const(v)}] = _node_const(session, {const(source)}, {const(view)})")
+    grads = ", ".join(f"(l{i}, {const(v)})" for i, v in mark.grads)
+    lines.append(
+        f"    session.cursor = {call.mark + 1 + mark.nsteps}\n    session.end += {mark.neqns}\n"
+        f"    session.tape_pos += 1\n    session.freed = session.freed | {{{loss}}}\n"
+        f"    session.recording.left = 0\n    session.flush((), grads=[{grads}])\n    return True"
+    )
+    source = "\n".join(lines) + "\n"
+    filename = f"<stagetorch backward {next(_BACKWARDS)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), env)  # noqa: S102 - code generated from the tape
+    run = env["backward"]
+    run.mark = mark  # valid while the recording's marker is this one
+    return run
+
+
+def _node_const(session: Any, source: tuple, view: tuple) -> torch.Tensor:
+    """A constant the recorded backward reads that a node of a real argument's graph saved: that saved
+    tensor, or the view of it the engine made."""
+    slot, i, name = source
+    with torch._C.DisableTorchFunctionSubclass():
+        base = getattr(session.graph_nodes[slot][i], name)
+    shape, stride, offset = view
+    same = base.shape == shape and base.stride() == stride and base.storage_offset() == offset
+    return base if same else _view(base, view)

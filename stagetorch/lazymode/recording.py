@@ -103,6 +103,9 @@ class _Recording:
     # Sessions in a row that left the express replay (their calls were replayed twice, express then slow);
     # at _MAX_LEAVES the express replay is turned off for this recording. A backward replayed express resets it.
     left: int = 0
+    # (the tape, a guard per call of it) for the express replay's first check in LazyTensor.__torch_function__
+    # (tape.express_guards); made again for another tape.
+    guards: tuple | None = None
 
 # The latest recording per input signature: the step loop of a training script records once. The oldest
 # signatures are forgotten first.

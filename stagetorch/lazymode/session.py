@@ -6,9 +6,10 @@ real values kept) and its flush, which runs the pending equations through the sa
 from __future__ import annotations
 
 import itertools
+import operator
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -24,10 +25,11 @@ from ..ir import Graph, Var, op_name
 from ..tracing import Recorder, user_frame
 from . import shard
 from .backward import BackwardSkip
-from .mode import Mode, cap
+from . import mode as _mode
+from .mode import Mode
 from .recording import _RECORDINGS
 from .shard import LazyShard
-from .tape import _Call
+from .tape import _Call, _contiguous, express_guards
 from .tensor import LazyTensor, _lazy_tensor, _make_subclass
 
 __all__ = ["lazy"]
@@ -61,7 +63,8 @@ _LIVE: set[weakref.ref] = set()
 # optimizer's hook walks only these: a step loop whose backward() ran everything walks none.
 _PENDING: set[weakref.ref] = set()
 
-_EXPRESS, _RECORD = Mode.EXPRESS, Mode.RECORD  # module globals: read on every flush
+_EXPRESS, _REPLAY, _RECORD = Mode.EXPRESS, Mode.REPLAY, Mode.RECORD  # module globals: read on every step
+_INPUT_LABELS = ("input labels",)
 
 
 def _gone(ref: weakref.ref) -> None:  # (a reference is hashed while its session lives: found once it died)
@@ -128,6 +131,10 @@ class _Session(BackwardSkip):
 
     mode: Mode  # what the session does with each call; it only moves down, EXPRESS to REPLAY to RECORD
     done = 0  # equations before this index have run
+    # (Class-level defaults, replaced by the session's own where it has any: a step's hot path makes none.)
+    counted: list[torch.Tensor] | tuple = ()  # BatchNorm counters the step's Python code added one to
+    failed = False  # its last flush raised: nothing runs it implicitly (see _flush_before_optimizer_step)
+    made: Mapping[Var, Batched] = MappingProxyType({})  # batch labels of per-example values earlier flushes made
     hooked = False  # a hook or grad_fn was reached: backward always runs the autograd engine
     freed: frozenset[Var] = frozenset()  # losses whose backward ran (the engine would have freed their graph)
     reading_saved = False  # reading what autograd saved: calls are not steps
@@ -161,26 +168,23 @@ class _Session(BackwardSkip):
         # The version counter of each constant when a call that has not run yet bound it: an in-place change
         # before the flush would make that call read a value it never saw (see _check_versions).
         self.versions: dict[Var, int] = {}
-        self.counted: list[torch.Tensor] = []  # BatchNorm counters the step's Python code added one to
-        self.failed = False  # its last flush raised: nothing runs it implicitly (see _flush_before_optimizer_step)
         alive: dict[Var, weakref.ref] = {}
         self.alive = alive
-        self.made: dict[Var, Batched] = {}  # the batch labels of per-example values earlier flushes made
         lazies: list[LazyTensor] = []
         self.lazies = lazies
         self.slots: list[torch.Tensor] = []  # the real tensors the session's calls took, in order
         self.slot_ids: dict[int, int] = {}
         self.graph_nodes: dict[int, list] = {}  # slot of a real argument with a graph -> its nodes, walked
-        limit = cap()
-        replaying = _RECORDINGS.get(self.key) if limit >= Mode.REPLAY else None
+        limit = _mode._cap  # cap(), inline
+        replaying = _RECORDINGS.get(self.key) if limit >= _REPLAY else None
         # Inputs that require grad have an autograd graph the tape cannot reproduce: never express.
         # The express replay makes lazy tensors from the real inputs' metadata, a shard's not the global batch's.
-        taping = limit >= Mode.EXPRESS and shard is None
+        taping = limit >= _EXPRESS and shard is None
         for m in metas:
             if m[4]:
                 taping = False
         if replaying is not None:
-            self.mode = Mode.REPLAY
+            self.mode = _REPLAY
             self.recording = replaying
             self.eqns = replaying.eqns
             self.cursor = 0  # the next step to replay
@@ -190,9 +194,10 @@ class _Session(BackwardSkip):
             if tape is None and taping:
                 self.tape = replaying.tape = []
             if taping and tape and tape[0].express and replaying.express:
-                self.mode = Mode.EXPRESS
+                self.mode = _EXPRESS
+                self.guards = express_guards(replaying, tape)
         else:
-            self.mode = Mode.RECORD
+            self.mode = _RECORD
             self.recording = self._start_recording()
             if taping:
                 self.tape = self.recording.tape = []
@@ -205,10 +210,16 @@ class _Session(BackwardSkip):
         if replaying is not None:
             # A replayed step's hot path, where each call saved is measurable: the inputs' variables and batch
             # labels are the recording's, the same each step; _lazy_tensor inline.
-            self.batched = _input_labels(replaying, batch, metas)
-            for t, var, (shape, stride, dtype, device, requires_grad) in zip(tensors, inputs, metas):
+            labels = replaying.flushes.get(_INPUT_LABELS)
+            if labels is None:
+                labels = _input_labels(replaying, batch, metas)
+            self.batched, contiguous = labels
+            for t, var, (shape, stride, dtype, device, requires_grad), plain in zip(tensors, inputs, metas, contiguous):
                 values[var] = t.detach() if requires_grad else t  # the value, without its autograd graph
-                lazy_t = _make_subclass(LazyTensor, shape, strides=stride, dtype=dtype, device=device, requires_grad=requires_grad)
+                if plain:  # (contiguous strides: what the constructor makes without them, parsed faster)
+                    lazy_t = _make_subclass(LazyTensor, shape, dtype=dtype, device=device, requires_grad=requires_grad)
+                else:
+                    lazy_t = _make_subclass(LazyTensor, shape, strides=stride, dtype=dtype, device=device, requires_grad=requires_grad)
                 lazy_t._fake, lazy_t._var, lazy_t._session, lazy_t._express, lazy_t._shadow = None, var, self, False, None
                 alive[var] = ref = weakref.ref(lazy_t)
                 refs.append(ref)
@@ -234,10 +245,11 @@ class _Session(BackwardSkip):
         self.ran_all = True
         _PENDING.discard(self.ref)
 
-    def count_batch(self) -> None:
+    def count_batch(self, depth: int = 3) -> None:
         """BatchNorm's forward (training) added one to ``num_batches_tracked`` before calling batch_norm on
-        lazy tensors: a flush that fails takes it back, so a failed step leaves the buffers as they were."""
-        frame = sys._getframe(3)
+        lazy tensors: a flush that fails takes it back, so a failed step leaves the buffers as they were.
+        ``depth``: frames from here to ``F.batch_norm`` (3 from ``LazyTensor.__torch_function__``)."""
+        frame = sys._getframe(depth)
         for _ in range(4):  # batch_norm, called from _BatchNorm.forward (a subclass's forward in between)
             if frame is None:
                 return
@@ -245,13 +257,13 @@ class _Session(BackwardSkip):
                 module = frame.f_locals.get("self")
                 counter = getattr(module, "num_batches_tracked", None)
                 if module.training and isinstance(counter, torch.Tensor):
-                    self.counted.append(counter)
+                    self.counted = [*self.counted, counter]
                 return
             frame = frame.f_back
 
     def _take_back(self) -> None:
         """A flush failed: what the step's Python code counted before it is taken back."""
-        counted, self.counted = self.counted, []
+        counted, self.counted = self.counted, ()
         with torch.no_grad():
             for counter in counted:
                 counter.sub_(1)
@@ -387,7 +399,11 @@ class _Session(BackwardSkip):
             # Outputs in storage the flush made (no view of an input): a gradient there is no parameter's.
             made = set(produced)
             fresh = frozenset(v for v in outs if v.root in made)
-            built = flushes[key] = (executable, device, fresh, {v: i for i, v in enumerate(outs)}, outs)
+            # The inputs read from one dict in one call (operator.itemgetter: a tuple, for two or more).
+            take = operator.itemgetter(*invars) if len(invars) > 1 else None
+            built = flushes[key] = (
+                executable, device, fresh, {v: i for i, v in enumerate(outs)}, outs, take, executable.restoring
+            )
         return built
 
     def flush(
@@ -402,9 +418,10 @@ class _Session(BackwardSkip):
         because a value it would keep has rows each chunk orders its own way (an MoE layer's tokens sorted by
         expert, saved for the backward), only ``needed`` is computed (:meth:`_peek`) and every equation is
         left to the next flush, where those rows are consumed inside the program."""
-        express = self.mode is _EXPRESS
-        end = len(self.eqns) if self.mode is _RECORD else self.end  # eqn_count, inline
-        if end == self.done:
+        mode = self.mode
+        done = self.done
+        end = len(self.eqns) if mode is _RECORD else self.end  # eqn_count, inline
+        if end == done:
             return
         if grads is None:
             grads = [
@@ -413,22 +430,26 @@ class _Session(BackwardSkip):
                 if isinstance(leaf.grad, LazyTensor) and leaf.grad._session is self
             ]
         flushes = self.recording.flushes
-        span = flushes.get((self.done, end))
+        span = flushes.get((done, end))
         if span is None:
-            pending = self.eqns[self.done : end]
-            produced = [v for e in pending for v in e.outvars if v is not None]
-            made = set(produced)
-            invars: list[Var] = []  # every input of the pending equations that the user or a flush supplied
-            for e in pending:
-                for v in e.invars:
-                    if v not in made and v not in invars:
-                        invars.append(v)
-            span = flushes[(self.done, end)] = (produced, invars)
-        produced, invars = span
+            span = flushes[(done, end)] = _FlushSpan(self.eqns[done:end])
         values = self.values
+        later = None
+        if mode is _EXPRESS:
+            # No autograd graph holds what the recording's later steps (the backward) read: keep it here.
+            # (The recording is complete: an express replay only replays a recorded session's calls.)
+            later = span.later
+            if later is None:
+                later = span.later = frozenset(v for e in self.eqns[end:] for v in e.invars)
+                span.read_later = [v for v in span.produced if v in later]
+            wanted = set(span.read_later)
+        else:
+            wanted = set()
+        for v in targets:
+            if v not in values:
+                wanted.add(v)
         # Only what can still be read is kept: the inputs, and values whose lazy tensor is alive.
         alive = {}
-        wanted = {v for v in targets if v not in values}
         for v, ref in self.alive.items():
             if ref() is not None:
                 alive[v] = ref
@@ -437,29 +458,23 @@ class _Session(BackwardSkip):
         self.alive = alive
         for _, v in grads:
             wanted.add(v)
-        later = None
-        if express:
-            # No autograd graph holds what the recording's later steps (the backward) read: keep it here.
-            # (The recording is complete: an express replay only replays a recorded session's calls.)
-            later_key = ("later", self.done, end)
-            if later_key not in flushes:
-                later = frozenset(v for e in self.eqns[end:] for v in e.invars)
-                flushes[later_key] = (later, [v for v in produced if v in later])
-            later, read_later = flushes[later_key]
-            wanted.update(read_later)
         # The flush that keeps these values: found by what is wanted (a step loop wants the same each step),
         # else by the outputs that makes (produced, in order, that are wanted). A flush's executable plans
         # with or without recomputation, as the session that built it asked.
-        wanted_key = (self.done, end, frozenset(wanted), self.remat)
-        built = flushes.get(wanted_key)
+        builds = span.remat if self.remat else span.no_remat
+        wanted_key = frozenset(wanted)
+        built = builds.get(wanted_key)
         if built is None:
-            outs = tuple(v for v in produced if v in wanted)
-            built = flushes[wanted_key] = self._built(flushes, invars, end, produced, outs)
-        executable, device, fresh, position, outs = built
+            outs = tuple(v for v in span.produced if v in wanted)
+            built = builds[wanted_key] = self._built(flushes, span.invars, end, span.produced, outs)
+        executable, device, fresh, position, outs, take, held = built
 
         consts = self.consts
         try:
-            inputs = [values[v] if v in values else consts[v] for v in invars]
+            # The inputs: each one's value, else the constant a call bound (a user's value wins).
+            inputs = take({**consts, **values}) if take is not None else [
+                values[v] if v in values else consts[v] for v in span.invars
+            ]
         except KeyError:
             raise ConcretizationError("a lazy value was dropped before it ran; this is a bug in stagetorch.lazy") from None
         batched = self.batched
@@ -467,7 +482,10 @@ class _Session(BackwardSkip):
             self._peek(needed)
             return
         self.peek_kept = None  # (what a peek kept for the next one is not held through the flush)
-        kept = {v: x for v, x in values.items() if v in alive or v in batched or (later is not None and v in later)}
+        kept = {}
+        for v, x in values.items():
+            if v in alive or v in batched or (later is not None and v in later):
+                kept[v] = x
         try:
             versions = self.versions
             if versions:
@@ -476,7 +494,7 @@ class _Session(BackwardSkip):
                 for v, seen in versions.items():
                     t = consts.get(v)
                     if t is not None and t._version != seen:
-                        self._check_versions(invars)
+                        self._check_versions(span.invars)
                         break
             budget = free_memory(device, self.memory_budget)
             if self.shard is None:
@@ -484,7 +502,7 @@ class _Session(BackwardSkip):
                 # the planner plans the program in the budget less those copies (an error names the budget
                 # the whole flush fits in).
                 try:
-                    plan = executable.planner.plan_call(budget, *executable.restoring, inputs)[1]
+                    plan = executable.planner.plan_call(budget, held[0], held[1], inputs)[1]
                     results, _ = executable.run(inputs, plan, name="lazy")
                 except StagingError as e:
                     if getattr(e, "chunk_local_result", False):
@@ -493,7 +511,8 @@ class _Session(BackwardSkip):
                 made = flushes.get(("made", id(executable)))
                 if made is None:  # after its first run: an executable learns about its inputs there
                     made = flushes[("made", id(executable))] = _per_example_outputs(executable)
-                self.made.update(made)
+                if made:
+                    self.made = {**self.made, **made}
             else:
                 results = shard.run(self.shard, executable, inputs, budget)
         except BaseException:
@@ -503,22 +522,28 @@ class _Session(BackwardSkip):
             raise
         self.failed = False
         if end == (len(self.eqns) if self.mode is _RECORD else self.end):
-            self.idle()
+            self.ran_all = True  # idle(), inline
+            _PENDING.discard(self.ref)
         self.versions = {}  # nothing pending reads them now; the flush's own in-place writes are the program's
-        self.counted = []
+        if self.counted:
+            self.counted = ()
         self.done = end
         dropped = False
         for leaf, v in grads:
             grad = leaf.grad
-            if type(grad) is LazyTensor:
-                leaf.grad = grad = None  # autograd stored the lazy gradient; accumulate the real one as it would have
-                dropped = True
             i = position.get(v)
-            x = values[v] if i is None else results[i]
-            if grad is None and v in fresh and x.stride() == leaf.stride():
-                leaf.grad = x  # accumulate_grad's first case, inline: the hot path (see __init__)
-            else:
-                accumulate_grad(leaf, x, fresh=v in fresh)
+            if grad is None:
+                if i is not None and v in fresh:
+                    x = results[i]
+                    if x.stride() == leaf.stride():
+                        leaf.grad = x  # accumulate_grad's first case, inline: the hot path (see __init__)
+                        continue
+            elif type(grad) is LazyTensor:
+                # autograd stored the lazy gradient; accumulate the real one as it would have (no reference
+                # to the lazy one is left here: the values kept are those whose lazy tensor is alive)
+                leaf.grad = grad = None
+                dropped = True
+            accumulate_grad(leaf, values[v] if i is None else results[i], fresh=v in fresh)
         if dropped:
             alive = self.alive = {v: ref for v, ref in alive.items() if ref() is not None}
             kept = {v: x for v, x in kept.items() if v in alive or v in batched or (later is not None and v in later)}
@@ -528,13 +553,38 @@ class _Session(BackwardSkip):
         self.values = kept
 
 
-def _input_labels(recording: Any, batch: int, metas: list) -> MappingProxyType:
+class _FlushSpan:
+    """What the flushes of equations ``[done, end)`` of a recording share: the values they make (in order),
+    their inputs (what the user or an earlier flush supplied), and the executables built for it, per set of
+    values kept (with recomputation and without). ``later`` (what the recording's later equations read) and
+    ``read_later`` (those of its values) are filled in by an express replay's flush."""
+
+    __slots__ = ("produced", "invars", "later", "read_later", "remat", "no_remat")
+
+    def __init__(self, pending: list):
+        self.produced = [v for e in pending for v in e.outvars if v is not None]
+        made = set(self.produced)
+        invars: list[Var] = []
+        for e in pending:
+            for v in e.invars:
+                if v not in made and v not in invars:
+                    invars.append(v)
+        self.invars = invars
+        self.later: frozenset[Var] | None = None
+        self.read_later: list[Var] = []
+        self.remat: dict[frozenset, tuple] = {}
+        self.no_remat: dict[frozenset, tuple] = {}
+
+
+def _input_labels(recording: Any, batch: int, metas: list) -> tuple[MappingProxyType, list[bool]]:
     """The batch labels of a recording's inputs (their batch along dim ``batch``), made once: every session
-    that replays it shares them (read only)."""
-    labels = recording.flushes.get(("input labels",))
+    that replays it shares them (read only); and whether each input's strides are contiguous ones (the
+    sessions that replay it have the same: its key holds them)."""
+    labels = recording.flushes.get(_INPUT_LABELS)
     if labels is None:
-        labels = recording.flushes[("input labels",)] = MappingProxyType(
-            {var: Batched(batch % len(m[0])) for var, m in zip(recording.inputs, metas)}
+        labels = recording.flushes[_INPUT_LABELS] = (
+            MappingProxyType({var: Batched(batch % len(m[0])) for var, m in zip(recording.inputs, metas)}),
+            [_contiguous(m[0], m[1]) for m in metas],
         )
     return labels
 
@@ -660,10 +710,31 @@ def lazy(
     size = _batch_size(tensors, batch)
     if size == 0:
         raise ValueError("stagetorch.lazy: the batch is empty")
-    return _lazies(_Session(tensors, batch, memory_budget, size, remat=remat == "auto"))
+    session = _Session(tensors, batch, memory_budget, size, remat=remat == "auto")
+    out, session.lazies = session.lazies, []  # _lazies, inline
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def _batch_size(tensors: tuple[torch.Tensor, ...], batch: int) -> int:
+    """The batch size the tensors agree on along dim ``batch``; a clear error where they do not."""
+    size = -1
+    try:
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                break
+            n = t.size(batch)
+            if n != size:
+                if size >= 0:
+                    break
+                size = n
+        else:
+            return size
+    except (IndexError, RuntimeError, TypeError):
+        pass
+    return _checked_batch_size(tensors, batch)
+
+
+def _checked_batch_size(tensors: tuple[torch.Tensor, ...], batch: int) -> int:
     size = None
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):

@@ -17,10 +17,11 @@ import torch
 from .._tree import flatten
 from ..ir import Var
 from .autograd_graph import _autograd_graph, _Unreadable
-from .recording import RecordingSteps, _meta
+from .recording import _BACKWARD, RecordingSteps, _meta
 from .tensor import _MISS, LazyTensor, _make_subclass
 
 _MAX_LEAVES = 2
+_CPU = torch.device("cpu")
 
 @attrs.define(eq=False, frozen=True)
 class _Real:
@@ -104,6 +105,7 @@ class _Call:
     # its one step ran for real. The express replay runs it again for real (see ExpressReplay._express_write).
     write: bool = False
     guard: Any = None  # the generated match (_compile_guard), made at its first replay
+    backward: Any = None  # a backward's: the generated match and run (express._compile_backward)
 
     def compile_guard(self) -> Callable:
         self.guard = _compile_guard(self)
@@ -200,15 +202,36 @@ def _express_out(session: RecordingSteps, o: _New) -> LazyTensor:
 
 _GUARDS = itertools.count()
 
+def _never(session: Any, func: Any, args: tuple, kwargs: dict | None) -> Any:
+    """The guard of a call the express replay does not replay (a backward, a call not express)."""
+    return _MISS
+
+
+def express_guards(recording: Any, tape: list) -> list:
+    """A guard per call of ``tape`` (the recording's), made once per tape: the express replay's first check
+    of each torch function on a lazy tensor calls the one at the session's position. The tape's later calls
+    (taped after these were made) and anything a guard refuses go through the full path."""
+    guards = recording.guards
+    if guards is None or guards[0] is not tape:
+        made = [
+            (call.guard or call.compile_guard()) if call.express and call.mark < 0 and call.func is not _BACKWARD
+            else _never
+            for call in tape
+        ]
+        guards = recording.guards = (tape, made)
+    return guards[1]
+
+
 def _compile_guard(call: _Call) -> Callable:
-    """The taped call's match as straight-line Python, as dynamo compiles its guards: each argument
-    unpacked (nested lists and tuples too) and compared with the taped one in place; then the constants
-    bound, the lazy results made, and the session moved on. Returns the result, or _MISS."""
+    """The taped call's match as straight-line Python, as dynamo compiles its guards: the function, grad
+    mode and autocast (off) as taped, each argument unpacked (nested lists and tuples too) and compared with
+    the taped one in place; then the constants bound, the lazy results made, and the session moved on.
+    ``guard(session, func, args, kwargs)`` returns the result, or _MISS."""
     key = call.key
     env: dict[str, Any] = {
         "_MISS": _MISS, "LazyTensor": LazyTensor, "Tensor": torch.Tensor, "_weakref": weakref.ref,
         "_make": _make_subclass, "_map_out": _map_out, "call": call, "views": call.views, "view_entries": call.views.entries,
-        "_graph_ok": _graph_ok,
+        "_graph_ok": _graph_ok, "_grad_enabled": torch.is_grad_enabled, "_any_autocast": torch._C._is_any_autocast_enabled,
     }
 
     def const(x: Any) -> str:
@@ -217,7 +240,13 @@ def _compile_guard(call: _Call) -> Callable:
         return name
 
     base = call.slots_before
-    lines = ["def guard(session, args, kwargs):", f"    slots = session.slots\n    if len(slots) != {base}: return _MISS\n    new = []"]
+    func = const(call.func)
+    lines = [
+        "def guard(session, func, args, kwargs):",
+        f"    if func is not {func} and func != {func}: return _MISS",
+        f"    if _grad_enabled() is not {call.grad!r} or _any_autocast(): return _MISS",
+        f"    slots = session.slots\n    if len(slots) != {base}: return _MISS\n    new = []",
+    ]
     pos = 1  # the next element of the key
 
     def take(source: str) -> None:
@@ -243,9 +272,11 @@ def _compile_guard(call: _Call) -> Callable:
                 lines.append(f"    if {x} is not {other}: return _MISS")
             else:
                 shape, stride, dtype, device, requires_grad = k.meta
+                # (On the host, is_cpu says it without making a torch.device to compare.)
+                other_device = f"not {x}.is_cpu" if device == _CPU else f"{x}.device != {const(device)}"
                 lines.append(
                     f"    if {x}.shape != {const(shape)} or {x}.dtype is not {const(dtype)} or {x}.stride() != {stride!r}"
-                    f" or {x}.device != {const(device)} or {x}.requires_grad is not {requires_grad!r}: return _MISS"
+                    f" or {other_device} or {x}.requires_grad is not {requires_grad!r}: return _MISS"
                 )
                 lines.append(f"    new.append({x})")
                 if k.graph is not None:
@@ -265,7 +296,10 @@ def _compile_guard(call: _Call) -> Callable:
         take(f"args[{i}]")
     names = key[pos] if pos < len(key) else ()
     pos += 1
-    lines.append(f"    if len(kwargs) != {len(names)}: return _MISS")
+    if names:
+        lines.append(f"    if kwargs is None or len(kwargs) != {len(names)}: return _MISS")
+    else:
+        lines.append("    if kwargs: return _MISS")
     for name in names:
         take(f"kwargs.get({name!r}, _MISS)")
     lines.append("    if new: slots.extend(new)")
@@ -290,12 +324,16 @@ def _compile_guard(call: _Call) -> Callable:
     for i, var in call.mutated:
         lines.append(f"    x{i}._var = {const(var)}\n    session.alive[{const(var)}] = _weakref(x{i})")
     lines.append(f"    session.cursor += {call.nsteps}\n    session.end += {call.neqns}\n    session.tape_pos += 1")
+    if call.func is torch.nn.functional.batch_norm:  # BatchNorm's forward counted the batch just before it
+        lines.append("    session.count_batch(4)")  # (one frame deeper than from __torch_function__)
     out = call.out
     if call.write:
         lines.append("    return session._express_write(call, args, kwargs)")
     elif type(out) is _New:
+        # Contiguous strides are what the constructor makes without them (parsing them cost ~15% of it).
+        strides = "" if _contiguous(out.shape, out.stride) else f" strides={out.stride!r},"
         lines.append(
-            f"    t = _make(LazyTensor, {const(out.shape)}, strides={out.stride!r}, dtype={const(out.dtype)},"
+            f"    t = _make(LazyTensor, {const(out.shape)},{strides} dtype={const(out.dtype)},"
             f" device={const(out.device)}, requires_grad={out.requires_grad!r})\n"
             f"    t._fake = None\n    t._var = {const(out.var)}\n    t._session = session\n    t._express = True\n    t._shadow = None\n"
             f"    session.alive[{const(out.var)}] = _weakref(t)\n    return t"
@@ -310,6 +348,10 @@ def _compile_guard(call: _Call) -> Callable:
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     exec(compile(source, filename, "exec"), env)  # noqa: S102 - code generated from the tape
     return env["guard"]
+
+def _contiguous(shape: Any, stride: Any) -> bool:
+    """Whether ``stride`` is what ``_make_wrapper_subclass`` makes for ``shape`` when given no strides."""
+    return tuple(torch.empty(shape, device="meta").stride()) == tuple(stride)
 
 def _graph_ok(session: RecordingSteps, x: torch.Tensor, graph: _Graph, new: list, base: int, slot: int) -> bool:
     """Whether the autograd graph behind real argument ``x`` is the taped one (node types, saved values,

@@ -47,6 +47,8 @@ class _SessionBase:
     serial: int  # newer sessions have larger ones
     hooked: bool  # a hook or grad_fn was reached: backward always runs the autograd engine
     ran_all = False  # its last flush ran every call, and no call came since (see session._PENDING)
+    # In the express replay: a guard per call of the tape (tape.express_guards), tried first on each call.
+    guards: list | tuple = ()
 
     def pending(self) -> None:
         """A call reached a session that had run every call (``ran_all``): it may have calls to run again."""
@@ -68,7 +70,7 @@ class _SessionBase:
         """Go from the express replay to the slow replay (the autograd graph is needed)."""
         raise NotImplementedError
 
-    def count_batch(self) -> None:
+    def count_batch(self, depth: int = 3) -> None:
         """BatchNorm's forward counted a batch before calling batch_norm on lazy tensors."""
         raise NotImplementedError
 
@@ -147,6 +149,19 @@ class LazyTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if args:
+            # The hot path of an express step: the guard at the session's position on the tape (which checks
+            # the function, grad mode and every argument, and makes the lazy results). Anything it refuses
+            # (another call, a metadata read, a session with calls run) takes the full path below.
+            first = args[0]
+            if type(first) is LazyTensor:
+                session = first._session
+                guards = session.guards
+                pos = session.tape_pos
+                if pos < len(guards) and not session.ran_all:
+                    out = guards[pos](session, func, args, kwargs)
+                    if out is not _MISS:
+                        return out
         kind = _SPECIAL.get(func)
         kwargs = kwargs or _NO_KWARGS
         if kind is None or kind == "batch_norm":
@@ -165,11 +180,9 @@ class LazyTensor(torch.Tensor):
                             (call.func is func or call.func == func) and call.express
                             and call.grad is _grad_enabled() and not _any_autocast()
                         ):
-                            out = (call.guard or call.compile_guard())(session, args, kwargs)
+                            out = (call.guard or call.compile_guard())(session, func, args, kwargs)
                             if out is not _MISS:
-                                if kind is not None:
-                                    session.count_batch()
-                                return out
+                                return out  # (a batch_norm's guard counted the batch)
                 mixed = _one_session(args, kwargs)
                 if mixed is not None:
                     return func(*mixed[0], **mixed[1])
