@@ -693,16 +693,6 @@ def _half_case(case, dtype):
     return (aten.mm, (a, w)), (aten.addmm, (torch.zeros(n, dtype=dtype), a, w))
 
 
-@contextlib.contextmanager
-def _threads(count):
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("threads", [1, 2, 3])  # oneDNN books one buffer per thread asked for, cores or not
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", HALF_MATMULS + HALF_MATMULS_LARGE, ids=lambda c: "x".join(map(str, c)))
