@@ -501,7 +501,8 @@ def training_loop(rank: int) -> dict:
 
 def _lazy_executable(x: torch.Tensor):
     """The executable of the flush that ran a lazy session's step (its backward)."""
-    return next(v[0] for v in x._session.recording.flushes.values() if isinstance(v[0], Executable))
+    flushes = x._session.recording.flushes.values()  # (spans of equations beside the built executables)
+    return next(v[0] for v in flushes if isinstance(v, tuple) and v and isinstance(v[0], Executable))
 
 
 class Plans(logging.Handler):
