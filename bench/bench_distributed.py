@@ -143,7 +143,9 @@ def _lazy(rank: int, x: torch.Tensor, y: torch.Tensor, budget: int | None) -> di
     def step() -> None:
         lx, ly = stagetorch.lazy(x, y, process_group=dist.group.WORLD, memory_budget=budget)
         loss_of(model, lx, ly).backward()
-        executable = next(v[0] for k, v in lx._session.recording.flushes.items() if len(k) == 3)
+        executable = next(
+            v[0] for v in lx._session.recording.flushes.values() if isinstance(v, tuple) and v and hasattr(v[0], "shard_plans")
+        )
         chunks[:] = [len(p.chunk_sizes) for p in executable.shard_plans.values()]
 
     with _counting(counter):
