@@ -12,35 +12,15 @@ import pathlib
 import sys
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests"))
-from memtrack import AllocatorPeak  # noqa: E402
-from test_memory import _LOSS_STEPS as LOSSES  # noqa: E402  (the table the tests check)
-
-import stagetorch  # noqa: E402
+from test_memory import _LOSS_STEPS as LOSSES  # noqa: E402  (what the tests check)
+from test_memory import loss_step_at_the_allocator
 
 
 def run(name: str, fraction: float | None) -> tuple[int, int, int]:
-    torch.manual_seed(0)
-    model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(256, 256), nn.GELU())])
-
-    def step(x, y):
-        loss = LOSSES[name](model(x), y)
-        loss.backward()
-        return loss
-
-    x, y = torch.randn(512, 256), torch.randn(512, 256)
-    budget = 1 << 40
-    if fraction is not None:
-        budget = int(fraction * stagetorch.jit(step, memory_budget=budget).plan(x, y).peak)
-    staged = stagetorch.jit(step, memory_budget=budget, remat=False)
-    plan = staged.plan(x, y)
-    staged(x, y)
-    model.zero_grad(set_to_none=True)
-    with AllocatorPeak([*model.parameters(), x, y]) as measured:
-        staged(x, y)
-    return plan.peak, measured.peak, len(plan.chunk_sizes)
+    plan, measured = loss_step_at_the_allocator(name, fraction)
+    return plan.peak, measured, len(plan.chunk_sizes)
 
 
 def main() -> None:

@@ -465,6 +465,15 @@ def test_a_step_ending_in_a_loss_is_at_its_plan(loss, budget):
     loss's 0-dim result keeps the storage of the unreduced loss, through the backward), soft_margin_loss 20.7%,
     binary_cross_entropy (with logits too) 8.0%; mse_loss(reduction="sum") in chunks 1.8% (the first chunk's
     loss, handed over as the accumulator, kept its storage)."""
+    plan, peak = loss_step_at_the_allocator(loss, budget)
+    assert (len(plan.chunk_sizes) > 1) == (budget is not None)
+    assert peak - 16 <= plan.peak <= peak * 1.02, (plan.peak, peak)
+
+
+def loss_step_at_the_allocator(loss: str, fraction: float | None) -> tuple:
+    """A 3 x (Linear(256) + GELU) step at 512 x 256 ending in ``_LOSS_STEPS[loss]``, staged whole or at
+    ``fraction`` of its peak (chunked): its plan, and the allocator's peak of its second call (from ``.grad``
+    cleared). ``bench/loss_plan_check.py`` prints it over losses and threads."""
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(256, 256), nn.GELU())])
 
@@ -474,16 +483,16 @@ def test_a_step_ending_in_a_loss_is_at_its_plan(loss, budget):
         return out
 
     x, y = torch.randn(512, 256), torch.randn(512, 256)
-    if budget is not None:
-        budget = int(budget * stagetorch.jit(step, memory_budget=1 << 40).plan(x, y).peak)
+    budget = None
+    if fraction is not None:
+        budget = int(fraction * stagetorch.jit(step, memory_budget=1 << 40).plan(x, y).peak)
     staged = stagetorch.jit(step, memory_budget=budget or 1 << 40, remat=False)
     plan = staged.plan(x, y)
-    assert (len(plan.chunk_sizes) > 1) == (budget is not None)
     staged(x, y)
     model.zero_grad(set_to_none=True)
     with AllocatorPeak([*model.parameters(), x, y]) as run:
         staged(x, y)
-    assert run.peak - 16 <= plan.peak <= run.peak * 1.02, (plan.peak, run.peak)
+    return plan, run.peak
 
 
 class _MatmulBoth(torch.autograd.Function):

@@ -23,9 +23,9 @@ from ..executable import Executable
 from ..execute import accumulate_grad
 from ..ir import Graph, Var, op_name
 from ..tracing import Recorder, user_frame
+from . import mode as _mode
 from . import shard
 from .backward import BackwardSkip
-from . import mode as _mode
 from .mode import Mode
 from .recording import _RECORDINGS
 from .shard import LazyShard
