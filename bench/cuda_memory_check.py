@@ -1,6 +1,7 @@
 """The plan against the allocator on every path: whole, chunked, recomputing, lazy, an optimizer stepping inside
-the staged function, and gradient accumulation into a held ``.grad``; with the eager step's allocator peak
-beside it (staged / eager).
+the staged function (with the previous step's ``.grad`` resident: by default held until the program has run,
+with ``donate_grads=True`` freed when the call starts, as eager's ``zero_grad()`` frees it), and gradient
+accumulation into a held ``.grad``; with the eager step's allocator peak beside it (staged / eager).
 
 On CUDA (the default when a GPU is there) it reports ``max_memory_allocated`` and ``max_memory_reserved``
 (the caching allocator's segments: what fragmentation costs) against the plan, for a ResNet-ish CNN at batch
@@ -31,13 +32,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests"))
 import models  # noqa: E402
 import remat_models  # noqa: E402
-from memtrack import AllocatorPeak, budget_between  # noqa: E402
+from memtrack import AllocatorPeak, budget_between, known_to_the_profiler  # noqa: E402
 
 import stagetorch  # noqa: E402
 from stagetorch.executable import Executable  # noqa: E402
 from stagetorch.planning import SAFETY_MARGIN, Plan  # noqa: E402
 
-PATHS = ("whole", "chunked", "recomputing", "lazy", "optimizer inside", "accumulating")
+PATHS = ("whole", "chunked", "recomputing", "lazy", "optimizer inside", "optimizer inside, donate_grads", "accumulating")
+INSIDE = ("optimizer inside", "optimizer inside, donate_grads")
 
 
 def resnet(width: int = 64) -> nn.Module:
@@ -97,8 +99,10 @@ def resident(model: nn.Module, inputs: tuple, optimizer: torch.optim.Optimizer |
     return [*model.parameters(), *model.buffers(), *grads, *state, *inputs]
 
 
-def measure(device: str, fn: Callable, held: list[torch.Tensor], *args: torch.Tensor) -> AllocatorPeak:
-    with AllocatorPeak(held, device) as run:
+def measure(device: str, fn: Callable, held: list[torch.Tensor], *args: torch.Tensor, frees_resident: bool = False) -> AllocatorPeak:
+    run = AllocatorPeak(held, device, frees_resident=frees_resident)
+    held.clear()  # a .grad the call frees must not live on in this list
+    with run:
         fn(*args)
     return run
 
@@ -142,21 +146,28 @@ def check(name: str, model: nn.Module, inputs: tuple, lm: bool, device: str, dry
             peak, run = lazy_plan(model, lm, inputs, budget, device, dry)
             rows.append(_row(name, path, budget, peak, run, path_eager))
             continue
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if path == "optimizer inside" else None
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if path in INSIDE else None
         staged = stagetorch.jit(
             step_of(model, lm, optimizer), remat="auto" if path == "recomputing" else False,
             memory_budget=budget if path in ("chunked", "recomputing") else None,
+            donate_grads=path.endswith("donate_grads"),
         )
-        if path in ("optimizer inside", "accumulating") and not dry:
-            staged(*inputs)  # the optimizer's state, or the .grad the next call adds into
+        # A .grad freed inside the call (zero_grad() in eager, donate_grads) counts as freed: on CPU the profiler
+        # sees that free only for a block allocated under it, so the previous step runs under one.
+        frees = path in INSIDE
+        if path in ("optimizer inside", "optimizer inside, donate_grads", "accumulating") and not dry:
+            # the optimizer's state, or the .grad the next call adds into
+            known_to_the_profiler(staged, *inputs) if frees and device == "cpu" else staged(*inputs)
             reference = copy.deepcopy(model)
+            for p, q in zip(model.parameters(), reference.parameters()):
+                q.grad = known_to_the_profiler(torch.clone, p.grad)  # the same step: the previous .grad resident
             ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-4) if optimizer is not None else None
             if ref_opt is not None:
                 ref_opt.load_state_dict(optimizer.state_dict())
             ref_step = step_of(reference, lm, ref_opt)
-            path_eager = measure(device, ref_step, resident(reference, inputs, ref_opt), *inputs).peak
+            path_eager = measure(device, ref_step, resident(reference, inputs, ref_opt), *inputs, frees_resident=frees).peak
         plan = staged.plan(*inputs)
-        run = None if dry else measure(device, staged, resident(model, inputs, optimizer), *inputs)
+        run = None if dry else measure(device, staged, resident(model, inputs, optimizer), *inputs, frees_resident=frees)
         rows.append(_row(name, path, plan.budget_bytes if path in ("chunked", "recomputing") else None, plan.peak, run,
                          path_eager, len(plan.chunk_sizes)))
     return rows

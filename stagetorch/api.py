@@ -26,7 +26,7 @@ from .ir import Aval, Eqn, Graph, Var
 from .planning import body_peaks
 from .remat import RECOMPUTED, recomputed_eqns
 from .remat_planning import RematPlan
-from .staged import Staged, _map_batched
+from .staged import Staged, _grad_storages, _map_batched
 from .tracing import trace
 
 __all__ = ["make_ir", "eval_shape", "jit", "Staged", "memory", "Executable", "clear_caches"]
@@ -81,6 +81,7 @@ def jit(
     progress: bool = False,
     process_group: Any = None,
     remat: str | bool = "auto",
+    donate_grads: bool = False,
 ) -> Any:
     """Stage ``fn`` once per input signature and run the staged program.
 
@@ -104,6 +105,16 @@ def jit(
       backward instead of keeping them, chosen together with the chunk size for the cheapest step that fits
       (the result is bit for bit the same); ``False`` only chunks. With a ``process_group`` each rank plans
       its own shard this way (ranks may differ in chunks and in what they recompute).
+    - ``donate_grads``: ``False`` (default) keeps each ``.grad`` a ``zero_grad()`` inside the step replaces
+      until the staged program has run, so that a step that fails (an exception, or running out of memory)
+      leaves every ``.grad`` exactly as it was; the call holds them beside the program, and the plan counts
+      them. ``True`` frees them when the call starts, as eager PyTorch frees them at ``zero_grad()``, like
+      ``jax.jit(donate_argnums=...)``: each ``.grad`` the step replaces or clears *without reading it first*
+      is set to None before the program runs (a ``.grad`` the step clips, adds into or returns is kept). The
+      step then peaks where eager does, one set of gradients lower; a step that fails leaves those ``.grad``
+      None, as eager's would after its ``zero_grad()``, and parameters, buffers, optimizer state and every
+      other ``.grad`` exactly as they were. Gradient accumulation (a step that adds into ``.grad``) is not
+      affected. See "What a failed step leaves" in the chunking docs.
 
     **Returns** a :class:`Staged` callable.
     """
@@ -115,6 +126,7 @@ def jit(
         progress=progress,
         process_group=process_group,
         remat=remat,
+        donate_grads=donate_grads,
     )
     if fn is None:
         return lambda f: Staged(f, **options)
@@ -137,6 +149,7 @@ def memory(
     static_argnums: Sequence[int] = (),
     memory_budget: int | str | None = None,
     remat: str | bool = "auto",
+    donate_grads: bool = False,
 ) -> Callable[..., MemoryReport]:
     """Cost ``fn`` before running it: ``stagetorch.memory(fn)(*args, **kwargs) -> MemoryReport``.
 
@@ -149,12 +162,14 @@ def memory(
     With a ``memory_budget`` (and ``remat`` as in :func:`jit`), the report's ``schedule`` says how the step
     would run under it: the chunk sizes, the predicted peak, what is recomputed and what that costs; its
     plot draws that program's live bytes. When no schedule fits, the error ``jit`` would raise is raised.
+    With ``donate_grads=True`` the report costs the step as ``jit(donate_grads=True)`` runs it: without the
+    old ``.grad`` it drops before its program runs (the report's note says how many bytes).
     """
 
     def cost(*args: Any, **kwargs: Any) -> MemoryReport:
         staged = Staged(
             fn, batch_dim=batch_dim, batch_argnums=batch_argnums, static_argnums=static_argnums,
-            memory_budget=memory_budget, remat=remat,
+            memory_budget=memory_budget, remat=remat, donate_grads=donate_grads,
         )
         rep = unbudgeted(staged, args, kwargs)
         return rep if memory_budget is None else attrs.evolve(rep, schedule=_schedule(staged, args, kwargs))
@@ -165,9 +180,16 @@ def memory(
         graph = entry.traced.graph
         held, why = staged._held(entry, inputs)
         held_note = f"Beside the program the call holds {format_bytes(held)}: {'; '.join(why)}." if held else ""
+        dropped = [i for i in staged._donated(entry) if inputs[i].grad is not None]
+        donated_note = (
+            f"The call drops the old .grad of {len(dropped)} parameter(s) "
+            f"({format_bytes(sum(_grad_storages(inputs, dropped).values()))}), which the step replaces or clears "
+            "without reading it, before its program runs (donate_grads=True): they are not counted." if dropped else ""
+        )
 
         def report(*a: Any, **k: Any) -> MemoryReport:
-            return costing_report(*a, **k, held=held, held_note=held_note)
+            rep = costing_report(*a, **k, held=held, held_note=held_note)
+            return attrs.evolve(rep, note=f"{rep.note} {donated_note}".strip()) if donated_note else rep
 
         if not any(b for b, _ in leaves):
             return report(graph, batch, True, "No argument carries a batch.")

@@ -63,7 +63,7 @@ class Planner:
     _split: Split | None = None
     _full_peak: int | None = None
     # The last (plan, held, budget) of plan_call and the plan it returned for them: reused while they stay.
-    _called: tuple = (None, 0, 0, None)
+    _called: tuple = (None, 0, 0, 0, None)
     # The planners of the recomputing graphs the joint planner made from this one, and its frontier.
     _inner: dict[Graph, Planner] = attrs.field(factory=dict)
     _merge_ok: dict[Graph, bool] = attrs.field(factory=dict)  # see _merges_as_planned
@@ -110,11 +110,15 @@ class Planner:
                 )
         return self.plans[key]
 
-    def plan_call(self, budget: int, held: int, why: list[str], inputs: Sequence | None = None) -> tuple[int, Plan]:
+    def plan_call(
+        self, budget: int, held: int, why: list[str], inputs: Sequence | None = None, donated: int = 0
+    ) -> tuple[int, Plan]:
         """A call's plan: the program planned in the call's ``budget`` less the ``held`` bytes the call holds
         beside it (for the reasons ``why``), which the plan's peak counts. ``inputs``: the call's real inputs
         (parallel to ``graph.invars``), whose shared storage the plan counts once (:meth:`see_inputs`, on the
-        first call). **Returns** the program's budget and the plan, which the caller hands to
+        first call). ``donated``: bytes of the old ``.grad`` the call drops before the program runs
+        (``jit(donate_grads=True)``), which the plan says it leaves out (``Plan.donated_bytes``). **Returns**
+        the program's budget and the plan, which the caller hands to
         :meth:`stagetorch.executable.Executable.run`; an error about the budget says what ``memory_budget``
         the whole call would fit in."""
         if self.overlap is None and inputs is not None:
@@ -122,10 +126,10 @@ class Planner:
         program_budget = max(budget - held, 0)
         try:
             plan = self.plan(program_budget)
-            last, last_held, last_budget, evolved = self._called
-            if plan is not last or held != last_held or budget != last_budget:
-                evolved = attrs.evolve(plan, held_bytes=held, budget_bytes=budget)
-                self._called = (plan, held, budget, evolved)
+            last, last_held, last_budget, last_donated, evolved = self._called
+            if plan is not last or held != last_held or budget != last_budget or donated != last_donated:
+                evolved = attrs.evolve(plan, held_bytes=held, budget_bytes=budget, donated_bytes=donated)
+                self._called = (plan, held, budget, donated, evolved)
             return program_budget, evolved
         except StagingError as e:
             wider = held_beside(e, held, why)

@@ -40,6 +40,9 @@ class Plan:
     # What the call holds beside the program the whole time it runs (each .grad it adds into or replaces, the
     # copies it keeps to restore a failed step); ``budget_bytes`` then covers them too.
     held_bytes: int = 0
+    # The old .grad the call drops before the program runs (``jit(donate_grads=True)``): neither held nor
+    # counted, freed where eager's ``zero_grad()`` frees it.
+    donated_bytes: int = 0
 
     @property
     def peak(self) -> int:
@@ -58,6 +61,8 @@ class Plan:
             f"{format_bytes(peak)} of a {format_bytes(self.budget_bytes)} budget (whole batch at once: "
             f"{format_bytes(self.full_batch_peak_bytes)}). {self.reason}"
             + (f" The call holds {format_bytes(self.held_bytes)} beside the program." if self.held_bytes else "")
+            + (f" It drops the old .grad the step replaces or clears ({format_bytes(self.donated_bytes)}) before the "
+               "program runs (donate_grads=True)." if self.donated_bytes else "")
         )
 
 

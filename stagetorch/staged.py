@@ -81,6 +81,9 @@ class _Entry:
     executable: Executable
     # Positions of the inputs whose .grad the step adds into after the program (see Staged._held).
     added: list[int] | None = None
+    # Positions of the inputs whose .grad the step replaces or clears without reading it: what
+    # ``donate_grads=True`` drops before the program runs (see Staged._donated).
+    donatable: list[int] | None = None
 
 
 
@@ -102,9 +105,13 @@ class Staged:
         progress: bool = False,
         process_group: Any = None,
         remat: str | bool = "auto",
+        donate_grads: bool = False,
     ):
         if remat not in ("auto", False):
             raise ValueError(f"remat must be \"auto\" or False, not {remat!r}")
+        if not isinstance(donate_grads, bool):
+            raise TypeError(f"donate_grads must be True or False, not {donate_grads!r}")
+        self.donate_grads = donate_grads
         self.remat = remat == "auto"
         self.fn = fn
         self.process_group = process_group
@@ -275,16 +282,34 @@ class Staged:
     def _budget(self, executable: Executable) -> int:
         return free_memory(executable.graph.device, self.memory_budget)
 
+    def _donated(self, entry: _Entry) -> list[int]:
+        """Positions of the inputs whose ``.grad`` the call drops before the program runs: with
+        ``donate_grads=True``, each one the step replaces or clears (``zero_grad()``, then ``backward()``)
+        without reading it first, as eager frees it at the ``zero_grad()``. A ``.grad`` the step reads (clips,
+        adds into, returns) is an input of the program and stays until it has run."""
+        if not self.donate_grads:
+            return []
+        if entry.donatable is None:
+            traced = entry.traced
+            read = set(traced.grad_params)
+            entry.donatable = [i for i in dict.fromkeys((*traced.assign_grads, *traced.clear_grads)) if i not in read]
+        return entry.donatable
+
     def _held(self, entry: _Entry, inputs: list) -> tuple[int, list[str]]:
         """What a call holds beside the program while it runs, and why: the copies of the inputs it writes
         outside its commit (kept to restore them if the step fails: BatchNorm's statistics; an optimizer's
         parameters and moments only where something that can fail runs after its update), each
-        ``.grad`` the step replaces or clears (the old one lives until the program has run), and each
-        ``.grad`` it adds into after the program (gradient accumulation). Without them an optimizer step
-        inside ``jit`` ran up to 35% over its plan, and an accumulating step over its budget."""
+        ``.grad`` the step replaces or clears (the old one lives until the program has run, unless
+        ``donate_grads=True`` drops it first: :meth:`_donated`), and each ``.grad`` it adds into after the
+        program (gradient accumulation). Without them an optimizer step inside ``jit`` ran up to 35% over
+        its plan, and an accumulating step over its budget."""
         executable, traced = entry.executable, entry.traced
         copies = {inputs[i].untyped_storage().data_ptr(): inputs[i].untyped_storage().nbytes() for i in executable.guarded}
-        old = _grad_storages(inputs, (*traced.assign_grads, *traced.clear_grads))
+        replaced = (*traced.assign_grads, *traced.clear_grads)
+        if self.donate_grads:
+            dropped = set(self._donated(entry))
+            replaced = tuple(i for i in replaced if i not in dropped)
+        old = _grad_storages(inputs, replaced)
         if entry.added is None:
             fed = {*traced.grad_params, *traced.assign_grads, *traced.clear_grads}
             entry.added = [i for i, _ in executable.graph.grads if i not in fed]
@@ -300,7 +325,8 @@ class Staged:
         says what ``memory_budget`` would fit (see :meth:`stagetorch.planner.Planner.plan_call`)."""
         executable = entry.executable
         held, why = self._held(entry, inputs)
-        return executable.planner.plan_call(self._budget(executable), held, why, inputs)
+        donated = sum(_grad_storages(inputs, self._donated(entry)).values()) if self.donate_grads else 0
+        return executable.planner.plan_call(self._budget(executable), held, why, inputs, donated)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.process_group is not None:
@@ -308,6 +334,12 @@ class Staged:
         entry, inputs, _ = self._stage(args, kwargs)
         executable = entry.executable
         plan = self._step_plan(entry, inputs)[1]
+        if self.donate_grads:
+            # The old .grad the step replaces without reading it, freed now, as eager frees it at zero_grad():
+            # a failed step leaves it None (what it restores needs nothing from it; nor does a retry in
+            # smaller chunks, which reads only the program's inputs).
+            for i in self._donated(entry):
+                inputs[i].grad = None
         name = getattr(self.fn, "__name__", "step")
         outs, grads = executable.run(inputs, plan, on_chunk=self._progress(plan), name=name)
         if executable.cap is not None:

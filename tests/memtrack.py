@@ -35,14 +35,19 @@ def _step_of(name):
 _DENSE = (torch.Tensor, torch.nn.Parameter)
 
 
-def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages under ``tensors`` (views of one storage count once)."""
+def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    """The distinct storages under ``tensors`` (views of one storage count once): address -> bytes."""
     seen: dict[int, int] = {}
     for t in tensors:
         if type(t) in _DENSE and t.device.type != "meta":
             st = t.untyped_storage()
             seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
+    return seen
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages under ``tensors`` (views of one storage count once)."""
+    return sum(_storages(tensors).values())
 
 
 def _events(nodes):
@@ -57,10 +62,19 @@ class AllocatorPeak:
     CPU: the profiler records every allocation and free (kernel workspaces, column buffers and copies a call
     keeps included); their running sum's maximum is the block's own peak. CUDA: ``max_memory_allocated`` after
     resetting the peak statistics (and ``reserved``, the caching allocator's segments). Only the allocations of
-    ``device`` count."""
+    ``device`` count.
 
-    def __init__(self, resident: Iterable[torch.Tensor] = (), device: str = "cpu"):
+    ``frees_resident``: on CPU, a free of a ``resident`` tensor's storage counts too (as CUDA's statistics count
+    every free): a block that frees state before its peak (eager's ``zero_grad()`` of the previous step's
+    ``.grad``, ``jit(donate_grads=True)``) peaks that much lower. Off, such a free is ignored as any free of a
+    block allocated before the block ran. The profiler reports the free of a block only if the block was
+    allocated while a profiler recorded memory: make those resident tensors under one (an earlier
+    ``AllocatorPeak``, as :func:`known_to_the_profiler` does)."""
+
+    def __init__(self, resident: Iterable[torch.Tensor] = (), device: str = "cpu", frees_resident: bool = False):
+        resident = list(resident)
         self.resident = _storage_bytes(resident)
+        self._freeable = _storages(resident) if frees_resident else {}
         self.device = torch.device(device)
         self.peak = self.excess = self.reserved = 0
 
@@ -97,11 +111,20 @@ class AllocatorPeak:
                     mine.add(ptr)
                 elif ptr in mine:
                     mine.discard(ptr)
+                elif self._freeable.pop(ptr, None) == -size:
+                    pass  # a resident storage freed inside the block
                 else:
                     continue
                 live += size
                 self.excess = max(self.excess, live)
         self.peak = self.resident + self.excess
+
+
+def known_to_the_profiler(fn: Callable, *args: Any) -> Any:
+    """``fn(*args)`` with the CPU profiler recording memory, so that a later ``AllocatorPeak(...,
+    frees_resident=True)`` sees the frees of what it allocates (a previous step's ``.grad``)."""
+    with AllocatorPeak():
+        return fn(*args)
 
 
 class LivePeak(TorchDispatchMode):
