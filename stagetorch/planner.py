@@ -62,7 +62,7 @@ class Planner:
     shard_plans: dict[tuple, Plan | OutOfMemoryError] = attrs.field(factory=dict)
     _split: Split | None = None
     _full_peak: int | None = None
-    # The last (plan, held, budget) of plan_call and the plan it returned for them: reused while they stay.
+    # The last (plan, held, budget, donated) of plan_call and the plan it returned for them: reused while they stay.
     _called: tuple = (None, 0, 0, 0, None)
     # The planners of the recomputing graphs the joint planner made from this one, and its frontier.
     _inner: dict[Graph, Planner] = attrs.field(factory=dict)
