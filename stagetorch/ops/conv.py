@@ -356,36 +356,189 @@ def _strided_data(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: 
     return max(grad.nbytes + weight + x.nbytes + scratchpad, 3 * x.nbytes)
 
 
+# -- oneDNN's thread split of a jit weight gradient (replayed) ----------------------------------------------
+#
+# A jit backward-weights kernel splits its threads over the batch (nthr_mb), the output and the input channel
+# blocks; every batch thread beyond the first reduces into a weight of its own. oneDNN's scratchpad books each
+# piece 128 bytes over its size (memory_tracking.hpp; a barrier context is a 4096-byte aligned page, booked
+# with a page of alignment), which is what torch's allocator hands ideep.
+
+_PAGE = 4096
+_BARRIER = 2 * _PAGE  # simple_barrier::ctx_t (4096-aligned) and its alignment
+
+
+def _div_up(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _reduce_balance(threads: int, job: int, jobs: int, reduction: int, max_buffer: int) -> tuple[int, int, int]:
+    """oneDNN's reduce_balancer_t::balance (lock-free): (groups, threads per group, jobs per group at most)."""
+    least = max(1, jobs // threads)
+    most = max(1, max_buffer // (threads * job))
+    groups = min(jobs // least, threads)
+    per_group = min(threads // groups, reduction)
+    ub = _div_up(jobs, groups)
+    best = jobs * job * reduction
+    for c in range(least, jobs):
+        c_groups = min(jobs // c, threads)
+        c_per_group = min(threads // c_groups, reduction)
+        c_ub = _div_up(jobs, c_groups)
+        if c_per_group > 1 and c_ub > most:
+            continue
+        cost = job * c_ub * (_div_up(reduction, c_per_group) + (c_per_group != 1))
+        if cost < best:
+            groups, per_group, ub, best = c_groups, c_per_group, c_ub, cost
+    return groups, per_group, ub
+
+
+def _reducer(threads: int, job: int, jobs: int, reduction: int, max_buffer: int) -> int:
+    """A cpu_reducer_t's scratchpad (bytes of f32): each group's threads but its first reduce into a space of
+    their own (page-aligned), beside a barrier per group."""
+    groups, per_group, ub = _reduce_balance(threads, job, jobs, reduction, max_buffer)
+    if per_group == 1:
+        return 0
+    return groups * (per_group - 1) * ub * job * 4 + _PAGE + groups * _PAGE + _PAGE
+
+
+def _balance(threads: int, nb_oc: int, nb_ic: int, src_cost, dst_cost, wei_cost, mb_max: int,
+             comp_cost=None) -> tuple[int, int, int]:  # noqa: ANN001
+    """The jit kernels' balance(): the split (batch, output blocks, input blocks) of least memory traffic,
+    then (jit_avx512_common, ``comp_cost``) of less compute within 10% of it. Costs are callables of
+    (batch threads, output-block threads, input-block threads)."""
+    def mem(m: int, o: int, i: int) -> int:
+        return src_cost(m, i) + dst_cost(m, o) + wei_cost(o, i)
+
+    best_m = best_o = best_i = 1
+    best_mem = mem(1, 1, 1)
+    splits = [(m, o, min(threads // m // o, nb_ic)) for m in range(1, mb_max + 1)
+              for o in range(1, min(threads // m, nb_oc) + 1)]
+    for m, o, i in splits:
+        cost = mem(m, o, i)
+        if cost <= best_mem:
+            best_mem, best_m, best_o, best_i = cost, m, o, i
+    if comp_cost is not None:
+        best_comp = comp_cost(best_m, best_o, best_i)
+        for m, o, i in splits:
+            comp = comp_cost(m, o, i)
+            if (comp <= best_comp and mem(m, o, i) < 1.1 * best_mem) or 4 * comp <= 3 * best_comp:
+                best_comp, best_m, best_o, best_i = comp, m, o, i
+    return best_m, best_o, best_i
+
+
+def _best_divider(value: int, least: int, most: int, find_max: bool) -> int:
+    """oneDNN's best_divider (jit_uni_1x1_conv_utils.hpp): the divider in [least, most] that leaves the least
+    of ``value`` over, the largest (``find_max``) or the smallest of those."""
+    most = max(1, min(most, value))
+    least = max(1, min(least, most))
+    best, out = math.inf, most
+    for d in range(most, least - 1, -1):
+        loss = (_pad(value, d) - value) / _pad(value, d)
+        if loss < best or (not find_max and loss == best):
+            best, out = loss, d
+    return out
+
+
+def _dims(x: Aval, w: Aval, grad: Aval, stride) -> tuple:  # noqa: ANN001
+    """(depth, height, width) of the input, the output gradient, the kernel and the strides (depth 1 in 2-d)."""
+    def three(s):  # noqa: ANN001, ANN202
+        return (1, *s) if len(s) == 2 else tuple(s)
+    return three(x.shape[2:]), three(grad.shape[2:]), three(w.shape[2:]), three(stride)
+
+
+def _jit_scratchpad(kind: str, x: Aval, w: Aval, grad: Aval, stride, channels_last: bool, bias: bool) -> int:  # noqa: ANN001, C901
+    """The scratchpad of an ungrouped jit weight gradient (``first`` and ``blocked``: jit_avx512_common,
+    ``avx2``: jit_avx2, ``1x1``: jit_avx512_common_1x1), its thread split replayed (``balance()`` and the
+    kernels' ``init_scratchpad``, oneDNN 3.x)."""
+    threads = torch.get_num_threads()
+    n, c, o = x.shape[0], x.shape[1], w.shape[0]
+    (i_d, i_h, i_w), (o_d, o_h, o_w), (k_d, k_h, k_w), (s_d, s_h, s_w) = _dims(x, w, grad, stride)
+    kernel = k_d * k_h * k_w
+    out = 0
+    if kind == "avx2":
+        # Two reducers (cpu_reducer_t, 2M floats at most a thread), the weight's over the batch and depth.
+        b = 8
+        ic_block = c if c == 3 else b
+        if bias:
+            out += (_pad(o, b) * 4 + 128 if o % b else 0) + _reducer(threads, b, _div_up(o, b), n, 1 << 21)
+        return out + _reducer(threads, kernel * ic_block * b, _div_up(c, ic_block) * _div_up(o, b), n * o_d, 1 << 21)
+    b = 16
+    nb_oc = _div_up(o, b)
+    if kind == "1x1":
+        # A strided 1x1 kernel first compacts its input to unit stride (rtus): the output's positions.
+        positions = o_d * o_h * o_w
+        block = _best_divider(positions, 7, 16, True)
+        if positions % block:
+            block = _best_divider(o_w, 4, o_w, False)
+        block = 1 if block > 256 else block
+        nb_ic, nb_reduce = _div_up(c, b), _div_up(positions, block)
+        m, ob, ib = _balance(
+            threads, nb_oc, nb_ic,
+            lambda m, i: _div_up(n * nb_reduce, m) * _div_up(nb_ic, i) * b * block,
+            lambda m, o_: _div_up(n * nb_reduce, m) * _div_up(nb_oc, o_) * b * block,
+            lambda o_, i: 12 * _div_up(nb_oc, o_) * _div_up(nb_ic, i) * b * b,
+            min(threads, n * nb_reduce))
+        m = min(n, threads) if threads // 2 < m < threads else m
+        weight = _pad(o, b) * _pad(c, b)
+        if any(s != 1 for s in stride):
+            per_thread = positions * c if channels_last else _best_divider(nb_ic, 5, nb_ic, False) * positions * b
+            out += m * ob * ib * per_thread * 4 + 128
+    else:
+        ic_block = c if kind == "first" else b
+        nb_ic = _div_up(c, ic_block)
+        # The 2-d kernel over blocked tensors reduces over output rows too (harness_2d_reduction).
+        rows = x.ndim == 4 and o_h > 9 and not channels_last
+        i_r, o_r, i_n, o_n = (i_h, o_h, 1, 1) if rows else (1, 1, i_h, o_h)
+        row_threads = max(1, o_r // 9)
+        m, ob, ib = _balance(
+            threads, nb_oc, nb_ic,
+            lambda m, i: _div_up(n * i_r, m) * _div_up(nb_ic, i) * ic_block * i_n * i_w * i_d // s_d // s_h // s_w,
+            lambda m, o_: _div_up(n * o_r, m) * _div_up(nb_oc, o_) * b * o_n * o_w * o_d,
+            lambda o_, i: 8 * _div_up(nb_oc, o_) * _div_up(nb_ic, i) * kernel * ic_block * b,
+            min(threads, n * o_d * row_threads),
+            lambda m, o_, i: _div_up(n * o_r, m) * _div_up(nb_oc, o_) * _div_up(nb_ic, i))
+        m = min(n * o_d * row_threads, threads) if threads // 2 < m < threads else m
+        weight = _pad(o, b) * _pad(c, ic_block) * kernel
+    if m > 1:  # each batch thread but the first reduces into a weight (and bias) of its own
+        out += (weight + (_pad(o, b) if kind != "1x1" else 0)) * (m - 1) * 4 + 128 + _BARRIER
+    if bias:
+        nthr = m * ob * ib
+        out += (_pad(o, b) * 4 + 128 if o % b else 0) + _reducer(nthr, b, nb_oc, n, nthr * 3 * 5 * 5 * b * b)
+    return out
+
+
 def _weight_gradient_kernel(x: Aval, w: Aval, stride, padding, channels_last: bool) -> str:  # noqa: ANN001
     """Which of oneDNN's f32 backward-weights kernels runs an ungrouped convolution (the first of
-    cpu_convolution_list's that accepts it, on AVX-512): ``1x1`` (jit_avx512_common_1x1: a 1x1 kernel without
-    padding, strided only in 1-d and 2-d), ``first`` (jit_avx512_common's first-layer kernel: up to 3 input
-    channels, or fewer than a block channels-last; the input read in place, the weight's output channels
-    padded), ``avx2`` (jit_avx2, blocks of 8: 4-15 input channels, no padding in depth), ``gemm``
-    (gemm_convolution, plain layouts: a 3-d one of 4-15 input channels padded in depth) or ``blocked``
-    (jit_avx512_common, channels padded to the block)."""
+    cpu_convolution_list's that accepts it, on AVX-512; a 1-d convolution as the 2-d one torch runs): ``1x1``
+    (jit_avx512_common_1x1: a 1x1 kernel without padding; strided only in 1-d and 2-d where the stride tiles
+    the input exactly, its input then compacted to unit stride), ``first`` (jit_avx512_common's first-layer
+    kernel: up to 3 input channels, or fewer than a block channels-last; the input read in place, the weight's
+    output channels padded), ``blocked`` (jit_avx512_common, channels padded to the block), ``avx2``
+    (jit_avx2, blocks of 8: 4-15 input channels, or where jit_avx512_common's padding limits refuse) or
+    ``gemm`` (gemm_convolution, plain layouts: where jit_avx2's refuse too). The limits are the kernels'
+    ``init_conf`` (``boundaries_ok``), in terms of the padding oneDNN infers at each far end."""
     c, kernel, spatial = x.shape[1], w.shape[2:], x.ndim - 2
-    if math.prod(kernel) == 1 and all(p == 0 for p in padding) and (spatial < 3 or all(s == 1 for s in stride)):
+    ins = x.shape[2:]
+    outs = [_window(ins[i], kernel[i], stride[i], padding[i], 1) for i in range(spatial)]
+    far = [max(0, (outs[i] - 1) * stride[i] + kernel[i] - ins[i] - padding[i]) for i in range(spatial)]
+    if math.prod(kernel) == 1 and all(p == 0 for p in padding) and (
+        all(s == 1 for s in stride) or (spatial < 3 and all(o * s == i for o, s, i in zip(outs, stride, ins)))
+    ):
         return "1x1"
-    for i in range(spatial):
-        # The jit kernels' padding limits (boundaries_ok): none past half the kernel but along the width, and a
-        # kernel within the padded input; else the gemm kernel.
-        out = _window(x.shape[2 + i], kernel[i], stride[i], padding[i], 1)
-        far = (out - 1) * stride[i] + kernel[i] - x.shape[2 + i] - padding[i]
-        if (i < spatial - 1 and max(padding[i], far) > kernel[i] // 2) or kernel[i] >= x.shape[2 + i] + padding[i] > x.shape[2 + i]:
-            return "gemm or avx2"  # jit_avx2's limits differ (not replayed): the costlier of the two
-    if channels_last:
+    (f, t, lp), (back, b, r) = ([0] * (3 - spatial) + list(padding)), ([0] * (3 - spatial) + far)
+    (kd, kh, kw), (i_d, i_h, _) = ((1,) * (3 - spatial) + tuple(kernel)), ((1,) * (3 - spatial) + tuple(ins))
+    common = (
+        lp < kw and r < kw and t <= kh // 2 and b <= kh // 2 and f < kd and back < kd
+        and (f == 0 or kd < i_d + f) and lp <= 28 and r <= 28 and kw <= 14
+    )
+    if common and channels_last:
         return "first" if c < _block() else "blocked"
-    if c <= 3:
-        return "first"
-    if c < _block():
-        if spatial == 3:
-            depth_out = _window(x.shape[2], kernel[0], stride[0], padding[0], 1)
-            far = (depth_out - 1) * stride[0] + kernel[0] - x.shape[2] - padding[0]
-            if padding[0] > 0 or far > 0:
-                return "gemm"
-        return "avx2"
-    return "blocked"
+    if common and (c <= 3 or c >= _block()):
+        return "first" if c <= 3 else "blocked"
+    avx2 = (
+        t < kh and b < kh and lp < kw and r < kw and f == 0 and back == 0 and kw < 14
+        and kh <= i_h and kd <= i_d
+    )
+    return "avx2" if avx2 else "gemm"
 
 
 def _weight_gradient(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: bool, bias: bool) -> int:  # noqa: ANN001
@@ -406,13 +559,11 @@ def _weight_gradient(x: Aval, w: Aval, grad: Aval, stride, padding, channels_las
     and the rule is exact but for the 1x1 kernel's compacted input (a bound)."""
     layouts = (True, False) if channels_last and x.shape[1] == 1 else (channels_last,)
     # One input channel: channels-last and contiguous are the same strides; which one torch and oneDNN take is
-    # not followed: the costlier. jit_avx2's padding limits are not replayed either: the costlier of it and gemm.
-    out = 0
-    for layout in layouts:
-        kind = _weight_gradient_kernel(x, w, stride, padding, layout)
-        for k in ("gemm", "avx2") if kind == "gemm or avx2" else (kind,):
-            out = max(out, _weight_gradient_as(k, x, w, grad, stride, padding, layout, bias))
-    return out
+    # not followed: the costlier.
+    return max(
+        _weight_gradient_as(_weight_gradient_kernel(x, w, stride, padding, layout), x, w, grad, stride, padding, layout, bias)
+        for layout in layouts
+    )
 
 
 def _weight_gradient_as(kind: str, x: Aval, w: Aval, grad: Aval, stride, padding, channels_last, bias: bool, groups: int = 1) -> int:  # noqa: ANN001
@@ -459,12 +610,7 @@ def _weight_gradient_as(kind: str, x: Aval, w: Aval, grad: Aval, stride, padding
         src = 0 if channels_last or kind == "first" else x.nbytes * _pad(c, b) // c
         dst = 0 if channels_last else grad.nbytes * _pad(o, b) // o
         copies = src + dst
-        padded_bias = _pad(o, b) * itemsize
-        scratchpad = (_pad(o, b) * itemsize + 128 if bias and o % b else 0)
-        if threads > 1:
-            scratchpad += (threads - 1) * (blocked + padded_bias) + 8192 * (threads + 1)
-        if kind == "1x1" and any(s != 1 for s in stride):
-            scratchpad += threads * _pad(c, b) * math.prod(grad.shape[2:]) * itemsize + 128
+        scratchpad = _jit_scratchpad(kind, x, w, grad, stride, channels_last, bias)
     compute = copies + blocked + bias_bytes + scratchpad
     # Channels-last, the weight gradient is copied out dense and then made channels-last.
     end = blocked + bias_bytes + weight + bias_bytes + (weight if channels_last else 0)
