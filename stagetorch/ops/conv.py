@@ -573,10 +573,17 @@ def _weight_gradient_as(kind: str, x: Aval, w: Aval, grad: Aval, stride, padding
     kernel, itemsize = math.prod(w.shape[2:]), x.itemsize
     weight, bias_bytes = w.nbytes, o * itemsize if bias else 0
     if kind == "gemm" and channels_last:
-        # gemm's channels-last variant: per thread a column buffer and a transposed input of all positions
-        # and a reduction weight (4 bytes booked per byte), threads taken all.
-        columns = c * kernel * math.prod(grad.shape[2:]) * itemsize
-        scratchpad = threads * (columns + x.nbytes // n + 4 * weight) + 3 * 128
+        # gemm's channels-last variant (gemm_convolution_utils init_conf, nspc): per thread a column buffer of a
+        # group's channels over one depth slice's output positions, a transposed input of a group's channels
+        # and a reduction weight (4 bytes booked per byte); threads over examples where that fits.
+        (i_d, i_h, i_w), (_, o_h, o_w), _, _ = _dims(x, w, grad, stride)
+        unit = kernel == 1 and all(s == 1 for s in stride) and all(p == 0 for p in padding)
+        columns = 0 if unit else c_g * kernel * o_h * o_w * itemsize
+        transposed = i_d * i_h * i_w * c_g * itemsize
+        limit = min(1 << 30, 15 * threads * (x.nbytes + weight + grad.nbytes))
+        estimate = threads * (columns + transposed + 4 * weight)
+        nthr = threads if estimate < limit and o_h * o_w // threads < 256 and (n != 1 or groups > 2) else 1
+        scratchpad = nthr * (columns + 4 * weight + transposed) + (128 if columns else 0) + 2 * 128
         blocked, copies = weight, 0
     elif kind == "gemm":
         rows = math.prod(grad.shape[-2:])  # a depth slice's output positions
