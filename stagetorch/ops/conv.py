@@ -445,22 +445,23 @@ def _dims(x: Aval, w: Aval, grad: Aval, stride) -> tuple:  # noqa: ANN001
     return three(x.shape[2:]), three(grad.shape[2:]), three(w.shape[2:]), three(stride)
 
 
-def _jit_scratchpad(kind: str, x: Aval, w: Aval, grad: Aval, stride, channels_last: bool, bias: bool) -> int:  # noqa: ANN001, C901
-    """The scratchpad of an ungrouped jit weight gradient (``first`` and ``blocked``: jit_avx512_common,
-    ``avx2``: jit_avx2, ``1x1``: jit_avx512_common_1x1), its thread split replayed (``balance()`` and the
-    kernels' ``init_scratchpad``, oneDNN 3.x)."""
+def _jit_scratchpad(kind: str, x: Aval, w: Aval, grad: Aval, stride, channels_last: bool, bias: bool, groups: int = 1) -> int:  # noqa: ANN001
+    """The scratchpad of a jit weight gradient (``first``, ``blocked`` and, grouped, ``grouped``:
+    jit_avx512_common; ``avx2`` and ``grouped8``: jit_avx2; ``1x1``: jit_avx512_common_1x1), its thread split
+    replayed (``balance()`` and the kernels' ``init_scratchpad``, oneDNN 3.x)."""
     threads = torch.get_num_threads()
-    n, c, o = x.shape[0], x.shape[1], w.shape[0]
+    n, c, o = x.shape[0], x.shape[1] // groups, w.shape[0] // groups
     (i_d, i_h, i_w), (o_d, o_h, o_w), (k_d, k_h, k_w), (s_d, s_h, s_w) = _dims(x, w, grad, stride)
     kernel = k_d * k_h * k_w
     out = 0
-    if kind == "avx2":
+    if kind in ("avx2", "grouped8"):
         # Two reducers (cpu_reducer_t, 2M floats at most a thread), the weight's over the batch and depth.
         b = 8
         ic_block = c if c == 3 else b
+        nb_oc = groups * _div_up(o, b)
         if bias:
-            out += (_pad(o, b) * 4 + 128 if o % b else 0) + _reducer(threads, b, _div_up(o, b), n, 1 << 21)
-        return out + _reducer(threads, kernel * ic_block * b, _div_up(c, ic_block) * _div_up(o, b), n * o_d, 1 << 21)
+            out += (groups * _pad(o, b) * 4 + 128 if o % b else 0) + _reducer(threads, b, nb_oc, n, 1 << 21)
+        return out + _reducer(threads, kernel * ic_block * b, nb_oc * _div_up(c, ic_block), n * o_d, 1 << 21)
     b = 16
     nb_oc = _div_up(o, b)
     if kind == "1x1":
@@ -478,10 +479,11 @@ def _jit_scratchpad(kind: str, x: Aval, w: Aval, grad: Aval, stride, channels_la
             lambda o_, i: 12 * _div_up(nb_oc, o_) * _div_up(nb_ic, i) * b * b,
             min(threads, n * nb_reduce))
         m = min(n, threads) if threads // 2 < m < threads else m
+        nthr = m * ob * ib
         weight = _pad(o, b) * _pad(c, b)
         if any(s != 1 for s in stride):
             per_thread = positions * c if channels_last else _best_divider(nb_ic, 5, nb_ic, False) * positions * b
-            out += m * ob * ib * per_thread * 4 + 128
+            out += nthr * per_thread * 4 + 128
     else:
         ic_block = c if kind == "first" else b
         nb_ic = _div_up(c, ic_block)
@@ -489,21 +491,41 @@ def _jit_scratchpad(kind: str, x: Aval, w: Aval, grad: Aval, stride, channels_la
         rows = x.ndim == 4 and o_h > 9 and not channels_last
         i_r, o_r, i_n, o_n = (i_h, o_h, 1, 1) if rows else (1, 1, i_h, o_h)
         row_threads = max(1, o_r // 9)
-        m, ob, ib = _balance(
-            threads, nb_oc, nb_ic,
-            lambda m, i: _div_up(n * i_r, m) * _div_up(nb_ic, i) * ic_block * i_n * i_w * i_d // s_d // s_h // s_w,
-            lambda m, o_: _div_up(n * o_r, m) * _div_up(nb_oc, o_) * b * o_n * o_w * o_d,
-            lambda o_, i: 8 * _div_up(nb_oc, o_) * _div_up(nb_ic, i) * kernel * ic_block * b,
-            min(threads, n * o_d * row_threads),
-            lambda m, o_, i: _div_up(n * o_r, m) * _div_up(nb_oc, o_) * _div_up(nb_ic, i))
-        m = min(n * o_d * row_threads, threads) if threads // 2 < m < threads else m
-        weight = _pad(o, b) * _pad(c, ic_block) * kernel
+        if threads < groups:  # a thread a group, no reduction
+            m, nthr = 1, threads
+        else:  # every group in parallel, its share of the threads split
+            per_group = threads // groups
+            m, ob, ib = _balance(
+                per_group, nb_oc, nb_ic,
+                lambda m, i: _div_up(n * i_r, m) * _div_up(nb_ic, i) * ic_block * i_n * i_w * i_d // s_d // s_h // s_w,
+                lambda m, o_: _div_up(n * o_r, m) * _div_up(nb_oc, o_) * b * o_n * o_w * o_d,
+                lambda o_, i: 8 * _div_up(nb_oc, o_) * _div_up(nb_ic, i) * kernel * ic_block * b,
+                min(per_group, n * o_d * row_threads),
+                lambda m, o_, i: _div_up(n * o_r, m) * _div_up(nb_oc, o_) * _div_up(nb_ic, i))
+            m = min(n * o_d * row_threads, threads) if threads // 2 < m < threads else m
+            nthr = m * groups * ob * ib
+        weight = groups * (_pad(o, b) * _pad(c, ic_block) * kernel + _pad(o, b))  # and its bias
     if m > 1:  # each batch thread but the first reduces into a weight (and bias) of its own
-        out += (weight + (_pad(o, b) if kind != "1x1" else 0)) * (m - 1) * 4 + 128 + _BARRIER
+        out += weight * (m - 1) * 4 + 128 + _BARRIER
     if bias:
-        nthr = m * ob * ib
-        out += (_pad(o, b) * 4 + 128 if o % b else 0) + _reducer(nthr, b, nb_oc, n, nthr * 3 * 5 * 5 * b * b)
+        out += groups * _pad(o, b) * 4 + 128 if o % b else 0
+        out += _reducer(nthr, b, groups * nb_oc, n, nthr * 3 * 5 * 5 * b * b)
     return out
+
+
+def _depthwise_scratchpad(x: Aval, w: Aval, channels_last: bool, bias: bool) -> int:
+    """jit_uni_dw's (jit_avx512_common_dw) weight-gradient scratchpad: contiguous, threads over the channel
+    blocks and then the batch, each batch thread but the first reducing a (channel-padded) weight and bias of its
+    own; channels-last, the threads split channels, batch and rows (partition_nthr_nxc, not replayed: every
+    thread but the first taken to reduce, a bound)."""
+    threads, b = torch.get_num_threads(), _block()
+    g, kernel = x.shape[1], math.prod(w.shape[2:])
+    if channels_last:
+        reducing = threads - 1
+        return reducing and reducing * _pad(g, b) * kernel * 4 + 128 + (reducing * g * 4 + 128 if bias else 0)
+    nthr_g = min(_div_up(g, b), threads)
+    reducing = min(max(1, threads // nthr_g), x.shape[0]) - 1
+    return reducing and reducing * _pad(g, b) * kernel * 4 + 128 + (reducing * _pad(g, b) * 4 + 128 if bias else 0)
 
 
 def _weight_gradient_kernel(x: Aval, w: Aval, stride, padding, channels_last: bool) -> str:  # noqa: ANN001
@@ -519,26 +541,38 @@ def _weight_gradient_kernel(x: Aval, w: Aval, stride, padding, channels_last: bo
     c, kernel, spatial = x.shape[1], w.shape[2:], x.ndim - 2
     ins = x.shape[2:]
     outs = [_window(ins[i], kernel[i], stride[i], padding[i], 1) for i in range(spatial)]
-    far = [max(0, (outs[i] - 1) * stride[i] + kernel[i] - ins[i] - padding[i]) for i in range(spatial)]
     if math.prod(kernel) == 1 and all(p == 0 for p in padding) and (
         all(s == 1 for s in stride) or (spatial < 3 and all(o * s == i for o, s, i in zip(outs, stride, ins)))
     ):
         return "1x1"
-    (f, t, lp), (back, b, r) = ([0] * (3 - spatial) + list(padding)), ([0] * (3 - spatial) + far)
-    (kd, kh, kw), (i_d, i_h, _) = ((1,) * (3 - spatial) + tuple(kernel)), ((1,) * (3 - spatial) + tuple(ins))
-    common = (
-        lp < kw and r < kw and t <= kh // 2 and b <= kh // 2 and f < kd and back < kd
-        and (f == 0 or kd < i_d + f) and lp <= 28 and r <= 28 and kw <= 14
-    )
+    common, avx2, _ = _limits(x, w, stride, padding)
     if common and channels_last:
         return "first" if c < _block() else "blocked"
     if common and (c <= 3 or c >= _block()):
         return "first" if c <= 3 else "blocked"
-    avx2 = (
-        t < kh and b < kh and lp < kw and r < kw and f == 0 and back == 0 and kw < 14
-        and kh <= i_h and kd <= i_d
-    )
     return "avx2" if avx2 else "gemm"
+
+
+def _limits(x: Aval, w: Aval, stride, padding) -> tuple[bool, bool, bool]:  # noqa: ANN001
+    """Whether jit_avx512_common's, jit_avx2's and jit_uni_dw's weight-gradient padding limits accept the
+    convolution (their ``init_conf``: ``boundaries_ok`` and the like), in terms of the padding oneDNN infers
+    at each far end."""
+    kernel, spatial, ins = w.shape[2:], x.ndim - 2, x.shape[2:]
+    outs = [_window(ins[i], kernel[i], stride[i], padding[i], 1) for i in range(spatial)]
+    far = [max(0, (outs[i] - 1) * stride[i] + kernel[i] - ins[i] - padding[i]) for i in range(spatial)]
+    (f, t, lp), (back, b, r) = ([0] * (3 - spatial) + list(padding)), ([0] * (3 - spatial) + far)
+    (kd, kh, kw), (i_d, i_h, _) = ((1,) * (3 - spatial) + tuple(kernel)), ((1,) * (3 - spatial) + tuple(ins))
+    s_h, s_w = stride[-2], stride[-1]
+    common = (
+        lp < kw and r < kw and t <= kh // 2 and b <= kh // 2 and f < kd and back < kd
+        and (f == 0 or kd < i_d + f) and lp <= 28 and r <= 28 and kw <= 14
+    )
+    avx2 = t < kh and b < kh and lp < kw and r < kw and f == 0 and back == 0 and kw < 14 and kh <= i_h and kd <= i_d
+    depthwise = (
+        spatial == 2 and kw <= 3 and s_w <= kw and t <= kh // 2 and b <= kh // 2 and lp <= kw // 2
+        and r <= kw // 2 and i_h >= kh + (-t) % s_h and (t <= 1 or t % s_h == 0) and (b <= 1 or b % s_h == 0)
+    )
+    return common, avx2, depthwise
 
 
 def _weight_gradient(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: bool, bias: bool) -> int:  # noqa: ANN001
@@ -599,17 +633,14 @@ def _weight_gradient_as(kind: str, x: Aval, w: Aval, grad: Aval, stride, padding
         b = _block()
         blocked = _pad(c, b) * kernel * itemsize
         copies = 0 if channels_last else x.nbytes * _pad(c, b) // c + grad.nbytes * _pad(o, b) // o
-        scratchpad = (threads - 1) * (blocked + _pad(o, b) * itemsize) + 512 * threads
+        scratchpad = _depthwise_scratchpad(x, w, channels_last, bias)
     elif kind in ("grouped", "grouped8"):  # each group's channels padded to the block
         b = 8 if kind == "grouped8" else _block()
         blocked = groups * _pad(o_g, b) * _pad(c_g, b) * kernel * itemsize
         src = x.nbytes // c * groups * _pad(c_g, b)
         dst = grad.nbytes // o * groups * _pad(o_g, b)
         copies = 0 if channels_last else src + dst
-        padded_bias = groups * _pad(o_g, b) * itemsize
-        scratchpad = (padded_bias + 128 if bias and o_g % b else 0)
-        if threads > 1:
-            scratchpad += (threads - 1) * (blocked + padded_bias) + 8192 * (threads + 1)
+        scratchpad = _jit_scratchpad(kind, x, w, grad, stride, channels_last, bias, groups)
     else:
         b = 8 if kind == "avx2" else _block()
         c_in = c if kind == "first" else _pad(c, b)
@@ -625,24 +656,23 @@ def _weight_gradient_as(kind: str, x: Aval, w: Aval, grad: Aval, stride, padding
 
 
 def _grouped_weight_gradient(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: bool, groups: int, bias: bool) -> int:  # noqa: ANN001
-    """A grouped or depthwise weight gradient's workspace under oneDNN. Contiguous: jit_avx512_common_dw for a
-    depthwise 1-d or 2-d one (channels blocked across groups), the grouped jit kernels where each group's
-    channels are a multiple of 16 (jit_avx512_common) or 8 (jit_avx2), else gemm per group; channels-last, the
-    grouped jit kernel with each group's channels padded to 16 (a depthwise 3x3x3 layer's weight gradient 256
-    times its size). Their fallbacks are not replayed: the rule takes the costlier of the kernel and gemm."""
+    """A grouped or depthwise weight gradient's workspace under oneDNN, in the first of its kernels that accepts
+    it: jit_avx512_common_dw for a depthwise (one input and one output channel a group) 1-d or 2-d one (channels
+    blocked across groups), jit_avx512_common where each group's channels are a multiple of 16 (channels-last:
+    any, each group's padded to 16: a depthwise 3x3x3 layer's weight gradient 256 times its size), jit_avx2
+    where they are a multiple of 8 (channels-last: any), each within its padding limits (:func:`_limits`);
+    else gemm, group by group."""
     c_g, o_g = x.shape[1] // groups, w.shape[0] // groups
-    depthwise = c_g == o_g == 1
-    if channels_last:
-        kinds = ["grouped", "gemm"] + (["depthwise"] if depthwise else [])
-    elif depthwise:
-        kinds = ["depthwise", "gemm"] if x.ndim < 5 else ["gemm"]
-    elif c_g % _block() == 0 and o_g % _block() == 0:
-        kinds = ["grouped", "gemm"]
-    elif c_g % 8 == 0 and o_g % 8 == 0:
-        kinds = ["grouped8", "gemm"]
+    common, avx2, depthwise = _limits(x, w, stride, padding)
+    if c_g == o_g == 1 and depthwise:
+        kind = "depthwise"
+    elif common and (channels_last or (c_g % 16 == 0 and o_g % 16 == 0)) and _block() == 16:
+        kind = "grouped"
+    elif avx2 and (channels_last or (c_g % 8 == 0 and o_g % 8 == 0)):
+        kind = "grouped8"
     else:
-        kinds = ["gemm"]
-    return max(_weight_gradient_as(k, x, w, grad, stride, padding, channels_last, bias, groups) for k in kinds)
+        kind = "gemm"
+    return _weight_gradient_as(kind, x, w, grad, stride, padding, channels_last, bias, groups)
 
 
 def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
