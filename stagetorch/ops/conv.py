@@ -315,10 +315,10 @@ def _unknown(v: Any) -> None:
 def _strided_backward_data(x: Aval, w: Aval, stride, dilation, groups: int, transposed: bool) -> bool:  # noqa: ANN001
     """Whether oneDNN computes this input gradient with its strided brgemm kernel (brgconv_strided): the first
     of the f32 backward-data kernels that accepts a stride above 1, undilated, but for a grouped convolution of
-    a vector's worth of output channels per group or fewer."""
+    8 output channels per group or fewer (its AVX2 variant takes 9-16, the AVX-512 one more)."""
     return (
         not transposed and any(s != 1 for s in stride) and all(d == 1 for d in dilation)
-        and (groups == 1 or w.shape[0] // groups > _block())
+        and (groups == 1 or w.shape[0] // groups > 8)
     )
 
 
@@ -350,7 +350,10 @@ def _strided_data(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: 
         per_thread += _pad(_pad(ins[-1], stride[-1]) * stride[-1] * x.shape[1], page) * x.itemsize
         bookings += 1
     scratchpad = torch.get_num_threads() * per_thread + bookings * page
-    weight = w.nbytes * _pad(w.shape[1], _block()) // w.shape[1]  # a group's input channels padded
+    # A group's input channels padded to the kernel's block of them: 16, or 32-64 where there are more (the
+    # block is picked by efficiency, not replayed: 32, the most padding).
+    c_g = w.shape[1]
+    weight = w.nbytes * (_pad(c_g, 2 * _block()) if c_g > _block() else _pad(c_g, _block())) // c_g
     if channels_last:
         return weight + x.nbytes + scratchpad
     return max(grad.nbytes + weight + x.nbytes + scratchpad, 3 * x.nbytes)
@@ -675,6 +678,29 @@ def _grouped_weight_gradient(x: Aval, w: Aval, grad: Aval, stride, padding, chan
     return _weight_gradient_as(kind, x, w, grad, stride, padding, channels_last, bias, groups)
 
 
+def _grouped_data_weight(x: Aval, w: Aval, groups: int) -> int:
+    """The weight as oneDNN's grouped input-gradient kernels reorder it: jit_uni_dw (a depthwise 1-d or 2-d
+    convolution) with channels padded to the block; jit_avx512_common with each group's channels blocked by 16,
+    8 or 4 (the largest that divides both a group's input and output channels; else padded to 16); gemm plain.
+    Which of the last two runs is not replayed: the larger."""
+    c_g, o_g, kernel = x.shape[1] // groups, w.shape[0] // groups, math.prod(w.shape[2:])
+    if c_g == o_g == 1 and x.ndim == 4:
+        return _pad(groups, _block()) * kernel * w.itemsize
+    block = next((bl for bl in (16, 8, 4) if bl <= _block() and c_g % bl == 0 and o_g % bl == 0), _block())
+    return max(w.nbytes, groups * _pad(o_g, block) * _pad(c_g, block) * kernel * w.itemsize)
+
+
+def _gemm_data(x: Aval, w: Aval, grad: Aval, stride, padding, groups: int) -> int:  # noqa: ANN001
+    """gemm_convolution's input gradient over plain tensors (a grouped one it runs group by group): per thread a
+    column buffer of a group's input channels over one depth slice's output positions, threads taken all (its
+    outer threading not replayed: a bound)."""
+    (_, o_h, o_w) = _dims(x, w, grad, stride)[1]
+    kernel = math.prod(w.shape[2:])
+    if kernel == 1 and all(s == 1 for s in stride) and all(p == 0 for p in padding):
+        return 0
+    return torch.get_num_threads() * x.shape[1] // groups * kernel * o_h * o_w * x.itemsize + 128
+
+
 def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
     grad, x, w, stride, padding, dilation, transposed, groups, mask = _geometry(e, backward=True)
     if x.device.type != "cpu":
@@ -711,7 +737,11 @@ def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
         data = _strided_data(x, w, grad, stride, padding, channels_last) - grad_input - later
     elif mask[0]:
         blocked_input = x.nbytes * _pad(x.shape[1], b) // x.shape[1]
+        if groups > 1 and not transposed:
+            weight_padded = _grouped_data_weight(x, w, groups)
         data = max(grad_blocked + weight_padded + blocked_input, blocked_input + grad_input) - grad_input
+        if groups > 1 and not transposed and not (x.ndim == 4 and x.shape[1] == w.shape[0] == groups):
+            data = max(data, _gemm_data(x, w, grad, stride, padding, groups))
     # The weight gradient, after the input gradient (an output, already held).
     if not mask[1]:
         weights = 0
