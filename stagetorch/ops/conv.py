@@ -322,6 +322,14 @@ def _strided_backward_data(x: Aval, w: Aval, stride, dilation, groups: int, tran
     )
 
 
+def _brgemm_data_weight(w: Aval) -> int:
+    """The weight as oneDNN's brgemm input-gradient kernels reorder it: a group's input channels padded to the
+    kernel's block of them, 16, or 32-64 where there are more (the block is picked by efficiency, not replayed:
+    32, the most padding)."""
+    c_g, b = w.shape[1], _block()
+    return w.nbytes * (_pad(c_g, 2 * b) if c_g > b else _pad(c_g, b)) // c_g
+
+
 def _strided_data(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: bool) -> int:  # noqa: ANN001
     """The input gradient's peak under oneDNN's strided brgemm kernel, which works channels-last (nxc): the
     output gradient and the weight (input channels padded) reordered, the input gradient channels-last and the
@@ -350,10 +358,7 @@ def _strided_data(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: 
         per_thread += _pad(_pad(ins[-1], stride[-1]) * stride[-1] * x.shape[1], page) * x.itemsize
         bookings += 1
     scratchpad = torch.get_num_threads() * per_thread + bookings * page
-    # A group's input channels padded to the kernel's block of them: 16, or 32-64 where there are more (the
-    # block is picked by efficiency, not replayed: 32, the most padding).
-    c_g = w.shape[1]
-    weight = w.nbytes * (_pad(c_g, 2 * _block()) if c_g > _block() else _pad(c_g, _block())) // c_g
+    weight = _brgemm_data_weight(w)
     if channels_last:
         return weight + x.nbytes + scratchpad
     return max(grad.nbytes + weight + x.nbytes + scratchpad, 3 * x.nbytes)
@@ -740,6 +745,11 @@ def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
         if groups > 1 and not transposed:
             weight_padded = _grouped_data_weight(x, w, groups)
         data = max(grad_blocked + weight_padded + blocked_input, blocked_input + grad_input) - grad_input
+        plain = math.prod(w.shape[2:]) == 1 and all(s == 1 for s in stride) and all(p == 0 for p in padding)
+        if channels_last and groups == 1 and not transposed and plain:
+            # oneDNN's 1x1 brgemm kernel reads the output gradient and writes the input gradient in place
+            # (channels-last both): the weight reordered, a page and 103 batch elements of 40 bytes a thread.
+            data = _brgemm_data_weight(w) + 4096 + 128 + 4120 * torch.get_num_threads()
         if groups > 1 and not transposed and not (x.ndim == 4 and x.shape[1] == w.shape[0] == groups):
             data = max(data, _gemm_data(x, w, grad, stride, padding, groups))
     # The weight gradient, after the input gradient (an output, already held).
