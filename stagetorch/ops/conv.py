@@ -668,7 +668,8 @@ def _grouped_weight_gradient(x: Aval, w: Aval, grad: Aval, stride, padding, chan
     it: jit_avx512_common_dw for a depthwise (one input and one output channel a group) 1-d or 2-d one (channels
     blocked across groups), jit_avx512_common where each group's channels are a multiple of 16 (channels-last:
     any, each group's padded to 16: a depthwise 3x3x3 layer's weight gradient 256 times its size), jit_avx2
-    where they are a multiple of 8 (channels-last: any), each within its padding limits (:func:`_limits`);
+    where they are a multiple of 8 (channels-last: any but 3 input channels a group), each within its padding
+    limits (:func:`_limits`);
     else gemm, group by group."""
     c_g, o_g = x.shape[1] // groups, w.shape[0] // groups
     common, avx2, depthwise = _limits(x, w, stride, padding)
@@ -676,23 +677,40 @@ def _grouped_weight_gradient(x: Aval, w: Aval, grad: Aval, stride, padding, chan
         kind = "depthwise"
     elif common and (channels_last or (c_g % 16 == 0 and o_g % 16 == 0)) and _block() == 16:
         kind = "grouped"
-    elif avx2 and (channels_last or (c_g % 8 == 0 and o_g % 8 == 0)):
+    elif avx2 and c_g != 3 and (channels_last or (c_g % 8 == 0 and o_g % 8 == 0)):
         kind = "grouped8"
     else:
         kind = "gemm"
     return _weight_gradient_as(kind, x, w, grad, stride, padding, channels_last, bias, groups)
 
 
-def _grouped_data_weight(x: Aval, w: Aval, groups: int) -> int:
-    """The weight as oneDNN's grouped input-gradient kernels reorder it: jit_uni_dw (a depthwise 1-d or 2-d
-    convolution) with channels padded to the block; jit_avx512_common with each group's channels blocked by 16,
-    8 or 4 (the largest that divides both a group's input and output channels; else padded to 16); gemm plain.
-    Which of the last two runs is not replayed: the larger."""
-    c_g, o_g, kernel = x.shape[1] // groups, w.shape[0] // groups, math.prod(w.shape[2:])
+def _grouped_data(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: bool, groups: int) -> int:  # noqa: ANN001
+    """A grouped input gradient's workspace under oneDNN (beside the input gradient returned), by the kernel that
+    runs it: jit_uni_dw for a depthwise 1-d or 2-d convolution (the output gradient, the weight and the input
+    gradient in blocks of 16 channels, then the input gradient reordered out; channels-last the weight alone); jit_avx512_common over
+    channels-last tensors, in place, each group's weight blocked by 16 channels, or 8 or 4 (the larger that
+    divides both a group's input and output channels, fewer than 16 channels-last), else padded to 16; over
+    contiguous ones that kernel where such a
+    block divides them (the gradients reordered into it, no padding) or gemm group by group (its column
+    buffers; where no block divides them, gemm), which of the two not replayed: the larger."""
+    c_g, o_g, kernel, b = x.shape[1] // groups, w.shape[0] // groups, math.prod(w.shape[2:]), _block()
     if c_g == o_g == 1 and x.ndim == 4:
-        return _pad(groups, _block()) * kernel * w.itemsize
-    block = next((bl for bl in (16, 8, 4) if bl <= _block() and c_g % bl == 0 and o_g % bl == 0), _block())
-    return max(w.nbytes, groups * _pad(o_g, block) * _pad(c_g, block) * kernel * w.itemsize)
+        weight = _pad(groups, b) * kernel * w.itemsize
+        if channels_last:  # in place
+            return weight
+        blocked_input = x.nbytes * _pad(groups, b) // groups
+        return max(grad.nbytes * _pad(groups, b) // groups + weight + blocked_input, blocked_input + x.nbytes) - x.nbytes
+    block = b if c_g % b == 0 and o_g % b == 0 else None
+    if block is None and (not channels_last or (c_g < b and o_g < b)):  # a narrower vector register (init_conf)
+        block = next((bl for bl in (8, 4) if bl < b and c_g % bl == 0 and o_g % bl == 0), None)
+    if channels_last:
+        block = block or b
+        return groups * _pad(o_g, block) * _pad(c_g, block) * kernel * w.itemsize
+    # Either kernel writes the input gradient into ideep's own tensor, then copied into the one returned.
+    gemm = max(_gemm_data(x, w, grad, stride, padding, groups), x.nbytes)
+    if block is None:
+        return gemm
+    return max(gemm, grad.nbytes + w.nbytes, x.nbytes)
 
 
 def _gemm_data(x: Aval, w: Aval, grad: Aval, stride, padding, groups: int) -> int:  # noqa: ANN001
@@ -740,18 +758,21 @@ def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
         # Before the weight's gradient and the bias's are made: the workspace is the excess over all three.
         later = (w.nbytes if mask[1] else 0) + (e.args[3][0] * x.itemsize if mask[2] and e.args[3] is not None else 0)
         data = _strided_data(x, w, grad, stride, padding, channels_last) - grad_input - later
+        if x.ndim == 5 and x.shape[1] < b and not channels_last:
+            # A 3-d layer of few input channels the strided kernel may refuse (its blocking, not replayed):
+            # jit_avx512_common's then (below), the larger.
+            blocked_input = x.nbytes * _pad(x.shape[1], b) // x.shape[1]
+            data = max(data, max(grad_blocked + weight_padded + blocked_input, blocked_input + grad_input) - grad_input)
     elif mask[0]:
         blocked_input = x.nbytes * _pad(x.shape[1], b) // x.shape[1]
-        if groups > 1 and not transposed:
-            weight_padded = _grouped_data_weight(x, w, groups)
         data = max(grad_blocked + weight_padded + blocked_input, blocked_input + grad_input) - grad_input
         plain = math.prod(w.shape[2:]) == 1 and all(s == 1 for s in stride) and all(p == 0 for p in padding)
-        if channels_last and groups == 1 and not transposed and plain:
+        if groups > 1 and not transposed:
+            data = _grouped_data(x, w, grad, stride, padding, channels_last, groups)
+        elif channels_last and not transposed and plain:
             # oneDNN's 1x1 brgemm kernel reads the output gradient and writes the input gradient in place
             # (channels-last both): the weight reordered, a page and 103 batch elements of 40 bytes a thread.
             data = _brgemm_data_weight(w) + 4096 + 128 + 4120 * torch.get_num_threads()
-        if groups > 1 and not transposed and not (x.ndim == 4 and x.shape[1] == w.shape[0] == groups):
-            data = max(data, _gemm_data(x, w, grad, stride, padding, groups))
     # The weight gradient, after the input gradient (an output, already held).
     if not mask[1]:
         weights = 0
