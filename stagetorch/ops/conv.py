@@ -86,11 +86,11 @@ FLOPS: dict = {
 #   8 on AVX2): the weight (output channels padded), the input when it has a block of channels or more
 #   (or the kernel is 1x1),
 #   and the output, which is then reordered into the tensor returned. Its backward reorders the output
-#   gradient again; the weight gradient runs one of five kernels (_weight_gradient_kernel), each with its
-#   scratchpad: exact for gemm and for the jit kernels at one thread, a bound from above where the jit kernels
-#   split threads over the batch (never under the allocator over 710 measured shapes; grouped and depthwise
-#   ones the costlier of two kernels: _grouped_weight_gradient). A strided convolution's input gradient runs another kernel,
-#   channels-last inside (_strided_data), exact at the allocator.
+#   gradient again; the weight gradient runs one of five kernels (_weight_gradient_kernel; grouped and
+#   depthwise ones: _grouped_weight_gradient), each with its scratchpad, their thread splits replayed
+#   (_jit_scratchpad): the allocator's to 2% over 767 measured shapes at 1-3 threads, either layout. A strided
+#   convolution's input gradient runs another kernel, channels-last inside (_strided_data), exact at the
+#   allocator; a grouped one one of three (_grouped_data).
 # - without oneDNN, a 2-d forward of 16 examples or more runs NNPACK, whose buffers torch does not hand out;
 #   the backward then unfolds fewer examples at once than the column buffer counted (an over-estimate).
 #
@@ -592,13 +592,10 @@ def _weight_gradient(x: Aval, w: Aval, grad: Aval, stride, padding, channels_las
     then channels-last: three weights at once).
 
     The scratchpad follows the kernel's ``init_scratchpad`` (each booking 128 bytes over its size): the gemm
-    kernel's is exact (per thread when it threads over examples: a column buffer of one depth slice and the
-    weight's reduction, booked as 4 bytes per byte of weight). The jit kernels' reduction buffers depend on how
-    ``balance()`` splits the threads, which is not replayed: the rule takes every thread to reduce over the
-    batch (a padded weight and bias per thread beyond the first) and a bias reducer of 8 KiB per thread and
-    8 KiB more (the most measured: 24 KiB at 2-3 threads), a bound from above; a strided 1x1 kernel's input
-    compacted to unit stride, per thread, is counted whole. At one thread the jit kernels have no reduction
-    and the rule is exact but for the 1x1 kernel's compacted input (a bound)."""
+    kernel's per thread where it threads over examples (a column buffer of one depth slice and the weight's
+    reduction, booked as 4 bytes per byte of weight); the jit kernels' as their ``balance()`` splits the threads
+    (:func:`_jit_scratchpad`: a reduction weight per batch thread beyond the first, the bias reducer's
+    space, the barriers; a strided 1x1 kernel's input compacted to unit stride, per thread)."""
     layouts = (True, False) if channels_last and x.shape[1] == 1 else (channels_last,)
     # One input channel: channels-last and contiguous are the same strides; which one torch and oneDNN take is
     # not followed: the costlier.
