@@ -5,7 +5,8 @@
 Each case (1-d/2-d/3-d, 1-64 input channels, kernels 1-5, strides 1-3, padding 0-2, groups incl. depthwise,
 contiguous or channels-last, 1-3 threads) runs in a worker process; a case that hangs (oneDNN's strided 1x1
 backward-weights kernel over channels-last tensors at 3 threads on 2 cores did) is skipped after 90 s. Prints
-the rule / allocator distribution for the weight gradient alone (mask F,T,T) and with the input gradient (T,T,T).
+the rule / allocator distribution for the weight gradient alone (mask F,T,T), with the input gradient (T,T,T) and
+for the input gradient alone (T,F,F).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def worker(todo: str, out: str) -> None:
             onednn = rules._uses_mkldnn(Aval(lift(x), x.dtype, x.device), Aval(lift(w), w.dtype, w.device),
                                         [s] * max(nd, 2), [1] * max(nd, 2), False, g)
             res = {}
-            for mask in ((False, True, True), (True, True, True)):
+            for mask in ((False, True, True), (True, True, True), (True, False, False)):
                 args = (go, x, w, [o], [s] * nd, [p] * nd, [1] * nd, False, [0] * nd, g, list(mask))
                 op_workspace(aten.convolution_backward, *args)  # oneDNN's primitive cache warm
                 res["".join("FT"[m] for m in mask)] = (op_workspace(aten.convolution_backward, *args),
@@ -113,10 +114,10 @@ def main() -> None:
             print("skipped (hang or crash):", todo[done])
             del todo[done]
     rows = [json.loads(line) for line in _lines(a.out)]
-    for mask in ("FTT", "TTT"):
+    for mask in ("FTT", "TTT", "TFF"):
         for grouped in (False, True):
-            r = [row["res"][mask][1] / row["res"][mask][0] for row in rows
-                 if row["onednn"] and (row["case"][5] > 1) == grouped and row["res"][mask][0] > 0]
+            r = [row["res"][mask][1] / row["res"][mask][0] for row in rows if mask in row["res"]
+                 and row["onednn"] and (row["case"][5] > 1) == grouped and row["res"][mask][0] > 0]
             if not r:
                 continue
             print(f"{mask} {'grouped' if grouped else 'groups=1'}: n={len(r)} within 2%={sum(1 <= x <= 1.02 for x in r)} "

@@ -102,8 +102,8 @@ def test_convolution_workspace_is_the_allocators(case, mkldnn):
     if not mkldnn and case[0] >= 16 and case[7] == 2:
         pytest.skip("without oneDNN, 16 examples run NNPACK's forward (no workspace) and a backward not modelled")
     x, w, b, stride, padding, groups = _conv_case(case)
-    # Two threads: oneDNN's jit kernels split the weight gradient's threads over the batch, which the rule bounds
-    # (every thread beyond the first reducing a weight: test_onednn_weight_gradient_workspace_is_never_under...).
+    # Two threads: oneDNN's jit kernels split the weight gradient's threads over the batch, which the rule replays
+    # (test_onednn_weight_gradient_workspace_is_never_under_the_allocators).
     with _mkldnn(mkldnn), _threads(2):
         args = _conv(x, w, b, stride, padding, False, groups)
         measured, rule = op_workspace(aten.convolution, *args), _rule(aten.convolution, *args)
@@ -120,8 +120,8 @@ def test_convolution_workspace_is_the_allocators(case, mkldnn):
                 # _unseen_columns), as the full batch's columns the rule counted before were.
                 assert measured <= rule, ("backward", mask, measured, rule)
                 continue
-            if mkldnn:  # never under; over by the reductions the rule bounds
-                assert measured <= rule <= 1.10 * measured + 256, ("backward", mask, measured, rule)
+            if mkldnn:  # never under; the input gradient's kernels are bounded where not replayed
+                assert measured <= rule <= (1.10 if mask[0] else 1.02) * measured + 256, ("backward", mask, measured, rule)
             else:
                 assert abs(rule - measured) <= 0.02 * measured + 256, ("backward", mask, measured, rule)
 
@@ -205,8 +205,12 @@ def test_onednn_strided_input_gradient_is_the_allocators(case, threads, layout):
 # (batch, channels in, size, channels out, kernel, groups, padding, dims, stride). gemm: 3-d layers of 4-8 input
 # channels padded in depth (the old rule: 45-62% under) and one padded past half its kernel; jit_avx512_common's
 # first-layer kernel (3 input channels); jit_avx2 (4-8 input channels); jit_avx512_common (channels padded to
-# 16); the 1x1 kernel, strided in 1-d (the old rule: 30% under at 3 threads); grouped and depthwise (the old
-# rule: up to 99% under: the input and output gradient reordered with their channels padded to 16).
+# 16; 12 rows and more: its 2-d harness splitting threads over rows); the 1x1 kernel, strided in 1-d (the old
+# rule: 30% under at 3 threads); grouped and depthwise (the old rule: up to 99% under: the input and output
+# gradient reordered with their channels padded to 16). Then the kernels' padding limits: a 2-d layer padded
+# past half its kernel runs jit_avx2 (the old rule: the costlier of it and gemm, 4.4x over), a 3-d one gemm
+# (channels-last: its per-depth-slice columns, 4.4x over before); a strided 1x1 layer whose stride does not tile
+# its input runs jit_avx512_common, not the 1x1 kernel; groups of 8 channels jit_avx2's grouped kernel.
 WEIGHT_GRADIENTS = [
     (2, 8, 8, 16, 3, 1, 1, 3, 1), (4, 4, 6, 32, 3, 1, 1, 3, 1), (2, 24, 4, 8, 3, 1, 2, 3, 1),
     (4, 3, 40, 16, 3, 1, 1, 1, 1), (2, 3, 6, 16, 3, 1, 1, 3, 1),
@@ -215,6 +219,8 @@ WEIGHT_GRADIENTS = [
     (2, 3, 40, 8, 1, 1, 0, 1, 2), (4, 64, 12, 8, 1, 1, 0, 2, 1), (4, 16, 6, 16, 1, 1, 0, 3, 1),
     (4, 16, 8, 16, 3, 4, 1, 2, 1), (4, 16, 6, 16, 2, 16, 1, 2, 1), (8, 16, 64, 16, 3, 16, 1, 1, 1),
     (4, 4, 8, 4, 4, 4, 0, 3, 3),
+    (2, 8, 12, 8, 3, 1, 2, 2, 2), (4, 3, 6, 12, 3, 1, 2, 3, 1), (2, 24, 17, 24, 1, 1, 0, 2, 2),
+    (2, 16, 20, 32, 3, 2, 0, 1, 1), (2, 12, 12, 32, 3, 4, 2, 2, 1),
 ]
 
 
@@ -222,25 +228,57 @@ WEIGHT_GRADIENTS = [
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("case", WEIGHT_GRADIENTS, ids=lambda c: "x".join(map(str, c)))
 def test_onednn_weight_gradient_workspace_is_never_under_the_allocators(case, threads, layout):
-    """The weight gradient's workspace (with and without the input gradient's before it) is never under the
-    allocator: a planned step must not run over its budget. It is the allocator's to 2% where the rule follows
-    the kernel's own arithmetic over contiguous tensors: gemm at any number of threads, the other ungrouped
-    kernels at one thread (their per-thread reductions, at more threads, are bounded from above; so are the
-    strided 1x1 kernel's compacted input and channels-last tensors: up to 3.4x over at one thread)."""
+    """The weight gradient's workspace is the allocator's (to 2%) at every number of threads and in either
+    layout: the rule names the kernel oneDNN picks and replays how it splits its threads (``balance()``: every
+    batch thread but the first reduces into a weight of its own; the bias reducer; the barriers), which it
+    bounded before (1.35x-1.63x over at 2-3 threads, up to 24x). With the input gradient's before it, never under
+    the allocator: a planned step must not run over its budget."""
     n, c, size, o, k, groups, padding, nd, stride = case
     if layout == "channels-last" and nd == 1:
         pytest.skip("a 1-d convolution has no channels-last format")
     torch.manual_seed(0)
     x, w, b = torch.randn(n, c, *[size] * nd), torch.randn(o, c // groups, *[k] * nd), torch.randn(o)
     x = _laid_out(x, layout)
-    exact = groups == 1 and layout == "contiguous" and (threads == 1 and not (k == 1 and stride > 1) or (nd == 3 and c in (4, 8)))
     with _threads(threads):
         go = _laid_out(torch.randn_like(aten.convolution(*_conv(x, w, b, stride, padding, False, groups))), layout)
-        for mask in ((False, True, True), (True, True, True)):
+        for mask in ((False, True, True), (True, True, True), (False, True, False)):
             args = _conv_backward(go, x, w, stride, padding, False, groups, mask)
             measured, rule = op_workspace(aten.convolution_backward, *args), _rule(aten.convolution_backward, *args)
             assert measured <= rule, (mask, measured, rule)
-            if exact and mask[0] is False:
+            if not mask[0]:
+                assert rule <= 1.02 * measured + 256, (mask, measured, rule)
+
+
+# oneDNN's input gradient where the weight gradient's bound hid the rule's holes (each under the allocator before,
+# alone and with the weight's): a channels-last grouped 3-d layer (jit_avx512_common, each group's weight padded to
+# 16 by 16: 13x under), a contiguous one in gemm (its column buffers: 2.9x under), a depthwise 2-d one (jit_uni_dw,
+# its weight's channels padded; channels-last in place: 55x over), a strided one of 48 input channels (the
+# brgemm kernel's 32-channel blocks), a strided 3-d one of one input channel (which that kernel refuses) and a
+# channels-last 1x1 layer (the 1x1 brgemm kernel, in place: 2x under, up to 15x over).
+INPUT_GRADIENTS = [
+    (8, 32, 4, 32, 3, 32, 0, 3, 2, "channels-last"), (2, 3, 8, 6, 3, 3, 0, 2, 3, "channels-last"),
+    (8, 64, 4, 4, 3, 2, 2, 3, 1, "contiguous"), (4, 4, 17, 4, 4, 4, 1, 2, 1, "contiguous"),
+    (8, 5, 8, 5, 1, 5, 0, 2, 1, "channels-last"), (2, 48, 8, 16, 5, 1, 0, 3, 2, "contiguous"),
+    (8, 1, 6, 64, 4, 1, 0, 3, 3, "contiguous"), (2, 12, 6, 12, 1, 1, 0, 2, 1, "channels-last"),
+]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("case", INPUT_GRADIENTS, ids=lambda c: "x".join(map(str, c)))
+def test_onednn_input_gradient_workspace_is_never_under_the_allocators(case, threads):
+    n, c, size, o, k, groups, padding, nd, stride, layout = case
+    torch.manual_seed(0)
+    x, w, b = torch.randn(n, c, *[size] * nd), torch.randn(o, c // groups, *[k] * nd), torch.randn(o)
+    x = _laid_out(x, layout)
+    with _threads(threads):
+        go = _laid_out(torch.randn_like(aten.convolution(*_conv(x, w, b, stride, padding, False, groups))), layout)
+        for mask in ((True, False, False), (True, True, True)):
+            args = _conv_backward(go, x, w, stride, padding, False, groups, mask)
+            measured, rule = op_workspace(aten.convolution_backward, *args), _rule(aten.convolution_backward, *args)
+            assert measured <= rule, (mask, measured, rule)
+            if groups == 1 and k == 1 and layout == "channels-last" and mask[1] is False:
+                assert rule == measured, (mask, measured, rule)
+            if groups == c == o and layout == "channels-last" and mask[1] is False:
                 assert rule <= 1.02 * measured + 256, (mask, measured, rule)
 
 

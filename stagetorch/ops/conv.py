@@ -86,11 +86,11 @@ FLOPS: dict = {
 #   8 on AVX2): the weight (output channels padded), the input when it has a block of channels or more
 #   (or the kernel is 1x1),
 #   and the output, which is then reordered into the tensor returned. Its backward reorders the output
-#   gradient again; the weight gradient runs one of five kernels (_weight_gradient_kernel), each with its
-#   scratchpad: exact for gemm and for the jit kernels at one thread, a bound from above where the jit kernels
-#   split threads over the batch (never under the allocator over 710 measured shapes; grouped and depthwise
-#   ones the costlier of two kernels: _grouped_weight_gradient). A strided convolution's input gradient runs another kernel,
-#   channels-last inside (_strided_data), exact at the allocator.
+#   gradient again; the weight gradient runs one of five kernels (_weight_gradient_kernel; grouped and
+#   depthwise ones: _grouped_weight_gradient), each with its scratchpad, their thread splits replayed
+#   (_jit_scratchpad): the allocator's to 2% over 767 measured shapes at 1-3 threads, either layout. A strided
+#   convolution's input gradient runs another kernel, channels-last inside (_strided_data), exact at the
+#   allocator; a grouped one one of three (_grouped_data).
 # - without oneDNN, a 2-d forward of 16 examples or more runs NNPACK, whose buffers torch does not hand out;
 #   the backward then unfolds fewer examples at once than the column buffer counted (an over-estimate).
 #
@@ -315,11 +315,19 @@ def _unknown(v: Any) -> None:
 def _strided_backward_data(x: Aval, w: Aval, stride, dilation, groups: int, transposed: bool) -> bool:  # noqa: ANN001
     """Whether oneDNN computes this input gradient with its strided brgemm kernel (brgconv_strided): the first
     of the f32 backward-data kernels that accepts a stride above 1, undilated, but for a grouped convolution of
-    a vector's worth of output channels per group or fewer."""
+    8 output channels per group or fewer (its AVX2 variant takes 9-16, the AVX-512 one more)."""
     return (
         not transposed and any(s != 1 for s in stride) and all(d == 1 for d in dilation)
-        and (groups == 1 or w.shape[0] // groups > _block())
+        and (groups == 1 or w.shape[0] // groups > 8)
     )
+
+
+def _brgemm_data_weight(w: Aval) -> int:
+    """The weight as oneDNN's brgemm input-gradient kernels reorder it: a group's input channels padded to the
+    kernel's block of them, 16, or 32-64 where there are more (the block is picked by efficiency, not replayed:
+    32, the most padding)."""
+    c_g, b = w.shape[1], _block()
+    return w.nbytes * (_pad(c_g, 2 * b) if c_g > b else _pad(c_g, b)) // c_g
 
 
 def _strided_data(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: bool) -> int:  # noqa: ANN001
@@ -350,42 +358,229 @@ def _strided_data(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: 
         per_thread += _pad(_pad(ins[-1], stride[-1]) * stride[-1] * x.shape[1], page) * x.itemsize
         bookings += 1
     scratchpad = torch.get_num_threads() * per_thread + bookings * page
-    weight = w.nbytes * _pad(w.shape[1], _block()) // w.shape[1]  # a group's input channels padded
+    weight = _brgemm_data_weight(w)
     if channels_last:
         return weight + x.nbytes + scratchpad
     return max(grad.nbytes + weight + x.nbytes + scratchpad, 3 * x.nbytes)
 
 
+# -- oneDNN's thread split of a jit weight gradient (replayed) ----------------------------------------------
+#
+# A jit backward-weights kernel splits its threads over the batch (nthr_mb), the output and the input channel
+# blocks; every batch thread beyond the first reduces into a weight of its own. oneDNN's scratchpad books each
+# piece 128 bytes over its size (memory_tracking.hpp; a barrier context is a 4096-byte aligned page, booked
+# with a page of alignment), which is what torch's allocator hands ideep.
+
+_PAGE = 4096
+_BARRIER = 2 * _PAGE  # simple_barrier::ctx_t (4096-aligned) and its alignment
+
+
+def _div_up(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _reduce_balance(threads: int, job: int, jobs: int, reduction: int, max_buffer: int) -> tuple[int, int, int]:
+    """oneDNN's reduce_balancer_t::balance (lock-free): (groups, threads per group, jobs per group at most)."""
+    least = max(1, jobs // threads)
+    most = max(1, max_buffer // (threads * job))
+    groups = min(jobs // least, threads)
+    per_group = min(threads // groups, reduction)
+    ub = _div_up(jobs, groups)
+    best = jobs * job * reduction
+    for c in range(least, jobs):
+        c_groups = min(jobs // c, threads)
+        c_per_group = min(threads // c_groups, reduction)
+        c_ub = _div_up(jobs, c_groups)
+        if c_per_group > 1 and c_ub > most:
+            continue
+        cost = job * c_ub * (_div_up(reduction, c_per_group) + (c_per_group != 1))
+        if cost < best:
+            groups, per_group, ub, best = c_groups, c_per_group, c_ub, cost
+    return groups, per_group, ub
+
+
+def _reducer(threads: int, job: int, jobs: int, reduction: int, max_buffer: int) -> int:
+    """A cpu_reducer_t's scratchpad (bytes of f32): each group's threads but its first reduce into a space of
+    their own (page-aligned), beside a barrier per group."""
+    groups, per_group, ub = _reduce_balance(threads, job, jobs, reduction, max_buffer)
+    if per_group == 1:
+        return 0
+    return groups * (per_group - 1) * ub * job * 4 + _PAGE + groups * _PAGE + _PAGE
+
+
+def _balance(threads: int, nb_oc: int, nb_ic: int, src_cost, dst_cost, wei_cost, mb_max: int,
+             comp_cost=None) -> tuple[int, int, int]:  # noqa: ANN001
+    """The jit kernels' balance(): the split (batch, output blocks, input blocks) of least memory traffic,
+    then (jit_avx512_common, ``comp_cost``) of less compute within 10% of it. Costs are callables of
+    (batch threads, output-block threads, input-block threads)."""
+    def mem(m: int, o: int, i: int) -> int:
+        return src_cost(m, i) + dst_cost(m, o) + wei_cost(o, i)
+
+    best_m = best_o = best_i = 1
+    best_mem = mem(1, 1, 1)
+    splits = [(m, o, min(threads // m // o, nb_ic)) for m in range(1, mb_max + 1)
+              for o in range(1, min(threads // m, nb_oc) + 1)]
+    for m, o, i in splits:
+        cost = mem(m, o, i)
+        if cost <= best_mem:
+            best_mem, best_m, best_o, best_i = cost, m, o, i
+    if comp_cost is not None:
+        best_comp = comp_cost(best_m, best_o, best_i)
+        for m, o, i in splits:
+            comp = comp_cost(m, o, i)
+            if (comp <= best_comp and mem(m, o, i) < 1.1 * best_mem) or 4 * comp <= 3 * best_comp:
+                best_comp, best_m, best_o, best_i = comp, m, o, i
+    return best_m, best_o, best_i
+
+
+def _best_divider(value: int, least: int, most: int, find_max: bool) -> int:
+    """oneDNN's best_divider (jit_uni_1x1_conv_utils.hpp): the divider in [least, most] that leaves the least
+    of ``value`` over, the largest (``find_max``) or the smallest of those."""
+    most = max(1, min(most, value))
+    least = max(1, min(least, most))
+    best, out = math.inf, most
+    for d in range(most, least - 1, -1):
+        loss = (_pad(value, d) - value) / _pad(value, d)
+        if loss < best or (not find_max and loss == best):
+            best, out = loss, d
+    return out
+
+
+def _dims(x: Aval, w: Aval, grad: Aval, stride) -> tuple:  # noqa: ANN001
+    """(depth, height, width) of the input, the output gradient, the kernel and the strides (depth 1 in 2-d)."""
+    def three(s):  # noqa: ANN001, ANN202
+        return (1, *s) if len(s) == 2 else tuple(s)
+    return three(x.shape[2:]), three(grad.shape[2:]), three(w.shape[2:]), three(stride)
+
+
+def _jit_scratchpad(kind: str, x: Aval, w: Aval, grad: Aval, stride, channels_last: bool, bias: bool, groups: int = 1) -> int:  # noqa: ANN001
+    """The scratchpad of a jit weight gradient (``first``, ``blocked`` and, grouped, ``grouped``:
+    jit_avx512_common; ``avx2`` and ``grouped8``: jit_avx2; ``1x1``: jit_avx512_common_1x1), its thread split
+    replayed (``balance()`` and the kernels' ``init_scratchpad``, oneDNN 3.x)."""
+    threads = torch.get_num_threads()
+    n, c, o = x.shape[0], x.shape[1] // groups, w.shape[0] // groups
+    (i_d, i_h, i_w), (o_d, o_h, o_w), (k_d, k_h, k_w), (s_d, s_h, s_w) = _dims(x, w, grad, stride)
+    kernel = k_d * k_h * k_w
+    out = 0
+    if kind in ("avx2", "grouped8"):
+        # Two reducers (cpu_reducer_t, 2M floats at most a thread), the weight's over the batch and depth.
+        b = 8
+        ic_block = c if c == 3 else b
+        nb_oc = groups * _div_up(o, b)
+        if bias:
+            out += (groups * _pad(o, b) * 4 + 128 if o % b else 0) + _reducer(threads, b, nb_oc, n, 1 << 21)
+        return out + _reducer(threads, kernel * ic_block * b, nb_oc * _div_up(c, ic_block), n * o_d, 1 << 21)
+    b = 16
+    nb_oc = _div_up(o, b)
+    if kind == "1x1":
+        # A strided 1x1 kernel first compacts its input to unit stride (rtus): the output's positions.
+        positions = o_d * o_h * o_w
+        block = _best_divider(positions, 7, 16, True)
+        if positions % block:
+            block = _best_divider(o_w, 4, o_w, False)
+        block = 1 if block > 256 else block
+        nb_ic, nb_reduce = _div_up(c, b), _div_up(positions, block)
+        m, ob, ib = _balance(
+            threads, nb_oc, nb_ic,
+            lambda m, i: _div_up(n * nb_reduce, m) * _div_up(nb_ic, i) * b * block,
+            lambda m, o_: _div_up(n * nb_reduce, m) * _div_up(nb_oc, o_) * b * block,
+            lambda o_, i: 12 * _div_up(nb_oc, o_) * _div_up(nb_ic, i) * b * b,
+            min(threads, n * nb_reduce))
+        m = min(n, threads) if threads // 2 < m < threads else m
+        nthr = m * ob * ib
+        weight = _pad(o, b) * _pad(c, b)
+        if any(s != 1 for s in stride):
+            per_thread = positions * c if channels_last else _best_divider(nb_ic, 5, nb_ic, False) * positions * b
+            out += nthr * per_thread * 4 + 128
+    else:
+        ic_block = c if kind == "first" else b
+        nb_ic = _div_up(c, ic_block)
+        # The 2-d kernel over blocked tensors reduces over output rows too (harness_2d_reduction).
+        rows = x.ndim == 4 and o_h > 9 and not channels_last
+        i_r, o_r, i_n, o_n = (i_h, o_h, 1, 1) if rows else (1, 1, i_h, o_h)
+        row_threads = max(1, o_r // 9)
+        if threads < groups:  # a thread a group, no reduction
+            m, nthr = 1, threads
+        else:  # every group in parallel, its share of the threads split
+            per_group = threads // groups
+            m, ob, ib = _balance(
+                per_group, nb_oc, nb_ic,
+                lambda m, i: _div_up(n * i_r, m) * _div_up(nb_ic, i) * ic_block * i_n * i_w * i_d // s_d // s_h // s_w,
+                lambda m, o_: _div_up(n * o_r, m) * _div_up(nb_oc, o_) * b * o_n * o_w * o_d,
+                lambda o_, i: 8 * _div_up(nb_oc, o_) * _div_up(nb_ic, i) * kernel * ic_block * b,
+                min(per_group, n * o_d * row_threads),
+                lambda m, o_, i: _div_up(n * o_r, m) * _div_up(nb_oc, o_) * _div_up(nb_ic, i))
+            m = min(n * o_d * row_threads, threads) if threads // 2 < m < threads else m
+            nthr = m * groups * ob * ib
+        weight = groups * (_pad(o, b) * _pad(c, ic_block) * kernel + _pad(o, b))  # and its bias
+    if m > 1:  # each batch thread but the first reduces into a weight (and bias) of its own
+        out += weight * (m - 1) * 4 + 128 + _BARRIER
+    if bias:
+        out += groups * _pad(o, b) * 4 + 128 if o % b else 0
+        out += _reducer(nthr, b, groups * nb_oc, n, nthr * 3 * 5 * 5 * b * b)
+    return out
+
+
+def _depthwise_scratchpad(x: Aval, w: Aval, channels_last: bool, bias: bool) -> int:
+    """jit_uni_dw's (jit_avx512_common_dw) weight-gradient scratchpad: contiguous, threads over the channel
+    blocks and then the batch, each batch thread but the first reducing a (channel-padded) weight and bias of its
+    own; channels-last, the threads split channels, batch and rows (partition_nthr_nxc, not replayed: every
+    thread but the first taken to reduce, a bound)."""
+    threads, b = torch.get_num_threads(), _block()
+    g, kernel = x.shape[1], math.prod(w.shape[2:])
+    if channels_last:
+        reducing = threads - 1
+        return reducing and reducing * _pad(g, b) * kernel * 4 + 128 + (reducing * g * 4 + 128 if bias else 0)
+    nthr_g = min(_div_up(g, b), threads)
+    reducing = min(max(1, threads // nthr_g), x.shape[0]) - 1
+    return reducing and reducing * _pad(g, b) * kernel * 4 + 128 + (reducing * _pad(g, b) * 4 + 128 if bias else 0)
+
+
 def _weight_gradient_kernel(x: Aval, w: Aval, stride, padding, channels_last: bool) -> str:  # noqa: ANN001
     """Which of oneDNN's f32 backward-weights kernels runs an ungrouped convolution (the first of
-    cpu_convolution_list's that accepts it, on AVX-512): ``1x1`` (jit_avx512_common_1x1: a 1x1 kernel without
-    padding, strided only in 1-d and 2-d), ``first`` (jit_avx512_common's first-layer kernel: up to 3 input
-    channels, or fewer than a block channels-last; the input read in place, the weight's output channels
-    padded), ``avx2`` (jit_avx2, blocks of 8: 4-15 input channels, no padding in depth), ``gemm``
-    (gemm_convolution, plain layouts: a 3-d one of 4-15 input channels padded in depth) or ``blocked``
-    (jit_avx512_common, channels padded to the block)."""
+    cpu_convolution_list's that accepts it, on AVX-512; a 1-d convolution as the 2-d one torch runs): ``1x1``
+    (jit_avx512_common_1x1: a 1x1 kernel without padding; strided only in 1-d and 2-d where the stride tiles
+    the input exactly, its input then compacted to unit stride), ``first`` (jit_avx512_common's first-layer
+    kernel: up to 3 input channels, or fewer than a block channels-last; the input read in place, the weight's
+    output channels padded), ``blocked`` (jit_avx512_common, channels padded to the block), ``avx2``
+    (jit_avx2, blocks of 8: 4-15 input channels, or where jit_avx512_common's padding limits refuse) or
+    ``gemm`` (gemm_convolution, plain layouts: where jit_avx2's refuse too). The limits are the kernels'
+    ``init_conf`` (``boundaries_ok``), in terms of the padding oneDNN infers at each far end."""
     c, kernel, spatial = x.shape[1], w.shape[2:], x.ndim - 2
-    if math.prod(kernel) == 1 and all(p == 0 for p in padding) and (spatial < 3 or all(s == 1 for s in stride)):
+    ins = x.shape[2:]
+    outs = [_window(ins[i], kernel[i], stride[i], padding[i], 1) for i in range(spatial)]
+    if math.prod(kernel) == 1 and all(p == 0 for p in padding) and (
+        all(s == 1 for s in stride) or (spatial < 3 and all(o * s == i for o, s, i in zip(outs, stride, ins)))
+    ):
         return "1x1"
-    for i in range(spatial):
-        # The jit kernels' padding limits (boundaries_ok): none past half the kernel but along the width, and a
-        # kernel within the padded input; else the gemm kernel.
-        out = _window(x.shape[2 + i], kernel[i], stride[i], padding[i], 1)
-        far = (out - 1) * stride[i] + kernel[i] - x.shape[2 + i] - padding[i]
-        if (i < spatial - 1 and max(padding[i], far) > kernel[i] // 2) or kernel[i] >= x.shape[2 + i] + padding[i] > x.shape[2 + i]:
-            return "gemm or avx2"  # jit_avx2's limits differ (not replayed): the costlier of the two
-    if channels_last:
+    common, avx2, _ = _limits(x, w, stride, padding)
+    if common and channels_last:
         return "first" if c < _block() else "blocked"
-    if c <= 3:
-        return "first"
-    if c < _block():
-        if spatial == 3:
-            depth_out = _window(x.shape[2], kernel[0], stride[0], padding[0], 1)
-            far = (depth_out - 1) * stride[0] + kernel[0] - x.shape[2] - padding[0]
-            if padding[0] > 0 or far > 0:
-                return "gemm"
-        return "avx2"
-    return "blocked"
+    if common and (c <= 3 or c >= _block()):
+        return "first" if c <= 3 else "blocked"
+    return "avx2" if avx2 else "gemm"
+
+
+def _limits(x: Aval, w: Aval, stride, padding) -> tuple[bool, bool, bool]:  # noqa: ANN001
+    """Whether jit_avx512_common's, jit_avx2's and jit_uni_dw's weight-gradient padding limits accept the
+    convolution (their ``init_conf``: ``boundaries_ok`` and the like), in terms of the padding oneDNN infers
+    at each far end."""
+    kernel, spatial, ins = w.shape[2:], x.ndim - 2, x.shape[2:]
+    outs = [_window(ins[i], kernel[i], stride[i], padding[i], 1) for i in range(spatial)]
+    far = [max(0, (outs[i] - 1) * stride[i] + kernel[i] - ins[i] - padding[i]) for i in range(spatial)]
+    (f, t, lp), (back, b, r) = ([0] * (3 - spatial) + list(padding)), ([0] * (3 - spatial) + far)
+    (kd, kh, kw), (i_d, i_h, _) = ((1,) * (3 - spatial) + tuple(kernel)), ((1,) * (3 - spatial) + tuple(ins))
+    s_h, s_w = stride[-2], stride[-1]
+    common = (
+        lp < kw and r < kw and t <= kh // 2 and b <= kh // 2 and f < kd and back < kd
+        and (f == 0 or kd < i_d + f) and lp <= 28 and r <= 28 and kw <= 14
+    )
+    avx2 = t < kh and b < kh and lp < kw and r < kw and f == 0 and back == 0 and kw < 14 and kh <= i_h and kd <= i_d
+    depthwise = (
+        spatial == 2 and kw <= 3 and s_w <= kw and t <= kh // 2 and b <= kh // 2 and lp <= kw // 2
+        and r <= kw // 2 and i_h >= kh + (-t) % s_h and (t <= 1 or t % s_h == 0) and (b <= 1 or b % s_h == 0)
+    )
+    return common, avx2, depthwise
 
 
 def _weight_gradient(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: bool, bias: bool) -> int:  # noqa: ANN001
@@ -397,22 +592,17 @@ def _weight_gradient(x: Aval, w: Aval, grad: Aval, stride, padding, channels_las
     then channels-last: three weights at once).
 
     The scratchpad follows the kernel's ``init_scratchpad`` (each booking 128 bytes over its size): the gemm
-    kernel's is exact (per thread when it threads over examples: a column buffer of one depth slice and the
-    weight's reduction, booked as 4 bytes per byte of weight). The jit kernels' reduction buffers depend on how
-    ``balance()`` splits the threads, which is not replayed: the rule takes every thread to reduce over the
-    batch (a padded weight and bias per thread beyond the first) and a bias reducer of 8 KiB per thread and
-    8 KiB more (the most measured: 24 KiB at 2-3 threads), a bound from above; a strided 1x1 kernel's input
-    compacted to unit stride, per thread, is counted whole. At one thread the jit kernels have no reduction
-    and the rule is exact but for the 1x1 kernel's compacted input (a bound)."""
+    kernel's per thread where it threads over examples (a column buffer of one depth slice and the weight's
+    reduction, booked as 4 bytes per byte of weight); the jit kernels' as their ``balance()`` splits the threads
+    (:func:`_jit_scratchpad`: a reduction weight per batch thread beyond the first, the bias reducer's
+    space, the barriers; a strided 1x1 kernel's input compacted to unit stride, per thread)."""
     layouts = (True, False) if channels_last and x.shape[1] == 1 else (channels_last,)
     # One input channel: channels-last and contiguous are the same strides; which one torch and oneDNN take is
-    # not followed: the costlier. jit_avx2's padding limits are not replayed either: the costlier of it and gemm.
-    out = 0
-    for layout in layouts:
-        kind = _weight_gradient_kernel(x, w, stride, padding, layout)
-        for k in ("gemm", "avx2") if kind == "gemm or avx2" else (kind,):
-            out = max(out, _weight_gradient_as(k, x, w, grad, stride, padding, layout, bias))
-    return out
+    # not followed: the costlier.
+    return max(
+        _weight_gradient_as(_weight_gradient_kernel(x, w, stride, padding, layout), x, w, grad, stride, padding, layout, bias)
+        for layout in layouts
+    )
 
 
 def _weight_gradient_as(kind: str, x: Aval, w: Aval, grad: Aval, stride, padding, channels_last, bias: bool, groups: int = 1) -> int:  # noqa: ANN001
@@ -422,10 +612,17 @@ def _weight_gradient_as(kind: str, x: Aval, w: Aval, grad: Aval, stride, padding
     kernel, itemsize = math.prod(w.shape[2:]), x.itemsize
     weight, bias_bytes = w.nbytes, o * itemsize if bias else 0
     if kind == "gemm" and channels_last:
-        # gemm's channels-last variant: per thread a column buffer and a transposed input of all positions
-        # and a reduction weight (4 bytes booked per byte), threads taken all.
-        columns = c * kernel * math.prod(grad.shape[2:]) * itemsize
-        scratchpad = threads * (columns + x.nbytes // n + 4 * weight) + 3 * 128
+        # gemm's channels-last variant (gemm_convolution_utils init_conf, nspc): per thread a column buffer of a
+        # group's channels over one depth slice's output positions, a transposed input of a group's channels
+        # and a reduction weight (4 bytes booked per byte); threads over examples where that fits.
+        (i_d, i_h, i_w), (_, o_h, o_w), _, _ = _dims(x, w, grad, stride)
+        unit = kernel == 1 and all(s == 1 for s in stride) and all(p == 0 for p in padding)
+        columns = 0 if unit else c_g * kernel * o_h * o_w * itemsize
+        transposed = i_d * i_h * i_w * c_g * itemsize
+        limit = min(1 << 30, 15 * threads * (x.nbytes + weight + grad.nbytes))
+        estimate = threads * (columns + transposed + 4 * weight)
+        nthr = threads if estimate < limit and o_h * o_w // threads < 256 and (n != 1 or groups > 2) else 1
+        scratchpad = nthr * (columns + 4 * weight + transposed) + (128 if columns else 0) + 2 * 128
         blocked, copies = weight, 0
     elif kind == "gemm":
         rows = math.prod(grad.shape[-2:])  # a depth slice's output positions
@@ -441,17 +638,14 @@ def _weight_gradient_as(kind: str, x: Aval, w: Aval, grad: Aval, stride, padding
         b = _block()
         blocked = _pad(c, b) * kernel * itemsize
         copies = 0 if channels_last else x.nbytes * _pad(c, b) // c + grad.nbytes * _pad(o, b) // o
-        scratchpad = (threads - 1) * (blocked + _pad(o, b) * itemsize) + 512 * threads
+        scratchpad = _depthwise_scratchpad(x, w, channels_last, bias)
     elif kind in ("grouped", "grouped8"):  # each group's channels padded to the block
         b = 8 if kind == "grouped8" else _block()
         blocked = groups * _pad(o_g, b) * _pad(c_g, b) * kernel * itemsize
         src = x.nbytes // c * groups * _pad(c_g, b)
         dst = grad.nbytes // o * groups * _pad(o_g, b)
         copies = 0 if channels_last else src + dst
-        padded_bias = groups * _pad(o_g, b) * itemsize
-        scratchpad = (padded_bias + 128 if bias and o_g % b else 0)
-        if threads > 1:
-            scratchpad += (threads - 1) * (blocked + padded_bias) + 8192 * (threads + 1)
+        scratchpad = _jit_scratchpad(kind, x, w, grad, stride, channels_last, bias, groups)
     else:
         b = 8 if kind == "avx2" else _block()
         c_in = c if kind == "first" else _pad(c, b)
@@ -459,12 +653,7 @@ def _weight_gradient_as(kind: str, x: Aval, w: Aval, grad: Aval, stride, padding
         src = 0 if channels_last or kind == "first" else x.nbytes * _pad(c, b) // c
         dst = 0 if channels_last else grad.nbytes * _pad(o, b) // o
         copies = src + dst
-        padded_bias = _pad(o, b) * itemsize
-        scratchpad = (_pad(o, b) * itemsize + 128 if bias and o % b else 0)
-        if threads > 1:
-            scratchpad += (threads - 1) * (blocked + padded_bias) + 8192 * (threads + 1)
-        if kind == "1x1" and any(s != 1 for s in stride):
-            scratchpad += threads * _pad(c, b) * math.prod(grad.shape[2:]) * itemsize + 128
+        scratchpad = _jit_scratchpad(kind, x, w, grad, stride, channels_last, bias)
     compute = copies + blocked + bias_bytes + scratchpad
     # Channels-last, the weight gradient is copied out dense and then made channels-last.
     end = blocked + bias_bytes + weight + bias_bytes + (weight if channels_last else 0)
@@ -472,24 +661,64 @@ def _weight_gradient_as(kind: str, x: Aval, w: Aval, grad: Aval, stride, padding
 
 
 def _grouped_weight_gradient(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: bool, groups: int, bias: bool) -> int:  # noqa: ANN001
-    """A grouped or depthwise weight gradient's workspace under oneDNN. Contiguous: jit_avx512_common_dw for a
-    depthwise 1-d or 2-d one (channels blocked across groups), the grouped jit kernels where each group's
-    channels are a multiple of 16 (jit_avx512_common) or 8 (jit_avx2), else gemm per group; channels-last, the
-    grouped jit kernel with each group's channels padded to 16 (a depthwise 3x3x3 layer's weight gradient 256
-    times its size). Their fallbacks are not replayed: the rule takes the costlier of the kernel and gemm."""
+    """A grouped or depthwise weight gradient's workspace under oneDNN, in the first of its kernels that accepts
+    it: jit_avx512_common_dw for a depthwise (one input and one output channel a group) 1-d or 2-d one (channels
+    blocked across groups), jit_avx512_common where each group's channels are a multiple of 16 (channels-last:
+    any, each group's padded to 16: a depthwise 3x3x3 layer's weight gradient 256 times its size), jit_avx2
+    where they are a multiple of 8 (channels-last: any but 3 input channels a group), each within its padding
+    limits (:func:`_limits`);
+    else gemm, group by group."""
     c_g, o_g = x.shape[1] // groups, w.shape[0] // groups
-    depthwise = c_g == o_g == 1
-    if channels_last:
-        kinds = ["grouped", "gemm"] + (["depthwise"] if depthwise else [])
-    elif depthwise:
-        kinds = ["depthwise", "gemm"] if x.ndim < 5 else ["gemm"]
-    elif c_g % _block() == 0 and o_g % _block() == 0:
-        kinds = ["grouped", "gemm"]
-    elif c_g % 8 == 0 and o_g % 8 == 0:
-        kinds = ["grouped8", "gemm"]
+    common, avx2, depthwise = _limits(x, w, stride, padding)
+    if c_g == o_g == 1 and depthwise:
+        kind = "depthwise"
+    elif common and (channels_last or (c_g % 16 == 0 and o_g % 16 == 0)) and _block() == 16:
+        kind = "grouped"
+    elif avx2 and c_g != 3 and (channels_last or (c_g % 8 == 0 and o_g % 8 == 0)):
+        kind = "grouped8"
     else:
-        kinds = ["gemm"]
-    return max(_weight_gradient_as(k, x, w, grad, stride, padding, channels_last, bias, groups) for k in kinds)
+        kind = "gemm"
+    return _weight_gradient_as(kind, x, w, grad, stride, padding, channels_last, bias, groups)
+
+
+def _grouped_data(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: bool, groups: int) -> int:  # noqa: ANN001
+    """A grouped input gradient's workspace under oneDNN (beside the input gradient returned), by the kernel that
+    runs it: jit_uni_dw for a depthwise 1-d or 2-d convolution (the output gradient, the weight and the input
+    gradient in blocks of 16 channels, then the input gradient reordered out; channels-last the weight alone); jit_avx512_common over
+    channels-last tensors, in place, each group's weight blocked by 16 channels, or 8 or 4 (the larger that
+    divides both a group's input and output channels, fewer than 16 channels-last), else padded to 16; over
+    contiguous ones that kernel where such a
+    block divides them (the gradients reordered into it, no padding) or gemm group by group (its column
+    buffers; where no block divides them, gemm), which of the two not replayed: the larger."""
+    c_g, o_g, kernel, b = x.shape[1] // groups, w.shape[0] // groups, math.prod(w.shape[2:]), _block()
+    if c_g == o_g == 1 and x.ndim == 4:
+        weight = _pad(groups, b) * kernel * w.itemsize
+        if channels_last:  # in place
+            return weight
+        blocked_input = x.nbytes * _pad(groups, b) // groups
+        return max(grad.nbytes * _pad(groups, b) // groups + weight + blocked_input, blocked_input + x.nbytes) - x.nbytes
+    block = b if c_g % b == 0 and o_g % b == 0 else None
+    if block is None and (not channels_last or (c_g < b and o_g < b)):  # a narrower vector register (init_conf)
+        block = next((bl for bl in (8, 4) if bl < b and c_g % bl == 0 and o_g % bl == 0), None)
+    if channels_last:
+        block = block or b
+        return groups * _pad(o_g, block) * _pad(c_g, block) * kernel * w.itemsize
+    # Either kernel writes the input gradient into ideep's own tensor, then copied into the one returned.
+    gemm = max(_gemm_data(x, w, grad, stride, padding, groups), x.nbytes)
+    if block is None:
+        return gemm
+    return max(gemm, grad.nbytes + w.nbytes, x.nbytes)
+
+
+def _gemm_data(x: Aval, w: Aval, grad: Aval, stride, padding, groups: int) -> int:  # noqa: ANN001
+    """gemm_convolution's input gradient over plain tensors (a grouped one it runs group by group): per thread a
+    column buffer of a group's input channels over one depth slice's output positions, threads taken all (its
+    outer threading not replayed: a bound)."""
+    (_, o_h, o_w) = _dims(x, w, grad, stride)[1]
+    kernel = math.prod(w.shape[2:])
+    if kernel == 1 and all(s == 1 for s in stride) and all(p == 0 for p in padding):
+        return 0
+    return torch.get_num_threads() * x.shape[1] // groups * kernel * o_h * o_w * x.itemsize + 128
 
 
 def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
@@ -526,9 +755,21 @@ def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
         # Before the weight's gradient and the bias's are made: the workspace is the excess over all three.
         later = (w.nbytes if mask[1] else 0) + (e.args[3][0] * x.itemsize if mask[2] and e.args[3] is not None else 0)
         data = _strided_data(x, w, grad, stride, padding, channels_last) - grad_input - later
+        if x.ndim == 5 and x.shape[1] < b and not channels_last:
+            # A 3-d layer of few input channels the strided kernel may refuse (its blocking, not replayed):
+            # jit_avx512_common's then (below), the larger.
+            blocked_input = x.nbytes * _pad(x.shape[1], b) // x.shape[1]
+            data = max(data, max(grad_blocked + weight_padded + blocked_input, blocked_input + grad_input) - grad_input)
     elif mask[0]:
         blocked_input = x.nbytes * _pad(x.shape[1], b) // x.shape[1]
         data = max(grad_blocked + weight_padded + blocked_input, blocked_input + grad_input) - grad_input
+        plain = math.prod(w.shape[2:]) == 1 and all(s == 1 for s in stride) and all(p == 0 for p in padding)
+        if groups > 1 and not transposed:
+            data = _grouped_data(x, w, grad, stride, padding, channels_last, groups)
+        elif channels_last and not transposed and plain:
+            # oneDNN's 1x1 brgemm kernel reads the output gradient and writes the input gradient in place
+            # (channels-last both): the weight reordered, a page and 103 batch elements of 40 bytes a thread.
+            data = _brgemm_data_weight(w) + 4096 + 128 + 4120 * torch.get_num_threads()
     # The weight gradient, after the input gradient (an output, already held).
     if not mask[1]:
         weights = 0
