@@ -844,6 +844,69 @@ def test_a_wrapped_python_number_is_the_allocators(number, dtype):
         assert expected > 0 and rule(fn) == expected, (rule(fn), expected)
 
 
+# Ops on a tensor and a Python number, measured at the allocator: the number at argument 1 (``other``) or 0
+# (``self``), or a _foreach_ op's (a list of tensors first). Each wraps the number as a 0-dim tensor and casts
+# it, and any tensor of another dtype, to the dtype it computes in (stagetorch/ops/elementwise.py).
+_NUMBER_OTHER = [
+    "add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor", "add.Scalar", "sub.Scalar", "mul.Scalar", "div.Scalar",
+    "rsub.Scalar", "eq.Scalar", "ne.Scalar", "lt.Scalar", "ge.Scalar", "remainder.Scalar", "fmod.Scalar",
+    "floor_divide.Scalar", "copysign.Scalar", "xlogy.Scalar_Other", "bitwise_and.Scalar",
+    "special_xlog1py.other_scalar", "mul_.Tensor", "add_.Tensor", "sub_.Scalar", "div_.Tensor", "mul_.Scalar",
+]
+_NUMBER_SELF = ["pow.Scalar", "remainder.Scalar_Tensor", "xlogy.Scalar_Self"]
+_NUMBER_FOREACH = ["_foreach_mul.Scalar", "_foreach_add_.Scalar", "_foreach_div.Scalar", "_foreach_sub_.ScalarList",
+                   "_foreach_mul.ScalarList", "_foreach_pow.ScalarAndTensor"]
+
+
+def _overload(name):
+    packet, overload = name.split(".")
+    return getattr(getattr(aten, packet), overload)
+
+
+@pytest.mark.parametrize("number", [2, 0.5, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("name", _NUMBER_OTHER + _NUMBER_SELF + _NUMBER_FOREACH)
+def test_an_op_on_a_python_number_is_the_allocators(name, dtype, number):
+    """``x * 2``, ``x > 0``, ``x.mul_(beta)``, an int64 tensor times 0.5 (computed in float32: the tensor is
+    cast too), a _foreach_ op over tensors of two dtypes (the most of one call per tensor)."""
+    op = _overload(name)
+    torch.manual_seed(0)
+    x = (torch.rand(5, 7) + 1).to(dtype)
+    if name.startswith("_foreach"):
+        tensors = [x, (torch.rand(9) + 1).to(torch.float64 if dtype != torch.float64 else torch.float32)]
+        given = [number, number] if name.endswith("List") else number
+        args = (given, tensors) if name.endswith("ScalarAndTensor") else (tensors, given)
+    else:
+        args = (number, x) if name in _NUMBER_SELF else (x, number)
+    try:
+        expected = op_workspace(op, *[[t.clone() for t in a] if isinstance(a, list) and a and isinstance(a[0], torch.Tensor)
+                                      else a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    except (RuntimeError, TypeError):
+        pytest.skip("torch refuses these operands")
+    assert expected > 0
+    assert _rule(op, *args) == expected
+
+
+def test_an_op_on_a_complex_number_or_on_two_tensors():
+    """A complex number makes a float32 tensor complex (the tensor cast as well); a tensor for ``other``
+    wraps nothing (the rule says 0; the allocator agrees where the dtypes match)."""
+    x = torch.rand(5, 7)
+    assert _rule(aten.mul.Tensor, x, 1j) == op_workspace(aten.mul.Tensor, x, 1j) == 16 + 8 + 35 * 8
+    assert _rule(aten.mul.Tensor, x, x) == op_workspace(aten.mul.Tensor, x, x) == 0
+
+
+def test_a_division_by_a_number_rounding_computes_in_the_operands_dtype():
+    """``x // 2`` on int64 stays int64 (the number wrapped, nothing cast); ``x / 2`` computes in float32."""
+    x = torch.arange(35).reshape(5, 7)
+    for mode, expected in (("floor", 8), ("trunc", 8), (None, 8 + 4 + 35 * 4)):
+        def fn(t, mode=mode):
+            return torch.div(t, 2, rounding_mode=mode)
+
+        graph = stagetorch.make_ir(fn)(x)
+        (eqn,) = [e for e in graph.eqns if e.prim in (aten.div.Tensor_mode, aten.div.Tensor)]
+        assert workspace(eqn) == op_workspace(fn, x) == expected, mode
+
+
 # Loss kernels and reductions (stagetorch/ops/losses.py, reductions.py). A reduced loss computes the unreduced
 # loss first, a tensor of the operands' broadcast shape; mse_loss and smooth_l1_loss (structured kernels) make
 # their output at that shape and resize it to 0-dim, keeping the storage for as long as the loss lives, as
