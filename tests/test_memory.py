@@ -93,9 +93,10 @@ def test_a_report_at_any_batch_predicts_every_batch_up_to_four_times_it(name):
 
 # oneDNN's LSTM scratchpad is a fit (stagetorch/ops/recurrent.py), not its formula: it is page-rounded and
 # grows unevenly with the batch, and the fit over-estimates small chunks' backward by up to 5%.
-# Every model within 2% (the LSTM's oneDNN workspace was a fit, within 5%, before its rule became oneDNN's
-# arithmetic).
-_TOLERANCE: dict[str, float] = {}
+# Every model on every path within 2%, but the LSTM without grad: oneDNN's inference kernels (brgemm: blocked
+# weights and a scratchpad that depend on the ISA and the threads) are still a fit there, +3.6% at 4 examples
+# per chunk. (Training, where oneDNN's reference kernel runs, is its arithmetic: exact.)
+_TOLERANCE: dict[tuple[str, str], float] = {("lstm", "no_grad"): 0.05}
 
 
 # -- measured = predicted, on every path --------------------------------------------------------------------
@@ -106,7 +107,7 @@ def test_measured_peak_is_the_predicted_peak_under_the_budget(name, path):
     predicted, measured, budget, chunks = measure(name, path)
     if path not in ("remat", "lazy_remat"):  # recomputation may fit the budget without chunks
         assert (chunks > 1) == (path not in ("jit", "lazy")), chunks
-    assert abs(measured - predicted) <= _TOLERANCE.get(name, 0.02) * predicted, (predicted, measured, chunks)
+    assert abs(measured - predicted) <= _TOLERANCE.get((name, path), 0.02) * predicted, (predicted, measured, chunks)
     if budget is not None:
         assert measured <= budget, (measured, budget)
 
