@@ -137,8 +137,9 @@ def wrapped_number_workspace(position: int, kind: _shape.Promotion = _shape.Prom
     to tensor powers and ``rsub`` (``1 - t``), an optimizer's bias corrections (``1 - beta ** step``). 12 B
     at the allocator for a float32 tensor and a number (the int64 or double and its float32 copy), 8 B for
     float64 and a float. A ``_foreach_`` op runs once per tensor of its list (with its number of a list of
-    numbers), each making its output: the most of those, less the outputs made after it. Where the argument is a tensor, nothing is wrapped: 0. Adam and AdamW
-    stepped inside a step peaked at such an op, 12 B over the plan."""
+    numbers), each making its output: the most of those, less the outputs made after it. Where the argument
+    is a tensor, nothing is wrapped: 0. Adam and AdamW stepped inside a step peaked at such an op, 12 B over
+    the plan."""
 
     def rule(e: Eqn) -> int:
         number = e.args[position] if position < len(e.args) else None
@@ -154,7 +155,8 @@ def wrapped_number_workspace(position: int, kind: _shape.Promotion = _shape.Prom
         numbers = number if isinstance(number, (list, tuple)) else [number] * len(lists[0])
         outs = [v.aval.nbytes if v is not None else 0 for v in e.outvars]
         later = [sum(outs[i + 1:]) for i in range(len(numbers))]
-        peaks = [_wrapped_peak([*tensors, *(vs[i].aval for vs in lists)], n, how) - later[i] for i, n in enumerate(numbers)]
+        peaks = [_wrapped_peak([*tensors, *(vs[i].aval for vs in lists)], n, how) - later[i]
+                 for i, n in enumerate(numbers)]
         return max([0, *peaks])
 
     return rule
