@@ -83,6 +83,19 @@ def _base(split: Split) -> int:
     return _bytes([*split.graph.invars, *split.shared.outvars]) - split.input_overlap
 
 
+def _batch_wide(split: Split, through: str = "body") -> int:
+    """Bytes of the batch-wide values the pre-passes hand on, held from their pass to the end of the run
+    (chunking.run_chunked keeps them): the normaliser pass's (a loss's total weight) from the reduction pass
+    on, and the reduction pass's (with what the global post phase makes of them) through the body and post.
+    A chunk graph reads them as inputs, which its own peak leaves out."""
+    held = list(split.globals)
+    if through != "reduction" and split.reduced_for_globals:
+        held += split.reduced_for_globals
+        if split.global_post.eqns:
+            held += [v for v in split.global_post.outvars if isinstance(v, Var)]
+    return _bytes(held)
+
+
 def _own_peak(graph: Graph, cost: Callable[[Graph], int]) -> int:
     """A per-chunk graph's peak less its inputs (they are counted as held by the run)."""
     return max(cost(graph) - sum(v.aval.nbytes for v in graph.invars), 0)
@@ -91,7 +104,8 @@ def _own_peak(graph: Graph, cost: Callable[[Graph], int]) -> int:
 def body_peaks(split: Split, body: BodyGraph, cost: Callable[[Graph], int]) -> tuple[int, int]:
     """Predicted peak of the run while ``body``'s first chunk runs, and while any later chunk does. The
     first chunk's partials become the accumulators, so they are counted in its own peak."""
-    return _peaks(split, _parts(body, cost))
+    first, rest = _peaks(split, _parts(body, cost))
+    return first + _batch_wide(split), rest + _batch_wide(split)
 
 
 def _parts(body: BodyGraph, cost: Callable[[Graph], int]) -> tuple[int, int, int, int]:
@@ -242,10 +256,12 @@ class _Sizes:
     def chunk_peaks(self, n: int) -> tuple[int, int]:
         """(first, later) chunk peaks for chunks of ``n``: the body's, or a pre-pass's where that is larger."""
         split = self.split
-        first, rest = _peaks(split, self.parts("body", n))
+        held = _batch_wide(split)
+        first, rest = (p + held for p in _peaks(split, self.parts("body", n)))
         for kind, wanted in (("normaliser", split.globals), ("reduction", split.reduced_for_globals)):
             if wanted:
-                f, r = _peaks(split, self.parts(kind, n))
+                before = _batch_wide(split, "reduction") if kind == "reduction" else 0
+                f, r = (p + before for p in _peaks(split, self.parts(kind, n)))
                 first, rest = max(first, f), max(rest, r)
         return first, rest
 
@@ -256,7 +272,7 @@ class _Sizes:
         base = _base(split)
         cat, acc = self.parts("body", n)[2:]
         post = cost(split.post) - _bytes(split.post.invars) if split.post.eqns else 0
-        return max(cost(split.shared) - split.input_overlap, base + cat + acc + max(post, 0))
+        return max(cost(split.shared) - split.input_overlap, base + _batch_wide(split) + cat + acc + max(post, 0))
 
     def chunked_peak(self, n: int) -> int:
         """The predicted peak of a chunked run in chunks of ``n``: its chunks' and its once-only phases'."""

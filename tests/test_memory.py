@@ -93,7 +93,10 @@ def test_a_report_at_any_batch_predicts_every_batch_up_to_four_times_it(name):
 
 # oneDNN's LSTM scratchpad is a fit (stagetorch/ops/recurrent.py), not its formula: it is page-rounded and
 # grows unevenly with the batch, and the fit over-estimates small chunks' backward by up to 5%.
-_TOLERANCE = {"lstm": 0.05}
+# Every model on every path within 2%, but the LSTM without grad: oneDNN's inference kernels (brgemm: blocked
+# weights and a scratchpad that depend on the ISA and the threads) are still a fit there, +3.6% at 4 examples
+# per chunk. (Training, where oneDNN's reference kernel runs, is its arithmetic: exact.)
+_TOLERANCE: dict[tuple[str, str], float] = {("lstm", "no_grad"): 0.05}
 
 
 # -- measured = predicted, on every path --------------------------------------------------------------------
@@ -104,7 +107,7 @@ def test_measured_peak_is_the_predicted_peak_under_the_budget(name, path):
     predicted, measured, budget, chunks = measure(name, path)
     if path not in ("remat", "lazy_remat"):  # recomputation may fit the budget without chunks
         assert (chunks > 1) == (path not in ("jit", "lazy")), chunks
-    assert abs(measured - predicted) <= _TOLERANCE.get(name, 0.02) * predicted, (predicted, measured, chunks)
+    assert abs(measured - predicted) <= _TOLERANCE.get((name, path), 0.02) * predicted, (predicted, measured, chunks)
     if budget is not None:
         assert measured <= budget, (measured, budget)
 
@@ -499,6 +502,7 @@ _LOSS_STEPS = {
     "soft_margin": lambda o, y: F.soft_margin_loss(o, y.sign()),
     "kl_div": lambda o, y: F.kl_div(o.log_softmax(-1), y.softmax(-1), reduction="batchmean"),
     "cross_entropy": lambda o, y: F.cross_entropy(o, y.argmax(-1)),
+    "cross_entropy_sum": lambda o, y: F.cross_entropy(o, y.argmax(-1), reduction="sum"),
     "sum": lambda o, y: ((o - y) ** 2).sum(),
 }
 
@@ -514,6 +518,16 @@ def test_a_step_ending_in_a_loss_is_at_its_plan(loss, budget):
     plan, peak = loss_step_at_the_allocator(loss, budget)
     assert (len(plan.chunk_sizes) > 1) == (budget is not None)
     assert peak - 16 <= plan.peak <= peak * 1.02, (plan.peak, peak)
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "cross_entropy_sum"])
+def test_a_chunked_step_holds_the_batch_wide_total_weight_its_plan_counts(loss):
+    """A count-normalised loss in chunks: a pre-pass sums the targets' total weight over the chunks (for
+    ``sum`` too: the backward reads it), a 0-dim value the run holds through every chunk and the post phase.
+    The plan counts it: plan = allocator to the byte (it was 4 B under)."""
+    plan, peak = loss_step_at_the_allocator(loss, 0.6)
+    assert len(plan.chunk_sizes) > 1
+    assert plan.peak == peak, (plan.peak, peak)
 
 
 def loss_step_at_the_allocator(loss: str, fraction: float | None) -> tuple:

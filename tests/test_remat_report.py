@@ -20,7 +20,9 @@ def _ops(eqns):
     return [(op_name(e.prim), str(e.source)) for e in eqns]
 
 
-@pytest.mark.parametrize("batch, budget", [(1, "2MiB"), (2, "2.6MiB")])  # recomputing: whole, and in 2 chunks
+# Recomputing: whole, and in 2 chunks. (At 2.6 MiB the 12 B the pow backward's wrapped 2.0 takes moved the
+# recompute frontier, and the whole batch recomputing more became the cheaper plan.)
+@pytest.mark.parametrize("batch, budget", [(1, "2MiB"), (2, "2.4MiB")])
 def test_the_schedule_is_jits_plan_and_the_measured_peak(batch, budget):
     torch.manual_seed(0)
     model = mlp_chain()

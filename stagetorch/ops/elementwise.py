@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import batching
-from ..ir import Aval, Eqn
+from ..ir import Aval, Eqn, Var
 from . import _layout, _shape
 
 aten = torch.ops.aten
@@ -113,28 +113,83 @@ LAYOUT: dict = {
 _WRAPPED = ((bool, torch.bool), (int, torch.int64), (float, torch.float64), (complex, torch.complex128))
 
 
-def wrapped_number_workspace(position: int):  # noqa: ANN201
+def _wrapped_dtype(number: object) -> torch.dtype | None:
+    return next((dtype for kind, dtype in _WRAPPED if isinstance(number, kind)), None)
+
+
+def _wrapped_peak(tensors: list[Aval], number: object, kind: _shape.Promotion) -> int:
+    """What one CPU TensorIterator call over ``tensors`` and the Python ``number`` allocates inside itself:
+    the number wrapped as a 0-dim tensor, its cast to the common dtype where that differs, and a cast of
+    each tensor of another dtype (an int64 tensor times 0.5 computes in float32)."""
+    wrapped = _wrapped_dtype(number)
+    if wrapped is None or not tensors or tensors[0].device.type != "cpu":
+        return 0
+    common = _shape.result_dtype(*tensors, number, kind=kind)
+    casts = sum(t.numel * common.itemsize for t in tensors if t.dtype != common)
+    return wrapped.itemsize + (0 if common == wrapped else common.itemsize) + casts
+
+
+def wrapped_number_workspace(position: int, kind: _shape.Promotion = _shape.Promotion.DEFAULT):  # noqa: ANN201
     """An op whose CPU kernel wraps the Python number at argument ``position`` as a 0-dim tensor and casts
-    it to the result's dtype, both freed inside the call: ``pow`` of a number to tensor powers
-    (``pow.Scalar``; ``_foreach_pow.ScalarAndTensor``) and ``rsub.Scalar`` (``1 - t``), an optimizer's bias
-    corrections (``1 - beta ** step``). 12 B at the allocator for a float32 result (the double and its
-    float32 copy), 8 B for a float64 one. Adam and AdamW stepped inside a step peaked there, 12 B over the
-    plan, where the commit was the step's peak."""
+    it to the computation's dtype, both freed inside the call (:func:`_wrapped_peak`): the arithmetic and
+    comparison ops on a tensor and a number (``x * 2``, ``x + 1.5``, ``x / 3``, ``x > 0``, ``x.mul_(beta)``:
+    the ``.Tensor`` overloads with a number for ``other``, and the ``.Scalar`` ones), ``pow`` of a number
+    to tensor powers and ``rsub`` (``1 - t``), an optimizer's bias corrections (``1 - beta ** step``). 12 B
+    at the allocator for a float32 tensor and a number (the int64 or double and its float32 copy), 8 B for
+    float64 and a float. A ``_foreach_`` op runs once per tensor of its list (with its number of a list of
+    numbers), each making its output: the most of those, less the outputs made after it. Where the argument
+    is a tensor, nothing is wrapped: 0. Adam and AdamW stepped inside a step peaked at such an op, 12 B over
+    the plan."""
 
     def rule(e: Eqn) -> int:
-        number, out = e.args[position], e.outvars[0]
-        if out is None or out.aval.device.type != "cpu":
-            return 0
-        wrapped = next((dtype for kind, dtype in _WRAPPED if isinstance(number, kind)), None)
-        if wrapped is None:
-            return 0
-        return wrapped.itemsize + (0 if out.aval.dtype == wrapped else out.aval.itemsize)
+        number = e.args[position] if position < len(e.args) else None
+        tensors = [a.aval for a in e.args if isinstance(a, Var)]
+        lists = [a for a in e.args if isinstance(a, (list, tuple)) and a and isinstance(a[0], Var)]
+        how = kind
+        if e.prim in (aten.div.Tensor_mode, aten.div_.Tensor_mode, aten.div.Scalar_mode, aten.div_.Scalar_mode):
+            how = _shape.Promotion.DEFAULT if e.kwargs.get("rounding_mode") else _TO_FLOAT
+        if not lists:
+            return _wrapped_peak(tensors, number, how)
+        # One call per tensor, each making its output before the next: the outputs after a call's peak are
+        # not there yet (the workspace is counted beside all of them).
+        numbers = number if isinstance(number, (list, tuple)) else [number] * len(lists[0])
+        outs = [v.aval.nbytes if v is not None else 0 for v in e.outvars]
+        later = [sum(outs[i + 1:]) for i in range(len(numbers))]
+        peaks = [_wrapped_peak([*tensors, *(vs[i].aval for vs in lists)], n, how) - later[i]
+                 for i, n in enumerate(numbers)]
+        return max([0, *peaks])
 
     return rule
 
 
+# Measured at the allocator (tests/test_workspace.py): these wrap a number; ``pow.Tensor_Scalar``,
+# ``clamp``, ``masked_fill``, ``fill_``, ``lerp``, ``addcmul``/``addcdiv`` (their ``value``), ``hardtanh``,
+# ``threshold``, ``leaky_relu`` and ``_foreach_pow.Scalar`` take theirs as a number inside the kernel.
+_WRAPS_OTHER = (
+    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor,
+    aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar, aten.add_.Scalar, aten.sub_.Scalar, aten.mul_.Scalar,
+    aten.rsub.Scalar, aten.div.Tensor_mode, aten.div_.Tensor_mode, aten.div.Scalar_mode, aten.div_.Scalar_mode,
+    aten.remainder.Scalar, aten.remainder_.Scalar, aten.fmod.Scalar, aten.fmod_.Scalar, aten.floor_divide.Scalar,
+    aten.floor_divide_.Scalar, aten.bitwise_and.Scalar, aten.bitwise_or.Scalar, aten.bitwise_xor.Scalar,
+    aten.eq.Scalar, aten.ne.Scalar, aten.lt.Scalar, aten.gt.Scalar, aten.le.Scalar, aten.ge.Scalar,
+    aten._foreach_add.Scalar, aten._foreach_sub.Scalar, aten._foreach_mul.Scalar, aten._foreach_add_.Scalar,
+    aten._foreach_sub_.Scalar, aten._foreach_mul_.Scalar, aten._foreach_add.ScalarList,
+    aten._foreach_sub.ScalarList, aten._foreach_mul.ScalarList, aten._foreach_add_.ScalarList,
+    aten._foreach_sub_.ScalarList, aten._foreach_mul_.ScalarList,
+)
+# True division and the float-valued ops compute integers in the default float dtype.
+_WRAPS_OTHER_TO_FLOAT = (
+    aten.div.Tensor, aten.div_.Tensor, aten.div.Scalar, aten.div_.Scalar,
+    aten.copysign.Scalar, aten.xlogy.Scalar_Other, aten.special_xlog1py.other_scalar,
+    aten._foreach_div.Scalar, aten._foreach_div_.Scalar, aten._foreach_div.ScalarList, aten._foreach_div_.ScalarList,
+)
+
 WORKSPACE: dict = {
-    aten.pow.Scalar: wrapped_number_workspace(0),
-    aten._foreach_pow.ScalarAndTensor: wrapped_number_workspace(0),
-    aten.rsub.Scalar: wrapped_number_workspace(1),
+    **{op: wrapped_number_workspace(1) for op in _WRAPS_OTHER},
+    **{op: wrapped_number_workspace(1, _TO_FLOAT) for op in _WRAPS_OTHER_TO_FLOAT},
+    aten.pow.Scalar: wrapped_number_workspace(0, _shape.Promotion.BOOL_TO_LONG),
+    aten._foreach_pow.ScalarAndTensor: wrapped_number_workspace(0, _shape.Promotion.BOOL_TO_LONG),
+    aten.remainder.Scalar_Tensor: wrapped_number_workspace(0),
+    aten.xlogy.Scalar_Self: wrapped_number_workspace(0, _TO_FLOAT),
+    aten.special_xlog1py.self_scalar: wrapped_number_workspace(0, _TO_FLOAT),
 }

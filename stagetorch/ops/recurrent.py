@@ -16,6 +16,7 @@ from ..batching import Chunked, LabelFn, Reduced, coupling
 from ..costing import MemoryEffect
 from ..errors import ShapeError
 from ..ir import Aval, Eqn, Var
+from . import _layout
 
 aten = torch.ops.aten
 
@@ -65,9 +66,10 @@ def mkldnn_rnn_layer_memory(eqn: Eqn) -> MemoryEffect:
 
 
 def _rnn_scratch(eqn: Eqn) -> int:
-    """What oneDNN's LSTM layer allocates inside itself beyond its outputs (CPU): the bias summed, both
-    weights reordered, the gates of every step and a scratchpad that grows with the hidden size and the
-    batch. Fitted to the allocator on torch 2.13 (tests/test_workspace.py): within a few KiB of it."""
+    """What oneDNN's LSTM layer allocates inside itself beyond its outputs where the reference kernel's
+    arithmetic below does not reach: inference (grad mode off) and bfloat16, which run oneDNN's brgemm
+    kernels, whose scratchpad and blocked weights depend on the ISA. A fit to the allocator on torch 2.13's
+    float32 training (AVX-512), kept from before that arithmetic: a bound, not checked on those paths."""
     x, w_ih, w_hh = (a.aval for a in eqn.args[:3])
     steps, batch = x.shape[0], x.shape[1]
     hidden = w_hh.shape[-1]
@@ -75,21 +77,103 @@ def _rnn_scratch(eqn: Eqn) -> int:
     return gates + (w_ih.nbytes + w_hh.nbytes) + steps * batch * gates + 4 * hidden * (100 + batch)
 
 
+# oneDNN 3.12's reference RNN (src/cpu/rnn/ref_rnn.cpp, rnn_utils.{hpp,cpp}), which runs every float32 LSTM
+# that keeps a workspace: the forward of a training step and its backward (its brgemm kernels refuse f32
+# training). What ATen's mkldnn_rnn_layer{,_backward} (aten/src/ATen/native/mkldnn/RNN.cpp) and ideep's
+# lstm_forward_training / lstm_backward allocate around it, all freed inside the call:
+# - the two biases summed (4 * hidden floats);
+# - the weights reordered to the layout the primitive asks for: the forward wants them (input, gate, out)
+#   with each input row padded to a good leading dimension (_good_ld of 4 * hidden), always a copy; the
+#   backward wants PyTorch's own (gate, out, input) order with the input padded, a copy only where padding
+#   changes the row (_good_ld(input) != input);
+# - the backward's weight and bias gradients in the forward's layout, zeroed, then copied into ATen's;
+# - the scratchpad: the gates of every step (of one step in a forward over 128 sequences or more), the
+#   hidden state and its gradient, each page-aligned (rnn_utils::set_offsets), booked with 4 KiB of
+#   alignment, and the per-layer pointer tables (memory_tracking: 128 B of alignment per entry);
+# - in the backward, the output and final-state gradients made contiguous (zeros where None: the models
+#   read the output only), and the initial cell state cloned where it shares the hidden state's storage.
+_PAGE = 4096
+
+
+def _good_ld(dim: int, itemsize: int = 4) -> int:
+    """rnn_utils::get_good_ld: a leading dimension rounded up to 64 bytes, one cache line more where that is
+    a multiple of 256 elements (4K aliasing)."""
+    line = 64 // itemsize
+    ld = -(-dim // line) * line
+    return ld + line if ld % 256 == 0 else ld
+
+
+def _pages(n: int) -> int:
+    return -(-n // _PAGE) * _PAGE
+
+
+def _onednn_lstm_scratchpad(steps: int, batch: int, hidden: int, backward: bool) -> int:
+    """The scratchpad oneDNN's reference LSTM books for one layer and direction (float32, training)."""
+    gate_steps = steps if backward or batch < 128 else 1  # merge_gemm_layer: one GEMM over all steps
+    gates = gate_steps * batch * _good_ld(4 * hidden) * 4
+    state = batch * _good_ld(hidden) * 4  # scratch_ht, and scratch_diff_ht (training)
+    space = 0
+    for size in (gates, state, state, 0):  # the last: the (LSTM-empty) cell scratch, rounding to a page
+        space = _pages(space) + size
+    pointers = 3 * (8 + 128) + (4 * 8 + 128)  # the weights' (layer, iter, projection) and the biases' tables
+    return space + _PAGE + pointers
+
+
+def _is_float32_cpu(eqn: Eqn) -> bool:
+    x = eqn.args[0].aval
+    return x.device.type == "cpu" and x.dtype == torch.float32
+
+
+def _copied(v: Any, layouts: Any) -> int:
+    """Bytes ``v.contiguous()`` allocates inside the kernel: a copy where ``v`` is not contiguous (unknown
+    strides read as a copy)."""
+    if not isinstance(v, Var):
+        return 0
+    dense = _layout.dense_in(v.aval.shape, _layout.strides_of(v, layouts), torch.contiguous_format)
+    return 0 if dense else v.aval.nbytes
+
+
 def mkldnn_rnn_layer_workspace(eqn: Eqn) -> int:
     if eqn.args[0].aval.device.type != "cpu":
         return 0
-    train = eqn.args[15]
     x, hidden = eqn.args[0].aval, eqn.args[2].aval.shape[-1]
-    # Inference keeps more per-step state in its scratchpad than training does.
-    return _rnn_scratch(eqn) + (0 if train else 6 * x.shape[1] * hidden * 4 + 4096)
+    # ATen runs oneDNN's training forward (a workspace kept) where grad mode is on, whatever ``train`` says;
+    # the memory rule reads the same (mkldnn_rnn_layer_memory).
+    if not torch.is_grad_enabled():
+        # Inference keeps more per-step state in its scratchpad than training does.
+        return _rnn_scratch(eqn) + 6 * x.shape[1] * hidden * 4 + 4096
+    if not _is_float32_cpu(eqn):
+        return _rnn_scratch(eqn)
+    steps, batch, features = x.shape
+    weights = (features + hidden) * _good_ld(4 * hidden) * 4
+    return 16 * hidden + weights + _onednn_lstm_scratchpad(steps, batch, hidden, backward=False)
 
 
-def mkldnn_rnn_layer_backward_workspace(eqn: Eqn) -> int:
+def mkldnn_rnn_layer_backward_workspace(eqn: Eqn, layouts: Any = None) -> int:
     if eqn.args[0].aval.device.type != "cpu":
         return 0
-    w_ih, hidden = eqn.args[1].aval, eqn.args[2].aval.shape[-1]
-    # The forward's scratch again, part of the input weight's gradient reordered, the gates' gradient reduced.
-    return _rnn_scratch(eqn) + w_ih.nbytes // 2 + 256 * hidden
+    x, hx, cx = eqn.args[0], eqn.args[5], eqn.args[6]
+    steps, batch, features = x.aval.shape
+    hidden = eqn.args[2].aval.shape[-1]
+    if not _is_float32_cpu(eqn):
+        w_ih = eqn.args[1].aval
+        return _rnn_scratch(eqn) + w_ih.nbytes // 2 + 256 * hidden
+    layouts = layouts or (lambda v: None)
+    state = batch * hidden * 4
+    # The output gradient and the final states' made contiguous, or zeros where None.
+    grads = 0
+    for v, nbytes in ((eqn.args[10], steps * state), (eqn.args[11], state), (eqn.args[12], state)):
+        grads += nbytes if v is None else _copied(v, layouts)
+    shared = isinstance(hx, Var) and isinstance(cx, Var) and hx.root is cx.root
+    reordered = sum(4 * hidden * _good_ld(n) * 4 for n in (features, hidden) if _good_ld(n) != n)
+    # The weight gradients in oneDNN's layout, and the bias gradient (16 * hidden), less the second bias
+    # gradient: an output (counted with the outputs), cloned from the first after the peak.
+    gradients = (features + hidden) * _good_ld(4 * hidden) * 4
+    return (grads + (state if shared else 0) + 16 * hidden + reordered + gradients
+            + _onednn_lstm_scratchpad(steps, batch, hidden, backward=True))
+
+
+mkldnn_rnn_layer_backward_workspace.reads_layouts = True  # type: ignore[attr-defined]
 
 
 def _rnn_layer(outputs: Sequence[str | None], hidden_args: Sequence[int]) -> Callable[[Eqn, LabelFn], Chunked]:
