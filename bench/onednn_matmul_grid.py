@@ -106,6 +106,20 @@ def random_cases(count: int, seed: int, big: bool) -> list[list]:
     return cases
 
 
+# The products the fitted fallback bound was under for (issue 25), and larger ones: a Linear's forward, input
+# and weight gradients at 2048-8192 tokens, 4096^3.
+NAMED = [
+    ("mm", 2048, 2048, 512, False, True), ("mm", 4096, 4096, 4096, False, False), ("mm", 4096, 4096, 4096, True, False),
+    ("mm", 8192, 4096, 4096, False, True), ("mm", 8192, 4096, 1024, False, False), ("mm", 4096, 8192, 4096, True, False),
+    ("addmm", 2048, 4096, 11008, False, True), ("mm", 1024, 8192, 1024, True, False),
+]
+
+
+def named_cases() -> list[list]:
+    return [_case(dtype, op, [m, k], ta, [k, n], tb) for dtype in ("bfloat16", "float16")
+            for op, m, k, n, ta, tb in NAMED]
+
+
 def _tensors(case: list) -> tuple:
     dtype, op, a_shape, a_strides, b_shape, b_strides = case
     dt = getattr(torch, dtype)
@@ -172,6 +186,7 @@ def main() -> None:
     m.add_argument("--random", type=int, default=0)
     m.add_argument("--seed", type=int, default=1)
     m.add_argument("--big", action="store_true")
+    m.add_argument("--named", action="store_true", help="the large products of NAMED")
     m.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     m.add_argument("--dtype", choices=["bfloat16", "float16"], help="only the products of this dtype")
     c = sub.add_parser("check")
@@ -179,7 +194,7 @@ def main() -> None:
     c.add_argument("--fallback", action="store_true", help="the rule with the replay off")
     args = parser.parse_args()
     if args.mode == "measure":
-        measure((grid() if args.grid else []) + random_cases(args.random, args.seed, args.big), args.threads, args.dtype)
+        measure((grid() if args.grid else []) + (named_cases() if args.named else []) + random_cases(args.random, args.seed, args.big), args.threads, args.dtype)
     else:
         check(args.files, args.fallback)
 
