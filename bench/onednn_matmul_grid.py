@@ -168,8 +168,8 @@ def check(files: list[str], fallback: bool = False) -> None:
             rows[(case[0], t)].append((measured, rule(op, args), bound))
     print("dtype     threads products | rule: exact over under  median  max   | bound: under median  max")
     for (dtype, t), found in sorted(rows.items()):
-        ratios = [r / w for w, r, _ in found if w]
-        bounds = [b / w for w, _, b in found if w]
+        ratios = [r / w for w, r, _ in found if w] or [math.nan]
+        bounds = [b / w for w, _, b in found if w] or [math.nan]
         exact, over = sum(r == w for w, r, _ in found), sum(r > w for w, r, _ in found)
         print(f"{dtype:9} {t:7} {len(found):8} | {exact:11} {over:4} {len(found) - exact - over:5}"
               f"  {statistics.median(ratios):6.3f} {max(ratios):5.3f} | {sum(b < w for w, _, b in found):12}"

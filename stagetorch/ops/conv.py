@@ -507,7 +507,7 @@ def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
         if groups > 1 and not transposed:
             # Each group's gradients apart, then concatenated (the 3-d kernel's input gradient always). A
             # group's input gradient takes its columns at malloc while its slices and the gradients made so far
-            # are held (all groups' input gradients: each is made before its columns).
+            # are held: at most the outputs' bytes (counted apart), so the slices and the columns beyond them.
             parts = (x.nbytes if mask[0] or x.ndim == 5 else 0) + (w.nbytes if mask[1] else 0)
             parts += e.args[3][0] * x.itemsize if mask[2] and e.args[3] is not None else 0
             columns = _columns(x, w, grad, stride, padding, transposed, groups, True, False, slices)
@@ -515,9 +515,8 @@ def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
                 return copies + max(columns, parts)
             if slices is None:
                 slices = 2 * x.nbytes // groups if x.shape[0] > 1 else 0
-            # (Without the weight's gradient, no weight columns: each group's slices only.) A bound: at most
-            # 2x what malloc sees (tests/test_workspace.py), the gradients made so far taken as all of them.
-            return copies + max(columns if mask[1] else 0, parts + slices + at_malloc)
+            # (Without the weight's gradient, no weight columns.)
+            return copies + max(columns if mask[1] else 0, parts, slices + at_malloc)
         if at_malloc and not mask[1]:
             # The input gradient alone: its own buffers, not the whole batch's columns the weight gradient's take.
             return copies + at_malloc
