@@ -91,6 +91,7 @@ class AllocatorPeak:
                 [(e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr) for e in _events(tree)
                  if e.tag == allocation and e.extra_fields.device.type == "cpu"]
                 + (_unseen_at_malloc(tree) if self.at_malloc else []),
+                key=lambda e: e[0],
             )
             # A free of a block allocated before the block ran (a cache, an earlier step's tensor) is not this
             # block's: counting it would hide as many bytes of the block's own.

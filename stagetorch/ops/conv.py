@@ -521,8 +521,10 @@ def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
             # The input gradient alone: its own buffers, not the whole batch's columns the weight gradient's take.
             return copies + at_malloc
         columns = _columns(x, w, grad, stride, padding, transposed, groups, True, mask[0] and buffer, slices)
-        # With the weight's gradient, its columns come after the input gradient's (none for a 1x1 kernel).
-        return copies + max(columns, at_malloc)
+        # With the weight's gradient, its columns come after the input gradient's (none for a 1x1 kernel), and
+        # so do the weight's and the bias's gradients (outputs, counted apart): the columns beyond them.
+        later = (w.nbytes if mask[1] else 0) + (e.args[3][0] * x.itemsize if mask[2] and e.args[3] is not None else 0)
+        return copies + max(columns, at_malloc - later)
     b = _block()
     src, weight, grad_blocked, weight_padded = _onednn_parts(x, w, grad, groups, transposed)
     grad_input = x.nbytes if mask[0] else 0
