@@ -8,10 +8,18 @@ tests/memtrack.op_workspace; about 0.1 s a product), writing one JSON row a prod
     python bench/onednn_matmul_grid.py measure --random 600 --seed 1 --threads 1 2 3 > random.jsonl
     python bench/onednn_matmul_grid.py measure --random 90 --seed 3 --big --threads 1 2 3 4 8 16 > big.jsonl
 
-Compare the rule (as a staged program's equation sees it, strides included) and the fitted bound it falls back
-to, per dtype and thread count: exact / over / under, median and largest ratio to the allocator:
+Compare the rule (as a staged program's equation sees it, strides included) and the bound it falls back to, per
+dtype and thread count: exact / over / under, median and largest ratio to the allocator:
 
     python bench/onednn_matmul_grid.py check grid3.jsonl random.jsonl big.jsonl
+
+The fallback (issue 25): ``check --fallback`` takes the rule with the replay off (as on another oneDNN
+version). Other ISAs run on this CPU by capping oneDNN's (measure and check under the same cap; the rule then
+falls back by itself), e.g. bfloat16 on AVX512-BF16 without AMX, on AVX10.1 (AMX off), and on AVX512 without
+BF16 (gemm_bf16_matmul):
+
+    ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python bench/onednn_matmul_grid.py measure --random 300 --threads 1 2 3 4 > bf16isa.jsonl
+    ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python bench/onednn_matmul_grid.py check bf16isa.jsonl
 """
 
 from __future__ import annotations
@@ -98,6 +106,20 @@ def random_cases(count: int, seed: int, big: bool) -> list[list]:
     return cases
 
 
+# The products the fitted fallback bound was under for (issue 25), and larger ones: a Linear's forward, input
+# and weight gradients at 2048-8192 tokens, 4096^3.
+NAMED = [
+    ("mm", 2048, 2048, 512, False, True), ("mm", 4096, 4096, 4096, False, False), ("mm", 4096, 4096, 4096, True, False),
+    ("mm", 8192, 4096, 4096, False, True), ("mm", 8192, 4096, 1024, False, False), ("mm", 4096, 8192, 4096, True, False),
+    ("addmm", 2048, 4096, 11008, False, True), ("mm", 1024, 8192, 1024, True, False),
+]
+
+
+def named_cases() -> list[list]:
+    return [_case(dtype, op, [m, k], ta, [k, n], tb) for dtype in ("bfloat16", "float16")
+            for op, m, k, n, ta, tb in NAMED]
+
+
 def _tensors(case: list) -> tuple:
     dtype, op, a_shape, a_strides, b_shape, b_strides = case
     dt = getattr(torch, dtype)
@@ -119,9 +141,10 @@ def rule(op: torch._ops.OpOverloadPacket, args: tuple) -> int:
     return workspace(eqn, layouts=Layouts(graph))
 
 
-def measure(cases: list[list], threads: list[int]) -> None:
+def measure(cases: list[list], threads: list[int], dtype: str | None = None) -> None:
     from memtrack import op_workspace
 
+    cases = [c for c in cases if dtype in (None, c[0])]
     for t in threads:
         torch.set_num_threads(t)
         for case in cases:
@@ -129,7 +152,9 @@ def measure(cases: list[list], threads: list[int]) -> None:
             print(json.dumps([*case, t, op_workspace(op, *args)]), flush=True)
 
 
-def check(files: list[str]) -> None:
+def check(files: list[str], fallback: bool = False) -> None:
+    if fallback:
+        linalg._replay_caches = lambda: None
     rows: dict = collections.defaultdict(list)
     for name in files:
         for line in Path(name).read_text().splitlines():
@@ -139,18 +164,18 @@ def check(files: list[str]) -> None:
             a, b = (args[1], args[2]) if op in (aten.addmm, aten.baddbmm) else args
             m, k, n = *a.shape[-2:], b.shape[-1]
             count = a.shape[0] if a.dim() == 3 else 1
-            kernel = linalg._onednn_half(a.dtype)
-            transposed = a.stride(-2) == 1 and a.stride(-1) == m and m > 1 and k > 1
-            bound = 0 if count * m * k * n <= 4096 else linalg._bound(kernel, m, k, n, transposed, count, t)
+            bound = 0 if count * m * k * n <= 4096 else linalg._bound(m, k, n, count, t, a.dtype, a.stride(-2) == 1 and a.stride(-1) == m and m > 1 and k > 1)
             rows[(case[0], t)].append((measured, rule(op, args), bound))
     print("dtype     threads products | rule: exact over under  median  max   | bound: under median  max")
     for (dtype, t), found in sorted(rows.items()):
-        ratios = [r / w for w, r, _ in found if w]
-        bounds = [b / w for w, _, b in found if w]
+        ratios = [r / w for w, r, _ in found if w] or [math.nan]
+        bounds = [b / w for w, _, b in found if w] or [math.nan]
         exact, over = sum(r == w for w, r, _ in found), sum(r > w for w, r, _ in found)
         print(f"{dtype:9} {t:7} {len(found):8} | {exact:11} {over:4} {len(found) - exact - over:5}"
               f"  {statistics.median(ratios):6.3f} {max(ratios):5.3f} | {sum(b < w for w, _, b in found):12}"
               f" {statistics.median(bounds):6.2f} {max(bounds):5.1f}")
+    print("(ratios over products the allocator gave a workspace; bound: oneDNN's scratchpad bound alone, without"
+          " ATen's copies)")
 
 
 def main() -> None:
@@ -161,14 +186,17 @@ def main() -> None:
     m.add_argument("--random", type=int, default=0)
     m.add_argument("--seed", type=int, default=1)
     m.add_argument("--big", action="store_true")
+    m.add_argument("--named", action="store_true", help="the large products of NAMED")
     m.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    m.add_argument("--dtype", choices=["bfloat16", "float16"], help="only the products of this dtype")
     c = sub.add_parser("check")
     c.add_argument("files", nargs="+")
+    c.add_argument("--fallback", action="store_true", help="the rule with the replay off")
     args = parser.parse_args()
     if args.mode == "measure":
-        measure((grid() if args.grid else []) + random_cases(args.random, args.seed, args.big), args.threads)
+        measure((grid() if args.grid else []) + (named_cases() if args.named else []) + random_cases(args.random, args.seed, args.big), args.threads, args.dtype)
     else:
-        check(args.files)
+        check(args.files, args.fallback)
 
 
 if __name__ == "__main__":

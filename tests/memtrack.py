@@ -12,6 +12,7 @@ since PyTorch keeps a tensor's Python object alive while C++ still holds it). Te
 from __future__ import annotations
 
 import copy
+import math
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -59,8 +60,9 @@ def _events(nodes):
 class AllocatorPeak:
     """The peak of bytes the allocator handed out while the block ran, plus ``resident`` (state alive before).
 
-    CPU: the profiler records every allocation and free (kernel workspaces, column buffers and copies a call
-    keeps included); their running sum's maximum is the block's own peak. CUDA: ``max_memory_allocated`` after
+    CPU: the profiler records every allocation and free of torch's allocator (kernel workspaces, column buffers
+    and copies a call keeps included), to which the buffers kernels take from plain ``malloc`` are added
+    (_unseen_at_malloc); their running sum's maximum is the block's own peak. CUDA: ``max_memory_allocated`` after
     resetting the peak statistics (and ``reserved``, the caching allocator's segments). Only the allocations of
     ``device`` count.
 
@@ -71,11 +73,13 @@ class AllocatorPeak:
     allocated while a profiler recorded memory: make those resident tensors under one (an earlier
     ``AllocatorPeak``, as :func:`known_to_the_profiler` does)."""
 
-    def __init__(self, resident: Iterable[torch.Tensor] = (), device: str = "cpu", frees_resident: bool = False):
+    def __init__(self, resident: Iterable[torch.Tensor] = (), device: str = "cpu", frees_resident: bool = False,
+                 at_malloc: bool = True):
         resident = list(resident)
         self.resident = _storage_bytes(resident)
         self._freeable = _storages(resident) if frees_resident else {}
         self.device = torch.device(device)
+        self.at_malloc = at_malloc  # False: the profiler's events alone
         self.peak = self.excess = self.reserved = 0
 
     def __enter__(self) -> AllocatorPeak:
@@ -84,7 +88,8 @@ class AllocatorPeak:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
-            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                                record_shapes=True)
             self._prof.__enter__()
         return self
 
@@ -98,16 +103,19 @@ class AllocatorPeak:
             allocation = torch._C._profiler._EventType.Allocation
             tree = self._prof.profiler.kineto_results.experimental_event_tree()
             events = sorted(
-                (e for e in _events(tree) if e.tag == allocation and e.extra_fields.device.type == "cpu"),
-                key=lambda e: e.start_time_ns,
+                [(e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr) for e in _events(tree)
+                 if e.tag == allocation and e.extra_fields.device.type == "cpu"]
+                + (_unseen_at_malloc(tree) if self.at_malloc else []),
+                key=lambda e: e[0],
             )
             # A free of a block allocated before the block ran (a cache, an earlier step's tensor) is not this
             # block's: counting it would hide as many bytes of the block's own.
             mine: set[int] = set()
             live = 0
-            for e in events:
-                size, ptr = e.extra_fields.alloc_size, e.extra_fields.ptr
-                if size > 0:
+            for _, size, ptr in events:
+                if ptr is None:  # a buffer from malloc (below)
+                    pass
+                elif size > 0:
                     mine.add(ptr)
                 elif ptr in mine:
                     mine.discard(ptr)
@@ -125,6 +133,34 @@ def known_to_the_profiler(fn: Callable, *args: Any) -> Any:
     frees_resident=True)`` sees the frees of what it allocates (a previous step's ``.grad``)."""
     with AllocatorPeak():
         return fn(*args)
+
+
+def _unseen_at_malloc(tree) -> list[tuple[int, int, None]]:
+    """What the CPU kernels take from plain ``malloc`` while the profiler watched, which its allocation events
+    miss, as (time, +bytes or -bytes, None) events: the native 2-d convolution's input gradient
+    (``_slow_conv2d_backward``, a grouped one's per group) unfolds each example into a buffer of its thread's
+    own, one example's columns, from after the input gradient is made (``resize_as_``, ``zero_``) until the
+    kernel's next step (tests/test_workspace.py measures these buffers at ``malloc`` with tests/mallocpeak.c).
+    Every thread with examples holds one, at most: counted so."""
+    torch_op = torch._C._profiler._EventType.TorchOp
+    found: list[tuple[int, int, None]] = []
+    for e in _events(tree):
+        if e.tag != torch_op or e.name != "aten::_slow_conv2d_backward":
+            continue
+        grad, x, w = (getattr(t, "sizes", None) for t in e.extra_fields.inputs[:3])
+        if not (grad and x and w) or len(x) != 4:
+            continue
+        children = sorted(e.children, key=lambda c: c.start_time_ns)
+        start = next((i for i, c in enumerate(children) if c.name == "aten::resize_as_"
+                      and list(getattr(c.extra_fields.inputs[1], "sizes", ())) == list(x)), None)
+        if start is None:  # no input gradient asked
+            continue
+        begin = next((c.end_time_ns for c in children[start + 1:] if c.name == "aten::zero_"), children[start].end_time_ns)
+        end = next((c.start_time_ns for c in children if c.start_time_ns > begin), e.end_time_ns)
+        itemsize = torch.empty((), dtype=e.extra_fields.inputs[1].dtype).element_size()
+        size = min(torch.get_num_threads(), x[0]) * x[1] * math.prod(w[2:]) * math.prod(grad[2:]) * itemsize
+        found += [(begin, size, None), (end, -size, None)]
+    return found
 
 
 class LivePeak(TorchDispatchMode):
@@ -256,11 +292,12 @@ def allocator_peak(step: Callable, resident: Iterable[torch.Tensor], *args, devi
     return tracker.peak, out
 
 
-def op_workspace(op: Callable, *args: Any) -> int:
+def op_workspace(op: Callable, *args: Any, at_malloc: bool = True) -> int:
     """What ``op(*args)`` allocates beyond its outputs at its own peak, as the allocator sees it: the bytes a
-    workspace rule says (run below autograd, as staged programs run; the inputs already resident)."""
+    workspace rule says (run below autograd, as staged programs run; the inputs already resident).
+    ``at_malloc=False``: the profiler's events alone (see AllocatorPeak)."""
     held = {t.untyped_storage().data_ptr() for t in args if isinstance(t, torch.Tensor)}
-    with torch._C._AutoDispatchBelowAutograd(), AllocatorPeak() as run:
+    with torch._C._AutoDispatchBelowAutograd(), AllocatorPeak(at_malloc=at_malloc) as run:
         out = op(*args)
     outs = {
         t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()

@@ -750,16 +750,100 @@ def scratchpad(kernel: str, m: int, k: int, n: int, batch: int, threads: int, a_
     ``a_tag_transposed``: A laid out column-major as oneDNN tags it (a single row counts as such: see linalg.py);
     ``b_transposed``: B column-major; ``caches``: the CPU's per-core cache geometry.
 
-    **Returns**: the scratchpad's size. Raises NotImplementedError where the search is not replayed (16 threads
-    or more splitting K)."""
+    **Returns**: the scratchpad's size; where the micro search runs but is not replayed (16 threads or more,
+    which may split K), :func:`bound` without the macro search's terms."""
     transposed_a = a_tag_transposed and m > 1
     if kernel == "avx512":
         return _avx512_scratchpad(m, k, n, batch, threads, a_tag_transposed, transposed_a, True)
     p = _Problem(m, k, n, batch, threads, not a_tag_transposed, transposed_a, b_transposed, caches)
     best = _macro(p) if p.plain_a else None
     if best is None or best.score == 0:
-        best = _micro(p, transposed_a or (_pow2(k) and k >= 4096 and m >= 1024))
+        try:
+            best = _micro(p, transposed_a or (_pow2(k) and k >= 4096 and m >= 1024))
+        except NotImplementedError:
+            # The micro search runs (the macro one declined), but not as replayed: bounded, without the macro
+            # search's terms.
+            return bound(m, k, n, batch, threads, False, (caches.l2, caches.l2), plain_a=False, gemm=False)
     size = _amx_scratchpad(p, best)
     if size is None:
         return _avx512_scratchpad(m, k, n, batch, threads, a_tag_transposed, transposed_a, False)
     return size
+
+
+# -- A bound from above over every blocking (other ISAs, other oneDNN versions) --------------------------------
+#
+# Where the search is not replayed, the scratchpad is bounded by what any blocking of oneDNN's brgemm matmul can
+# book (``init_aux_values`` and ``init_scratchpad`` in brgemm_matmul_utils.cpp, and the caps each blocking search
+# puts on its blocks: ``compute_blocking_heuristic_avx512``/``_avx2`` there, the AMX micro and macro searches in
+# amx_blocking_heuristics.cpp; read at oneDNN 3.12, the K split checked back to 3.0), or, for bfloat16 on a CPU
+# without a bfloat16 brgemm kernel, by gemm_bf16_matmul's float32 result. Per thread, any blocking books:
+#   - A's copy: M_blk * M_chunk rows (blocks of at most 64 rows in up to 4 chunks, or one block of at most 256:
+#     under M + min(M, 64), at most 256) by a K chunk: LDA (K's block padded to 32, plus 32 past 512 for a
+#     power of two) times the batch of blocks. The AVX512/AVX2 searches block K by at most 1024; the AMX ones
+#     may take all of K, and the micro search's two-block batch where K % 32 != 0 books it twice.
+#   - B's copy: N_blk (at most 64 columns) by the same K chunk; in the AMX macro search (A plain) a strip of up
+#     to N columns whose L2 check bounds it by 3/4 of L2, up to the rounding of N_blk to 32 and of K's chunk.
+#   - the float32 accumulator: one block (at most 256 x 64; the macro search's 32 rows by N or M rows by 32)
+#     where a thread's K chunk covers K; else a chunk of blocks: at most 256 rows by 16 blocks of 64 columns
+#     (LDC rounding included), or the macro search's whole share of M x N (all threads: under
+#     (M + 64 T)(N + 64 T), times the threads split over the batch). K is chunked only past 512 (AVX512/AVX2),
+#     past 256 (macro: its K block fills L1, 8 tiles of 32 at a 32 KiB L1), or in the micro search where A, B
+#     and C's chunk (at most 1920 B per element of K plus 6 B per element of a 256 x 384 C) outgrow 3/4 of L2.
+#     Where K is split across threads (nthr_k > 1), all of M x N per thread: the AVX512 search for K >= 2048
+#     with fewer 64-column blocks than threads (any batch before 3.4); the micro search at 16 threads or more,
+#     K > 1024, one product; the macro search for one product whose per-thread share, twice in float32, fits
+#     3/4 of L2.
+#   - batch descriptors (16 * batch of 40 B), AMX tile state (at most 8 tiles of 1 KiB and one more for an
+#     extendable K; the macro search's fused copy of A: up to 32 rows by the K chunk).
+# Each buffer is booked for all threads plus 128 B of alignment. float16 on AVX512-FP16 copies both operands to
+# float32 (4-byte elements); bfloat16 stays 2 bytes in every kernel. The bound is loosest where the macro search
+# may run (the AMX kernels on A plain): its strips may span all of N or M, which only its cycle model rules out.
+
+
+def bound(m: int, k: int, n: int, batch: int, threads: int, f16: bool, l2: tuple[int, int], amx: bool = True,
+          plain_a: bool = True, brgemm: bool = True, gemm: bool = True) -> int:
+    """The largest scratchpad any blocking oneDNN's brgemm matmul (or its gemm fallback) may book for ``batch``
+    products of M x K by K x N at ``threads`` threads, whatever the oneDNN 3.x version.
+
+    **Arguments**: ``f16``: float16 (its operands may be copied as float32); ``l2``: the per-core L2 bytes
+    (at least, at most) the AMX searches size blocks by; ``amx``: whether an AMX kernel may run (the micro
+    search's terms); ``plain_a``: whether A may be read plain (the macro search's terms, with ``amx``);
+    ``brgemm``: whether a brgemm kernel may run; ``gemm``: whether gemm_bf16_matmul may (no brgemm kernel for
+    bfloat16 on this ISA).
+
+    **Returns**: bytes, never under what such a blocking books (see the comment above for each term)."""
+    t, (l2_low, l2_high) = threads, l2
+    macro = amx and plain_a
+    size = 4 if f16 else 2
+    kp = _rnd_up(k, 32)
+    # A K chunk as a buffer's LDA * batch * K chunks may book it: at most 1024 of K in the AVX512/AVX2 searches;
+    # in the AMX ones all of K, twice in the micro search's two-block batch where K % 32 != 0.
+    kc = (2 if k % 32 else 1) * (kp + 32) if amx else min(kp, 1024) + 32
+    copy_a = size * min(m + min(m, 64), 256) * kc
+    copy_b = size * 64 * kc
+    fixed = 640 * (_div_up(k, 32) + 2)
+    # The accumulator: one block where a thread's K chunk covers K, else a chunk of blocks.
+    block = 4 * min(m, 256) * 64
+    chunked = 0
+    # AVX512/AVX2 searches block K past 512; the AMX micro search where its chunk of A, B and C (at most 256
+    # rows, 384 columns) would outgrow 3/4 of L2.
+    if k > 512 or (amx and kp >= (3 * l2_low // 4 - 6 * 256 * 384) // 1920):
+        chunked = t * 4 * min(m + min(m, 64), 256) * min(n + 96, 1056)
+    k_split = t >= 2 and k >= 2048 and t > batch * _div_up(n, 64)
+    if amx:
+        fixed += 9 * 1024
+        k_split = k_split or (batch == 1 and t >= 16 and k > 1024)
+    if macro:
+        copy_b = max(copy_b, min(2 * (n + 32) * kc, 2 * l2_high + 2 * 32 * kc))
+        fixed += 2 * 32 * kc
+        block = max(block, 4 * 32 * (max(m, n) + 32))
+        if k > 256:
+            chunked = max(chunked, 4 * min(batch, t) * (m + 64 * t) * (n + 64 * t))
+        k_split = k_split or (batch == 1 and t >= 2 and k >= 256 and 8 * m * n < t * l2_high)
+    accumulator = max(t * block, chunked, t * 4 * m * (n + 64) if k_split else 0)
+    total = t * (copy_a + copy_b + fixed) + accumulator + 8 * 128 if brgemm else 0
+    if gemm:
+        # gemm_bf16_matmul's float32 result: a product's M x N per thread (the whole result in one call only
+        # where B is broadcast over the batch, which ATen's bmm does not hand it), blocks rounded to 64.
+        total = max(total, 4 * (min(batch, t) * m * n + 64 * t) + 128)
+    return total

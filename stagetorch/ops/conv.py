@@ -153,15 +153,13 @@ def _columns(x: Aval, w: Aval, out: Aval, stride, padding, transposed, groups, b
 
 
 def _input_gradient_columns(x: Aval, w: Aval, grad: Aval) -> int:
-    """The native 2-d kernel's input gradient unfolds one example at a time into a
-    buffer of each thread's own, one example's columns (whatever the kernel's size), made with ``std::make_unique``
+    """The native 2-d kernel's input gradient unfolds one example at a time into a buffer of each thread's own,
+    one example's columns (whatever the kernel's size, 1x1 included), made with ``std::make_unique``
     (``slow_conv2d_backward_out_cpu_template``, ATen's ConvolutionMM2d.cpp): from plain ``malloc``, never
-    torch's allocator, so the profiler does not see it (tests/test_workspace.py measures it at ``malloc``).
-    One buffer per thread that has examples, at most, when all of them run at once. Counted for an ungrouped
-    input gradient alone (with the weight's, that gradient's columns come after and are larger); a 1x1 kernel
-    allocates one too (its weight gradient no columns), and each group of a grouped one: not counted, since
-    the tests' allocator reading (the profiler's) cannot see them and a plan above it fails them (still weak:
-    under at ``malloc`` by one example's columns per thread)."""
+    torch's allocator, so the profiler does not see it (tests/test_workspace.py measures it at ``malloc``;
+    tests/memtrack.AllocatorPeak adds it to the profiler's reading). One buffer per thread that has examples,
+    at most, when all of them run at once; a grouped convolution runs a group at a time (``w`` is a group's
+    weight: its columns)."""
     examples = min(torch.get_num_threads(), x.shape[0])
     return examples * w.shape[1] * math.prod(w.shape[2:]) * math.prod(grad.shape[2:]) * x.itemsize
 
@@ -733,18 +731,29 @@ def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
         buffer = not (x.ndim == 5 and copies >= x.nbytes and not _layout.dense_in(
             x.shape, _layout.strides_of(e.args[1], layouts or _unknown) or _layout.dense_strides(x.shape, torch.contiguous_format),
             torch.contiguous_format))
+        # The 2-d kernel's input gradient: one example's columns per thread, from malloc (_input_gradient_columns).
+        at_malloc = _input_gradient_columns(x, w, grad) if x.ndim == 4 and not transposed and mask[0] else 0
         if groups > 1 and not transposed:
-            # Each group's gradients apart, then concatenated (the 3-d kernel's input gradient always).
+            # Each group's gradients apart, then concatenated (the 3-d kernel's input gradient always). A
+            # group's input gradient takes its columns at malloc while its slices and the gradients made so far
+            # are held: at most the outputs' bytes (counted apart), so the slices and the columns beyond them.
             parts = (x.nbytes if mask[0] or x.ndim == 5 else 0) + (w.nbytes if mask[1] else 0)
             parts += e.args[3][0] * x.itemsize if mask[2] and e.args[3] is not None else 0
             columns = _columns(x, w, grad, stride, padding, transposed, groups, True, False, slices)
-            return copies + max(columns, parts)
-        plain = math.prod(w.shape[2:]) == 1 and all(s == 1 for s in stride) and all(p == 0 for p in padding)
-        if x.ndim == 4 and not transposed and mask[0] and not mask[1] and not plain:
+            if not at_malloc:
+                return copies + max(columns, parts)
+            if slices is None:
+                slices = 2 * x.nbytes // groups if x.shape[0] > 1 else 0
+            # (Without the weight's gradient, no weight columns.)
+            return copies + max(columns if mask[1] else 0, parts, slices + at_malloc)
+        if at_malloc and not mask[1]:
             # The input gradient alone: its own buffers, not the whole batch's columns the weight gradient's take.
-            # (A 1x1 kernel's, and a grouped kernel's, are not counted: see _input_gradient_columns.)
-            return copies + _input_gradient_columns(x, w, grad)
-        return copies + _columns(x, w, grad, stride, padding, transposed, groups, True, mask[0] and buffer, slices)
+            return copies + at_malloc
+        columns = _columns(x, w, grad, stride, padding, transposed, groups, True, mask[0] and buffer, slices)
+        # With the weight's gradient, its columns come after the input gradient's (none for a 1x1 kernel), and
+        # so do the weight's and the bias's gradients (outputs, counted apart): the columns beyond them.
+        later = (w.nbytes if mask[1] else 0) + (e.args[3][0] * x.itemsize if mask[2] and e.args[3] is not None else 0)
+        return copies + max(columns, at_malloc - later)
     b = _block()
     src, weight, grad_blocked, weight_padded = _onednn_parts(x, w, grad, groups, transposed)
     grad_input = x.nbytes if mask[0] else 0

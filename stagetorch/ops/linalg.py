@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -61,49 +62,11 @@ FLOPS: dict = {op: flops.matmul_rule for op in (aten.mm, aten.addmm, aten.bmm, a
 # exactly over a grid of 27,000 products at 1-3 threads and 2,300 random ones at 1-16 (bench/RESULTS.md,
 # bench/onednn_matmul_grid.py, tests/test_workspace.py), but for K = 1 (an outer product: which of two
 # blockings runs depends on oneDNN's primitive cache, the larger is taken) and, with an operand's strides
-# unknown, the larger of the ways it may be read. Elsewhere
-# (other ISAs or oneDNN versions, 16 threads or more splitting K, an operand laid out otherwise) the rule falls
-# back to a bound from above per thread, fitted on the same CPU at up to 2^29 multiply-adds (for bfloat16 it
-# misses larger products: 0.21 of a 4096^3 product's 25 MB), and for kernels it was not measured on the larger
-# of the two bounds.
-
-
-def _ru(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def _f16_thread_bytes(m: int, k: int, n: int, a_transposed: bool, batch: int, threads: int) -> int:
-    """AVX512-FP16 brgemm: A copied to float32 in blocks of up to 256 rows and 512 of K (1024 past K 1024),
-    rows padded to 16 and by 16 more; B copied to float32, 64 columns wide; a float32 accumulator as wide as
-    N's block (up to 64 columns) while one block of K covers K, else as a chunk of up to 1024 columns. A
-    weight's gradient (A transposed) over K >= 2048 with fewer 64-column blocks of N than threads splits K
-    across threads, each summing the whole M x N in float32 (oneDNN's ``bwd_w_par_k_blk``)."""
-    mx = min(m, 256)
-    kx = _ru(min(k, 512 if k <= 1024 else 1024), 16)
-    acc = 4 * mx * (min(_ru(n, 16), 64) if k <= 512 else min(_ru(n, 64), 1024))
-    if batch == 1 and a_transposed and k >= 2048 and threads > -(-n // 64):
-        acc = max(acc, 4 * m * n)
-    return 4096 + 4 * kx * 64 + 4 * mx * (kx + 16) + acc
-
-
-def _bf16_amx_thread_bytes(m: int, k: int, n: int, a_transposed: bool) -> int:
-    """AMX-BF16 brgemm: B copied in VNNI pairs, K padded to 32, N to 32 (64 past 32, at least 64 for a
-    transposed A or a single column), up to the L2 cache's size of it (caps of 1 and 1.5 MiB were each
-    missed by a shape); A copied, up to 256 rows in float32 pairs where it is transposed, else up to 64 rows
-    (seen where K is not a multiple of 64, and for a batch of 8 over 8 threads); a float32 accumulator of up
-    to 256 x 64 for an odd K, of up to 64 x 256 past K 1024 (K in chunks). One row (M = 1) runs as one
-    column, A and B swapped. oneDNN sizes its blocks to the L2 cache: at most 0.82 of it was measured per
-    thread (a 291 x 2048 by 2048 x 512 product), where these terms grow with K (a weight's gradient over many
-    tokens: up to 30x above the allocator); the sum is capped at 1.25 L2."""
-    if m == 1:
-        m, n = n, 1
-    kr = _ru(k, 32)
-    nr = _ru(n, 32) if n <= 32 else _ru(n, 64)
-    nb = min(max(nr, 64 if (n == 1 or a_transposed) else 0), max(64, _l2() // (2 * kr)))
-    mx = min(m, 64)
-    a = 4 * (min(m, 256) + 16) * kr if a_transposed else 2 * mx * kr
-    c = max(4 * min(m, 256) * min(nr, 64) if k % 2 else 0, 4 * mx * min(nr, 256) if k > 1024 else 0)
-    return min(8192 + 2 * kr * nb + a + c, 5 * _l2() // 4)
+# unknown, the larger of the ways it may be read. Elsewhere (another ISA, oneDNN's ISA capped by
+# ONEDNN_MAX_CPU_ISA, another oneDNN version, 16 threads or more where the AMX search may split K, an operand
+# laid out otherwise) the rule falls back to a bound from above over every blocking oneDNN's searches may choose
+# (_onednn.bound, derived from oneDNN's sources): never under the allocator on the grids of bench/RESULTS.md
+# (section halfsafe), at most a few times over for large products.
 
 
 @functools.cache
@@ -116,26 +79,76 @@ def _cpu_capability() -> dict:
 
 
 @functools.cache
-def _l2() -> int:
-    """The CPU's L2 cache per core (at least 2 MiB: the size the bounds were measured at)."""
-    return max(_cpu_capability().get("l2_cache_size") or 0, 2 << 20)
+def _l2() -> tuple[int, int]:
+    """The per-core L2 bytes, at least and at most, as PyTorch's cpuinfo and Linux's sysfs say (oneDNN reads
+    cpuid): the bound sizes the AMX searches' blocks by it. Where neither can say, 256 KiB to 4 MiB."""
+    sysfs = _sysfs_caches()
+    known = [size for size in (_cpu_capability().get("l2_cache_size") or 0, sysfs[2][0] if sysfs else 0) if size]
+    return (min(known), max(known)) if known else (256 << 10, 4 << 20)
+
+
+_caches.on_clear(_l2.cache_clear)
 
 
 @functools.cache
 def _onednn_half(dtype: torch.dtype) -> str | None:
-    """Which of the fitted bounds covers oneDNN's matmul for ``dtype`` on this CPU: "amx" (bfloat16 on AMX),
-    "avx512" (float16 on AVX512-FP16), "other" (a kernel the bounds were not measured on), None (ATen's gemm)."""
+    """Which kernel runs oneDNN's matmul for ``dtype`` on this CPU: "amx" (bfloat16 on AMX-BF16), "avx512"
+    (float16 on AVX512-FP16), the two the replay follows; "other" (a kernel it does not follow: another ISA, or
+    oneDNN's ISA capped by ``ONEDNN_MAX_CPU_ISA``); None (ATen's gemm)."""
     if dtype not in (torch.float16, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return None
     supported = torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16 else torch.ops.mkldnn._is_mkldnn_fp16_supported
     if not supported():
         return None
+    if _max_isa_capped():
+        return "other"
     isa = _cpu_capability()
     if dtype == torch.bfloat16 and isa.get("amx_bf16"):
         return "amx"
     if dtype == torch.float16 and isa.get("avx512_fp16") and not isa.get("amx_fp16"):
         return "avx512"
     return "other"
+
+
+def _isa_cap() -> str | None:
+    """The ISA oneDNN is capped at (``ONEDNN_MAX_CPU_ISA``, or its older name ``DNNL_MAX_CPU_ISA``), upper case;
+    None where it is not capped (unset, or ALL)."""
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        value = os.environ.get(name, "").strip().upper()
+        if value:
+            return None if value == "ALL" else value
+    return None
+
+
+def _max_isa_capped() -> bool:
+    """Whether oneDNN's ISA is capped: its kernels are then not the ones cpuinfo implies."""
+    return _isa_cap() is not None
+
+
+def _kernel_families(dtype: torch.dtype) -> tuple[bool, bool, bool]:
+    """Which of oneDNN's matmul kernels may run a ``dtype`` product here: (an AMX brgemm kernel, any brgemm
+    kernel, gemm_bf16_matmul). AMX where the CPU has it for the type and oneDNN's ISA is not capped below it;
+    bfloat16's gemm fallback where no brgemm kernel takes bfloat16 (no AVX512-BF16, AMX-BF16 or AVX-NE-CONVERT,
+    or the ISA capped below them); float16 below AVX512-FP16 runs oneDNN's reference kernel (no scratchpad).
+    Where cpuinfo cannot say, any of them."""
+    isa, cap = _cpu_capability(), _isa_cap()
+    if not isa:
+        return True, True, dtype == torch.bfloat16
+    amx = bool(isa.get("amx_bf16" if dtype == torch.bfloat16 else "amx_fp16")) and (cap is None or "AMX" in cap)
+    if dtype == torch.float16:
+        return amx, cap is None or cap in _F16_BRGEMM_CAPS or cap not in _KNOWN_CAPS, False
+    native = any(isa.get(name) for name in ("avx512_bf16", "amx_bf16", "avx_ne_convert"))
+    brgemm = native and (cap is None or cap in _BF16_BRGEMM_CAPS or cap not in _KNOWN_CAPS)
+    return amx, brgemm, not brgemm or (cap is not None and cap not in _KNOWN_CAPS)
+
+
+# The ISA caps (oneDNN's names) at which a half-precision brgemm kernel is still allowed, where the CPU has it.
+_F16_BRGEMM_CAPS = {
+    "AVX2_VNNI_2", "AVX512_CORE_FP16", "AVX10_1_512", "AVX512_CORE_AMX", "AVX10_1_512_AMX", "AVX512_CORE_AMX_FP16",
+    "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2",
+}
+_BF16_BRGEMM_CAPS = _F16_BRGEMM_CAPS | {"AVX512_CORE_BF16"}
+_KNOWN_CAPS = _BF16_BRGEMM_CAPS | {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI"}
 
 
 _caches.on_clear(_onednn_half.cache_clear)
@@ -163,23 +176,31 @@ def _transposed(shape: tuple[int, ...], strides: tuple[int, ...] | None) -> bool
     return m > 1 and k > 1 and strides[-2] == 1 and strides[-1] == m
 
 
-def _bound(kernel: str, m: int, k: int, n: int, transposed: bool, count: int, threads: int) -> int:
-    """The fitted bound from above on oneDNN's scratchpad (``kernel`` as ``_onednn_half`` names it)."""
-    if kernel == "amx":
-        per_thread = _bf16_amx_thread_bytes(m, k, n, transposed)
-    elif kernel == "avx512":
-        per_thread = _f16_thread_bytes(m, k, n, transposed, count, threads)
-    else:
-        per_thread = max(_bf16_amx_thread_bytes(m, k, n, True), _f16_thread_bytes(m, k, n, True, count, threads))
-    return threads * per_thread
+def _bound(m: int, k: int, n: int, count: int, threads: int, dtype: torch.dtype, a_transposed: bool | None) -> int:
+    """The bound from above on oneDNN's scratchpad over every blocking it may choose (stagetorch/ops/_onednn.py);
+    ``a_transposed``: A read column-major (None: either way). A single row or column counted either way round
+    (oneDNN may swap A and B, ATen may transpose the result)."""
+    amx, brgemm, gemm = _kernel_families(dtype)
+    shapes = {(m, n), (n, m)} if 1 in (m, n) else {(m, n)}
+    plain_a = a_transposed is not True or 1 in (m, n)
+    return max(_onednn.bound(r, k, c, count, threads, dtype == torch.float16, _l2(), amx, plain_a, brgemm, gemm)
+               for r, c in shapes)
 
 
 @functools.cache
 def _replay_caches() -> _onednn.Caches | None:
-    """This CPU's per-core L1d and L2 sizes and L2 ways, as oneDNN reads them (cpuid leaf 4, here through
-    Linux's sysfs), where oneDNN is the version the replay follows; None where either is unknown."""
+    """This CPU's per-core L1d and L2 sizes and L2 ways, as oneDNN reads them, where oneDNN is the version the
+    replay follows; None where it is not, or where the caches are unknown."""
     if "MKL-DNN v3.12." not in torch.__config__.show():
         return None
+    found = _sysfs_caches()
+    return _onednn.Caches(found[1][0], *found[2]) if found else None
+
+
+@functools.cache
+def _sysfs_caches() -> dict[int, tuple[int, int]] | None:
+    """Per-core L1d and L2 (bytes, ways) as oneDNN reads them (cpuid leaf 4, here through Linux's sysfs); None
+    where either is unknown."""
     found = {}
     try:
         for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
@@ -191,9 +212,7 @@ def _replay_caches() -> _onednn.Caches | None:
                 found[level] = (nbytes // sharing, int((entry / "ways_of_associativity").read_text()))
     except (OSError, ValueError, KeyError, ZeroDivisionError):
         return None
-    if set(found) != {1, 2}:
-        return None
-    return _onednn.Caches(found[1][0], *found[2])
+    return found if set(found) == {1, 2} else None
 
 
 def _cpu_count(cpu_list: str) -> int:
@@ -206,6 +225,7 @@ def _cpu_count(cpu_list: str) -> int:
 
 
 _caches.on_clear(_replay_caches.cache_clear)
+_caches.on_clear(_sysfs_caches.cache_clear)
 
 
 def _replayed(kernel: str, m: int, k: int, n: int, count: int | None, threads: int, a_transposed: bool,
@@ -267,8 +287,7 @@ def matmul_workspace(operands: tuple[int, int]):  # noqa: ANN201
         a_ways, b_ways = _read_as(a.aval.shape, a_strides, a_dense), _read_as(b.aval.shape, b_strides, b_dense)
         replays = [_replayed(kernel, m, k, n, batch[0] if batch else None, threads, ta, tb)
                    for ta in a_ways for tb in b_ways]
-        transposed = a_strides is None or (a_dense and _transposed(a.aval.shape, a_strides))
-        bound = _bound(kernel, m, k, n, transposed, count, threads)
+        bound = _bound(m, k, n, count, threads, a.aval.dtype, None if len(a_ways) > 1 else a_ways[0])
         if None in replays:
             return copies + bound
         if not batch and any(s is not None and not d and 1 in s for s, d in ((a_strides, a_dense), (b_strides, b_dense))):
