@@ -21,8 +21,6 @@ from memtrack import op_workspace
 
 import stagetorch
 from stagetorch.costing import Layouts, effect, peak_bytes, workspace
-from stagetorch.ir import Aval
-from stagetorch.ops.conv import _uses_mkldnn
 
 aten = torch.ops.aten
 
