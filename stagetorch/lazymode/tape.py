@@ -18,7 +18,7 @@ from .._tree import flatten
 from ..ir import Var
 from .autograd_graph import _autograd_graph, _Unreadable
 from .recording import _BACKWARD, RecordingSteps, _meta
-from .tensor import _MISS, LazyTensor, _make_subclass
+from .tensor import _MISS, _NO_KWARGS, LazyTensor, _make_subclass
 
 _MAX_LEAVES = 2
 _CPU = torch.device("cpu")
@@ -207,6 +207,26 @@ def _never(session: Any, func: Any, args: tuple, kwargs: dict | None) -> Any:
     return _MISS
 
 
+_TENSOR_BACKWARD = torch.Tensor.backward
+
+
+def _backward_guard(call: _Call) -> Callable:
+    """The guard of a taped backward: ``loss.backward()`` runs its generated backward
+    (``express._compile_backward``, made at the first replay through the full path) without torch's call
+    going through ``__torch_function__``'s dispatch first. Anything else, or a backward not generated yet
+    or made for another marker, takes the full path (which tries the same backward first)."""
+
+    def guard(session: Any, func: Any, args: tuple, kwargs: dict | None) -> Any:
+        if func is not _TENSOR_BACKWARD or not args:
+            return _MISS
+        run = call.backward
+        if run is None or run.mark is not session.recording.steps[call.mark].out:
+            return _MISS
+        return None if run(session, args, kwargs or _NO_KWARGS, [args[0]]) else _MISS
+
+    return guard
+
+
 def express_guards(recording: Any, tape: list) -> list:
     """A guard per call of ``tape`` (the recording's), made once per tape: the express replay's first check
     of each torch function on a lazy tensor calls the one at the session's position. The tape's later calls
@@ -215,6 +235,7 @@ def express_guards(recording: Any, tape: list) -> list:
     if guards is None or guards[0] is not tape:
         made = [
             (call.guard or call.compile_guard()) if call.express and call.mark < 0 and call.func is not _BACKWARD
+            else _backward_guard(call) if call.express and call.mark >= 0
             else _never
             for call in tape
         ]
