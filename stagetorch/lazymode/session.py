@@ -215,6 +215,14 @@ class _Session(BackwardSkip):
                 labels = _input_labels(replaying, batch, metas)
             self.batched, contiguous = labels
             for t, var, (shape, stride, dtype, device, requires_grad), plain in zip(tensors, inputs, metas, contiguous):
+                if plain is _PLAIN:  # contiguous, on the host, no grad: the constructor's defaults (parsed faster)
+                    values[var] = t
+                    lazy_t = _make_subclass(LazyTensor, shape, dtype=dtype)
+                    lazy_t._var, lazy_t._session, lazy_t._express, lazy_t._fake, lazy_t._shadow = var, self, False, None, None
+                    alive[var] = ref = weakref.ref(lazy_t)
+                    refs.append(ref)
+                    lazies.append(lazy_t)
+                    continue
                 values[var] = t.detach() if requires_grad else t  # the value, without its autograd graph
                 if plain:  # (contiguous strides: what the constructor makes without them, parsed faster)
                     lazy_t = _make_subclass(LazyTensor, shape, dtype=dtype, device=device, requires_grad=requires_grad)
@@ -576,15 +584,20 @@ class _FlushSpan:
         self.no_remat: dict[frozenset, tuple] = {}
 
 
-def _input_labels(recording: Any, batch: int, metas: list) -> tuple[MappingProxyType, list[bool]]:
+# An input whose lazy tensor is made with the constructor's defaults but its dtype: contiguous strides, the host
+# (its default device, whatever torch.set_default_device says), no grad.
+_PLAIN = object()
+
+
+def _input_labels(recording: Any, batch: int, metas: list) -> tuple[MappingProxyType, list[bool | int]]:
     """The batch labels of a recording's inputs (their batch along dim ``batch``), made once: every session
-    that replays it shares them (read only); and whether each input's strides are contiguous ones (the
-    sessions that replay it have the same: its key holds them)."""
+    that replays it shares them (read only); and whether each input's strides are contiguous ones, or
+    ``_PLAIN`` (also on the host, no grad): the sessions that replay it have the same (its key holds them)."""
     labels = recording.flushes.get(_INPUT_LABELS)
     if labels is None:
         labels = recording.flushes[_INPUT_LABELS] = (
             MappingProxyType({var: Batched(batch % len(m[0])) for var, m in zip(recording.inputs, metas)}),
-            [_contiguous(m[0], m[1]) for m in metas],
+            [_PLAIN if _contiguous(m[0], m[1]) and m[3].type == "cpu" and not m[4] else _contiguous(m[0], m[1]) for m in metas],
         )
     return labels
 
