@@ -409,8 +409,11 @@ class _Session(BackwardSkip):
             fresh = frozenset(v for v in outs if v.root in made)
             # The inputs read from one dict in one call (operator.itemgetter: a tuple, for two or more).
             take = operator.itemgetter(*invars) if len(invars) > 1 else None
+            # (Then the positions of the outputs in fresh storage, and the key of the flush's per-example
+            # outputs in ``flushes``: each step's flush reads them.)
             built = flushes[key] = (
-                executable, device, fresh, {v: i for i, v in enumerate(outs)}, outs, take, executable.restoring
+                executable, device, fresh, {v: i for i, v in enumerate(outs)}, outs, take, executable.restoring,
+                {v: i for i, v in enumerate(outs) if v in fresh}, ("made", id(executable)),
             )
         return built
 
@@ -475,7 +478,7 @@ class _Session(BackwardSkip):
         if built is None:
             outs = tuple(v for v in span.produced if v in wanted)
             built = builds[wanted_key] = self._built(flushes, span.invars, end, span.produced, outs)
-        executable, device, fresh, position, outs, take, held = built
+        executable, device, fresh, position, outs, take, held, fresh_position, made_key = built
 
         consts = self.consts
         try:
@@ -516,9 +519,9 @@ class _Session(BackwardSkip):
                     if getattr(e, "chunk_local_result", False):
                         raise _kept_chunk_local(e) from e
                     raise
-                made = flushes.get(("made", id(executable)))
+                made = flushes.get(made_key)
                 if made is None:  # after its first run: an executable learns about its inputs there
-                    made = flushes[("made", id(executable))] = _per_example_outputs(executable)
+                    made = flushes[made_key] = _per_example_outputs(executable)
                 if made:
                     self.made = {**self.made, **made}
             else:
@@ -539,9 +542,9 @@ class _Session(BackwardSkip):
         dropped = False
         for leaf, v in grads:
             grad = leaf.grad
-            i = position.get(v)
             if grad is None:
-                if i is not None and v in fresh:
+                i = fresh_position.get(v)
+                if i is not None:
                     x = results[i]
                     if x.stride() == leaf.stride():
                         leaf.grad = x  # accumulate_grad's first case, inline: the hot path (see __init__)
@@ -551,6 +554,7 @@ class _Session(BackwardSkip):
                 # to the lazy one is left here: the values kept are those whose lazy tensor is alive)
                 leaf.grad = grad = None
                 dropped = True
+            i = position.get(v)
             accumulate_grad(leaf, values[v] if i is None else results[i], fresh=v in fresh)
         if dropped:
             alive = self.alive = {v: ref for v, ref in alive.items() if ref() is not None}
