@@ -167,10 +167,15 @@ class Executable:
             result = inner.run(inputs, plan, on_chunk=on_chunk, name=name)
             self.planner.learn(inner.planner.cap)  # if it ran out of memory: plan again with what ran
             return result
-        mutated = self.mutated
+        mutated = self._mutated  # (the properties' values once made, read directly: a step's hot path)
+        if mutated is None:
+            mutated = self.mutated
         if not mutated and len(plan.chunk_sizes) == 1:  # one call, nothing to restore if it fails
+            program = self._program
+            if program is None:
+                program = self.program
             try:
-                return self.program.run(inputs)
+                return program.run(inputs)
             except Exception as e:
                 if not is_oom(e) or self.batch == 1:
                     raise

@@ -124,6 +124,11 @@ class Planner:
         if self.overlap is None and inputs is not None:
             self.see_inputs(inputs)
         program_budget = max(budget - held, 0)
+        called = self._called
+        if budget == called[2] and held == called[1] and called[0] is not None:
+            # The same call as the last (a step loop's flush, its budget read from the same free memory):
+            # the same plan, while nothing that makes plans changed (see _forget, which those paths call).
+            return program_budget, called[3]
         try:
             plan = self.plan(program_budget)
             last, last_held, last_budget, last_donated, evolved = self._called
@@ -265,12 +270,18 @@ class Planner:
         """Learn the bytes the graph counts twice because inputs are views of one storage (the executor
         measures them on the first run): the plans made without them are dropped."""
         self.overlap = overlap
+        self._forget()
         if overlap:
             self.plans.clear()
             self._inner.clear()
             self._full_peak = None
             if self._split is not None:
                 self._split.input_overlap = overlap
+
+    def _forget(self) -> None:
+        """What makes plans changed (the overlap of the inputs, the largest chunk known to run): plan_call's
+        last answer is not reused."""
+        self._called = (None, 0, 0, None)
 
     def remember(self, planned: Sequence[int], ran: Sequence[int], name: str) -> None:
         """What a run of the chunks ``planned`` ran: if it ran out of memory and went on in smaller chunks
@@ -279,6 +290,7 @@ class Planner:
             return
         self.cap = max(ran)
         self.plans.clear()
+        self._forget()
         log.warning(
             "stagetorch: %s: out of memory where the plan said a chunk of %d fits; ran in chunks of at most %d, "
             "and later calls will too", name, max(planned), self.cap,
@@ -289,6 +301,7 @@ class Planner:
         if cap is not None and cap != self.cap:
             self.cap = cap
             self.plans.clear()
+            self._forget()
 
 
 def _owns_its_inputs(graph: Graph) -> bool:

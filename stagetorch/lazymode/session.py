@@ -215,6 +215,14 @@ class _Session(BackwardSkip):
                 labels = _input_labels(replaying, batch, metas)
             self.batched, contiguous = labels
             for t, var, (shape, stride, dtype, device, requires_grad), plain in zip(tensors, inputs, metas, contiguous):
+                if plain is _PLAIN:  # contiguous, on the host, no grad: the constructor's defaults (parsed faster)
+                    values[var] = t
+                    lazy_t = _make_subclass(LazyTensor, shape, dtype=dtype)
+                    lazy_t._var, lazy_t._session, lazy_t._express, lazy_t._fake, lazy_t._shadow = var, self, False, None, None
+                    alive[var] = ref = weakref.ref(lazy_t)
+                    refs.append(ref)
+                    lazies.append(lazy_t)
+                    continue
                 values[var] = t.detach() if requires_grad else t  # the value, without its autograd graph
                 if plain:  # (contiguous strides: what the constructor makes without them, parsed faster)
                     lazy_t = _make_subclass(LazyTensor, shape, dtype=dtype, device=device, requires_grad=requires_grad)
@@ -401,8 +409,11 @@ class _Session(BackwardSkip):
             fresh = frozenset(v for v in outs if v.root in made)
             # The inputs read from one dict in one call (operator.itemgetter: a tuple, for two or more).
             take = operator.itemgetter(*invars) if len(invars) > 1 else None
+            # (Then the positions of the outputs in fresh storage, and the key of the flush's per-example
+            # outputs in ``flushes``: each step's flush reads them.)
             built = flushes[key] = (
-                executable, device, fresh, {v: i for i, v in enumerate(outs)}, outs, take, executable.restoring
+                executable, device, fresh, {v: i for i, v in enumerate(outs)}, outs, take, executable.restoring,
+                {v: i for i, v in enumerate(outs) if v in fresh}, ("made", id(executable)),
             )
         return built
 
@@ -467,7 +478,7 @@ class _Session(BackwardSkip):
         if built is None:
             outs = tuple(v for v in span.produced if v in wanted)
             built = builds[wanted_key] = self._built(flushes, span.invars, end, span.produced, outs)
-        executable, device, fresh, position, outs, take, held = built
+        executable, device, fresh, position, outs, take, held, fresh_position, made_key = built
 
         consts = self.consts
         try:
@@ -508,9 +519,9 @@ class _Session(BackwardSkip):
                     if getattr(e, "chunk_local_result", False):
                         raise _kept_chunk_local(e) from e
                     raise
-                made = flushes.get(("made", id(executable)))
+                made = flushes.get(made_key)
                 if made is None:  # after its first run: an executable learns about its inputs there
-                    made = flushes[("made", id(executable))] = _per_example_outputs(executable)
+                    made = flushes[made_key] = _per_example_outputs(executable)
                 if made:
                     self.made = {**self.made, **made}
             else:
@@ -531,9 +542,9 @@ class _Session(BackwardSkip):
         dropped = False
         for leaf, v in grads:
             grad = leaf.grad
-            i = position.get(v)
             if grad is None:
-                if i is not None and v in fresh:
+                i = fresh_position.get(v)
+                if i is not None:
                     x = results[i]
                     if x.stride() == leaf.stride():
                         leaf.grad = x  # accumulate_grad's first case, inline: the hot path (see __init__)
@@ -543,6 +554,7 @@ class _Session(BackwardSkip):
                 # to the lazy one is left here: the values kept are those whose lazy tensor is alive)
                 leaf.grad = grad = None
                 dropped = True
+            i = position.get(v)
             accumulate_grad(leaf, values[v] if i is None else results[i], fresh=v in fresh)
         if dropped:
             alive = self.alive = {v: ref for v, ref in alive.items() if ref() is not None}
@@ -576,15 +588,20 @@ class _FlushSpan:
         self.no_remat: dict[frozenset, tuple] = {}
 
 
-def _input_labels(recording: Any, batch: int, metas: list) -> tuple[MappingProxyType, list[bool]]:
+# An input whose lazy tensor is made with the constructor's defaults but its dtype: contiguous strides, the host
+# (its default device, whatever torch.set_default_device says), no grad.
+_PLAIN = object()
+
+
+def _input_labels(recording: Any, batch: int, metas: list) -> tuple[MappingProxyType, list[bool | int]]:
     """The batch labels of a recording's inputs (their batch along dim ``batch``), made once: every session
-    that replays it shares them (read only); and whether each input's strides are contiguous ones (the
-    sessions that replay it have the same: its key holds them)."""
+    that replays it shares them (read only); and whether each input's strides are contiguous ones, or
+    ``_PLAIN`` (also on the host, no grad): the sessions that replay it have the same (its key holds them)."""
     labels = recording.flushes.get(_INPUT_LABELS)
     if labels is None:
         labels = recording.flushes[_INPUT_LABELS] = (
             MappingProxyType({var: Batched(batch % len(m[0])) for var, m in zip(recording.inputs, metas)}),
-            [_contiguous(m[0], m[1]) for m in metas],
+            [_PLAIN if _contiguous(m[0], m[1]) and m[3].type == "cpu" and not m[4] else _contiguous(m[0], m[1]) for m in metas],
         )
     return labels
 

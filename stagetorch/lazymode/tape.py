@@ -18,7 +18,7 @@ from .._tree import flatten
 from ..ir import Var
 from .autograd_graph import _autograd_graph, _Unreadable
 from .recording import _BACKWARD, RecordingSteps, _meta
-from .tensor import _MISS, LazyTensor, _make_subclass
+from .tensor import _MISS, _NO_KWARGS, LazyTensor, _make_subclass
 
 _MAX_LEAVES = 2
 _CPU = torch.device("cpu")
@@ -207,6 +207,26 @@ def _never(session: Any, func: Any, args: tuple, kwargs: dict | None) -> Any:
     return _MISS
 
 
+_TENSOR_BACKWARD = torch.Tensor.backward
+
+
+def _backward_guard(call: _Call) -> Callable:
+    """The guard of a taped backward: ``loss.backward()`` runs its generated backward
+    (``express._compile_backward``, made at the first replay through the full path) without torch's call
+    going through ``__torch_function__``'s dispatch first. Anything else, or a backward not generated yet
+    or made for another marker, takes the full path (which tries the same backward first)."""
+
+    def guard(session: Any, func: Any, args: tuple, kwargs: dict | None) -> Any:
+        if func is not _TENSOR_BACKWARD or not args:
+            return _MISS
+        run = call.backward
+        if run is None or run.mark is not session.recording.steps[call.mark].out:
+            return _MISS
+        return None if run(session, args, kwargs or _NO_KWARGS, [args[0]]) else _MISS
+
+    return guard
+
+
 def express_guards(recording: Any, tape: list) -> list:
     """A guard per call of ``tape`` (the recording's), made once per tape: the express replay's first check
     of each torch function on a lazy tensor calls the one at the session's position. The tape's later calls
@@ -215,6 +235,7 @@ def express_guards(recording: Any, tape: list) -> list:
     if guards is None or guards[0] is not tape:
         made = [
             (call.guard or call.compile_guard()) if call.express and call.mark < 0 and call.func is not _BACKWARD
+            else _backward_guard(call) if call.express and call.mark >= 0
             else _never
             for call in tape
         ]
@@ -241,11 +262,15 @@ def _compile_guard(call: _Call) -> Callable:
 
     base = call.slots_before
     func = const(call.func)
+    # The real tensors the call takes anew, bound to slots once every check passed: locals, or a list where
+    # an argument's autograd graph adds its leaves (_graph_ok).
+    graphs = any(type(k) is _Real and k.graph is not None for k in key)
+    new: list[str] = []
     lines = [
         "def guard(session, func, args, kwargs):",
         f"    if func is not {func} and func != {func}: return _MISS",
         f"    if _grad_enabled() is not {call.grad!r} or _any_autocast(): return _MISS",
-        f"    slots = session.slots\n    if len(slots) != {base}: return _MISS\n    new = []",
+        f"    slots = session.slots\n    if len(slots) != {base}: return _MISS" + ("\n    new = []" if graphs else ""),
     ]
     pos = 1  # the next element of the key
 
@@ -268,7 +293,7 @@ def _compile_guard(call: _Call) -> Callable:
         elif kind is _Real:
             lines.append(f"    if type({x}) is LazyTensor or not isinstance({x}, Tensor): return _MISS")
             if k.same:
-                other = f"slots[{k.slot}]" if k.slot < base else f"new[{k.slot - base}]"
+                other = f"slots[{k.slot}]" if k.slot < base else f"new[{k.slot - base}]" if graphs else new[k.slot - base]
                 lines.append(f"    if {x} is not {other}: return _MISS")
             else:
                 shape, stride, dtype, device, requires_grad = k.meta
@@ -278,7 +303,10 @@ def _compile_guard(call: _Call) -> Callable:
                     f"    if {x}.shape != {const(shape)} or {x}.dtype is not {const(dtype)} or {x}.stride() != {stride!r}"
                     f" or {other_device} or {x}.requires_grad is not {requires_grad!r}: return _MISS"
                 )
-                lines.append(f"    new.append({x})")
+                if graphs:
+                    lines.append(f"    new.append({x})")
+                else:
+                    new.append(x)
                 if k.graph is not None:
                     lines.append(f"    if not _graph_ok(session, {x}, {const(k.graph)}, new, {base}, {k.slot}): return _MISS")
                 elif requires_grad:  # a leaf (a parameter)
@@ -302,7 +330,10 @@ def _compile_guard(call: _Call) -> Callable:
         lines.append("    if kwargs: return _MISS")
     for name in names:
         take(f"kwargs.get({name!r}, _MISS)")
-    lines.append("    if new: slots.extend(new)")
+    if graphs:
+        lines.append("    if new: slots.extend(new)")
+    elif new:
+        lines.append(f"    slots.extend(({', '.join(new)},))")
     for _, t, version in call.made:  # never handed out; a change in place would be a bug, not a new value
         lines.append(f"    if {const(t)}._version != {version}: return _MISS")
     if call.consts or call.rereads or call.made:
@@ -332,9 +363,11 @@ def _compile_guard(call: _Call) -> Callable:
     elif type(out) is _New:
         # Contiguous strides are what the constructor makes without them (parsing them cost ~15% of it).
         strides = "" if _contiguous(out.shape, out.stride) else f" strides={out.stride!r},"
+        # The host and no grad are the constructor's defaults (whatever torch.set_default_device says): not passed.
+        device = "" if out.device == _CPU else f", device={const(out.device)}"
+        grad = ", requires_grad=True" if out.requires_grad else ""
         lines.append(
-            f"    t = _make(LazyTensor, {const(out.shape)},{strides} dtype={const(out.dtype)},"
-            f" device={const(out.device)}, requires_grad={out.requires_grad!r})\n"
+            f"    t = _make(LazyTensor, {const(out.shape)},{strides} dtype={const(out.dtype)}{device}{grad})\n"
             f"    t._fake = None\n    t._var = {const(out.var)}\n    t._session = session\n    t._express = True\n    t._shadow = None\n"
             f"    session.alive[{const(out.var)}] = _weakref(t)\n    return t"
         )
