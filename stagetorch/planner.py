@@ -125,10 +125,10 @@ class Planner:
             self.see_inputs(inputs)
         program_budget = max(budget - held, 0)
         called = self._called
-        if budget == called[2] and held == called[1] and called[0] is not None:
+        if budget == called[2] and held == called[1] and donated == called[3] and called[0] is not None:
             # The same call as the last (a step loop's flush, its budget read from the same free memory):
             # the same plan, while nothing that makes plans changed (see _forget, which those paths call).
-            return program_budget, called[3]
+            return program_budget, called[4]
         try:
             plan = self.plan(program_budget)
             last, last_held, last_budget, last_donated, evolved = self._called
@@ -281,7 +281,7 @@ class Planner:
     def _forget(self) -> None:
         """What makes plans changed (the overlap of the inputs, the largest chunk known to run): plan_call's
         last answer is not reused."""
-        self._called = (None, 0, 0, None)
+        self._called = (None, 0, 0, 0, None)
 
     def remember(self, planned: Sequence[int], ran: Sequence[int], name: str) -> None:
         """What a run of the chunks ``planned`` ran: if it ran out of memory and went on in smaller chunks
