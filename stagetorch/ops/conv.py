@@ -334,7 +334,7 @@ def _brgemm_data(w: Aval) -> int:
     output gradient and writes the input gradient in place: the weight reordered (``_brgemm_data_weight``) and
     the scratchpad, a page and 128 bytes, and per thread the batch elements of one kernel's positions (40 bytes
     each) in pages of 4096 bytes, as many elements as fill them (a 1x1 kernel: 103). Measured to the byte on
-    2-d and 3-d layers of 1-256 channels, kernels 1-7, padding 0-3 at 1-3 threads (no padded input block
+    2-d and 3-d layers of 1-256 channels, kernels 1-7, padding 0-3, dilation 1-2 at 1-3 threads (no padded input block
     booked: the forward kernel reads the padding in place). A layer whose kernel covers its whole input
     (oneDNN's inner-product kernel, not modelled) books less: over there."""
     page, element = 4096, 40
@@ -786,10 +786,9 @@ def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
     elif mask[0]:
         blocked_input = x.nbytes * _pad(x.shape[1], b) // x.shape[1]
         data = max(grad_blocked + weight_padded + blocked_input, blocked_input + grad_input) - grad_input
-        plain = math.prod(w.shape[2:]) == 1 and all(s == 1 for s in stride) and all(p == 0 for p in padding)
         if groups > 1 and not transposed:
             data = _grouped_data(x, w, grad, stride, padding, channels_last, groups)
-        elif channels_last and not transposed and (plain or all(d == 1 for d in dilation)):
+        elif channels_last and not transposed and all(s == 1 for s in stride):
             data = _brgemm_data(w)
     # The weight gradient, after the input gradient (an output, already held).
     if not mask[1]:
