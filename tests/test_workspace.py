@@ -227,12 +227,17 @@ def test_onednn_weight_gradient_workspace_is_never_under_the_allocators(case, th
 # 16 by 16: 13x under), a contiguous one in gemm (its column buffers: 2.9x under), a depthwise 2-d one (jit_uni_dw,
 # its weight's channels padded; channels-last in place: 55x over), a strided one of 48 input channels (the
 # brgemm kernel's 32-channel blocks), a strided 3-d one of one input channel (which that kernel refuses) and a
-# channels-last 1x1 layer (the 1x1 brgemm kernel, in place: 2x under, up to 15x over).
+# channels-last 1x1 layer (the 1x1 brgemm kernel, in place: 2x under, up to 15x over). Then unstrided channels-last
+# layers of larger kernels (the brgemm kernel through its forward one, in place; the rule costed the contiguous
+# kernel's blocked copies: 0.60-0.99 of the allocator on 8 of the 12 runs, 8.7-11x over on the padded one).
 INPUT_GRADIENTS = [
     (8, 32, 4, 32, 3, 32, 0, 3, 2, "channels-last"), (2, 3, 8, 6, 3, 3, 0, 2, 3, "channels-last"),
     (8, 64, 4, 4, 3, 2, 2, 3, 1, "contiguous"), (4, 4, 17, 4, 4, 4, 1, 2, 1, "contiguous"),
     (8, 5, 8, 5, 1, 5, 0, 2, 1, "channels-last"), (2, 48, 8, 16, 5, 1, 0, 3, 2, "contiguous"),
     (8, 1, 6, 64, 4, 1, 0, 3, 3, "contiguous"), (2, 12, 6, 12, 1, 1, 0, 2, 1, "channels-last"),
+    (2, 16, 4, 4, 2, 1, 0, 3, 1, "channels-last"), (4, 16, 6, 12, 2, 1, 0, 2, 1, "channels-last"),
+    (2, 12, 4, 16, 2, 1, 0, 3, 1, "channels-last"), (2, 32, 6, 4, 3, 1, 0, 2, 1, "channels-last"),
+    (8, 48, 6, 12, 5, 1, 0, 3, 1, "channels-last"), (8, 64, 12, 4, 3, 1, 2, 2, 1, "channels-last"),
 ]
 
 
@@ -249,8 +254,9 @@ def test_onednn_input_gradient_workspace_is_never_under_the_allocators(case, thr
             args = _conv_backward(go, x, w, stride, padding, False, groups, mask)
             measured, rule = op_workspace(aten.convolution_backward, *args), _rule(aten.convolution_backward, *args)
             assert measured <= rule, (mask, measured, rule)
-            if groups == 1 and k == 1 and layout == "channels-last" and mask[1] is False:
-                assert rule == measured, (mask, measured, rule)
+            if groups == 1 and (k == 1 or stride == 1) and layout == "channels-last" and mask[1] is False:
+                # Exact but where oneDNN's channel block is 48 (the rule takes 64: 1.16x over at most).
+                assert rule == measured if c <= 32 else rule <= 1.17 * measured, (mask, measured, rule)
             if groups == c == o and layout == "channels-last" and mask[1] is False:
                 assert rule <= 1.02 * measured + 256, (mask, measured, rule)
 
