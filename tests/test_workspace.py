@@ -1214,3 +1214,20 @@ def test_a_mixed_dtype_pointwise_op_casts_as_the_allocator_says(name, shapes):
     if not ran and name.split(".")[0].endswith("_"):
         pytest.skip("torch refuses to broadcast a 0-dim self in place")
     assert ran > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("number", [0.5, 2, True])
+@pytest.mark.parametrize("name", ["pow.Tensor_Scalar", "clamp.default", "clamp_min.default", "clamp_max.default"])
+def test_a_number_that_promotes_the_tensor_casts_it(name, number, dtype):
+    """``int_tensor ** 0.5`` and ``int_tensor.clamp(0.5)`` compute in float32, ``bool_tensor ** 2`` in int64:
+    the kernel reads the number as a number but casts the tensor (0 where the number does not promote it)."""
+    op = _overload(name)
+    x = (torch.rand(6, 8) * 3 + 1).to(dtype)
+    args = (x, number, number + 1) if name == "clamp.default" else (x, number)
+    try:
+        measured = op_workspace(op, x.clone(), *args[1:])
+    except (RuntimeError, TypeError):
+        pytest.skip("torch refuses these operands")
+    assert (measured > 0) == (op(*args).dtype != dtype), measured
+    assert _rule(op, *args) == measured

@@ -208,8 +208,8 @@ def wrapped_number_workspace(position: int, kind: _shape.Promotion = _shape.Prom
     return rule
 
 
-# Measured at the allocator (tests/test_workspace.py): these wrap a number; ``pow.Tensor_Scalar``,
-# ``clamp``, ``masked_fill``, ``fill_``, ``lerp``, ``addcmul``/``addcdiv`` (their ``value``), ``hardtanh``,
+# Measured at the allocator (tests/test_workspace.py): these wrap a number; ``pow.Tensor_Scalar`` and
+# ``clamp`` (casting an integer ``self`` a float number promotes: number_cast_workspace), ``masked_fill``, ``fill_``, ``lerp``, ``addcmul``/``addcdiv`` (their ``value``), ``hardtanh``,
 # ``threshold``, ``leaky_relu`` and ``_foreach_pow.Scalar`` take theirs as a number inside the kernel.
 _WRAPS_OTHER = (
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor,
@@ -229,6 +229,23 @@ _WRAPS_OTHER_TO_FLOAT = (
     aten.copysign.Scalar, aten.xlogy.Scalar_Other, aten.special_xlog1py.other_scalar,
     aten._foreach_div.Scalar, aten._foreach_div_.Scalar, aten._foreach_div.ScalarList, aten._foreach_div_.ScalarList,
 )
+
+def number_cast_workspace(positions: tuple[int, ...], kind: _shape.Promotion = _shape.Promotion.DEFAULT):  # noqa: ANN201
+    """An op that reads the Python numbers at ``positions`` inside its kernel (nothing wrapped) but computes
+    in the dtype they promote its tensor ``self`` to: the CPU kernel casts ``self`` first. An int64 or bool
+    tensor ``** 0.5`` or clamped to ``0.5`` computes in float32 (a float32 copy of it), a bool tensor ``** 2``
+    in int64; a float tensor: 0. Measured at the allocator (tests/test_workspace.py)."""
+
+    def rule(e: Eqn) -> int:
+        x = e.args[0]
+        if not isinstance(x, Var) or x.aval.device.type != "cpu":
+            return 0
+        numbers = [e.args[i] for i in positions if i < len(e.args) and _wrapped_dtype(e.args[i]) is not None]
+        common = _shape.result_dtype(x.aval, *numbers, kind=kind)
+        return 0 if common == x.aval.dtype else x.aval.numel * common.itemsize
+
+    return rule
+
 
 # Ops on two tensors (beside those above, whose tensor ``other`` takes _cast_peak), measured at the allocator:
 # each casts an operand of another dtype to the common one. ``masked_fill`` (its value read as a number),
@@ -260,6 +277,10 @@ WORKSPACE: dict = {
     aten.pow.Tensor_Tensor: mixed_dtype_workspace(kind=_shape.Promotion.BOOL_TO_LONG),
     aten.pow_.Tensor: mixed_dtype_workspace(kind=_shape.Promotion.BOOL_TO_LONG),
     aten.where.self: mixed_dtype_workspace((1, 2)),
+    aten.pow.Tensor_Scalar: number_cast_workspace((1,)),  # bool ** True stays bool
+    aten.clamp.default: number_cast_workspace((1, 2)),
+    aten.clamp_min.default: number_cast_workspace((1,)),
+    aten.clamp_max.default: number_cast_workspace((1,)),
     aten.addcmul.default: mixed_dtype_workspace((0, 1, 2)),
     aten.addcmul_.default: mixed_dtype_workspace((0, 1, 2)),
     aten.addcdiv.default: mixed_dtype_workspace((0, 1, 2)),
