@@ -1169,7 +1169,7 @@ def test_the_native_input_gradients_columns_are_real_but_unseen_by_the_profiler(
 
 # Pointwise ops on tensors of more than one dtype (stagetorch/ops/elementwise.py, _cast_peak): the CPU kernel
 # casts each operand of another dtype to the one it computes in, at the operand's own shape; in place, where
-# that dtype is not the output's, it computes into a temporary of it as well. (builder, in place or not)
+# that dtype is not the output's, it computes into a temporary of it as well. name -> the op's tensor arguments.
 _MIXED = {
     "add.Tensor": lambda x, y: (x, y), "sub.Tensor": lambda x, y: (x, y), "mul.Tensor": lambda x, y: (x, y),
     "div.Tensor": lambda x, y: (x, y), "rsub.Tensor": lambda x, y: (x, y),

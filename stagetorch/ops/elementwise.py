@@ -137,7 +137,7 @@ def _cast_peak(tensors: list[Aval], kind: _shape.Promotion, inplace: bool = Fals
     float32), the result is computed into a temporary of the computing dtype too, then copied back; a
     comparison in place (``compares``) writes a bool ``self`` directly. A true division or ``atan2`` of
     integers computes in float32: both operands are cast, even of one dtype."""
-    if tensors[0].device.type != "cpu":
+    if any(t.device.type != "cpu" for t in tensors):  # a CUDA kernel casts as it reads (a CPU scalar too)
         return 0
     common = _shape.result_dtype(*tensors, kind=kind)
     casts = sum(t.numel * common.itemsize for t in tensors if t.dtype != common)
@@ -208,9 +208,10 @@ def wrapped_number_workspace(position: int, kind: _shape.Promotion = _shape.Prom
     return rule
 
 
-# Measured at the allocator (tests/test_workspace.py): these wrap a number; ``pow.Tensor_Scalar`` and
-# ``clamp`` (casting an integer ``self`` a float number promotes: number_cast_workspace), ``masked_fill``, ``fill_``, ``lerp``, ``addcmul``/``addcdiv`` (their ``value``), ``hardtanh``,
-# ``threshold``, ``leaky_relu`` and ``_foreach_pow.Scalar`` take theirs as a number inside the kernel.
+# Measured at the allocator (tests/test_workspace.py): these wrap a number; ``pow.Tensor_Scalar``, ``clamp``
+# (both cast an integer ``self`` a float number promotes: number_cast_workspace), ``masked_fill``, ``fill_``,
+# ``lerp``, ``addcmul``/``addcdiv`` (their ``value``), ``hardtanh``, ``threshold``, ``leaky_relu`` and
+# ``_foreach_pow.Scalar`` take theirs as a number inside the kernel.
 _WRAPS_OTHER = (
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor,
     aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar, aten.add_.Scalar, aten.sub_.Scalar, aten.mul_.Scalar,
@@ -229,6 +230,7 @@ _WRAPS_OTHER_TO_FLOAT = (
     aten.copysign.Scalar, aten.xlogy.Scalar_Other, aten.special_xlog1py.other_scalar,
     aten._foreach_div.Scalar, aten._foreach_div_.Scalar, aten._foreach_div.ScalarList, aten._foreach_div_.ScalarList,
 )
+
 
 def number_cast_workspace(positions: tuple[int, ...], kind: _shape.Promotion = _shape.Promotion.DEFAULT):  # noqa: ANN201
     """An op that reads the Python numbers at ``positions`` inside its kernel (nothing wrapped) but computes
