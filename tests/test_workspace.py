@@ -8,6 +8,7 @@ norms.py). Where a formula is a fit or a bound rather than the kernel's own arit
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -1170,3 +1171,69 @@ def test_the_native_input_gradients_columns_are_real_but_unseen_by_the_profiler(
         # With the weight's gradient: its columns after the buffer, and its and the bias's gradients (outputs).
         later = (case[3] * case[1] * case[4] ** 2 + case[3]) * 4
         assert both_rule == max(both_profiler, columns - later) <= both_at_malloc <= both_rule + later + python, (case, both)
+
+
+# Pointwise ops on tensors of more than one dtype (stagetorch/ops/elementwise.py, _cast_peak): the CPU kernel
+# casts each operand of another dtype to the one it computes in, at the operand's own shape; in place, where
+# that dtype is not the output's, it computes into a temporary of it as well. name -> the op's tensor arguments.
+_MIXED = {
+    "add.Tensor": lambda x, y: (x, y), "sub.Tensor": lambda x, y: (x, y), "mul.Tensor": lambda x, y: (x, y),
+    "div.Tensor": lambda x, y: (x, y), "rsub.Tensor": lambda x, y: (x, y),
+    "eq.Tensor": lambda x, y: (x, y), "ne.Tensor": lambda x, y: (x, y), "lt.Tensor": lambda x, y: (x, y),
+    "ge.Tensor": lambda x, y: (x, y), "maximum.default": lambda x, y: (x, y), "minimum.default": lambda x, y: (x, y),
+    "fmax.default": lambda x, y: (x, y), "pow.Tensor_Tensor": lambda x, y: (x, y),
+    "remainder.Tensor": lambda x, y: (x, y), "fmod.Tensor": lambda x, y: (x, y),
+    "floor_divide.default": lambda x, y: (x, y), "bitwise_and.Tensor": lambda x, y: (x, y),
+    "logical_or.default": lambda x, y: (x, y), "atan2.default": lambda x, y: (x, y),
+    "hypot.default": lambda x, y: (x, y), "xlogy.Tensor": lambda x, y: (x, y),
+    "copysign.Tensor": lambda x, y: (x, y),
+    "where.self": lambda x, y: (torch.rand(torch.broadcast_shapes(x.shape, y.shape)) > 0.5, x, y),
+    "addcmul.default": lambda x, y: (x, y, y), "addcdiv.default": lambda x, y: (x, y, y),
+    "add_.Tensor": lambda x, y: (x, y), "mul_.Tensor": lambda x, y: (x, y), "div_.Tensor": lambda x, y: (x, y),
+    "eq_.Tensor": lambda x, y: (x, y), "atan2_.default": lambda x, y: (x, y),
+    "addcmul_.default": lambda x, y: (x, y, y),
+}
+_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool]
+_SHAPES = {"same": ((6, 8), (6, 8)), "broadcast": ((6, 8), (1, 8)), "0-dim other": ((6, 8), ()),
+           "0-dim self": ((), (6, 8))}
+
+
+@pytest.mark.parametrize("shapes", list(_SHAPES))
+@pytest.mark.parametrize("name", list(_MIXED))
+def test_a_mixed_dtype_pointwise_op_casts_as_the_allocator_says(name, shapes):
+    """An int64 or bool mask times a float32 tensor, ``x.eq(y)`` across dtypes, ``torch.where(c, f32, f64)``,
+    ``bf16.add_(f32)``: for every pair of dtypes torch accepts, the rule is the allocator's, to the byte, and
+    where the dtypes differ the op allocates (a case that would fail without the rule)."""
+    op = _overload(name)
+    ran = 0
+    for a, b in itertools.product(_DTYPES, _DTYPES):
+        torch.manual_seed(0)
+        x, y = ((torch.rand(s) * 3 + 1).to(d) for s, d in zip(_SHAPES[shapes], (a, b)))
+        args = _MIXED[name](x, y)
+        try:
+            measured = op_workspace(op, *[t.clone() for t in args])
+        except (RuntimeError, TypeError):
+            continue  # torch refuses these operands
+        assert _rule(op, *[t.clone() for t in args]) == measured, (a, b)
+        assert measured > 0 or a == b, (a, b)
+        ran += a != b
+    if not ran and name.split(".")[0].endswith("_"):
+        pytest.skip("torch refuses to broadcast a 0-dim self in place")
+    assert ran > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("number", [0.5, 2, True])
+@pytest.mark.parametrize("name", ["pow.Tensor_Scalar", "clamp.default", "clamp_min.default", "clamp_max.default"])
+def test_a_number_that_promotes_the_tensor_casts_it(name, number, dtype):
+    """``int_tensor ** 0.5`` and ``int_tensor.clamp(0.5)`` compute in float32, ``bool_tensor ** 2`` in int64:
+    the kernel reads the number as a number but casts the tensor (0 where the number does not promote it)."""
+    op = _overload(name)
+    x = (torch.rand(6, 8) * 3 + 1).to(dtype)
+    args = (x, number, number + 1) if name == "clamp.default" else (x, number)
+    try:
+        measured = op_workspace(op, x.clone(), *args[1:])
+    except (RuntimeError, TypeError):
+        pytest.skip("torch refuses these operands")
+    assert (measured > 0) == (op(*args).dtype != dtype), measured
+    assert _rule(op, *args) == measured

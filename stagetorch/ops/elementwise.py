@@ -129,6 +129,50 @@ def _wrapped_peak(tensors: list[Aval], number: object, kind: _shape.Promotion) -
     return wrapped.itemsize + (0 if common == wrapped else common.itemsize) + casts
 
 
+def _cast_peak(tensors: list[Aval], kind: _shape.Promotion, inplace: bool = False, compares: bool = False) -> int:
+    """What one CPU TensorIterator call over tensors of more than one dtype allocates inside itself: a copy
+    of each operand of another dtype than the one it computes in, at the operand's own shape (broadcast
+    operands and 0-dim ones alike: an int64 mask times a float32 tensor casts the mask to float32). In place
+    (``tensors[0]`` the output), where that dtype is not the output's (``bf16.add_(f32)`` computes in
+    float32), the result is computed into a temporary of the computing dtype too, then copied back; a
+    comparison in place (``compares``) writes a bool ``self`` directly. A true division or ``atan2`` of
+    integers computes in float32: both operands are cast, even of one dtype."""
+    if any(t.device.type != "cpu" for t in tensors):  # a CUDA kernel casts as it reads (a CPU scalar too)
+        return 0
+    common = _shape.result_dtype(*tensors, kind=kind)
+    casts = sum(t.numel * common.itemsize for t in tensors if t.dtype != common)
+    if inplace and tensors[0].dtype not in (common, *((torch.bool,) if compares else ())):
+        casts += tensors[0].numel * common.itemsize
+    return casts
+
+
+def _inplace(e: Eqn) -> bool:
+    return e.prim._schema.name.endswith("_")
+
+
+_COMPARES = frozenset(("eq_", "ne_", "lt_", "gt_", "le_", "ge_"))
+
+
+def _compares(e: Eqn) -> bool:
+    """A comparison in place: its kernel writes a bool ``self`` directly (no temporary)."""
+    return e.prim._schema.name.removeprefix("aten::") in _COMPARES
+
+
+def mixed_dtype_workspace(positions: tuple[int, ...] = (0, 1), kind: _shape.Promotion = _shape.Promotion.DEFAULT):  # noqa: ANN201
+    """A pointwise op over the tensors at ``positions`` (its promoting operands: not ``where``'s condition),
+    whose CPU kernel casts each one of another dtype than the common one before computing
+    (:func:`_cast_peak`): ``mask * x`` with an int64 or bool mask, ``x.eq(y)`` across dtypes,
+    ``torch.where(c, f32, f64)``, ``torch.maximum(bf16, f32)``. Measured at the allocator
+    (tests/test_workspace.py); a comparison computes in the operands' common dtype (its output is bool).
+    All of one dtype: 0."""
+
+    def rule(e: Eqn) -> int:
+        tensors = [e.args[i].aval for i in positions if i < len(e.args) and isinstance(e.args[i], Var)]
+        return _cast_peak(tensors, kind, _inplace(e), _compares(e)) if tensors else 0
+
+    return rule
+
+
 def wrapped_number_workspace(position: int, kind: _shape.Promotion = _shape.Promotion.DEFAULT):  # noqa: ANN201
     """An op whose CPU kernel wraps the Python number at argument ``position`` as a 0-dim tensor and casts
     it to the computation's dtype, both freed inside the call (:func:`_wrapped_peak`): the arithmetic and
@@ -148,6 +192,8 @@ def wrapped_number_workspace(position: int, kind: _shape.Promotion = _shape.Prom
         how = kind
         if e.prim in (aten.div.Tensor_mode, aten.div_.Tensor_mode, aten.div.Scalar_mode, aten.div_.Scalar_mode):
             how = _shape.Promotion.DEFAULT if e.kwargs.get("rounding_mode") else _TO_FLOAT
+        if isinstance(number, Var) and not lists:  # a tensor, not a number: its casts across dtypes alone
+            return _cast_peak(tensors, how, _inplace(e))
         if not lists:
             return _wrapped_peak(tensors, number, how)
         # One call per tensor, each making its output before the next: the outputs after a call's peak are
@@ -162,9 +208,10 @@ def wrapped_number_workspace(position: int, kind: _shape.Promotion = _shape.Prom
     return rule
 
 
-# Measured at the allocator (tests/test_workspace.py): these wrap a number; ``pow.Tensor_Scalar``,
-# ``clamp``, ``masked_fill``, ``fill_``, ``lerp``, ``addcmul``/``addcdiv`` (their ``value``), ``hardtanh``,
-# ``threshold``, ``leaky_relu`` and ``_foreach_pow.Scalar`` take theirs as a number inside the kernel.
+# Measured at the allocator (tests/test_workspace.py): these wrap a number; ``pow.Tensor_Scalar``, ``clamp``
+# (both cast an integer ``self`` a float number promotes: number_cast_workspace), ``masked_fill``, ``fill_``,
+# ``lerp``, ``addcmul``/``addcdiv`` (their ``value``), ``hardtanh``, ``threshold``, ``leaky_relu`` and
+# ``_foreach_pow.Scalar`` take theirs as a number inside the kernel.
 _WRAPS_OTHER = (
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor,
     aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar, aten.add_.Scalar, aten.sub_.Scalar, aten.mul_.Scalar,
@@ -184,6 +231,41 @@ _WRAPS_OTHER_TO_FLOAT = (
     aten._foreach_div.Scalar, aten._foreach_div_.Scalar, aten._foreach_div.ScalarList, aten._foreach_div_.ScalarList,
 )
 
+
+def number_cast_workspace(positions: tuple[int, ...], kind: _shape.Promotion = _shape.Promotion.DEFAULT):  # noqa: ANN201
+    """An op that reads the Python numbers at ``positions`` inside its kernel (nothing wrapped) but computes
+    in the dtype they promote its tensor ``self`` to: the CPU kernel casts ``self`` first. An int64 or bool
+    tensor ``** 0.5`` or clamped to ``0.5`` computes in float32 (a float32 copy of it), a bool tensor ``** 2``
+    in int64; a float tensor: 0. Measured at the allocator (tests/test_workspace.py)."""
+
+    def rule(e: Eqn) -> int:
+        x = e.args[0]
+        if not isinstance(x, Var) or x.aval.device.type != "cpu":
+            return 0
+        numbers = [e.args[i] for i in positions if i < len(e.args) and _wrapped_dtype(e.args[i]) is not None]
+        common = _shape.result_dtype(x.aval, *numbers, kind=kind)
+        return 0 if common == x.aval.dtype else x.aval.numel * common.itemsize
+
+    return rule
+
+
+# Ops on two tensors (beside those above, whose tensor ``other`` takes _cast_peak), measured at the allocator:
+# each casts an operand of another dtype to the common one. ``masked_fill`` (its value read as a number),
+# ``copy_`` (casts element by element) and ``lerp`` (one dtype only) allocate none.
+_CASTS = (
+    aten.eq.Tensor, aten.ne.Tensor, aten.lt.Tensor, aten.gt.Tensor, aten.le.Tensor, aten.ge.Tensor,
+    aten.eq_.Tensor, aten.ne_.Tensor, aten.lt_.Tensor, aten.gt_.Tensor, aten.le_.Tensor, aten.ge_.Tensor,
+    aten.maximum.default, aten.minimum.default, aten.fmax.default, aten.fmin.default,
+    aten.remainder.Tensor, aten.remainder_.Tensor, aten.fmod.Tensor, aten.fmod_.Tensor,
+    aten.floor_divide.default, aten.floor_divide_.Tensor, aten.rsub.Tensor,
+    aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.bitwise_xor.Tensor,
+    aten.logical_and.default, aten.logical_or.default, aten.logical_xor.default,
+)
+_CASTS_TO_FLOAT = (
+    aten.atan2.default, aten.atan2_.default, aten.hypot.default, aten.xlogy.Tensor, aten.copysign.Tensor,
+    aten.special_xlog1py.default,
+)
+
 WORKSPACE: dict = {
     **{op: wrapped_number_workspace(1) for op in _WRAPS_OTHER},
     **{op: wrapped_number_workspace(1, _TO_FLOAT) for op in _WRAPS_OTHER_TO_FLOAT},
@@ -192,4 +274,17 @@ WORKSPACE: dict = {
     aten.remainder.Scalar_Tensor: wrapped_number_workspace(0),
     aten.xlogy.Scalar_Self: wrapped_number_workspace(0, _TO_FLOAT),
     aten.special_xlog1py.self_scalar: wrapped_number_workspace(0, _TO_FLOAT),
+    **{op: mixed_dtype_workspace() for op in _CASTS},
+    **{op: mixed_dtype_workspace(kind=_TO_FLOAT) for op in _CASTS_TO_FLOAT},
+    aten.pow.Tensor_Tensor: mixed_dtype_workspace(kind=_shape.Promotion.BOOL_TO_LONG),
+    aten.pow_.Tensor: mixed_dtype_workspace(kind=_shape.Promotion.BOOL_TO_LONG),
+    aten.where.self: mixed_dtype_workspace((1, 2)),
+    aten.pow.Tensor_Scalar: number_cast_workspace((1,)),  # bool ** True stays bool
+    aten.clamp.default: number_cast_workspace((1, 2)),
+    aten.clamp_min.default: number_cast_workspace((1,)),
+    aten.clamp_max.default: number_cast_workspace((1,)),
+    aten.addcmul.default: mixed_dtype_workspace((0, 1, 2)),
+    aten.addcmul_.default: mixed_dtype_workspace((0, 1, 2)),
+    aten.addcdiv.default: mixed_dtype_workspace((0, 1, 2)),
+    aten.addcdiv_.default: mixed_dtype_workspace((0, 1, 2)),
 }
