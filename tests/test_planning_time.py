@@ -115,9 +115,23 @@ def test_derived_chunk_peaks_equal_the_built_graphs_costs(name):
     _, exe, _ = _executable(name)
     split = exe.split()
     sizes = _Sizes(split, peak_bytes, (2, 4))
+    off = []
     for n in range(1, exe.batch):
-        assert sizes.chunk_peaks(n) == _chunk_peaks(split, n, peak_bytes), n
+        if sizes.chunk_peaks(n) != _chunk_peaks(split, n, peak_bytes):
+            off.append(n)
         assert sizes.phase_peak(n) == _phase_peak(split, n, peak_bytes), n
+    # Exact, unless a kernel's workspace was extrapolated (``approximate``): oneDNN's convolution weight gradient
+    # splits its threads over the chunk's examples (densenet at 3 examples: 6,889,940 B derived, 6,917,172 B
+    # built), which no line through two sizes follows. The planner then costs the sizes it chooses on built
+    # graphs: its plans' peaks are the built graphs', within the budget.
+    assert not off or sizes.approximate, off
+    if off:
+        full, least = peak_bytes(exe.graph), chunked_peak(split, 1, peak_bytes)
+        for k in range(1, 8):
+            budget = int((least + k / 8 * (full - least)) / (1 - SAFETY_MARGIN)) + 1
+            plan = plan_chunks(exe.graph, exe.split, exe.batch, budget, peak_bytes)
+            built = [_chunk_peaks(split, n, peak_bytes)[i > 0] for i, n in enumerate(plan.chunk_sizes)]
+            assert list(plan.peak_bytes) == built and max(built) <= budget * (1 - SAFETY_MARGIN), (budget, plan)
     derived = MODELS[name][2]
     # The derivation was used (else the comparison above would compare built graphs with themselves), or,
     # with a memory rule in the body, refused.
