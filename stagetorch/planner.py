@@ -27,7 +27,7 @@ import torch
 from . import _gc, distributed
 from .batching import Batched, analyze
 from .chunking import Split
-from .costing import peak_bytes
+from .costing import allocated, peak_bytes
 from .devices import bytes_ceiling, format_bytes
 from .errors import BatchCouplingError, OutOfMemoryError, StagingError, UnsupportedOpError
 from .ir import Graph, Var
@@ -54,8 +54,9 @@ class Planner:
     # The largest chunk known to run: set when a larger one ran out of memory, so later calls plan with it.
     cap: int | None = None
     remat: bool = False
-    # Bytes the graph counts twice because two of its inputs are views of one storage (known at the first
-    # run: see :meth:`see_overlap`).
+    # Bytes the graph counts twice because two of its inputs are views of one storage, less the bytes of the
+    # storages its inputs view that it does not count (negative then; known at the first run: see
+    # :meth:`see_inputs`).
     overlap: int | None = None
     plans: dict[int, Plan] = attrs.field(factory=dict)
     # With a process group: this rank's plan per (shard size, budget), or the error that says none fits.
@@ -257,14 +258,19 @@ class Planner:
         return plan
 
     def see_inputs(self, inputs: Sequence) -> None:
-        """Learn from a call's real ``inputs`` (parallel to ``graph.invars``) which of them are views of one
-        storage (a weight and its transpose handed to a lazy flush): separate values in the graph, whose
-        storage the plans count once (:meth:`see_overlap`)."""
-        groups: dict[int, dict[Var, int]] = {}
+        """Learn from a call's real ``inputs`` (parallel to ``graph.invars``) what the allocator holds for them
+        that the graph's values do not say: views of one storage (a weight and its transpose handed to a lazy
+        flush), separate values whose storage the plans count once, and a view of a larger storage (a slice
+        of a parameter, ``pos[:, :T]``, handed to a lazy flush without its base), whose whole storage the
+        allocator holds while the plans would count the view's bytes alone (:meth:`see_overlap`)."""
+        groups: dict[int, tuple[torch.Tensor, dict[Var, int]]] = {}
         for v, x in zip(self.graph.invars, inputs):
             if isinstance(x, torch.Tensor) and x.device.type != "meta":
-                groups.setdefault(x.untyped_storage().data_ptr(), {})[v.root] = v.root.owned_nbytes
-        self.see_overlap(sum(sum(g.values()) - max(g.values()) for g in groups.values() if len(g) > 1))
+                storage = x.untyped_storage()
+                groups.setdefault(storage.data_ptr(), (x, {}))[1][v.root] = allocated(v.root.owned_nbytes, x.device)
+        self.see_overlap(sum(
+            sum(counted.values()) - allocated(x.untyped_storage().nbytes(), x.device) for x, counted in groups.values()
+        ))
 
     def see_overlap(self, overlap: int) -> None:
         """Learn the bytes the graph counts twice because inputs are views of one storage (the executor
