@@ -262,12 +262,17 @@ class Planner:
         that the graph's values do not say: views of one storage (a weight and its transpose handed to a lazy
         flush), separate values whose storage the plans count once, and a view of a larger storage (a slice
         of a parameter, ``pos[:, :T]``, handed to a lazy flush without its base), whose whole storage the
-        allocator holds while the plans would count the view's bytes alone (:meth:`see_overlap`)."""
+        allocator holds while the plans would count the view's bytes alone (:meth:`see_overlap`); and the
+        leaves of a real autograd graph an input hangs from (a parameter whose lookup ran for real before a lazy
+        flush, ``wpe(position_ids)``): held while the program runs, their gradients made after it."""
         groups: dict[int, tuple[torch.Tensor, dict[Var, int]]] = {}
         for v, x in zip(self.graph.invars, inputs):
             if isinstance(x, torch.Tensor) and x.device.type != "meta":
                 storage = x.untyped_storage()
                 groups.setdefault(storage.data_ptr(), (x, {}))[1][v.root] = allocated(v.root.owned_nbytes, x.device)
+        for leaf in _graph_leaves(inputs):
+            if leaf.device.type != "meta":
+                groups.setdefault(leaf.untyped_storage().data_ptr(), (leaf, {}))
         self.see_overlap(sum(
             sum(counted.values()) - allocated(x.untyped_storage().nbytes(), x.device) for x, counted in groups.values()
         ))
@@ -336,3 +341,20 @@ def held_beside(error: StagingError, held: int, why: list[str]) -> StagingError:
     wider.__dict__.update(error.__dict__)  # what else the error says (a chunk-local result: see chunking)
     wider.smallest_budget = error.smallest_budget + held
     return wider
+
+
+def _graph_leaves(inputs: Sequence) -> list[torch.Tensor]:
+    """The leaves (``AccumulateGrad``'s tensors) of the real autograd graphs ``inputs`` hang from."""
+    stack = [x.grad_fn for x in inputs if isinstance(x, torch.Tensor) and x.grad_fn is not None]
+    seen: set = set()
+    leaves = []
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        leaf = getattr(fn, "variable", None)
+        if isinstance(leaf, torch.Tensor):
+            leaves.append(leaf)
+        stack.extend(f for f, _ in fn.next_functions)
+    return leaves
