@@ -27,7 +27,7 @@ import torch
 from . import _gc, distributed
 from .batching import Batched, analyze
 from .chunking import Split
-from .costing import peak_bytes
+from .costing import allocated, peak_bytes
 from .devices import bytes_ceiling, format_bytes
 from .errors import BatchCouplingError, OutOfMemoryError, StagingError, UnsupportedOpError
 from .ir import Graph, Var
@@ -54,8 +54,9 @@ class Planner:
     # The largest chunk known to run: set when a larger one ran out of memory, so later calls plan with it.
     cap: int | None = None
     remat: bool = False
-    # Bytes the graph counts twice because two of its inputs are views of one storage (known at the first
-    # run: see :meth:`see_overlap`).
+    # Bytes the graph counts twice because two of its inputs are views of one storage, less the bytes of the
+    # storages its inputs view that it does not count (negative then; known at the first run: see
+    # :meth:`see_inputs`).
     overlap: int | None = None
     plans: dict[int, Plan] = attrs.field(factory=dict)
     # With a process group: this rank's plan per (shard size, budget), or the error that says none fits.
@@ -257,14 +258,24 @@ class Planner:
         return plan
 
     def see_inputs(self, inputs: Sequence) -> None:
-        """Learn from a call's real ``inputs`` (parallel to ``graph.invars``) which of them are views of one
-        storage (a weight and its transpose handed to a lazy flush): separate values in the graph, whose
-        storage the plans count once (:meth:`see_overlap`)."""
-        groups: dict[int, dict[Var, int]] = {}
+        """Learn from a call's real ``inputs`` (parallel to ``graph.invars``) what the allocator holds for them
+        that the graph's values do not say: views of one storage (a weight and its transpose handed to a lazy
+        flush), separate values whose storage the plans count once, and a view of a larger storage (a slice
+        of a parameter, ``pos[:, :T]``, handed to a lazy flush without its base), whose whole storage the
+        allocator holds while the plans would count the view's bytes alone (:meth:`see_overlap`); and the
+        leaves of a real autograd graph an input hangs from (a parameter whose lookup ran for real before a lazy
+        flush, ``wpe(position_ids)``): held while the program runs, their gradients made after it."""
+        groups: dict[int, tuple[torch.Tensor, dict[Var, int]]] = {}
         for v, x in zip(self.graph.invars, inputs):
             if isinstance(x, torch.Tensor) and x.device.type != "meta":
-                groups.setdefault(x.untyped_storage().data_ptr(), {})[v.root] = v.root.owned_nbytes
-        self.see_overlap(sum(sum(g.values()) - max(g.values()) for g in groups.values() if len(g) > 1))
+                storage = x.untyped_storage()
+                groups.setdefault(storage.data_ptr(), (x, {}))[1][v.root] = allocated(v.root.owned_nbytes, x.device)
+        for leaf in _graph_leaves(inputs):
+            if leaf.device.type != "meta":
+                groups.setdefault(leaf.untyped_storage().data_ptr(), (leaf, {}))
+        self.see_overlap(sum(
+            sum(counted.values()) - allocated(x.untyped_storage().nbytes(), x.device) for x, counted in groups.values()
+        ))
 
     def see_overlap(self, overlap: int) -> None:
         """Learn the bytes the graph counts twice because inputs are views of one storage (the executor
@@ -330,3 +341,20 @@ def held_beside(error: StagingError, held: int, why: list[str]) -> StagingError:
     wider.__dict__.update(error.__dict__)  # what else the error says (a chunk-local result: see chunking)
     wider.smallest_budget = error.smallest_budget + held
     return wider
+
+
+def _graph_leaves(inputs: Sequence) -> list[torch.Tensor]:
+    """The leaves (``AccumulateGrad``'s tensors) of the real autograd graphs ``inputs`` hang from."""
+    stack = [x.grad_fn for x in inputs if isinstance(x, torch.Tensor) and x.grad_fn is not None]
+    seen: set = set()
+    leaves = []
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        leaf = getattr(fn, "variable", None)
+        if isinstance(leaf, torch.Tensor):
+            leaves.append(leaf)
+        stack.extend(f for f, _ in fn.next_functions)
+    return leaves

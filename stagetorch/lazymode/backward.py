@@ -123,6 +123,7 @@ class BackwardSkip(ExpressReplay):
                     self.end += mark.neqns
                     self.freed = self.freed | {loss._var}  # as the engine would have freed the graph
                     self._tape_backward(tape, tape_from, self.cursor - 1 - mark.nsteps, loss, leaves, nodes)
+                    state = None  # (the real tensors autograd saved, read to compare: not held through the flush)
                     self.flush([], grads=[(leaves[i], v) for i, v in mark.grads])
                     return
                 remark = self.cursor
@@ -164,6 +165,9 @@ class BackwardSkip(ExpressReplay):
             self._tape_backward(tape, tape_from, marked, loss, leaves, nodes)
         elif tape is not None:
             tape.append(_Call(_BACKWARD, (), False, tape_from, 0, 0, express=False))
+        # The real tensors autograd saved, read to mark the backward (the Python numbers an op wrapped as 0-dim
+        # tensors: `0.5 * x`), are dropped before the flush: the engine freed them, and no plan counts them.
+        saved = None
         self.flush([], leaves)
 
     def _run_stranded(self, func: Any, args: tuple, kwargs: dict, leaves: list, stranded: list) -> list:
