@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from injected import identity_op
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import stagetorch
@@ -316,21 +317,13 @@ def test_plan_prefers_multiples_of_eight_and_no_tiny_last_chunk():
 _LIMIT = {"examples": 10**9, "error": None}
 
 
-@torch.library.custom_op("stagetorch_test::guard", mutates_args=())
-def guard(x: torch.Tensor) -> torch.Tensor:
-    """Identity that fails like the device would, for chunks above a limit."""
+def _guard(x: torch.Tensor) -> None:
+    """Fail like the device would, for chunks above a limit."""
     if x.shape[0] > _LIMIT["examples"]:
         raise (_LIMIT["error"] or torch.OutOfMemoryError)(f"simulated: {x.shape[0]} examples")
-    return x.clone()
 
 
-@guard.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-guard.register_autograd(lambda ctx, grad: grad, setup_context=lambda ctx, inputs, output: None)
-stagetorch.ops.register(torch.ops.stagetorch_test.guard, batch=stagetorch.ops.per_example())
+identity_op("guard", _guard)
 
 
 def _guarded_step(model):

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from injected import identity_op
 from memtrack import _events
 
 import stagetorch
@@ -25,23 +26,15 @@ BATCH = 24
 _OOM = {"after": None, "calls": 0}
 
 
-@torch.library.custom_op("stagetorch_test::oom_after", mutates_args=())
-def oom_after(x: torch.Tensor) -> torch.Tensor:
-    """Identity that runs out of memory from its ``_OOM["after"]``-th call on: the device full from the
-    last chunk of a step onward (the chunk loop's retries in smaller chunks fail too)."""
+def _oom_after(x: torch.Tensor) -> None:
+    """Run out of memory from the ``_OOM["after"]``-th call on: the device full from the last chunk of a step
+    onward (the chunk loop's retries in smaller chunks fail too)."""
     _OOM["calls"] += 1
     if _OOM["after"] is not None and _OOM["calls"] > _OOM["after"]:
         raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 2.00 MiB")
-    return x.clone()
 
 
-@oom_after.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-oom_after.register_autograd(lambda ctx, grad: grad, setup_context=lambda ctx, inputs, output: None)
-stagetorch.ops.register(torch.ops.stagetorch_test.oom_after, batch=stagetorch.ops.per_example())
+identity_op("oom_after", _oom_after)
 
 
 def _model():

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from injected import identity_op
 
 import stagetorch
 from stagetorch.planning import SAFETY_MARGIN
@@ -21,23 +22,15 @@ BATCH = 24
 _FAIL = {"above": 10**9, "error": RuntimeError, "raised": 0}
 
 
-@torch.library.custom_op("stagetorch_test::donate_fail_above", mutates_args=())
-def fail_above(x: torch.Tensor) -> torch.Tensor:
-    """Identity that raises ``_FAIL["error"]`` for more than ``_FAIL["above"]`` examples: a kernel failing
-    mid-step (with ``torch.OutOfMemoryError``, a chunk too large for the device)."""
+def _fail_above(x: torch.Tensor) -> None:
+    """Raise ``_FAIL["error"]`` for more than ``_FAIL["above"]`` examples: a kernel failing mid-step (with
+    ``torch.OutOfMemoryError``, a chunk too large for the device)."""
     if x.shape[0] > _FAIL["above"]:
         _FAIL["raised"] += 1
         raise _FAIL["error"](f"injected failure at {x.shape[0]} examples")
-    return x.clone()
 
 
-@fail_above.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-fail_above.register_autograd(lambda ctx, grad: grad, setup_context=lambda ctx, inputs, output: None)
-stagetorch.ops.register(torch.ops.stagetorch_test.donate_fail_above, batch=stagetorch.ops.per_example())
+identity_op("donate_fail_above", _fail_above)
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from injected import identity_op
 
 import stagetorch
 
@@ -45,21 +46,13 @@ def assert_same_state(model: nn.Module, reference: nn.Module, tol: float = 1e-5)
 _FAIL = {"above": 10**9}
 
 
-@torch.library.custom_op("stagetorch_test::fail_above", mutates_args=())
-def fail_above(x: torch.Tensor) -> torch.Tensor:
-    """Identity that fails for more than ``_FAIL["above"]`` examples: a kernel failing mid-step."""
+def _fail_above(x: torch.Tensor) -> None:
+    """Fail for more than ``_FAIL["above"]`` examples: a kernel failing mid-step."""
     if x.shape[0] > _FAIL["above"]:
         raise RuntimeError(f"injected failure at {x.shape[0]} examples")
-    return x.clone()
 
 
-@fail_above.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-fail_above.register_autograd(lambda ctx, grad: grad, setup_context=lambda ctx, inputs, output: None)
-stagetorch.ops.register(torch.ops.stagetorch_test.fail_above, batch=stagetorch.ops.per_example())
+identity_op("fail_above", _fail_above)
 
 
 def _snapshot(model: nn.Module) -> dict[str, torch.Tensor | None]:
