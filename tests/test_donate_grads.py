@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from injected import identity_op
+from test_jit_state import budget_for
 
 import stagetorch
 from stagetorch.planning import SAFETY_MARGIN
@@ -77,18 +78,6 @@ def _data():
     return torch.randn(BATCH, 5, dtype=torch.float64), torch.randint(0, 3, (BATCH,))
 
 
-def _budget_for(staged: stagetorch.Staged, *args, chunks: int = 3) -> None:
-    """The largest budget (in 3% steps down from the whole batch's peak) that splits into >= ``chunks``."""
-    staged.memory_budget = None
-    budget = staged.plan(*args).full_batch_peak_bytes * 2
-    while budget > 1024:
-        staged.memory_budget = budget
-        if len(staged.plan(*args).chunk_sizes) >= chunks:
-            return
-        budget = int(budget * 0.97)
-    raise AssertionError("no budget gives enough chunks")
-
-
 def _assert_same(model, opt, reference, ref_opt, tol, when=""):
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=tol, atol=tol, msg=lambda m, name=name: f"{when} {name}: {m}")
@@ -129,7 +118,7 @@ def test_a_training_loop_with_donated_grads_matches_eager_every_step(kind, chunk
                 group["lr"] = lr * (0.1 if kind == "adamw" else 1)
         x, y = _data()
         if chunked:
-            _budget_for(staged, x, y)
+            budget_for(staged, x, y)
         plan = staged.plan(x, y)
         assert len(plan.chunk_sizes) >= 3 if chunked else len(plan.chunk_sizes) == 1
         assert plan.donated_bytes == _grad_bytes(_trained(model)) and (plan.donated_bytes > 0) == (call > 0)
@@ -192,7 +181,7 @@ def test_a_failed_step_leaves_the_donated_grads_none_and_the_rest_as_it_was(wher
     staged(x, y)
     staged(x, y)  # the program that updates the optimizer's state in place
     if where == "forward_chunked":
-        _budget_for(staged, x, y)
+        budget_for(staged, x, y)
     sizes = staged.plan(x, y).chunk_sizes
     before = _snapshot(model, opt)
     _FAIL["above"] = max(sizes) - 1
@@ -232,7 +221,7 @@ def test_running_out_of_memory_is_retried_in_smaller_chunks_with_donated_grads(c
     x, y = _data()
     torch.testing.assert_close(staged(x, y), eager(x, y).detach(), rtol=1e-6, atol=1e-6)
     if chunked:
-        _budget_for(staged, x, y)
+        budget_for(staged, x, y)
     plan = staged.plan(x, y)
     assert plan.donated_bytes == _grad_bytes(_trained(model)) > 0
     expected = eager(x, y)
