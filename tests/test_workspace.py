@@ -137,6 +137,24 @@ def _threads(n):
         torch.set_num_threads(before)
 
 
+def _layer(n, c, size, o, k, nd, layout, stride=1, padding=0, groups=1):
+    """A convolution's input, weight and output gradient for the oneDNN backward tests, laid out as ``layout``
+    (made under the number of threads the test runs with)."""
+    if layout == "channels-last" and nd == 1:
+        pytest.skip("a 1-d convolution has no channels-last format")
+    torch.manual_seed(0)
+    x, w, b = torch.randn(n, c, *[size] * nd), torch.randn(o, c // groups, *[k] * nd), torch.randn(o)
+    x = _laid_out(x, layout)
+    go = _laid_out(torch.randn_like(aten.convolution(*_conv(x, w, b, stride, padding, False, groups))), layout)
+    return x, w, go
+
+
+def _backward_workspace(go, x, w, stride, padding, groups, mask):
+    """The convolution backward's workspace at the allocator and by the rule."""
+    args = _conv_backward(go, x, w, stride, padding, False, groups, mask)
+    return op_workspace(aten.convolution_backward, *args), _rule(aten.convolution_backward, *args)
+
+
 # Strided convolutions whose input gradient oneDNN computes with its strided brgemm kernel (channels-last inside):
 # (batch, channels in, size, channels out, kernel, padding, dims, stride, groups). VNet's down-convolution at one
 # example of 48^3 (three input gradients at once: the old rule counted two); output gradients wider than the
@@ -158,20 +176,14 @@ def test_onednn_strided_input_gradient_is_the_allocators(case, threads, layout):
     plan at that convolution), and its scratchpad holds an output gradient of one example per thread. Over
     channels-last tensors it reads and writes in place: the weight and the scratchpad are all."""
     n, c, size, o, k, padding, nd, stride, groups = case
-    if layout == "channels-last" and nd == 1:
-        pytest.skip("a 1-d convolution has no channels-last format")
-    torch.manual_seed(0)
-    x, w, b = torch.randn(n, c, *[size] * nd), torch.randn(o, c // groups, *[k] * nd), torch.randn(o)
-    x = _laid_out(x, layout)
     with _threads(threads):
-        go = _laid_out(torch.randn_like(aten.convolution(*_conv(x, w, b, stride, padding, False, groups))), layout)
+        x, w, go = _layer(n, c, size, o, k, nd, layout, stride, padding, groups)
         # With the weight's gradient too: where the input gradient's clone makes the op's peak (VNet's layer); on
         # most other shapes the weight gradient's buffers do, which the rule bounds (never under the allocator:
         # test_onednn_weight_gradient_workspace_is_never_under_the_allocators).
         both = case == STRIDED[0] and layout == "contiguous"
         for mask in ((True, False, False), (True, True, True)) if both else ((True, False, False),):
-            args = _conv_backward(go, x, w, stride, padding, False, groups, mask)
-            measured, rule = op_workspace(aten.convolution_backward, *args), _rule(aten.convolution_backward, *args)
+            measured, rule = _backward_workspace(go, x, w, stride, padding, groups, mask)
             assert abs(rule - measured) <= 0.02 * measured + 256, (mask, measured, rule)
 
 
@@ -208,16 +220,10 @@ def test_onednn_weight_gradient_workspace_is_never_under_the_allocators(case, th
     bounded before (1.35x-1.63x over at 2-3 threads, up to 24x). With the input gradient's before it, never under
     the allocator: a planned step must not run over its budget."""
     n, c, size, o, k, groups, padding, nd, stride = case
-    if layout == "channels-last" and nd == 1:
-        pytest.skip("a 1-d convolution has no channels-last format")
-    torch.manual_seed(0)
-    x, w, b = torch.randn(n, c, *[size] * nd), torch.randn(o, c // groups, *[k] * nd), torch.randn(o)
-    x = _laid_out(x, layout)
     with _threads(threads):
-        go = _laid_out(torch.randn_like(aten.convolution(*_conv(x, w, b, stride, padding, False, groups))), layout)
+        x, w, go = _layer(n, c, size, o, k, nd, layout, stride, padding, groups)
         for mask in ((False, True, True), (True, True, True), (False, True, False)):
-            args = _conv_backward(go, x, w, stride, padding, False, groups, mask)
-            measured, rule = op_workspace(aten.convolution_backward, *args), _rule(aten.convolution_backward, *args)
+            measured, rule = _backward_workspace(go, x, w, stride, padding, groups, mask)
             assert measured <= rule, (mask, measured, rule)
             if not mask[0]:
                 assert rule <= 1.02 * measured + 256, (mask, measured, rule)
@@ -246,14 +252,10 @@ INPUT_GRADIENTS = [
 @pytest.mark.parametrize("case", INPUT_GRADIENTS, ids=lambda c: "x".join(map(str, c)))
 def test_onednn_input_gradient_workspace_is_never_under_the_allocators(case, threads):
     n, c, size, o, k, groups, padding, nd, stride, layout = case
-    torch.manual_seed(0)
-    x, w, b = torch.randn(n, c, *[size] * nd), torch.randn(o, c // groups, *[k] * nd), torch.randn(o)
-    x = _laid_out(x, layout)
     with _threads(threads):
-        go = _laid_out(torch.randn_like(aten.convolution(*_conv(x, w, b, stride, padding, False, groups))), layout)
+        x, w, go = _layer(n, c, size, o, k, nd, layout, stride, padding, groups)
         for mask in ((True, False, False), (True, True, True)):
-            args = _conv_backward(go, x, w, stride, padding, False, groups, mask)
-            measured, rule = op_workspace(aten.convolution_backward, *args), _rule(aten.convolution_backward, *args)
+            measured, rule = _backward_workspace(go, x, w, stride, padding, groups, mask)
             assert measured <= rule, (mask, measured, rule)
             if groups == 1 and (k == 1 or stride == 1) and layout == "channels-last" and mask[1] is False:
                 # Exact but where oneDNN's channel block is 48 (the rule takes 64: 1.16x over at most).
