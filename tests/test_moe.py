@@ -27,6 +27,10 @@ transformers = pytest.importorskip("transformers")
 aten = torch.ops.aten
 
 TOL = 1e-5
+# The whole batch staged runs eager's kernels on eager's shapes, but not always on eager's layouts: on an AMD
+# EPYC (AVX-512, no AMX) the embedding's gradient lands 8e-8 to 1.1e-7 from eager's, on Intel with AMX bitwise.
+# Float32 rounding is all that may differ.
+WHOLE_TOL = 1e-6
 BATCH, SEQ = 7, 16
 
 
@@ -183,7 +187,7 @@ def test_moe_model_staged_whole_and_in_uneven_chunks_equals_eager(name, padded):
     expected = eager(model, b)
 
     whole = copy.deepcopy(model)
-    assert_close(whole, stagetorch.jit(step_of(whole))(*b), expected, 0.0)
+    assert_close(whole, stagetorch.jit(step_of(whole))(*b), expected, WHOLE_TOL)
 
     chunked = copy.deepcopy(model)
     staged = stagetorch.jit(step_of(chunked), remat=False)
@@ -220,7 +224,7 @@ def test_mixtral_in_one_line_mode_equals_eager(padded):
     ids, mask, labels = stagetorch.lazy(*b, batch=0)
     out = model(input_ids=ids, attention_mask=mask, labels=labels)
     out.loss.backward()
-    assert_close(model, torch.tensor(out.loss.item()), expected, 0.0)
+    assert_close(model, torch.tensor(out.loss.item()), expected, WHOLE_TOL)
 
 
 def test_without_the_routing_rules_chunking_refuses_by_name():
