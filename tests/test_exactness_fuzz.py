@@ -1,0 +1,22 @@
+"""A fixed-seed slice of the step fuzzer (tests/step_fuzz.py): random training steps whose loss reads a
+batch-sized weight or mask from an argument, a global, a closure, a module attribute, a buffer, a factory or
+Python data, trained under jit (whole, >= 3 uneven chunks, recomputing) and lazy with a budget, each equal to
+eager at float64 or refused by a named stagetorch error that left the model untouched. The long search is
+bench/fuzz_exactness.py; every failure either finds becomes a named case in tests/test_captured_batch.py.
+"""
+
+from __future__ import annotations
+
+import step_fuzz
+
+EXAMPLES = 30  # about 1-2 minutes on 2 cores
+
+
+def test_random_steps_reading_batch_sized_tensors_equal_eager_or_are_refused_by_name(request):
+    outcomes = step_fuzz.search(EXAMPLES, derandomize=True)
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("\n" + step_fuzz.summary(outcomes))
+    failures = [o.report() for o in outcomes if o.failures]
+    assert len(outcomes) == EXAMPLES
+    assert not failures, f"{len(failures)} of {len(outcomes)} steps failed:\n\n" + "\n\n".join(failures)
