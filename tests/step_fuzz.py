@@ -2,8 +2,8 @@
 one trains under stagetorch as in eager PyTorch or is refused by name (issue 35).
 
 :func:`specs` (a hypothesis strategy) draws a :class:`StepSpec`: a small float64 model (Linear/ReLU/Tanh
-stacks, after a Conv1d or an Embedding), a per-example weight or mask of shape (B,), (B, 1) or (B, C) taken
-from an argument, a global, a closure, a module attribute, a registered buffer, a factory inside the step or
+stacks, after a Conv1d or an Embedding), a per-example weight or mask of shape (B,), (B, 1) or (B, C), or
+labels of shape (B,) or (B, 1) that the step reads instead of its argument ``y``, taken from an argument, a global, a closure, a module attribute, a registered buffer, a factory inside the step or
 ``torch.tensor`` of Python data, meeting logits, per-example losses or gathered log-probabilities through
 ``*``, ``+``, ``/`` or ``torch.where``, reduced by a mean, a sum, a weighted or masked mean, or used as the
 ``ignore_index`` mask of a cross-entropy with or without class weights; a selection of classes or of rows;
@@ -52,11 +52,13 @@ BATCHES = (23, 29, 37)  # primes: chunks are uneven, and no other dim of a model
 ORIGINS = ("argument", "global", "closure", "attribute", "buffer", "factory", "python_data")
 SHAPES = ("b", "b1", "bc")
 VALUES = ("logits", "losses", "logp")
-# kind -> the ways it meets the per-example value, and the reductions it can take part in.
-COMBINES = {"weight": ("mul", "add", "div", "where"), "mask": ("mul", "where")}
+# kind -> the ways it meets the per-example value, and the reductions it can take part in. Labels (class
+# indices the step reads instead of ``y``) are the value's index: they meet nothing else.
+COMBINES = {"weight": ("mul", "add", "div", "where"), "mask": ("mul", "where"), "labels": ("index",)}
 REDUCTIONS = {
     "weight": ("mean", "sum", "weighted_mean"),
     "mask": ("mean", "sum", "masked_mean", "ce_ignore_index", "ce_class_weights"),
+    "labels": ("mean", "sum"),
 }
 SELECTS = ("none", "classes", "rows", "flip")
 
@@ -92,7 +94,7 @@ class StepSpec:
     act: str  # "relu" or "tanh"
     batch: int
     classes: int
-    kind: str  # "weight" or "mask"
+    kind: str  # "weight", "mask" or "labels"
     origin: str
     shape: str  # "b", "b1" or "bc"
     value: str
@@ -100,6 +102,7 @@ class StepSpec:
     reduction: str
     select: str
     changes: bool  # the tensor's values change between steps
+    column: str  # how a (B,) value becomes (B, 1): "index" ([:, None]), "unsqueeze" or "reshape" (B as a number)
     seed: int
     steps: int = 3
 
@@ -122,12 +125,13 @@ def specs(draw) -> StepSpec:
         classes=draw(st.sampled_from((3, 5))),
         kind=kind,
         origin=draw(st.sampled_from(ORIGINS)),
-        shape=draw(st.sampled_from(SHAPES)),
+        shape=draw(st.sampled_from(SHAPES[:2] if kind == "labels" else SHAPES)),
         value=draw(st.sampled_from(VALUES)),
         combine=combine,
         reduction=reduction,
         select=draw(st.sampled_from(SELECTS)),
         changes=draw(st.booleans()),
+        column=draw(st.sampled_from(("index", "unsqueeze", "reshape"))),
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -141,9 +145,11 @@ def _factory_code(spec: StepSpec) -> str:
     n = "x.shape[0] * C" if spec.shape == "bc" else "x.shape[0]"
     if spec.kind == "weight":
         lo, hi = (0.25, 1.75) if spec.positive else (-1, 1)
-        flat = f"torch.linspace({lo}, {hi}, {n}, dtype=torch.float64) * K"
+        flat = f"(torch.linspace({lo}, {hi}, {n}, dtype=torch.float64) * K)"
+    elif spec.kind == "mask":
+        flat = f"(torch.arange({n}) % 4 != J)"  # with C = 3, t.all(1) keeps a row in four
     else:
-        flat = f"(torch.arange({n}) % 3 != J)"
+        flat = f"((torch.arange({n}) + J) % C)"
     return {"b": flat, "b1": f"{flat}[:, None]", "bc": f"{flat}.reshape(-1, C)"}[spec.shape]
 
 
@@ -160,7 +166,21 @@ def _tensor_code(spec: StepSpec) -> str | None:
     }[spec.origin]
 
 
+def _column(spec: StepSpec, name: str) -> str:
+    """``name`` (B,) as (B, 1), the way the spec writes it: the reshape names the batch size as a number."""
+    return {"index": f"{name}[:, None]", "unsqueeze": f"{name}.unsqueeze(1)", "reshape": f"{name}.reshape({spec.batch}, 1)"}[spec.column]
+
+
 def _loss_lines(spec: StepSpec) -> list[str]:
+    if spec.kind == "labels":
+        index = "t[:, None]" if spec.shape == "b" else "t"
+        value = {
+            "logits": f"out.gather(1, {index}).squeeze(1)",
+            "losses": f'F.cross_entropy(out, {index}.squeeze(1), reduction="none")',
+            "logp": f"F.log_softmax(out, -1).gather(1, {index}).squeeze(1)",
+        }[spec.value]
+        select = [SELECT_CODE[spec.select]] if SELECT_CODE.get(spec.select) else []
+        return [f"v = {value}", *select, REDUCTION_CODE[spec.reduction].replace("c.", "v.")]
     if spec.reduction.startswith("ce_"):
         weight = ", weight=CW" if spec.reduction == "ce_class_weights" else ""
         return [f"target = torch.where({MASK_ROWS[spec.shape]}, y, -100)", f"loss = F.cross_entropy(out, target{weight})"]
@@ -169,11 +189,11 @@ def _loss_lines(spec: StepSpec) -> list[str]:
         lines.append(SELECT_CODE[spec.select])
     # Broadcast against each other as a user would write it: (B,) meets (B, C) as t[:, None].
     if spec.value == "logits":
-        lines.append("u = t[:, None]" if spec.shape == "b" else "u = t")
+        lines.append(f"u = {_column(spec, 't')}" if spec.shape == "b" else "u = t")
     elif spec.shape == "b":
         lines.append("u = t")
     else:
-        lines += ["v = v[:, None]", "u = t"]
+        lines += [f"v = {_column(spec, 'v')}", "u = t"]
     return [*lines, COMBINE_CODE[spec.kind, spec.combine], REDUCTION_CODE[spec.reduction]]
 
 
@@ -240,6 +260,8 @@ class World:
         spec = self.spec
         g = torch.Generator().manual_seed(seed)
         shape = {"b": (spec.batch,), "b1": (spec.batch, 1), "bc": (spec.batch, spec.classes)}[spec.shape]
+        if spec.kind == "labels":
+            return torch.randint(0, spec.classes, shape, generator=g)
         if spec.kind == "mask":
             t = torch.rand(shape, generator=g) < 0.7
             t.view(-1)[0] = True  # a masked mean or cross-entropy over nothing is nan in eager too
@@ -254,12 +276,14 @@ class World:
         spec = self.spec
         if k and spec.changes:
             if spec.origin in ("global", "closure", "attribute", "buffer"):
-                if spec.kind == "mask":
+                if spec.kind == "labels":
+                    self.t.copy_((self.t + 1) % spec.classes)
+                elif spec.kind == "mask":
                     self.t.copy_(self.t.roll(1, 0))
                 else:
                     self.t.mul_(0.75).add_(0.25)
             elif spec.origin == "factory":
-                self.namespace["K"], self.namespace["J"] = 1.0 + 0.5 * k, k % 3
+                self.namespace["K"], self.namespace["J"] = 1.0 + 0.5 * k, k % 4
             elif spec.origin == "python_data":
                 self.namespace["DATA"] = self._draw(spec.seed + 100 * k).tolist()
         g = torch.Generator().manual_seed(spec.seed + 7 * k)

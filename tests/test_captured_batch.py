@@ -133,6 +133,28 @@ def global_weights_against_2d(model):
     return step, ()
 
 
+# Found by the step fuzzer (tests/step_fuzz.py) on the same cause: its other origins and shapes.
+
+
+def factory_weights(model):
+    def step(x, y):
+        logits = model(x)
+        w = torch.linspace(-1, 1, x.shape[0], dtype=torch.float64)
+        return backward(-(logp_of(logits, y) * w).mean(), logits)
+
+    return step, ()
+
+
+def buffer_mask_2d_through_where(model):
+    model.register_buffer("mask", torch.rand(BATCH, 5, generator=torch.Generator().manual_seed(2)) < 0.7)
+
+    def step(x, y):
+        logits = model(x)
+        return backward(-torch.where(model.mask, logp_of(logits, y)[:, None], 0.0).sum(), logits)
+
+    return step, ()
+
+
 ROWS = {
     "global": global_weights,
     "closure": closure_weights,
@@ -141,6 +163,8 @@ ROWS = {
     "python_list": python_list_weights,
     "argument": argument_weights,
     "global_against_2d": global_weights_against_2d,
+    "factory": factory_weights,
+    "buffer_mask_2d_through_where": buffer_mask_2d_through_where,
 }
 
 
@@ -297,7 +321,7 @@ def test_jit_with_a_batch_sized_global_updated_in_place_each_step_equals_eager(r
 # -- the batch size written as a number ---------------------------------------------------------------------
 
 
-def reshape_by_number(model):
+def input_reshaped_by_number(model):
     def step(x, y):
         logits = model(x.reshape(BATCH, -1))  # x is (BATCH, 4, 4)
         return backward(F.cross_entropy(logits, y), logits)
@@ -305,18 +329,32 @@ def reshape_by_number(model):
     return step, ()
 
 
+def global_reshaped_by_number(model):
+    def step(x, y):
+        logits = model(x.flatten(1))
+        return backward(-(F.log_softmax(logits, -1) * W.reshape(BATCH, 1)).mean(), logits)
+
+    return step, ()
+
+
+RESHAPES = {"input": input_reshaped_by_number, "global": global_reshaped_by_number}
+
+
 @pytest.mark.parametrize("how", ["jit", "lazy"])
-def test_a_reshape_naming_the_batch_size_equals_eager_or_is_refused_by_name_before_running(how):
-    data = batches(2, shape=(4, 4))
+@pytest.mark.parametrize("what", list(RESHAPES))
+def test_a_reshape_naming_the_batch_size_equals_eager_or_is_refused_by_name_before_running(what, how):
+    """``reshape(BATCH, ...)`` of the input, or of a global that meets per-example values: a chunk must see
+    it as ``reshape(x.shape[0], ...)`` would be, or the step be refused by name with the model untouched."""
+    row, data = RESHAPES[what], batches(2, shape=(4, 4))
     model = net()
     before = copy.deepcopy(model)
     try:
         if how == "jit":
-            got = jit_training(reshape_by_number, data, remat=False, model=model)
+            got = jit_training(row, data, remat=False, model=model)
         else:
-            got = lazy_training(reshape_by_number, data, model=model)
+            got = lazy_training(row, data, model=model)
     except NAMED:
         for p, q in zip(model.parameters(), before.parameters()):
             assert p.grad is None and torch.equal(p, q)
         return
-    assert_same_training(got, eager_training(reshape_by_number, data))
+    assert_same_training(got, eager_training(row, data))
