@@ -318,9 +318,9 @@ class Split:
                     feeds.append(("full", v))
                 return sliced_globals[v]
             if v not in mapping:
-                if isinstance(lab, Batched):  # a batched graph input
+                if isinstance(lab, Batched):  # a batched graph input, or a shared value paired with the examples
                     mapping[v] = _chunk_var(v, lab, n)
-                    feeds.append(("batch", v, lab))
+                    feeds.append(("slice" if v in an.spanning else "batch", v, lab))
                 else:
                     mapping[v] = Var(v.aval, strides=v.strides)
                     feeds.append(("full", v))
