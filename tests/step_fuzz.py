@@ -312,7 +312,8 @@ class StepRecord:
 
 @attrs.define
 class Result:
-    status: str  # "ran", "refused", "wrong", "raw" (a raw error), "dirty" (refused after writing state)
+    status: str  # "ran", "refused", "wrong", "raw" (a raw error), "dirty" (refused after writing state), or
+    # "unchunkable" (no budget splits the step in enough chunks: nothing to compare)
     error: str = ""  # the exception's class name
     detail: str = ""
     chunks: tuple[int, ...] = ()  # the chunk sizes a staged variant planned or a lazy one's kernels ran

@@ -14,9 +14,8 @@ EXAMPLES = 30  # about 1-2 minutes on 2 cores
 
 def test_random_steps_reading_batch_sized_tensors_equal_eager_or_are_refused_by_name(request):
     outcomes = step_fuzz.search(EXAMPLES, derandomize=True)
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("\n" + step_fuzz.summary(outcomes))
+    with request.config.pluginmanager.get_plugin("capturemanager").global_and_fixture_disabled():
+        print("\n" + step_fuzz.summary(outcomes))
     failures = [o.report() for o in outcomes if o.failures]
     assert len(outcomes) == EXAMPLES
     assert not failures, f"{len(failures)} of {len(outcomes)} steps failed:\n\n" + "\n\n".join(failures)
