@@ -21,6 +21,7 @@ a refusal that wrote state, or a wrong number is a failure. :func:`search` runs 
 from __future__ import annotations
 
 import collections
+import re
 import time
 import traceback
 
@@ -334,6 +335,10 @@ class FirstLayerRows(TorchDispatchMode):
         self.rows: list[int] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and not isinstance(args[0], torch.Tensor):
+            # A wrapped number (a Python scalar autograd saved as a tensor) reaches a mode as that number, and
+            # the kernel refuses it; lazy's backward reads such saved values with .item().
+            return args[0]
         # Recording (lazy tensors) and tracing (fake tensors) run no kernel.
         where = _FIRST_LAYER_ARGS.get(func.overloadpacket)
         if where and args[where[0]].shape in self.shapes and not any(
@@ -494,7 +499,7 @@ def summary(outcomes: list[Outcome]) -> str:
         for v, r in o.results.items():
             if r.status == "refused":
                 counts[v][f"refused: {r.error}{' (separable)' if separable else ''}"] += 1
-                messages[r.error + r.detail.split(":", 1)[-1][:160]] += 1
+                messages[r.error + re.sub(r" at <step \d+>:\d+", "", r.detail.split(":", 1)[-1])[:160]] += 1
             else:
                 counts[v][r.status] += 1
             counts[v]["ran in >= 3 chunks"] += r.status == "ran" and len(r.chunks) >= 3
