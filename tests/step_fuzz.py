@@ -148,7 +148,7 @@ def _factory_code(spec: StepSpec) -> str:
         lo, hi = (0.25, 1.75) if spec.positive else (-1, 1)
         flat = f"(torch.linspace({lo}, {hi}, {n}, dtype=torch.float64) * K)"
     elif spec.kind == "mask":
-        flat = f"(torch.arange({n}) % 4 != J)"  # with C = 3, t.all(1) keeps a row in four
+        flat = f"(torch.arange({n}) % (C + 1) != J)"  # t.all(1) keeps one row in C + 1
     else:
         flat = f"((torch.arange({n}) + J) % C)"
     return {"b": flat, "b1": f"{flat}[:, None]", "bc": f"{flat}.reshape(-1, C)"}[spec.shape]
@@ -462,6 +462,7 @@ class Outcome:
 def check(spec: StepSpec) -> Outcome:
     """Eager's training of ``spec``'s step (which must run), and each of :data:`VARIANTS` against it."""
     expected = train(World(spec), _eager)
+    assert all(r.loss.isfinite() for r in expected), f"the generator drew a step whose loss is not finite:\n{source(spec)}"
     return Outcome(spec, {v: run_variant(spec, v, expected) for v in VARIANTS})
 
 
