@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BLOCK_ROUND", "SMALL_REQUEST", "SMALL_SEGMENT", "LARGE_SEGMENT", "MIN_LARGE_ALLOC", "LARGE_ROUND",
     "rounded", "segment_size", "CachingAllocatorModel", "AllocatorStats", "AllocatorOutOfMemory", "replay",
-    "step_events", "predict_reserved", "on_cuda", "fit_reserved",
+    "step_events", "resident_events", "predict_reserved", "allocator_settings", "on_cuda", "fit_reserved",
 ]
 
 MiB = 1 << 20
@@ -542,6 +543,7 @@ def step_events(graph: Graph, chunk_sizes: Sequence[int], split: Split | None = 
     if len(chunk_sizes) == 1:
         return _program(graph, "step", True, True)[0]
     assert split is not None, "a chunked plan's events need the graph's split"
+    costed: dict[int, tuple[list[tuple], list[tuple]]] = {}  # a chunk graph's events, for each chunk that runs it
     events, _ = _program(split.shared, "shared", False, True)
     passes = [("body", split.body)]
     if split.reduced_for_globals:
@@ -559,8 +561,11 @@ def step_events(graph: Graph, chunk_sizes: Sequence[int], split: Split | None = 
                         shape = list(v.aval.shape)
                         shape[label.dim] = label.extent(batch)
                         events.append(("alloc", (name, "into", v), _nbytes(shape, v)))
-            made, ended = _program(body.first if k == 0 else body.rest, (name, k), False, k == 0)
-            events += made + ended
+            graph_k = body.first if k == 0 else body.rest
+            if id(graph_k) not in costed:
+                costed[id(graph_k)] = _program(graph_k, name, False, k == 0)
+            made, ended = costed[id(graph_k)]
+            events += [(action, (k, key), size) for action, key, size in (*made, *ended)]
     if split.post.eqns:
         events += _program(split.post, "post", True, True)[0]
     return events
@@ -573,20 +578,48 @@ def _nbytes(shape: Sequence[int], v: Var) -> int:
     return count * v.aval.dtype.itemsize
 
 
+def resident_events(graph: Graph, held: int = 0, workspace: int = 0) -> list[tuple[str, Any, int]]:
+    """The allocations that hold ``graph``'s inputs before it runs: each input storage once, in the order the
+    graph takes them (parameters as ``model.to("cuda")`` moves them), then ``held`` bytes the call holds
+    beside the program and a library's ``workspace`` (each as one block)."""
+    inputs: dict[Var, None] = dict.fromkeys(v.root for v in graph.invars)
+    events = [("alloc", ("input", r), r.owned_nbytes) for r in inputs if r.owned_nbytes]
+    return events + [("alloc", name, n) for name, n in (("held", held), ("workspace", workspace)) if n]
+
+
 def predict_reserved(
-    graph: Graph, chunk_sizes: Sequence[int], split: Split | None = None, *, held: int = 0, **allocator: Any
+    graph: Graph, chunk_sizes: Sequence[int], split: Split | None = None, *, held: int = 0, workspace: int = 0,
+    **allocator: Any,
 ) -> AllocatorStats:
     """What the caching allocator reserves for a step of ``graph`` run in ``chunk_sizes`` (with its ``split``
-    when chunked): the graph's inputs allocated first, each storage once, in the order the graph takes them
-    (parameters as ``model.to("cuda")`` moves them), then ``held`` bytes the call holds beside the program,
-    then the step (:func:`step_events`). ``allocator``: :class:`CachingAllocatorModel`'s options. Raises
-    :class:`AllocatorOutOfMemory` when the step cannot get its segments within ``memory_limit``."""
-    model = CachingAllocatorModel(**allocator)
-    inputs: dict[Var, None] = dict.fromkeys(v.root for v in graph.invars)
-    resident = [("alloc", ("input", r), r.owned_nbytes) for r in inputs if r.owned_nbytes]
-    if held:
-        resident.append(("alloc", "held", held))
-    return replay([*resident, *step_events(graph, chunk_sizes, split)], model)
+    when chunked): its inputs, ``held`` bytes and a library's ``workspace`` first (:func:`resident_events`;
+    cuBLAS keeps one per handle and stream from the first matmul on, 32 MiB on an H200), then the step
+    (:func:`step_events`). ``allocator``: :class:`CachingAllocatorModel`'s options. Raises
+    :class:`AllocatorOutOfMemory` when the step cannot get its segments within a ``memory_limit``."""
+    events = [*resident_events(graph, held, workspace), *step_events(graph, chunk_sizes, split)]
+    return replay(events, CachingAllocatorModel(**allocator))
+
+
+# The allocator options the model follows, as PYTORCH_ALLOC_CONF spells them: (model option, parse).
+_SETTINGS = {
+    "expandable_segments": ("expandable_segments", lambda v: v.strip().lower() == "true"),
+    "max_split_size_mb": ("max_split_size", lambda v: int(v) * MiB),
+    "max_non_split_rounding_mb": ("max_non_split_rounding", lambda v: int(v) * MiB),
+}
+
+
+def allocator_settings(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """The :class:`CachingAllocatorModel` options this process's allocator runs with, from
+    ``PYTORCH_ALLOC_CONF`` (or the older ``PYTORCH_CUDA_ALLOC_CONF``): ``expandable_segments``,
+    ``max_split_size_mb`` and ``max_non_split_rounding_mb``; others are not modelled."""
+    conf = environ.get("PYTORCH_ALLOC_CONF") or environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    options = {}
+    for item in conf.split(","):
+        key, _, value = item.partition(":")
+        if key.strip() in _SETTINGS:
+            name, parse = _SETTINGS[key.strip()]
+            options[name] = parse(value)
+    return options
 
 
 def on_cuda(graph: Graph) -> bool:
@@ -595,14 +628,15 @@ def on_cuda(graph: Graph) -> bool:
 
 
 def fit_reserved(plan: Plan, graph: Graph, split: Callable[[], Split], budget: int, replan: Callable[[int], Plan]) -> Plan:
-    """``plan`` if the caching allocator's predicted reserved bytes for it fit ``budget`` (the bytes the
-    process may hold: a memory fraction caps reserved, not allocated); else the plan ``replan(cap)`` makes
-    with chunks of at most ``cap``, for the largest ``cap`` that fits. A plan of chunks of one that still does
-    not fit is returned as it is (its allocated peak was planned; nothing smaller runs). The plan's reason
-    says the prediction."""
+    """``plan`` if the caching allocator's predicted reserved bytes for it (with this process's
+    :func:`allocator_settings`) fit ``budget`` (the bytes the process may hold: a memory fraction caps
+    reserved, not allocated); else the plan ``replan(cap)`` makes with chunks of at most ``cap``, for the
+    largest ``cap`` that fits. A plan of chunks of one that still does not fit is returned as it is (its
+    allocated peak was planned; nothing smaller runs). The plan's reason says the prediction."""
+    settings = allocator_settings()
     while True:
         sizes = plan.chunk_sizes
-        reserved = predict_reserved(graph, sizes, split() if len(sizes) > 1 else None).max_reserved
+        reserved = predict_reserved(graph, sizes, split() if len(sizes) > 1 else None, **settings).max_reserved
         if reserved <= budget or max(sizes) == 1:
             return attrs.evolve(plan, reason=f"{plan.reason} The caching allocator will reserve about {format_bytes(reserved)} for it.")
         plan = replan(max(sizes) - 1)
