@@ -20,15 +20,18 @@ from memtrack import budget_between
 
 import stagetorch
 import stagetorch.planner as planner_module
+from stagetorch.costing import allocation_events
 from stagetorch.cuda_allocator import (
     AllocatorOutOfMemory,
     CachingAllocatorModel,
+    allocator_settings,
     predict_reserved,
     replay,
     resident_events,
     rounded,
     segment_size,
 )
+from stagetorch.ir import Var
 
 MiB = 1 << 20
 TRACE = Path(__file__).parent / "data" / "cuda-traces" / "gpt2-124M-16x512-chunked-h200.trace.json.gz"
@@ -447,3 +450,29 @@ def test_the_plan_of_the_traced_gpt2_step_predicts_the_h200s_reserved_bytes(trac
     assert predicted.max_allocated == pytest.approx(trace["max_allocated"], rel=0.01)
     with_cublas = predict_reserved(planner.graph, plan.chunk_sizes, planner.split(), workspace=32 * MiB)
     assert with_cublas.max_reserved == trace["max_reserved"]
+
+
+def test_allocation_events_follow_the_memory_interpreters_schedule():
+    """Each storage allocated where it is made, its kernel's workspace inside its equation, freed after its last
+    use; the output is kept."""
+    def f(x):
+        y = x * 2
+        z = y + 1
+        return z.sum()
+
+    graph = stagetorch.make_ir(f)(torch.ones(256, 256))
+    y, z, total = (e.outvars[0] for e in graph.eqns)
+    events = [(action, key if isinstance(key, Var) else "workspace", size) for action, key, size in allocation_events(graph, final=False)]
+    made = [event for event in events if event[1] != "workspace"]
+    assert made == [("alloc", y, 256 * 256 * 4), ("alloc", z, 256 * 256 * 4), ("free", y, 0), ("alloc", total, 4), ("free", z, 0)]
+    for k, event in enumerate(events):
+        if event[:2] == ("alloc", "workspace"):
+            assert events[k + 1][:2] == ("free", "workspace")
+
+
+def test_allocator_settings_are_read_from_the_environment():
+    assert allocator_settings({}) == {}
+    assert allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) == {"expandable_segments": True}
+    assert allocator_settings({"PYTORCH_ALLOC_CONF": "max_split_size_mb:128, garbage_collection_threshold:0.6,"
+                                                     "max_non_split_rounding_mb:64"}) == {
+        "max_split_size": 128 * MiB, "max_non_split_rounding": 64 * MiB}
