@@ -165,7 +165,7 @@ class AllocatorStats:
     retries: int
 
     @property
-    def fragmentation(self) -> float:
+    def reserved_over_allocated(self) -> float:
         """Reserved over allocated at their peaks: what the allocator adds to what tensors hold."""
         return self.max_reserved / max(self.max_allocated, 1)
 
@@ -432,7 +432,7 @@ class CachingAllocatorModel:
         if fit is not None:
             self._release_segment(pool, fit)
             return True
-        oversize = [b for b in pool.fits(stream, self.max_split_size)]
+        oversize = list(pool.fits(stream, self.max_split_size))
         freed = 0
         for block in reversed(oversize):
             if freed >= want:
