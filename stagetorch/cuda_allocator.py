@@ -537,9 +537,10 @@ def _program(graph: Graph, tag: Any, final: bool, keep: bool) -> tuple[list[tupl
 def step_events(graph: Graph, chunk_sizes: Sequence[int], split: Split | None = None) -> list[tuple[str, Any, int]]:
     """The allocations and frees of a step run as planned, in the order the executor makes them
     (:func:`stagetorch.chunking.run_chunked`): the whole graph when it is one chunk; else the shared program
-    (its outputs held to the end), each pre-pass and the body once per chunk (the first chunk's results
-    become the accumulators and stay, the full per-example results are made before the first chunk; what a
-    later chunk makes goes when it ends), then the post program. The graph's inputs are not in it."""
+    (its outputs held to the end), each pre-pass (then the batch-wide values' program) and the body once per
+    chunk (the first chunk's results become the accumulators and stay, the full per-example results are made
+    before the first chunk; what a later chunk makes goes when it ends), then the post program. The graph's
+    inputs are not in it."""
     if len(chunk_sizes) == 1:
         return _program(graph, "step", True, True)[0]
     assert split is not None, "a chunked plan's events need the graph's split"
@@ -566,6 +567,8 @@ def step_events(graph: Graph, chunk_sizes: Sequence[int], split: Split | None = 
                 costed[id(graph_k)] = _program(graph_k, name, False, k == 0)
             made, ended = costed[id(graph_k)]
             events += [(action, (k, key), size) for action, key, size in (*made, *ended)]
+        if name == "reduction" and split.global_post.eqns:  # what the batch-wide values make, before the body
+            events += _program(split.global_post, "global_post", False, True)[0]
     if split.post.eqns:
         events += _program(split.post, "post", True, True)[0]
     return events
