@@ -28,6 +28,7 @@ from . import _gc, distributed
 from .batching import Batched, analyze
 from .chunking import Split
 from .costing import allocated, peak_bytes
+from .cuda_allocator import fit_reserved, on_cuda
 from .devices import bytes_ceiling, format_bytes
 from .errors import BatchCouplingError, OutOfMemoryError, StagingError, UnsupportedOpError
 from .ir import Graph, Var
@@ -97,8 +98,9 @@ class Planner:
         if self._full_peak is None:
             self._full_peak = peak_bytes(self.graph) - (self.overlap or 0)
         fits = self._fits(budget)
-        # Chunked plans are kept per budget to about 0.4% (its top 9 bits).
-        key = -1 if fits else budget >> max(budget.bit_length() - 9, 0) << max(budget.bit_length() - 9, 0)
+        # Chunked plans are kept per budget to about 0.4% (its top 9 bits); so is every plan on CUDA, where the
+        # caching allocator's segments can make a whole batch that fits by its tensors not fit.
+        key = -1 if fits and not on_cuda(self.graph) else budget >> max(budget.bit_length() - 9, 0) << max(budget.bit_length() - 9, 0)
         if key not in self.plans:
             if self.remat and not fits and _owns_its_inputs(self.graph):
                 self.plans[key] = plan_joint(
@@ -106,10 +108,20 @@ class Planner:
                     batch=self.batch, chunk_points=self.chunk_frontier,
                 )
             else:
-                self.plans[key] = plan_chunks(
-                    self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak, cap=self.cap
-                )
+                self.plans[key] = self._chunks_within_reserved(budget)
         return self.plans[key]
+
+    def _chunks_within_reserved(self, budget: int) -> Plan:
+        """The chunk plan within ``budget``; on CUDA, in chunks small enough that what the caching allocator is
+        predicted to reserve fits it too (:func:`~stagetorch.cuda_allocator.fit_reserved`): a memory fraction
+        caps the allocator's segments, not the tensors cut from them."""
+        def chunks(cap: int | None) -> Plan:
+            return plan_chunks(self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak, cap=cap)
+
+        plan = chunks(self.cap)
+        if not on_cuda(self.graph):
+            return plan
+        return fit_reserved(plan, self.graph, self.split, budget, lambda cap: chunks(min(cap, self.cap or cap)))
 
     def plan_call(
         self, budget: int, held: int, why: list[str], inputs: Sequence | None = None, donated: int = 0
