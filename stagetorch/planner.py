@@ -28,6 +28,7 @@ from . import _gc, distributed
 from .batching import Batched, analyze
 from .chunking import Split
 from .costing import allocated, peak_bytes
+from .cutting import Cut, find_cut, plan_cut
 from .devices import bytes_ceiling, format_bytes
 from .errors import BatchCouplingError, OutOfMemoryError, StagingError, UnsupportedOpError
 from .ir import Graph, Var
@@ -54,6 +55,8 @@ class Planner:
     # The largest chunk known to run: set when a larger one ran out of memory, so later calls plan with it.
     cap: int | None = None
     remat: bool = False
+    # Whether a step whose examples meet may be cut there (:mod:`stagetorch.cutting`): jit's steps.
+    cut_coupled: bool = False
     # Bytes the graph counts twice because two of its inputs are views of one storage, less the bytes of the
     # storages its inputs view that it does not count (negative then; known at the first run: see
     # :meth:`see_inputs`).
@@ -62,6 +65,7 @@ class Planner:
     # With a process group: this rank's plan per (shard size, budget), or the error that says none fits.
     shard_plans: dict[tuple, Plan | OutOfMemoryError] = attrs.field(factory=dict)
     _split: Split | None = None
+    _cut: Cut | bool | None = None  # False: nothing in the step couples its examples
     _full_peak: int | None = None
     # The last (plan, held, budget, donated) of plan_call and the plan it returned for them: reused while they stay.
     _called: tuple = (None, 0, 0, 0, None)
@@ -100,16 +104,29 @@ class Planner:
         # Chunked plans are kept per budget to about 0.4% (its top 9 bits).
         key = -1 if fits else budget >> max(budget.bit_length() - 9, 0) << max(budget.bit_length() - 9, 0)
         if key not in self.plans:
-            if self.remat and not fits and _owns_its_inputs(self.graph):
-                self.plans[key] = plan_joint(
-                    self.graph, budget, lambda g, peak=None: self._chunk_plan(g, budget, peak), self._floor, self.frontier,
-                    batch=self.batch, chunk_points=self.chunk_frontier,
-                )
-            else:
-                self.plans[key] = plan_chunks(
-                    self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak, cap=self.cap
-                )
+            try:
+                if self.remat and not fits and _owns_its_inputs(self.graph):
+                    self.plans[key] = plan_joint(
+                        self.graph, budget, lambda g, peak=None: self._chunk_plan(g, budget, peak), self._floor,
+                        self.frontier, batch=self.batch, chunk_points=self.chunk_frontier,
+                    )
+                else:
+                    self.plans[key] = plan_chunks(
+                        self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak, cap=self.cap
+                    )
+            except BatchCouplingError as coupled:
+                # When the analysis raises BatchCouplingError and a cut exists, plan the cut.
+                cut = self.cut() if self.cut_coupled else None
+                if cut is None:
+                    raise
+                self.plans[key] = plan_cut(cut, budget, self._full_peak, self.cap, coupled.smallest_budget)
         return self.plans[key]
+
+    def cut(self) -> Cut | None:
+        """The step cut where its examples meet (:mod:`stagetorch.cutting`), or None when nothing couples them."""
+        if self._cut is None:
+            self._cut = find_cut(self.graph, self.batched, self.batch) or False
+        return self._cut or None
 
     def plan_call(
         self, budget: int, held: int, why: list[str], inputs: Sequence | None = None, donated: int = 0

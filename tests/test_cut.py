@@ -1,0 +1,155 @@
+"""Steps whose examples meet (a contrastive loss over in-batch negatives), cut there and run in chunks:
+against eager at float64, several optimizer steps, under budgets down to the floor (stagetorch.cutting)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import stagetorch
+from stagetorch.cutting import CutPlan
+
+BATCH, IMG, TXT, HIDDEN, EMBED = 64, 12, 10, 80, 8
+
+
+class Tower(nn.Module):
+    def __init__(self, d_in: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_in, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
+                                 nn.Linear(HIDDEN, EMBED))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.net(x), dim=-1)
+
+
+class DualEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.image, self.text = Tower(IMG), Tower(TXT)
+        self.log_scale = nn.Parameter(torch.tensor(2.5))  # the learned temperature
+
+
+def infonce(model: DualEncoder):
+    """Symmetric InfoNCE with in-batch negatives and one hard negative per example appended."""
+
+    def step(images, texts, hard):
+        a, b = model.image(images), model.text(texts)
+        negatives = model.text(hard)
+        logits = a @ torch.cat([b, negatives]).T * model.log_scale.exp()
+        target = torch.arange(a.shape[0])
+        loss = (F.cross_entropy(logits, target) + F.cross_entropy(logits[:, : a.shape[0]].T, target)) / 2
+        loss.backward()
+        return loss
+
+    return step
+
+
+class KernelRows(TorchDispatchMode):
+    """The rows of every addmm the kernels ran (the towers' linear layers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten.addmm:
+            self.rows.append(args[1].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+def batch(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(BATCH, IMG, generator=g, dtype=torch.float64),
+            torch.randn(BATCH, TXT, generator=g, dtype=torch.float64),
+            torch.randn(BATCH, TXT, generator=g, dtype=torch.float64))
+
+
+def model() -> DualEncoder:
+    torch.manual_seed(0)
+    return DualEncoder().double()
+
+
+def floor_of(staged: stagetorch.Staged, *args) -> int:
+    """The smallest budget the step runs in, as the error at a budget below every schedule says it."""
+    staged.memory_budget = 1024
+    with pytest.raises(stagetorch.OutOfMemoryError, match="smallest budget that runs this step") as info:
+        staged.plan(*args)
+    return info.value.smallest_budget
+
+
+def test_whole_batch_step_is_refused_without_a_cut_and_fits_uncut():
+    m = model()
+    staged = stagetorch.jit(infonce(m), remat=False)
+    args = batch()
+    plan = staged.plan(*args)
+    assert not isinstance(plan, CutPlan) and len(plan.chunk_sizes) == 1  # cut only when needed
+    # What the batch analysis alone says: the examples meet.
+    with pytest.raises(stagetorch.BatchCouplingError, match="aten.cat"):
+        staged._stage(args, {})[0].executable.split()
+
+
+@pytest.mark.parametrize(("where", "remat"), [("between", False), ("floor", False), ("floor", "auto")])
+def test_cut_step_equals_eager_over_optimizer_steps(where, remat):
+    eager_model, staged_model = model(), model()
+    eager_step, staged = infonce(eager_model), stagetorch.jit(infonce(staged_model), remat=remat)
+    args = batch()
+    whole = staged.plan(*args).full_batch_peak_bytes
+    floor = floor_of(staged, *args)
+    assert floor < whole  # cutting runs what the whole batch cannot
+    staged.memory_budget = floor if where == "floor" else (floor + whole) // 2
+    plan = staged.plan(*args)
+    assert isinstance(plan, CutPlan), plan
+    assert "Examples meet at aten.cat" in str(plan) and "per-example value(s)" in str(plan)
+    assert len(plan.chunk_sizes) > 1 and plan.peak <= staged.memory_budget
+    eager_opt = torch.optim.Adam(eager_model.parameters(), lr=1e-2)
+    staged_opt = torch.optim.Adam(staged_model.parameters(), lr=1e-2)
+    for k in range(3):
+        args = batch(k)
+        eager_opt.zero_grad()
+        staged_opt.zero_grad()
+        expected = eager_step(*args)
+        with KernelRows() as kernels:
+            loss = staged(*args)
+        # The backward through the towers ran in chunks (the forward up to the cut may fit whole).
+        assert sum(n < BATCH for n in kernels.rows) >= 6 * (len(plan.chunk_sizes) - 1)
+        torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+        for (name, p), q in zip(staged_model.named_parameters(), eager_model.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+        eager_opt.step()
+        staged_opt.step()
+    for p, q in zip(staged_model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
+def test_below_every_schedule_says_the_smallest_budget_that_runs():
+    m = model()
+    staged = stagetorch.jit(infonce(m), remat=False)
+    args = batch()
+    floor = floor_of(staged, *args)
+    staged.memory_budget = int(floor * 0.95)
+    with pytest.raises(stagetorch.OutOfMemoryError, match="cut where the examples meet, one example per chunk"):
+        staged.plan(*args)
+    staged.memory_budget = floor
+    staged(*args)  # the budget it named runs
+
+
+def test_memory_report_says_where_the_step_is_cut():
+    m = model()
+    args = batch()
+    floor = floor_of(stagetorch.jit(infonce(m), remat=False), *args)
+    report = stagetorch.memory(infonce(m), memory_budget=floor, remat=False)(*args)
+    assert "Examples meet at aten.cat" in report.schedule.plan
+    assert report.schedule.recomputed  # the per-example forward, run again after the coupled part
+
+
+def test_random_ops_in_the_recomputed_part_are_refused_by_name():
+    m = model()
+    m.image.net.insert(1, nn.Dropout(0.1))
+    staged = stagetorch.jit(infonce(m), remat=False, memory_budget=1024)
+    with pytest.raises(stagetorch.BatchCouplingError, match="draws random numbers"):
+        staged.plan(*batch())
