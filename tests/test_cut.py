@@ -103,9 +103,13 @@ def test_cut_step_equals_eager_over_optimizer_steps(where, remat):
     assert floor < whole  # cutting runs what the whole batch cannot
     staged.memory_budget = floor if where == "floor" else (floor + whole) // 2
     plan = staged.plan(*args)
-    assert isinstance(plan, CutPlan), plan
-    assert "Examples meet at aten.cat" in str(plan) and "per-example value(s)" in str(plan)
-    assert len(plan.chunk_sizes) > 1 and plan.peak <= staged.memory_budget
+    # With recomputation the planner may find recomputing the whole batch cheaper than cutting (it is, for
+    # towers this small next to the batch's logits): then the smallest budget it names runs that.
+    cut = isinstance(plan, CutPlan)
+    assert cut or remat, plan
+    assert not cut or ("Examples meet at aten.cat" in str(plan) and "per-example value(s)" in str(plan))
+    assert not cut or len(plan.chunk_sizes) > 1
+    assert plan.peak <= staged.memory_budget
     eager_opt = torch.optim.Adam(eager_model.parameters(), lr=1e-2)
     staged_opt = torch.optim.Adam(staged_model.parameters(), lr=1e-2)
     for k in range(3):
@@ -116,7 +120,7 @@ def test_cut_step_equals_eager_over_optimizer_steps(where, remat):
         with KernelRows() as kernels:
             loss = staged(*args)
         # The backward through the towers ran in chunks (the forward up to the cut may fit whole).
-        assert sum(n < BATCH for n in kernels.rows) >= 6 * (len(plan.chunk_sizes) - 1)
+        assert not cut or sum(n < BATCH for n in kernels.rows) >= 6 * (len(plan.chunk_sizes) - 1)
         torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
         for (name, p), q in zip(staged_model.named_parameters(), eager_model.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
