@@ -19,13 +19,13 @@ import torch.utils._pytree as pytree
 from . import _caches, shapes
 from .costing import MemoryReport, Schedule, peak_bytes, timeline
 from .costing import report as costing_report
+from .cutting import CutPlan
 from .devices import format_bytes
 from .executable import Executable
 from .flops import graph_flops
 from .ir import Aval, Eqn, Graph, Var
 from .planning import body_peaks
 from .remat import RECOMPUTED, recomputed_eqns
-from .cutting import CutPlan
 from .remat_planning import RematPlan
 from .staged import Staged, _grad_storages, _map_batched
 from .tracing import trace

@@ -180,7 +180,8 @@ def _per_example_again(
     e: Eqn, labels: dict[Var, Any], rows: dict[Var, Batched], made_in: dict[Var, str], batch: int, makers: dict
 ) -> str:
     """A backward equation that reads coupled values: ``after`` when its batch rule takes them per example
-    (each read along its one dim of the batch's size, as the after part will cut it), else ``coupled``."""
+    (each read along its one dim of the batch's size, as the after part will cut it) and it makes or reads a
+    per-example value besides, else ``coupled``."""
     trial = dict(labels)
     for v in e.invars:
         if made_in.get(v) != COUPLED:
@@ -192,8 +193,11 @@ def _per_example_again(
             trial[v] = Batched(dim)
     if not any(isinstance(trial.get(v), Batched) for v in e.invars):
         return COUPLED
-    if _try_rule(e, trial, batch, makers) is None:
+    out = _try_rule(e, trial, batch, makers)
+    if out is None:
         return COUPLED
+    if not any(isinstance(lab, Batched) for lab in out) and not any(isinstance(labels.get(v), Batched) for v in e.invars):
+        return COUPLED  # a reduction of coupled values alone (the temperature's gradient): nothing to chunk
     rows.update((v, trial[v]) for v in e.invars if made_in.get(v) == COUPLED and isinstance(trial.get(v), Batched))
     return AFTER
 
@@ -266,9 +270,9 @@ def find_cut(graph: Graph, batched: dict[Var, Batched], batch: int) -> Cut | Non
     if not where:
         return None
     eqns = graph.eqns
-    inputs = set(graph.invars)
-    for i, e in enumerate(eqns):
-        hit = next((v for v in writes(e) if v.root in inputs or any(v.root is x.root for x in inputs)), None)
+    inputs = {v.root for v in graph.invars}
+    for e in eqns:
+        hit = next((v for v in writes(e) if v.root in inputs), None)
         if hit is not None:
             raise _refuse(e, "updates an input of the step in place (an optimizer step or BatchNorm's running "
                           "statistics inside the staged function)", "step the optimizer after the staged call, and use "

@@ -3,8 +3,6 @@ against eager at float64, several optimizer steps, under budgets down to the flo
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
@@ -101,7 +99,7 @@ def test_cut_step_equals_eager_over_optimizer_steps(where, remat):
     whole = staged.plan(*args).full_batch_peak_bytes
     floor = floor_of(staged, *args)
     assert floor < whole  # cutting runs what the whole batch cannot
-    staged.memory_budget = floor if where == "floor" else (floor + whole) // 2
+    staged.memory_budget = floor if where == "floor" else (3 * floor + whole) // 4
     plan = staged.plan(*args)
     # With recomputation the planner may find recomputing the whole batch cheaper than cutting (it is, for
     # towers this small next to the batch's logits): then the smallest budget it names runs that.
