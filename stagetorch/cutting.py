@@ -302,7 +302,7 @@ def find_cut(graph: Graph, batched: dict[Var, Batched], batch: int) -> Cut | Non
                       "write out of place here")
     recomputed = [eqns[i] for i in ran if phases[i] == BEFORE]
     for e in recomputed:
-        if is_random(e):
+        if _draws(e):
             raise _refuse(e, "draws random numbers in the per-example part, which the cut runs twice", "use no dropout "
                           "in the towers of a step whose examples meet (a later version replays the draws)")
     after_batched = dict(batched)
@@ -322,6 +322,19 @@ def find_cut(graph: Graph, batched: dict[Var, Batched], batch: int) -> Cut | Non
         except (BatchCouplingError, UnsupportedOpError) as e:
             raise type(e)(f"{e}\n(Found while cutting the step where its examples meet, in {name}.)") from None
     return cut
+
+
+def _draws(e: Eqn) -> bool:
+    """``e`` draws random numbers: a random op, unless its dropout probability is 0 (attention kernels are
+    tagged random for the dropout they may apply)."""
+    if not is_random(e):
+        return False
+    schema = getattr(e.prim, "_schema", None)
+    if schema is None:
+        return True
+    named = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    named |= dict(zip((a.name for a in schema.arguments), e.args)) | e.kwargs
+    return named.get("dropout_p", named.get("p")) != 0
 
 
 def _unique(vs: Any) -> list[Var]:

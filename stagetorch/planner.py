@@ -28,7 +28,7 @@ from . import _gc, distributed
 from .batching import Batched, analyze
 from .chunking import Split
 from .costing import allocated, peak_bytes
-from .cutting import Cut, find_cut, plan_cut
+from .cutting import Cut, cut_floor, find_cut, plan_cut
 from .devices import bytes_ceiling, format_bytes
 from .errors import BatchCouplingError, OutOfMemoryError, StagingError, UnsupportedOpError
 from .ir import Graph, Var
@@ -65,7 +65,8 @@ class Planner:
     # With a process group: this rank's plan per (shard size, budget), or the error that says none fits.
     shard_plans: dict[tuple, Plan | OutOfMemoryError] = attrs.field(factory=dict)
     _split: Split | None = None
-    _cut: Cut | bool | None = None  # False: nothing in the step couples its examples
+    # The step cut where its examples meet; False: no cut helps; the error that says why it cannot be cut.
+    _cut: Cut | StagingError | bool | None = None
     _full_peak: int | None = None
     # The last (plan, held, budget, donated) of plan_call and the plan it returned for them: reused while they stay.
     _called: tuple = (None, 0, 0, 0, None)
@@ -116,16 +117,27 @@ class Planner:
                     )
             except BatchCouplingError as coupled:
                 # When the analysis raises BatchCouplingError and a cut exists, plan the cut.
-                cut = self.cut() if self.cut_coupled else None
+                cut = self.cut(coupled) if self.cut_coupled else None
                 if cut is None:
                     raise
                 self.plans[key] = plan_cut(cut, budget, self._full_peak, self.cap, coupled.smallest_budget)
         return self.plans[key]
 
-    def cut(self) -> Cut | None:
-        """The step cut where its examples meet (:mod:`stagetorch.cutting`), or None when nothing couples them."""
+    def cut(self, coupled: BatchCouplingError) -> Cut | None:
+        """The step cut where its examples meet (:mod:`stagetorch.cutting`), or None when nothing couples
+        them or the cut runs in no less memory than the whole batch (the coupled part is most of the step).
+        Raises ``coupled``, the analysis's error, with why the step cannot be cut, when it cannot."""
         if self._cut is None:
-            self._cut = find_cut(self.graph, self.batched, self.batch) or False
+            try:
+                found = find_cut(self.graph, self.batched, self.batch)
+                useful = found is not None and cut_floor(found) < peak_bytes(self.graph) - (self.overlap or 0)
+                self._cut = found if useful else False
+            except StagingError as why:
+                self._cut = why
+        if isinstance(self._cut, StagingError):
+            error = type(coupled)(f"{coupled}\nIt cannot be cut where its examples meet either: {self._cut}")
+            error.__dict__.update(coupled.__dict__)  # the smallest budget recomputation alone names
+            raise error from None
         return self._cut or None
 
     def plan_call(
