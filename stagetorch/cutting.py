@@ -264,7 +264,9 @@ def _stand_in(v: Var) -> Var:
 
 
 def find_cut(graph: Graph, batched: dict[Var, Batched], batch: int) -> Cut | None:
-    """The cut of a step whose examples meet, or None when nothing in it couples the examples. Raises
+    """The cut of a step whose examples meet, or None when nothing in it couples the examples or they meet
+    inside the model: the coupled part would read a weight (more than a scalar parameter, such as a learned
+    temperature), so cutting would run layers of the model on the whole batch. Raises
     :class:`BatchCouplingError` naming what keeps a coupled step from being cut."""
     phases, where, rows = _classify(graph, batched, batch)
     if not where:
@@ -278,6 +280,9 @@ def find_cut(graph: Graph, batched: dict[Var, Batched], batch: int) -> Cut | Non
                           "statistics inside the staged function)", "step the optimizer after the staged call, and use "
                           "no BatchNorm in training mode in a step whose examples meet")
     idx = {p: {i for i, q in enumerate(phases) if q == p} for p in (BEFORE, COUPLED, AFTER)}
+    weights = {v for v, role in zip(graph.invars, graph.roles) if role in ("param", "buffer") and v.aval.numel > 1}
+    if any(v.root in weights for i in idx[COUPLED] for v in eqns[i].invars):
+        return None  # examples meet inside the model (an MoE router's sort), not in a loss over small values
     producer = {v: i for i, e in enumerate(eqns) for v in e.outvars if v is not None}
     finals = [v for v in graph.outvars if isinstance(v, Var)] + [v for _, v in graph.grads]
 
