@@ -118,7 +118,7 @@ def _classify(graph: Graph, batched: dict[Var, Batched], batch: int) -> tuple[li
     after part reads per example."""
     eqns = graph.eqns
     makers = {v: e for e in eqns for v in e.outvars if v is not None}
-    made_in: dict[Var, str] = {}  # var -> phase of the equation that made it (or last wrote its storage)
+    made_in: dict[Var, str] = {}  # var -> phase of the equation that made it
     written: dict[Var, str] = {}  # root -> latest phase that wrote it in place
     labels: dict[Var, Any] = dict(batched)  # Batched labels of per-example values, for the rules
     rows: dict[Var, Batched] = {}  # coupled values the after part reads per example
