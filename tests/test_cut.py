@@ -157,6 +157,20 @@ def test_random_ops_in_the_recomputed_part_are_refused_by_name():
         staged.plan(*batch())
 
 
+def test_an_optimizer_inside_the_step_is_refused_by_name():
+    m = model()
+    step, optimizer = infonce(m), torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def step_and_update(*args):
+        loss = step(*args)
+        optimizer.step()
+        return loss
+
+    staged = stagetorch.jit(step_and_update, remat=False, memory_budget=1024)
+    with pytest.raises(stagetorch.BatchCouplingError, match="(?s)aten.cat.*cannot be cut.*updates an input of the step"):
+        staged.plan(*batch())
+
+
 def test_transformers_dual_encoder_cut_equals_eager():
     """Two tiny BERT towers (mean-pooled, no dropout), symmetric InfoNCE over in-batch negatives."""
     transformers = pytest.importorskip("transformers")
