@@ -80,7 +80,7 @@ def floor_of(staged: stagetorch.Staged, *args) -> int:
     return info.value.smallest_budget
 
 
-def test_whole_batch_step_is_refused_without_a_cut_and_fits_uncut():
+def test_a_batch_that_fits_is_not_cut_though_the_analysis_refuses_chunks():
     m = model()
     staged = stagetorch.jit(infonce(m), remat=False)
     args = batch()
