@@ -6,6 +6,9 @@ its examples meet (stagetorch.cutting), and a hand-written GradCache loop, on CP
 (b) The largest batch whose step fits a budget (the whole step's predicted peak at ``BATCH``): whole-batch
     steps against the cut step (planned only: nothing runs).
 
+(c) ``python bench/bench_contrastive.py ratio``: the cut step with large chunks against the whole step, timed
+    in alternation.
+
 Run: python bench/bench_contrastive.py   (or python -m pytest bench/bench_contrastive.py -s)
 """
 
@@ -153,6 +156,29 @@ def run() -> list[str]:
     return lines
 
 
+def ratio(pairs: int = 5) -> list[str]:
+    """(c) The cut step with large chunks against the whole step, timed in alternation (on a loaded machine,
+    drift hits both alike): the median of the per-pair ratios."""
+    torch.manual_seed(0)
+    model = DualEncoder()
+    args = _batch(BATCH)
+    whole = stagetorch.jit(step_of(model), remat=False)
+    whole(*args)
+    cut = stagetorch.jit(step_of(model), remat=False, memory_budget=int(whole.plan(*args).peak * 0.8))
+    cut(*args)
+    ratios = []
+    for _ in range(pairs):
+        seconds = []
+        for fn in (whole, cut):
+            t = time.perf_counter()
+            fn(*args)
+            seconds.append(time.perf_counter() - t)
+        ratios.append(seconds[1] / seconds[0])
+    sizes = "+".join(map(str, cut.plan(*args).chunk_sizes))
+    return [f"cut step in chunks [{sizes}] / whole-batch step, {pairs} alternating pairs: median "
+            f"{statistics.median(ratios):.2f}x (all: {', '.join(f'{r:.2f}' for r in ratios)})"]
+
+
 def test_contrastive_bench():
     print("\n".join(run()))
 
@@ -162,4 +188,4 @@ if __name__ == "__main__":
     import sys
 
     sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests"))
-    print("\n".join(run()))
+    print("\n".join(ratio() if sys.argv[1:] == ["ratio"] else run()))
