@@ -78,6 +78,10 @@ class Cut:
     def after_split(self) -> Split:
         return Split(analyze(self.after, self.after_batched, self.batch))
 
+    @functools.cached_property
+    def coupled_program(self) -> Program:
+        return Program(self.coupled)
+
     @property
     def cut_bytes(self) -> int:
         """Bytes of the cut values for the whole batch: what the coupled part reads of the per-example part."""
@@ -431,7 +435,7 @@ def run_cut(
     made, _, _ = run_chunked(cut.before_split, inputs, plan.before_sizes, undo=undo)
     env.update(zip(cut.results[BEFORE], made))
     kept = [env[v] for v in cut.cut_values]
-    program = Program(cut.coupled)
+    program = cut.coupled_program
     made = program.outputs(program.run_env([*inputs, *kept], undo))
     del kept
     env.update(zip(cut.results[COUPLED], made))
