@@ -21,6 +21,7 @@ from . import distributed
 from .batching import Batched
 from .chunking import Split, is_oom, run_chunked
 from .costing import allocated
+from .cutting import CutPlan, run_cut
 from .errors import BatchCouplingError, OutOfMemoryError
 from .execute import Program, Undo
 from .ir import Graph, Var, op_name
@@ -46,13 +47,15 @@ class Executable:
 
     def __init__(
         self, graph: Graph, batched: dict[Var, Batched], batch: int, consts: list[torch.Tensor] | None = None,
-        *, cap: int | None = None, remat: bool = False, planner: Planner | None = None,
+        *, cap: int | None = None, remat: bool = False, planner: Planner | None = None, cut_coupled: bool = False,
     ):
         self.graph = graph
         self.batched = batched
         self.batch = batch
         self.consts = [] if consts is None else consts
-        self.planner = Planner(graph, batched, batch, cap=cap, remat=remat) if planner is None else planner
+        self.planner = (
+            Planner(graph, batched, batch, cap=cap, remat=remat, cut_coupled=cut_coupled) if planner is None else planner
+        )
         self._program: Program | None = None
         self._mutated: list[int] | None = None  # see the ``mutated`` property
         self._guarded: list[int] | None = None  # see the ``guarded`` property
@@ -167,6 +170,14 @@ class Executable:
             result = inner.run(inputs, plan, on_chunk=on_chunk, name=name)
             self.planner.learn(inner.planner.cap)  # if it ran out of memory: plan again with what ran
             return result
+        if isinstance(plan, CutPlan):  # a step whose examples meet, cut there (stagetorch.cutting)
+            log.info("stagetorch: %s: %s", name, plan)
+            undo = Undo(inputs[i] for i in self.mutated)
+            try:
+                return run_cut(plan.cut, inputs, plan, undo)
+            except BaseException:
+                undo.restore()
+                raise
         mutated = self._mutated  # (the properties' values once made, read directly: a step's hot path)
         if mutated is None:
             mutated = self.mutated
