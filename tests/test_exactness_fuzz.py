@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import step_fuzz
 
-EXAMPLES = 30  # about 1-2 minutes on 2 cores
+EXAMPLES = 30  # 85 s of CPU (6 min on a machine 2 cores shared 8 ways)
 
 
 def test_random_steps_reading_batch_sized_tensors_equal_eager_or_are_refused_by_name(request):
