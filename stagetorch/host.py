@@ -173,10 +173,8 @@ class HostTrace:
         """A recorded equation: its outputs are host-known when all its inputs are (a factory's always), and a
         draw from a default generator is a step either way (for the order of the draws)."""
         draw = _is_draw(e)
-        if draw and not rng.replayable(e):  # its own generator= (the step cannot save or set its state)
-            known = False
-        else:
-            known = self.is_known(e.invars)
+        # A draw from its own generator= is not host-known: the step cannot save or set that one's state.
+        known = self.is_known(e.invars) and not (draw and not rng.replayable(e))
         if known:
             self.known.update(v for v in e.outvars if v is not None)
             self.known_steps.add(len(self.steps))

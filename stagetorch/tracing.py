@@ -1076,7 +1076,8 @@ def _host_read_message(func: Any, src: SourceInfo) -> str:
         f"or on activations:{_code_line(src)}\nstagetorch.jit computes on the host only values that follow from "
         "the step's integer arguments (labels, masks, lengths), constants and random draws; a value computed from "
         "the model's outputs is known only when the staged program runs. What to do: make the decision outside "
-        "the staged step (return the loss and test it after the call, e.g. for early stopping); select with "
+        "the staged step (return the loss and test it after the call, e.g. for early stopping), or pass the "
+        "Python value that steers it as a static argument (stagetorch.jit(fn, static_argnums=...)); select with "
         "torch.where(cond, a, b) instead of `if`; keep shapes fixed with a mask (loss * mask) instead of x[mask]; "
         "or use stagetorch.lazy(...), which evaluates such reads eagerly."
     )
