@@ -126,8 +126,11 @@ def index(eqn: Eqn, label: LabelFn) -> Chunked:
     if len(rows) != 1:
         raise coupling(
             eqn,
-            "indexes the batch dim with a shared index that does not hold one position per example",
-            "index examples outside the staged function, or run without chunking (a larger memory_budget)",
+            "indexes the batch dim with a shared index that does not hold one position per example (a "
+            "selection of examples, x[mask] or x[mask.nonzero()], whose size the chunks do not share)",
+            "keep every example and weight the ones to drop by zero ((loss_per_example * mask).sum() / "
+            "mask.sum()), select examples outside the staged function, or run without chunking (a larger "
+            "memory_budget)",
         )
     at = bdim(own, rows[0])
     for _, t, lab in batched_idx:
