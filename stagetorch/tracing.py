@@ -779,22 +779,13 @@ class Recorder:
         host = self.host
         assert host is not None
         ins = list(iter_vars((in_args, in_kwargs)))
-        if host.is_known(ins):
-            real = host.call(Eqn(func, in_args, in_kwargs, (), src))
-            if not any(isinstance(t, torch.Tensor) for t in flatten(real)):
-                host.steps.append(HostRead("value", real, src, eqn=Eqn(func, in_args, in_kwargs, (None,), src)))
-                return real
-            # A shape made from data (nonzero, unique): the whole batch's value, fed to the program as an input.
-            out = map_leaves(real, torch.Tensor, lambda t: self.lift(t.contiguous()))
-            outvars = tuple(self.var(t) if isinstance(t, torch.Tensor) else None for t in flatten(out))
-            host.shaped(Eqn(func, in_args, in_kwargs, outvars, src), real, src)
-            return out
         masks = _host_masks(func, in_args, host)
         if masks is not None:
             # x[mask] over a host-known mask: x[positions], the positions found on the host and fed as inputs.
-            positions = host.call(Eqn(mask_positions, tuple(in_args[1][d] for d in masks), {}, (), src))
+            mask_vars = tuple(in_args[1][d] for d in masks)
+            positions = host.call(Eqn(mask_positions, mask_vars, {}, (), src))
             fakes = [self.lift(t) for t in positions]
-            host.shaped(Eqn(mask_positions, tuple(in_args[1][d] for d in masks), {}, tuple(self.var(f) for f in fakes), src), positions, src)
+            host.shaped(Eqn(mask_positions, mask_vars, {}, tuple(self.var(f) for f in fakes), src), positions, src)
             indices, it = [], iter(fakes)
             for d, index in enumerate(args[1]):
                 if d in masks:
@@ -802,6 +793,16 @@ class Recorder:
                 else:
                     indices.append(index)
             return self.record(func, (args[0], indices, *args[2:]), kwargs, src)
+        if host.is_known(ins):
+            real = host.call(Eqn(func, in_args, in_kwargs, (), src))
+            if not any(isinstance(t, torch.Tensor) for t in flatten(real)):
+                host.steps.append(HostRead("value", real, src, eqn=Eqn(func, in_args, in_kwargs, (None,), src)))
+                return real
+            # A shape made from data (nonzero, unique): the whole batch's value, fed to the program as an input.
+            out = map_leaves(real, torch.Tensor, self.lift)
+            outvars = tuple(self.var(t) if isinstance(t, torch.Tensor) else None for t in flatten(out))
+            host.shaped(Eqn(func, in_args, in_kwargs, outvars, src), real, src)
+            return out
         raise ConcretizationError(_host_read_message(func, src))
 
     @staticmethod

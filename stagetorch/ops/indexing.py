@@ -197,6 +197,39 @@ def _into_own_zeros(x: torch.Tensor, indices: list, values: torch.Tensor, accumu
     return torch.ops.aten.index_put.default(x.narrow(dim, 0, values.shape[vdim]), indices, values, accumulate)
 
 
+def _mask_fill(x: torch.Tensor, mask: torch.Tensor, value: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """``x[mask] = value`` (one value for every entry the mask selects) as the elementwise fill it is."""
+    mask = mask.view(*mask.shape, *[1] * (x.ndim - mask.ndim))
+    return x.masked_fill_(mask, value.reshape(())) if in_place else x.masked_fill(mask, value.reshape(()))
+
+
+def _as_mask_fill(eqn: Eqn, label: LabelFn) -> Chunked | None:
+    """``x[mask] = v`` with one boolean mask over the leading dims of ``x`` and one value (``labels[labels ==
+    pad] = -100``): elementwise over ``x``, per example where ``x`` is, whatever the mask selects. None where
+    the write is another."""
+    x, indices, values = eqn.args[0], list(eqn.args[1]), eqn.args[2]
+    accumulate = bool(eqn.args[3] if len(eqn.args) > 3 else eqn.kwargs.get("accumulate", False))
+    mask = indices[0] if len(indices) == 1 else None
+    if accumulate or not isinstance(mask, Var) or mask.aval.dtype is not torch.bool or not isinstance(values, Var):
+        return None
+    if values.aval.numel != 1 or label(values) is not None or mask.aval.shape != x.aval.shape[: mask.aval.ndim]:
+        return None
+    xl, ml = label(x), label(mask)
+    cut = {}
+    if xl is None and ml is not None:
+        return None  # per-example positions written into a shared tensor: refused by the rules below
+    if xl is not None and xl.dim < mask.aval.ndim and ml != xl:
+        if ml is not None:
+            return None
+        cut[mask] = xl  # a shared mask over the whole batch: cut to the chunk with x
+    in_place = eqn.prim.overloadpacket is aten.index_put_
+
+    def call(n: int) -> tuple[Any, tuple, dict]:
+        return _mask_fill, (x, mask, values, in_place), {}
+
+    return Chunked((xl,), call=call, slice=cut)
+
+
 def index_put(eqn: Eqn, label: LabelFn) -> Chunked:
     """``aten.index_put(x, indices, values, accumulate)`` (the backward of ``x[indices]``): exact per chunk when
 
@@ -211,6 +244,9 @@ def index_put(eqn: Eqn, label: LabelFn) -> Chunked:
       index touches (``x[:, idx] = values``; the backward of ``logits[:, classes]``): ``x`` is cut to each
       chunk's rows.
     """
+    fill = _as_mask_fill(eqn, label)
+    if fill is not None:
+        return fill
     x, indices, values = eqn.args[0], list(eqn.args[1]), eqn.args[2]
     accumulate = bool(eqn.args[3] if len(eqn.args) > 3 else eqn.kwargs.get("accumulate", False))
     _no_masks(eqn, indices)
@@ -298,6 +334,9 @@ def index_put_(eqn: Eqn, label: LabelFn) -> Chunked:
     """``x.index_put_(indices, values, accumulate)``: in place into per-example rows as :func:`index_put`
     places them; into a shared tensor of zeros, ``accumulate`` set (a count over the batch, written
     ``zeros(n).index_put_(..., accumulate=True)``), each chunk's share is made apart and the shares sum."""
+    fill = _as_mask_fill(eqn, label)
+    if fill is not None:
+        return fill
     if label(eqn.args[0]) is None and (rows := _values_rows(eqn, label)) is not None:
         # Per-example rows written into a shared tensor: the batch interpreter makes a fresh factory (``buf =
         # torch.zeros(B, ...)``) per chunk, and refuses any other shared tensor.
