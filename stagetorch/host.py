@@ -70,15 +70,27 @@ Step = Eqn | HostRead
 
 def _written(e: Eqn) -> list[Var]:
     """The vars ``e`` writes in place (its schema's mutable arguments)."""
-    schema = getattr(e.prim, "_schema", None)
-    if schema is None:
-        return []
     out = []
-    for i, a in enumerate(schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            x = e.args[i] if i < len(e.args) else e.kwargs.get(a.name)
-            out += [v for v in flatten(x) if isinstance(v, Var)]
+    for i, name in _writes(e.prim):
+        x = e.args[i] if i < len(e.args) else e.kwargs.get(name)
+        out += [v for v in flatten(x) if isinstance(v, Var)]
     return out
+
+
+def _writes(prim: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument ``prim`` writes, by its schema; remembered per op (asked per equation)."""
+    found = _WRITES.get(prim)
+    if found is None:
+        schema = getattr(prim, "_schema", None)
+        arguments = schema.arguments if schema is not None else ()
+        found = _WRITES[prim] = tuple(
+            (i, a.name) for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write
+        )
+    return found
+
+
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+_DRAWS: dict[Any, bool] = {}
 
 
 def mask_positions(*masks: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -88,7 +100,10 @@ def mask_positions(*masks: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def _is_draw(e: Eqn) -> bool:
-    return isinstance(e.prim, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in e.prim.tags
+    draw = _DRAWS.get(e.prim)
+    if draw is None:
+        draw = _DRAWS[e.prim] = isinstance(e.prim, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in e.prim.tags
+    return draw
 
 
 def _stand_in(v: Var) -> torch.Tensor:
@@ -180,15 +195,15 @@ class HostTrace:
             self.known_steps.add(len(self.steps))
             self.steps.append(e)
             return
-        self.tainted.update(v.root for v in _written(e))
+        if _writes(e.prim):
+            self.tainted.update(v.root for v in _written(e))
         if draw and rng.replayable(e):
             self.steps.append(e)
 
-    def read(self, e: Eqn, src: SourceInfo) -> Any:
-        """The Python value ``e`` (``_local_scalar_dense`` of a host-known value) gives, for real; noted as a read."""
-        value = self.call(e)
+    def read(self, e: Eqn, value: Any, src: SourceInfo) -> None:
+        """``e`` (``_local_scalar_dense`` of a host-known value) gave the Python ``value`` (see :meth:`call`): a
+        read the program is chosen by."""
         self.steps.append(HostRead("value", value, src, eqn=e))
-        return value
 
     def call(self, e: Eqn) -> Any:
         """``e`` run on the real values of its host-known inputs (computed first, with the draws before)."""

@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import _caches, _gc
 from ._tree import flat_call, flatten, map_leaves
 from .errors import ConcretizationError, ShapeError, StagingError, UnsupportedOpError
-from .host import HostProgram, HostRead, HostTrace, mask_positions
+from .host import HostProgram, HostTrace, mask_positions
 from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var, iter_vars, op_name
 from .registry import NO_TENSOR, slot
 
@@ -796,7 +796,7 @@ class Recorder:
         if host.is_known(ins):
             real = host.call(Eqn(func, in_args, in_kwargs, (), src))
             if not any(isinstance(t, torch.Tensor) for t in flatten(real)):
-                host.steps.append(HostRead("value", real, src, eqn=Eqn(func, in_args, in_kwargs, (None,), src)))
+                host.read(Eqn(func, in_args, in_kwargs, (None,), src), real, src)
                 return real
             # A shape made from data (nonzero, unique): the whole batch's value, fed to the program as an input.
             out = map_leaves(real, torch.Tensor, self.lift)
