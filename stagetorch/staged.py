@@ -182,9 +182,8 @@ class Staged:
         if isinstance(cached, Outcomes):  # a step that reads values on the host: the program they select
             entry, fed = cached.pick(inputs) or (None, None)
         if entry is None:
-            if isinstance(cached, Outcomes):
-                pass  # logged below, once the trace has read the new outcome
-            elif self._last_key is not None:
+            # A new outcome of the host reads is logged once the trace has read it (_add_program).
+            if self._last_key is not None and not isinstance(cached, Outcomes):
                 self._log_restage(self._last_key, key, state)
             batched_leaves, batch = self._batch_leaves(args, kwargs, allow_empty=global_batch is not None)
             traced_args, traced_kwargs = args, kwargs

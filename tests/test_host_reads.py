@@ -368,6 +368,18 @@ def bart(dropout: float) -> nn.Module:
     return model
 
 
+def opt(dropout: float) -> nn.Module:
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = tf.OPTConfig(
+        vocab_size=97, hidden_size=32, num_attention_heads=4, ffn_dim=64, num_hidden_layers=4, word_embed_proj_dim=32,
+        max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=1, layerdrop=0.5, dropout=dropout,
+    )
+    model = tf.OPTForCausalLM(config)
+    model.train()
+    return model
+
+
 def seq2seq_step(model: nn.Module) -> Callable:
     def step(input_ids, attention_mask, labels):
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
@@ -384,9 +396,10 @@ def seq2seq_batch(k: int) -> tuple[torch.Tensor, ...]:
     return ids, mask, ids.clone()
 
 
-@pytest.mark.parametrize("chunks", [1, 3])
-def test_bart_with_layerdrop_in_training_equals_eager_with_the_same_seed(chunks):
-    # Whole: with its dropout on (the draws interleave with LayerDrop's). Chunked: dropout draws per chunk,
-    # so LayerDrop alone.
-    run_against_eager(seq2seq_step, lambda: bart(0.1 if chunks == 1 else 0.0), seq2seq_batch, chunks=chunks,
+@pytest.mark.parametrize(("make_model", "chunks"), [(bart, 1), (bart, 3), (opt, 1)], ids=["BART", "BART-chunked", "OPT"])
+def test_transformers_layerdrop_in_training_equals_eager_with_the_same_seed(make_model, chunks):
+    """transformers' own LayerDrop (``torch.rand([]) < self.layerdrop``, still so in 5.24). Whole: with the
+    model's dropout on (its draws interleave with LayerDrop's). Chunked: dropout draws per chunk, so LayerDrop
+    alone."""
+    run_against_eager(seq2seq_step, lambda: make_model(0.1 if chunks == 1 else 0.0), seq2seq_batch, chunks=chunks,
                       steps=3 if chunks == 1 else 2, seeds=10)
