@@ -320,12 +320,16 @@ class Outcomes:
     def pick(self, args: Sequence[torch.Tensor]) -> tuple[Any, dict] | None:
         """The program (the value :meth:`add` was given) for a call with tensor arguments ``args``, and the
         values its host program feeds it; None when no program read what this call reads."""
+        seen: list = []  # the call's outcomes, as far as the programs run so far read them
         for i, (host, program) in enumerate(self.programs):
-            fed = host.run(args)
+            if not host.agrees(seen):  # its reads came out otherwise on this call: no need to run it
+                continue
+            fed, found = host.run(args)
             if fed is not None:
                 if i:
                     self.programs.insert(0, self.programs.pop(i))
                 return program, fed
+            seen = max(seen, found, key=len)
         return None
 
     def add(self, host: HostProgram, program: Any) -> None:

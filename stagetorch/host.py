@@ -276,19 +276,27 @@ class HostProgram:
     def reads(self) -> list[HostRead]:
         return [s for s, _ in self.steps if isinstance(s, HostRead)]
 
-    def run(self, args: Sequence[torch.Tensor]) -> dict[Var, torch.Tensor] | None:
+    def agrees(self, seen: Sequence[Any]) -> bool:
+        """Whether this program's reads came out as ``seen``, the outcomes another program's run found for a
+        call, as far as that run went: else this program is not the call's, and need not run."""
+        reads = self.reads
+        return len(reads) >= len(seen) and all(r.outcome == o for r, o in zip(reads, seen))
+
+    def run(self, args: Sequence[torch.Tensor]) -> tuple[dict[Var, torch.Tensor] | None, list[Any]]:
         """Compute the reads for a call with tensor arguments ``args``. **Returns** the fed values where every
-        read comes out as when the program was staged, else None (at the first that does not). The default
-        generators are left as they were found."""
+        read comes out as when the program was staged, else None (at the first that does not); and the
+        outcomes found, that one included. The default generators are left as they were found."""
         values: dict[Var, torch.Tensor] = dict(self.consts)
         for v, i in self.args.items():
             values[v] = args[i]
         restore: dict[torch.device, Callable[[], None]] = {}
+        seen: list[Any] = []
         try:
             for step, known in self.steps:
                 if isinstance(step, HostRead):
-                    if step.evaluate(values) != step.outcome:
-                        return None
+                    seen.append(step.evaluate(values))
+                    if seen[-1] != step.outcome:
+                        return None, seen
                     continue
                 if _is_draw(step):
                     device = rng.device_of(step)
@@ -298,7 +306,7 @@ class HostProgram:
         finally:
             for put_back in restore.values():
                 put_back()
-        return {v: values[v] for v in self.fed}
+        return {v: values[v] for v in self.fed}, seen
 
     def describe(self) -> str:
         """The reads and their outcomes, for a log line."""
