@@ -11,6 +11,10 @@ holds that same object (:class:`Guard`), with C-level passes (``map(operator.is_
 Python loop per attribute. Where something differs the call walks again, so a guard can only be stricter
 than the key it stands for: an attribute set again to an equal value walks again and finds the same key.
 
+A step that reads values on the host (``if mask.any():``, LayerDrop's ``torch.rand([]) < p``) has a program
+per outcome of those reads: :class:`Outcomes` keeps them, and picks one per call by running the host
+program of each (:mod:`stagetorch.host`) on the call's arguments.
+
 What it must not know: how a trace uses the state, or what a key means (``tracing`` says both).
 """
 
@@ -28,9 +32,10 @@ import torch.nn.modules.module as _module_globals
 import torch.utils._pytree as pytree
 
 from . import _caches
+from .host import HostProgram
 from .tracing import _CLASS_GLOBALS, _MODULE_HOOKS, State, discover
 
-__all__ = ["Reads", "Guard", "StateWalk", "flatten_args"]
+__all__ = ["Reads", "Guard", "StateWalk", "flatten_args", "Outcomes", "MAX_OUTCOMES"]
 
 # Set by a test run that checks every reuse against a fresh walk (see tests/test_guards.py).
 VERIFY = False
@@ -296,3 +301,40 @@ def flatten_args(args: tuple, kwargs: dict) -> tuple[list, pytree.TreeSpec]:
     return pytree.tree_flatten((args, kwargs))
 
 
+
+
+# The programs kept for one signature of a step that reads values on the host: beyond this, the least
+# recently used is dropped (each new outcome stages, and logs why).
+MAX_OUTCOMES = 16
+
+
+class Outcomes:
+    """The staged programs of one signature whose step reads values on the host (see
+    :mod:`stagetorch.host`), each with the host program that computes those reads: a call takes the first
+    program whose reads come out, on its arguments, as they did when it was staged. Most recently used
+    first, at most :data:`MAX_OUTCOMES`."""
+
+    def __init__(self) -> None:
+        self.programs: list[tuple[HostProgram, Any]] = []
+
+    def pick(self, args: Sequence[torch.Tensor]) -> tuple[Any, dict] | None:
+        """The program (the value :meth:`add` was given) for a call with tensor arguments ``args``, and the
+        values its host program feeds it; None when no program read what this call reads."""
+        seen: list = []  # the call's outcomes, as far as the programs run so far read them
+        for i, (host, program) in enumerate(self.programs):
+            if not host.agrees(seen):  # its reads came out otherwise on this call: no need to run it
+                continue
+            fed, found = host.run(args)
+            if fed is not None:
+                if i:
+                    self.programs.insert(0, self.programs.pop(i))
+                return program, fed
+            seen = max(seen, found, key=len)
+        return None
+
+    def add(self, host: HostProgram, program: Any) -> None:
+        self.programs.insert(0, (host, program))
+        del self.programs[MAX_OUTCOMES:]
+
+    def __len__(self) -> int:
+        return len(self.programs)

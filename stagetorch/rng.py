@@ -26,7 +26,7 @@ import torch
 from .ir import Aval, Eqn, Var, iter_vars, op_name
 from .registry import slot
 
-__all__ = ["SaveRngState", "ReplayRandom", "LayoutOf", "replayable", "device_of", "METADATA_ONLY"]
+__all__ = ["SaveRngState", "ReplayRandom", "LayoutOf", "replayable", "device_of", "save_generator", "METADATA_ONLY"]
 
 # Ops that read only the sizes, strides, dtype and device of their first argument (by packet): recomputed
 # from a layout token of it (:class:`LayoutOf`), they need not have that argument recomputed too (CPU
@@ -225,3 +225,10 @@ class LayoutOf:
 
 
 LAYOUT_OF = LayoutOf()
+
+
+def save_generator(device: torch.device) -> Callable[[], None]:
+    """Save the state of ``device``'s default generator; return what sets it back. A step's host reads
+    (:mod:`stagetorch.host`) draw before its staged program, which then draws the same numbers again."""
+    state = _get(device)
+    return functools.partial(_set, device, state)

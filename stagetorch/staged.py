@@ -20,7 +20,7 @@ from .devices import free_memory
 from .errors import OutOfMemoryError, ShapeError, UnsupportedOpError
 from .executable import Executable
 from .execute import _dense, accumulate_grad, install_grads
-from .guards import StateWalk, flatten_args
+from .guards import MAX_OUTCOMES, Outcomes, StateWalk, flatten_args
 from .ir import Graph
 from .planner import COPIES
 from .planning import Plan
@@ -67,6 +67,17 @@ def _leaf_argnums(args: Sequence, kwargs: dict) -> list[int]:
         out += [i] * len(pytree.tree_leaves(a))
     for a in kwargs.values():
         out += [-1] * len(pytree.tree_leaves(a))
+    return out
+
+
+def _fed_consts(entry: _Entry, fed: dict) -> list[torch.Tensor]:
+    """The program's constants with each value fed from the host program replaced by this call's."""
+    graph, consts = entry.traced.graph, entry.executable.consts
+    first = len(graph.invars) - len(consts)
+    position = {v: i - first for i, v in enumerate(graph.invars) if i >= first}
+    out = list(consts)
+    for v, t in fed.items():
+        out[position[v]] = t
     return out
 
 
@@ -120,10 +131,10 @@ class Staged:
         self.batch_argnums = None if batch_argnums is None else tuple(batch_argnums)
         self.static_argnums = tuple(static_argnums)
         self.memory_budget = memory_budget
-        self._cache: dict[tuple, _Entry] = {}
+        self._cache: dict[tuple, _Entry | Outcomes] = {}
         self._caps: dict[int, int] = {}  # batch size -> the largest chunk that ran after an out-of-memory error
         self._last_key: tuple | None = None
-        self._last_entry: _Entry | None = None
+        self._last_entry: _Entry | Outcomes | None = None
         self._walk = StateWalk()  # discover and tensors_and_key, made again only when what they read changed
         functools.update_wrapper(self, fn)
         _STAGED.add(self)
@@ -160,11 +171,19 @@ class Staged:
         key = (tree, _signature(leaves, static, argnums), state_key, global_batch, torch.is_grad_enabled())
         last = self._last_key
         if last is not None and state_key is last[2] and tree is last[0] and key == last:
-            entry = self._last_entry  # the same key objects as the call before: no hash of the whole key
+            cached = self._last_entry  # the same key objects as the call before: no hash of the whole key
         else:
-            entry = self._cache.get(key)
+            cached = self._cache.get(key)
+        if argnums is None:
+            inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
+        else:
+            inputs = [x for x, a in zip(leaves, argnums) if isinstance(x, torch.Tensor) and a not in static]
+        entry, fed = cached, None
+        if isinstance(cached, Outcomes):  # a step that reads values on the host: the program they select
+            entry, fed = cached.pick(inputs) or (None, None)
         if entry is None:
-            if self._last_key is not None:
+            # A new outcome of the host reads is logged once the trace has read it (_add_program).
+            if self._last_key is not None and not isinstance(cached, Outcomes):
                 self._log_restage(self._last_key, key, state)
             batched_leaves, batch = self._batch_leaves(args, kwargs, allow_empty=global_batch is not None)
             traced_args, traced_kwargs = args, kwargs
@@ -186,16 +205,31 @@ class Staged:
                 Executable(graph, batched, batch, traced.consts, cap=self._caps.get(batch), remat=self.remat,
                            cut_coupled=True),
             )
-            self._cache[key] = entry
-        self._last_key, self._last_entry = key, entry
-        if argnums is None:
-            inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
-        else:
-            inputs = [x for x, a in zip(leaves, argnums) if isinstance(x, torch.Tensor) and a not in static]
+            cached = self._add_program(key, cached, entry)
+        self._last_key, self._last_entry = key, cached
         inputs += state_tensors
         inputs += [_grad_or_zeros(inputs[i]) for i in entry.traced.grad_params]
-        inputs += entry.executable.consts
+        consts = entry.executable.consts
+        if fed:  # the values read on the host that the program reads too (nonzero's rows): this call's
+            consts = _fed_consts(entry, fed)
+        inputs += consts
         return entry, inputs, state
+
+    def _add_program(self, key: tuple, cached: Any, entry: _Entry) -> Any:
+        """Cache ``entry`` under ``key``: alone, or among the programs of that key chosen by what the step
+        reads on the host (logged when they grow). **Returns** what the key now holds."""
+        host = entry.traced.host
+        if host is None:
+            self._cache[key] = entry
+            return entry
+        outcomes = cached if isinstance(cached, Outcomes) else Outcomes()
+        outcomes.add(host, entry)
+        self._cache[key] = outcomes
+        if len(outcomes) > 1:
+            log.info("stagetorch: %s: staging again for what it read on the host (%d programs for these arguments "
+                     "now, at most %d): %s", getattr(self.fn, "__name__", "step"), len(outcomes), MAX_OUTCOMES,
+                     host.describe())
+        return outcomes
 
     def _check_unchanged(self, state: State, key: tuple, args: tuple, kwargs: dict, restore: Callable) -> None:
         """Refuse a function that changes, while it is staged, a Python value its programs are keyed on.

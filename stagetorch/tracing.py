@@ -44,7 +44,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import _caches, _gc
 from ._tree import flat_call, flatten, map_leaves
 from .errors import ConcretizationError, ShapeError, StagingError, UnsupportedOpError
-from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var, op_name
+from .host import HostProgram, HostTrace, mask_positions
+from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var, iter_vars, op_name
 from .registry import NO_TENSOR, slot
 
 __all__ = ["trace", "discover", "State", "Recorder", "user_frame", "is_user_code", "mark_internal", "source_info"]
@@ -637,6 +638,8 @@ class Recorder:
         self.grad_leaks: list[tuple[torch.Tensor, Any, SourceInfo]] = []
         self.module_names: dict[int, str] = {}
         self.module_stack: list[str] = []
+        # Host-known values and the reads of them (jit's traces; a lazy session reads values for real instead).
+        self.host: HostTrace | None = None
 
     def new_var(self, t: torch.Tensor) -> Var:
         untyped = t.untyped_storage()
@@ -686,6 +689,8 @@ class Recorder:
             self.lifted[id(t)] = fake
             self.consts.append(t)
             self.const_vars[id(t)] = self.add_input(fake, "const", f"const{len(self.consts) - 1}")
+            if self.host is not None:
+                self.host.seed_const(self.const_vars[id(t)], t)
             if t.requires_grad and leaf:
                 self.grad_leaks.append((t, t.grad, source_info()))
         return fake
@@ -742,7 +747,12 @@ class Recorder:
         if entry is not None:
             out = _from_entry(entry, args, self.fake_mode)
         else:
-            out = self._dispatch(func, args, kwargs, src, self.fake_mode)
+            try:
+                out = self._dispatch(func, args, kwargs, src, self.fake_mode)
+            except ConcretizationError:
+                if self.host is None:
+                    raise
+                return self._read_on_host(func, args, kwargs, in_args, in_kwargs, src)
             _check_rule(func, args, kwargs, src)
             out = _relayout(func, args, kwargs, out, self.fake_mode)
             out = _unshared(func, out, self.fake_mode)
@@ -756,8 +766,44 @@ class Recorder:
                 "sparse work outside the staged function, or convert with .to_dense() before it."
             )
         outvars = tuple(self.new_var(t) if isinstance(t, torch.Tensor) else None for t in flat)
-        self.eqns.append(Eqn(func, in_args, in_kwargs, outvars, src))
+        eqn = Eqn(func, in_args, in_kwargs, outvars, src)
+        self.eqns.append(eqn)
+        if self.host is not None:
+            self.host.note(eqn)
         return out
+
+    def _read_on_host(self, func: Any, args: tuple, kwargs: dict, in_args: tuple, in_kwargs: dict, src: SourceInfo) -> Any:
+        """An op that needs a value (``.item()``, ``nonzero``, ``x[mask]``) in a trace that tracks host-known
+        values (see :mod:`stagetorch.host`): run for real where its inputs are host-known, its outcome a read
+        the program is chosen by; else a ConcretizationError naming the line."""
+        host = self.host
+        assert host is not None
+        ins = list(iter_vars((in_args, in_kwargs)))
+        masks = _host_masks(func, in_args, host)
+        if masks is not None:
+            # x[mask] over a host-known mask: x[positions], the positions found on the host and fed as inputs.
+            mask_vars = tuple(in_args[1][d] for d in masks)
+            positions = host.call(Eqn(mask_positions, mask_vars, {}, (), src))
+            fakes = [self.lift(t) for t in positions]
+            host.shaped(Eqn(mask_positions, mask_vars, {}, tuple(self.var(f) for f in fakes), src), positions, src)
+            indices, it = [], iter(fakes)
+            for d, index in enumerate(args[1]):
+                if d in masks:
+                    indices += [next(it) for _ in range(index.ndim)]
+                else:
+                    indices.append(index)
+            return self.record(func, (args[0], indices, *args[2:]), kwargs, src)
+        if host.is_known(ins):
+            real = host.call(Eqn(func, in_args, in_kwargs, (), src))
+            if not any(isinstance(t, torch.Tensor) for t in flatten(real)):
+                host.read(Eqn(func, in_args, in_kwargs, (None,), src), real, src)
+                return real
+            # A shape made from data (nonzero, unique): the whole batch's value, fed to the program as an input.
+            out = map_leaves(real, torch.Tensor, self.lift)
+            outvars = tuple(self.var(t) if isinstance(t, torch.Tensor) else None for t in flatten(out))
+            host.shaped(Eqn(func, in_args, in_kwargs, outvars, src), real, src)
+            return out
+        raise ConcretizationError(_host_read_message(func, src))
 
     @staticmethod
     def _dispatch(func: Any, args: tuple, kwargs: dict, src: SourceInfo, mode: FakeTensorMode) -> Any:
@@ -1025,6 +1071,37 @@ def _concretization_message(func: Any, src: SourceInfo) -> str:
     )
 
 
+def _host_read_message(func: Any, src: SourceInfo) -> str:
+    return (
+        f"{op_name(func)} at {src} reads a tensor's value on the host, and that value depends on the parameters "
+        f"or on activations:{_code_line(src)}\nstagetorch.jit computes on the host only values that follow from "
+        "the step's integer arguments (labels, masks, lengths), constants and random draws; a value computed from "
+        "the model's outputs is known only when the staged program runs. What to do: make the decision outside "
+        "the staged step (return the loss and test it after the call, e.g. for early stopping), or pass the "
+        "Python value that steers it as a static argument (stagetorch.jit(fn, static_argnums=...)); select with "
+        "torch.where(cond, a, b) instead of `if`; keep shapes fixed with a mask (loss * mask) instead of x[mask]; "
+        "or use stagetorch.lazy(...), which evaluates such reads eagerly."
+    )
+
+
+_MASKABLE = frozenset({
+    torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
+    torch.ops.aten._unsafe_index.Tensor,
+})
+
+
+def _host_masks(func: Any, in_args: tuple, host: HostTrace) -> list[int] | None:
+    """The positions of the boolean indices of an advanced index (``x[mask]``, ``x[mask] = v``) when they are
+    all host-known, else None."""
+    if func not in _MASKABLE or len(in_args) < 2:
+        return None
+    indices = in_args[1]
+    masks = [d for d, t in enumerate(indices) if isinstance(t, Var) and t.aval.dtype in (torch.bool, torch.uint8)]
+    if masks and host.is_known([indices[d] for d in masks]):
+        return masks
+    return None
+
+
 def _unsupported_message(func: Any, src: SourceInfo, detail: str = "") -> str:
     name = op_name(func)
     return (
@@ -1157,6 +1234,8 @@ class Traced:
     assign_grads: list[int] = attrs.field(factory=list)
     clear_grads: list[int] = attrs.field(factory=list)
     state_outs: list[tuple] = attrs.field(factory=list)
+    # The values it read on the host, and what computes them again for a call (see stagetorch.host).
+    host: HostProgram | None = None
 
 
 # A trace allocates many small objects that all stay alive until it ends: the cyclic collector's passes
@@ -1185,6 +1264,7 @@ def _trace(fn: Callable, args: Sequence, kwargs: dict, static_argnums: Sequence[
     """One trace; with ``watch``, under :class:`_ReadConstants`."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     rec = Recorder(fake_mode)
+    rec.host = HostTrace()
     static = set(static_argnums)
 
     leaves, tree = pytree.tree_flatten((tuple(args), kwargs))
@@ -1192,6 +1272,7 @@ def _trace(fn: Callable, args: Sequence, kwargs: dict, static_argnums: Sequence[
     leaves = held_values(leaves, lambda: names)
     arg_is_static = _static_mask(args, kwargs, static)
     fake_leaves = []
+    n_tensors = 0  # the position of each tensor argument among the call's (what a host read of it reads)
     for leaf, name, is_static in zip(leaves, names, arg_is_static):
         if isinstance(leaf, torch.Tensor) and not is_static and leaf.layout != torch.strided:
             raise UnsupportedOpError(
@@ -1201,7 +1282,8 @@ def _trace(fn: Callable, args: Sequence, kwargs: dict, static_argnums: Sequence[
         if isinstance(leaf, torch.Tensor) and not is_static:
             with fake_mode, _no_grad_read_warning():
                 fake = fake_mode.from_tensor(leaf, static_shapes=True)
-            rec.add_input(fake, "arg", name)
+            rec.host.seed_arg(rec.add_input(fake, "arg", name), n_tensors, leaf)
+            n_tensors += 1
             fake_leaves.append(fake)
         elif isinstance(leaf, Aval):
             # An argument known by its aval only (a process group's global batch): laid out as its strides
@@ -1213,6 +1295,7 @@ def _trace(fn: Callable, args: Sequence, kwargs: dict, static_argnums: Sequence[
                 else:
                     fake = torch.empty(leaf.shape, dtype=leaf.dtype, device=leaf.device)
             rec.add_input(fake, "arg", name)
+            n_tensors += 1
             fake_leaves.append(fake)
         else:
             fake_leaves.append(leaf)
@@ -1279,6 +1362,7 @@ def _trace(fn: Callable, args: Sequence, kwargs: dict, static_argnums: Sequence[
             for i, fake in enumerate(rec.fakes) if fake.requires_grad and fake.is_leaf
         }
     finally:
+        rec.host.finish()
         fake_log.setLevel(log_level)
         for h in hooks:
             h.remove()
@@ -1311,6 +1395,7 @@ def _trace(fn: Callable, args: Sequence, kwargs: dict, static_argnums: Sequence[
         graph, rec.consts,
         grad_params=[index[i] for i, v in grad_inputs.items() if v not in unused],
         assign_grads=[index[i] for i in assign], clear_grads=[index[i] for i in clear], state_outs=state_outs,
+        host=rec.host.program(),
     )
 
 

@@ -126,8 +126,11 @@ def index(eqn: Eqn, label: LabelFn) -> Chunked:
     if len(rows) != 1:
         raise coupling(
             eqn,
-            "indexes the batch dim with a shared index that does not hold one position per example",
-            "index examples outside the staged function, or run without chunking (a larger memory_budget)",
+            "indexes the batch dim with a shared index that does not hold one position per example (a "
+            "selection of examples, x[mask] or x[mask.nonzero()], whose size the chunks do not share)",
+            "keep every example and weight the ones to drop by zero ((loss_per_example * mask).sum() / "
+            "mask.sum()), select examples outside the staged function, or run without chunking (a larger "
+            "memory_budget)",
         )
     at = bdim(own, rows[0])
     for _, t, lab in batched_idx:
@@ -172,6 +175,61 @@ def _own_batch_rows_put(x: torch.Tensor, indices: list, values: torch.Tensor, ac
     return torch.ops.aten.index_put.default(x, local, values, accumulate)
 
 
+def _values_rows(eqn: Eqn, label: LabelFn) -> Batched | None:
+    """Where the batch of ``x.index_put(indices, values)`` lies in ``x`` when the values alone carry it (no index
+    is per-example) along a dim of ``x`` that no index touches and that has the batch's extent; else None."""
+    x, indices, values = eqn.args[0], list(eqn.args[1]), eqn.args[2]
+    vl = label(values)
+    if vl is None or any(label(t) is not None for t in indices if isinstance(t, Var)):
+        return None
+    _, x_to_out, width = _placement(x.aval.ndim, indices)
+    result_ndim = len(x_to_out) - sum(o is None for o in x_to_out) + width
+    at = vl.dim + result_ndim - values.aval.ndim  # values broadcast against x[indices], aligned right
+    d = next((d for d, o in enumerate(x_to_out) if o is not None and o == at), None)
+    if d is None or x.aval.shape[d] != vl.extent(label.batch):
+        return None
+    return Batched(d, vl.k, vl.outer)
+
+
+def _into_own_zeros(x: torch.Tensor, indices: list, values: torch.Tensor, accumulate: bool, dim: int, vdim: int):
+    """``x.index_put(indices, values, accumulate)`` on a chunk, ``x`` zeros whose ``dim`` holds the batch: the
+    chunk's rows of it are zeros too, as many as the values have along ``vdim``."""
+    return torch.ops.aten.index_put.default(x.narrow(dim, 0, values.shape[vdim]), indices, values, accumulate)
+
+
+def _mask_fill(x: torch.Tensor, mask: torch.Tensor, value: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """``x[mask] = value`` (one value for every entry the mask selects) as the elementwise fill it is."""
+    mask = mask.view(*mask.shape, *[1] * (x.ndim - mask.ndim))
+    return x.masked_fill_(mask, value.reshape(())) if in_place else x.masked_fill(mask, value.reshape(()))
+
+
+def _as_mask_fill(eqn: Eqn, label: LabelFn) -> Chunked | None:
+    """``x[mask] = v`` with one boolean mask over the leading dims of ``x`` and one value (``labels[labels ==
+    pad] = -100``): elementwise over ``x``, per example where ``x`` is, whatever the mask selects. None where
+    the write is another."""
+    x, indices, values = eqn.args[0], list(eqn.args[1]), eqn.args[2]
+    accumulate = bool(eqn.args[3] if len(eqn.args) > 3 else eqn.kwargs.get("accumulate", False))
+    mask = indices[0] if len(indices) == 1 else None
+    if accumulate or not isinstance(mask, Var) or mask.aval.dtype is not torch.bool or not isinstance(values, Var):
+        return None
+    if values.aval.numel != 1 or label(values) is not None or mask.aval.shape != x.aval.shape[: mask.aval.ndim]:
+        return None
+    xl, ml = label(x), label(mask)
+    cut = {}
+    if xl is None and ml is not None:
+        return None  # per-example positions written into a shared tensor: refused by the rules below
+    if xl is not None and xl.dim < mask.aval.ndim and ml != xl:
+        if ml is not None:
+            return None
+        cut[mask] = xl  # a shared mask over the whole batch: cut to the chunk with x
+    in_place = eqn.prim.overloadpacket is aten.index_put_
+
+    def call(n: int) -> tuple[Any, tuple, dict]:
+        return _mask_fill, (x, mask, values, in_place), {}
+
+    return Chunked((xl,), call=call, slice=cut)
+
+
 def index_put(eqn: Eqn, label: LabelFn) -> Chunked:
     """``aten.index_put(x, indices, values, accumulate)`` (the backward of ``x[indices]``): exact per chunk when
 
@@ -181,8 +239,14 @@ def index_put(eqn: Eqn, label: LabelFn) -> Chunked:
       one broadcast index dim: each chunk scatters its own share and the shares sum (an embedding table's
       gradient by position ids);
     - ``x`` is per-example, or shared with one row per example, and its batch dim is indexed by each
-      example's own position (the backward of ``logits[arange(B), labels]``).
+      example's own position (the backward of ``logits[arange(B), labels]``);
+    - ``x`` is shared, no index is per-example, and the values carry the batch along a dim of ``x`` that no
+      index touches (``x[:, idx] = values``; the backward of ``logits[:, classes]``): ``x`` is cut to each
+      chunk's rows.
     """
+    fill = _as_mask_fill(eqn, label)
+    if fill is not None:
+        return fill
     x, indices, values = eqn.args[0], list(eqn.args[1]), eqn.args[2]
     accumulate = bool(eqn.args[3] if len(eqn.args) > 3 else eqn.kwargs.get("accumulate", False))
     _no_masks(eqn, indices)
@@ -204,6 +268,19 @@ def index_put(eqn: Eqn, label: LabelFn) -> Chunked:
         return Chunked((xl,), slice=cut)
 
     extent = label.batch
+    own_rows = _values_rows(eqn, label) if xl is None else None
+    if own_rows is not None:
+        # x shared, the values per-example along a dim of x that no index touches (``x[:, idx] = values``, the
+        # backward of ``logits[:, classes]``): each chunk writes only its own rows of x.
+        if _is_zeros(label, x):  # made in the step (autograd's new_zeros): the chunk's own zeros
+            vdim = vl.dim
+
+            def call(n: int) -> tuple[Any, tuple, dict]:
+                return _into_own_zeros, (x, indices, values, accumulate, own_rows.dim, vdim), {}
+
+            return Chunked((own_rows,), call=call)
+        if label.maker(x) is None:  # an input of the step: cut to the chunk's rows
+            return Chunked((own_rows,), slice={x: own_rows})
     dim = xl.dim if xl is not None else next(
         (d for d, t in tensors if label(t) is None and x.aval.shape[d] == extent and extent in t.aval.shape), None
     )
@@ -257,6 +334,13 @@ def index_put_(eqn: Eqn, label: LabelFn) -> Chunked:
     """``x.index_put_(indices, values, accumulate)``: in place into per-example rows as :func:`index_put`
     places them; into a shared tensor of zeros, ``accumulate`` set (a count over the batch, written
     ``zeros(n).index_put_(..., accumulate=True)``), each chunk's share is made apart and the shares sum."""
+    fill = _as_mask_fill(eqn, label)
+    if fill is not None:
+        return fill
+    if label(eqn.args[0]) is None and (rows := _values_rows(eqn, label)) is not None:
+        # Per-example rows written into a shared tensor: the batch interpreter makes a fresh factory (``buf =
+        # torch.zeros(B, ...)``) per chunk, and refuses any other shared tensor.
+        return Chunked((rows,))
     decision = index_put(eqn, label)
     if isinstance(decision.out[0], Reduced):
 
