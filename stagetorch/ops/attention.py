@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from .. import batching, flops
+from ..costing import MemoryEffect
 from ..errors import ShapeError
 from ..ir import Aval, Eqn
 from . import _shape
@@ -21,7 +22,7 @@ def sdpa_cpu(q: Aval, k: Aval, v: Aval, *args: Any, **kwargs: Any) -> tuple[Aval
     if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2] or q.shape[0] != k.shape[0]:
         raise ShapeError(f"aten._scaled_dot_product_flash_attention_for_cpu: q, k, v do not line up ({q}, {k}, {v})")
     out = Aval(q.shape[:-1] + v.shape[-1:], q.dtype, q.device)
-    return out, Aval(q.shape[:-1], torch.float32, q.device)
+    return out, Aval(q.shape[:-1], _accumulate_dtype(q), q.device)
 
 
 def sdpa_cpu_backward(grad: Aval, q: Aval, k: Aval, v: Aval, *args: Any, **kwargs: Any) -> tuple[Aval, Aval, Aval]:
@@ -35,9 +36,24 @@ def _flash_splits(q: Aval, k: Aval) -> tuple[int, int]:
     return min(length, q_split), min(k.shape[-2], 512)
 
 
+def _accumulate_dtype(q: Aval) -> torch.dtype:
+    """The type the kernel accumulates in, and returns the logsumexp in: double for double inputs, float for
+    every other."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
 def _accumulate_itemsize(q: Aval) -> int:
-    """Bytes of the type the kernel accumulates in: double for double inputs, float for every other."""
-    return 8 if q.dtype == torch.float64 else 4
+    """Bytes of the type the kernel accumulates in."""
+    return _accumulate_dtype(q).itemsize
+
+
+def sdpa_cpu_memory(e: Eqn) -> MemoryEffect:
+    """The logsumexp's true bytes: the kernel returns it in the accumulation type, where torch 2.11's meta
+    kernel (and so the traced value) says float for double inputs (2.13's says double). Exact on both."""
+    q, logsumexp = e.args[0].aval, e.outvars[1]
+    if logsumexp is None or q.device.type != "cpu":
+        return MemoryEffect()
+    return MemoryEffect(outputs={1: logsumexp.aval.numel * _accumulate_itemsize(q)})
 
 
 def sdpa_cpu_workspace(e: Eqn) -> int:
@@ -85,6 +101,12 @@ SHAPE: dict = {
     aten._log_softmax_backward_data: lambda grad, out, dim, dtype: Aval(grad.shape, dtype, grad.device),
     aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_cpu_backward,
+}
+
+
+# Memory rules: op -> rule(eqn) -> MemoryEffect (see stagetorch/costing.py)
+MEMORY: dict = {
+    aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu_memory,
 }
 
 
