@@ -52,7 +52,10 @@ _KERNEL_SWITCHES = [
 # Their values as one tuple, read by a generated function of one expression (a comprehension over the list
 # cost twice as much: ~1 us more, on every lazy() call).
 _kernel_switches = eval(  # noqa: S307 - made from the names above
-    "lambda: (" + "".join(f"_k{i}(), " for i in range(len(_KERNEL_SWITCHES))) + ")",
+    compile(
+        "lambda: (" + "".join(f"_k{i}(), " for i in range(len(_KERNEL_SWITCHES))) + ")",
+        "<stagetorch kernel switches>", "eval",  # (named as the package's generated code: see _skip_under_dynamo)
+    ),
     {f"_k{i}": get for i, get in enumerate(_KERNEL_SWITCHES)},
 )
 
@@ -781,6 +784,9 @@ def _skip_under_dynamo() -> None:
     from torch._dynamo import trace_rules
 
     trace_rules.add(__name__.split(".")[0])
+    # The code the package generates (programs, express guards and backwards) is named "<stagetorch ...>".
+    trace_rules.SKIP_DIRS.append("<stagetorch")
+    trace_rules._recompile_re()
     _dynamo_skips = True
 
 
