@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
+import torch
 
 from . import _gc
 from .chunking import BodyGraph, Split, even_chunks
@@ -336,6 +337,11 @@ def plan_chunks(
     )
     if cap is not None and cap < batch:
         why += f" Chunks are at most {cap} examples: a larger one ran out of memory in an earlier call."
+    if any(torch.Tag.nondeterministic_seeded in getattr(e.prim, "tags", ()) for e in graph.eqns):
+        why += (
+            " Random ops (dropout) draw per chunk: each example's draws have the whole batch's distribution, "
+            "not its numbers (docs/chunking.md, Random ops)."
+        )
     return Plan(batch, tuple(sizes), peaks, budget, full, why, phases)
 
 

@@ -210,3 +210,79 @@ def test_values_nobody_can_read_are_released():
     kept = set(session.values)
     assert kept <= set(session.batched) | {loss._var}, len(kept)
     assert loss.item() > 0 and all(type(p.grad) is torch.Tensor for p in model.parameters())
+
+
+class MaskCheckedEncoderDecoder(nn.Module):
+    """An encoder, then a read on the host of a value that depends only on an input (T5's decoder asks
+    whether the encoder's attention mask is all ones after the encoder ran), then a decoder and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = True  # False: the same step without the read (jit stages that one)
+        self.encoder = nn.Sequential(nn.Linear(16, 48), nn.Tanh(), nn.Linear(48, 48), nn.Tanh())
+        self.decoder = nn.Sequential(nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 24))
+
+    def forward(self, x, mask):
+        h = self.encoder(x)
+        if not self.reads or not mask.all():  # the host read, mid-step
+            h = h * mask[:, None, None]
+        return self.decoder(h).mean(1)
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["logits-dropped", "logits-held"])
+def test_a_read_mid_step_leaves_the_step_as_hungry_as_jit(held, monkeypatch):
+    """At the budget ``jit`` runs the same step at in 5 chunks, one-line mode runs it too: the
+    read of the mask's ``all()`` computes only that, and the encoder's activations stay inside the program
+    the backward runs (a flush there would hold them whole). A dropped output (the logits) is not an output
+    of any flush; one the script holds is, and equals eager's. Three SGD steps against eager."""
+    torch.manual_seed(0)
+    n = 10  # no dimension of the model's: a value of n rows is per-example
+    model = MaskCheckedEncoderDecoder().double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(n, 64, 16, dtype=torch.float64), torch.randint(0, 24, (n,))
+    mask = torch.ones(n, dtype=torch.float64)
+    mask[::3] = 0
+
+    unread = copy.deepcopy(model)
+    unread.reads = False
+
+    def step(x, mask, y):
+        out = unread(x, mask)
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        return (loss, out) if held else loss
+
+    staged = stagetorch.jit(step, remat=False)
+    budget = budget_for(staged, x, mask, y, chunks=5)
+    outputs, chunks = [], []
+    run = stagetorch.executable.Executable.run
+
+    def recorded(self, inputs, plan, **kwargs):
+        outputs.extend(v.aval.shape for v in self.graph.outvars)
+        chunks.append(len(plan.chunk_sizes))
+        return run(self, inputs, plan, **kwargs)
+
+    monkeypatch.setattr(stagetorch.executable.Executable, "run", recorded)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    for _ in range(3):
+        outputs.clear(), chunks.clear()
+        lx, lmask, ly = stagetorch.lazy(x, mask, y, batch=0, memory_budget=budget, remat=False)
+        if held:
+            out = model(lx, lmask)
+            loss = F.cross_entropy(out, ly)
+        else:
+            loss = F.cross_entropy(model(lx, lmask), ly)
+        loss.backward()
+        expected_out = reference(x, mask)
+        expected = F.cross_entropy(expected_out, y)
+        expected.backward()
+        assert max(chunks) >= 5, chunks  # the backward's flush chunks as jit's step does
+        assert ((n, 24) in outputs) == held, outputs
+        if held:
+            assert rel(out.detach().value(), expected_out.detach()) < 1e-12
+        assert abs(loss.item() - expected.item()) <= 1e-12 * abs(expected.item())
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert rel(p.grad, q.grad) < 1e-12
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()

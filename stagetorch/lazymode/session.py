@@ -21,6 +21,7 @@ from ..devices import free_memory
 from ..errors import BatchCouplingError, ConcretizationError, ModifiedInputError, StagingError
 from ..executable import Executable
 from ..execute import accumulate_grad
+from ..flops import graph_flops
 from ..ir import Graph, Var, op_name
 from ..tracing import Recorder, user_frame
 from . import mode as _mode
@@ -51,7 +52,10 @@ _KERNEL_SWITCHES = [
 # Their values as one tuple, read by a generated function of one expression (a comprehension over the list
 # cost twice as much: ~1 us more, on every lazy() call).
 _kernel_switches = eval(  # noqa: S307 - made from the names above
-    "lambda: (" + "".join(f"_k{i}(), " for i in range(len(_KERNEL_SWITCHES))) + ")",
+    compile(
+        "lambda: (" + "".join(f"_k{i}(), " for i in range(len(_KERNEL_SWITCHES))) + ")",
+        "<stagetorch kernel switches>", "eval",  # (named as the package's generated code: see _skip_under_dynamo)
+    ),
     {f"_k{i}": get for i, get in enumerate(_KERNEL_SWITCHES)},
 )
 
@@ -283,6 +287,26 @@ class _Session(BackwardSkip):
             v in consts and id(consts[v]) in ids for e in self.eqns[self.done : self.eqn_count] for v in e.invars
         )
 
+    def _reads_little(self, needed: list[Var], end: int) -> bool:
+        """Whether a mid-step read (``needed``) depends on a small part of the pending work: at most
+        1/``_LITTLE`` of its FLOPs, drawing no random numbers. Then only that part runs (:meth:`_peek`) and the
+        rest stays pending, to run with the backward as one program, chunked as ``jit`` chunks the step. The
+        whole flush would hold every value autograd saved so far, the whole batch's, through the flush after
+        it (T5's decoder checks the encoder's attention mask after the encoder ran: its activations, held
+        whole, left no room for one example of the backward at ``jit``'s budget). A random op is never peeked:
+        it would draw again at the flush. Kept per recording and span."""
+        key = ("little", self.done, end, tuple(needed))
+        flushes = self.recording.flushes
+        answer = flushes.get(key)
+        if answer is None:
+            pending = self.eqns[self.done : end]
+            own = _ancestors(pending, needed)
+            answer = flushes[key] = (
+                len(own) < len(pending) and not any(_draws(e) for e in own)
+                and _LITTLE * graph_flops(own) <= graph_flops(pending)
+            )
+        return answer
+
     def _peeks(self, executable: Executable, device: torch.device) -> bool:
         """Whether a flush that ``needed`` values asked for computes only those (:meth:`_peek`): where the
         whole flush, at this budget, would keep rows each chunk orders its own way. The answer is kept per
@@ -325,7 +349,8 @@ class _Session(BackwardSkip):
         if span is None:
             span = flushes[key] = _PeekSpan(_ancestors(self.eqns[self.done : end], needed), list(needed))
         kept, self.peek_kept = self.peek_kept, None
-        before = kept[0] if kept is not None and kept[0][1] == self.done else None
+        # (A peek of the recording this session replayed before it diverged is not this recording's.)
+        before = kept[0] if kept is not None and kept[0][1] == self.done and kept[0] in flushes else None
         if before is not None and span.follows is None and not span.alone:
             _learn_chain(flushes[before], before, span, key)
         after = before is not None and before == span.follows and kept[1] is not None
@@ -489,7 +514,7 @@ class _Session(BackwardSkip):
         except KeyError:
             raise ConcretizationError("a lazy value was dropped before it ran; this is a bug in stagetorch.lazy") from None
         batched = self.batched
-        if needed and self.shard is None and self._peeks(executable, device):
+        if needed and self.shard is None and (self._reads_little(needed, end) or self._peeks(executable, device)):
             self._peek(needed)
             return
         self.peek_kept = None  # (what a peek kept for the next one is not held through the flush)
@@ -677,6 +702,16 @@ def _learn_chain(before: _PeekSpan, before_key: tuple, span: _PeekSpan, key: tup
     span.follows, span.tail = before_key, tail
 
 
+# A mid-step read whose own work is at most this fraction of the pending work's FLOPs computes only that
+# (see _Session._reads_little): what it runs again at the flush is at most 1/16 more.
+_LITTLE = 16
+
+
+def _draws(e: Any) -> bool:
+    """Whether equation ``e`` draws random numbers (dropout's ``bernoulli_``, ``rand_like``)."""
+    return isinstance(e.prim, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in e.prim.tags
+
+
 def _is_write(e: Any) -> bool:
     returns = getattr(getattr(e.prim, "_schema", None), "returns", None)
     if returns is None:
@@ -719,6 +754,8 @@ def lazy(
     """
     if remat not in ("auto", False):
         raise ValueError(f"stagetorch.lazy: remat must be \"auto\" or False, not {remat!r}")
+    if not _dynamo_skips and "torch._dynamo" in sys.modules:
+        _skip_under_dynamo()
     if not tensors:
         raise ValueError("stagetorch.lazy needs at least one tensor")
     if process_group is not None:
@@ -730,6 +767,27 @@ def lazy(
     session = _Session(tensors, batch, memory_budget, size, remat=remat == "auto")
     out, session.lazies = session.lazies, []  # _lazies, inline
     return out[0] if len(out) == 1 else tuple(out)
+
+
+# Whether dynamo was told to leave stagetorch's code alone (see _skip_under_dynamo).
+_dynamo_skips = False
+
+
+def _skip_under_dynamo() -> None:
+    """Tell dynamo (once it is imported: a ``torch.compile`` made it so) to run stagetorch's code and never
+    compile it. A compiled model called on lazy tensors reaches ``LazyTensor.__torch_function__``, which
+    dynamo would otherwise inline and compile with the session's code behind it (and fail inside it): a file
+    in its skip list makes it break the graph at each call on a lazy tensor and run the call, as eager does,
+    and skip the frames of the package that run then. (``torch._dynamo.disable`` on the lazy tensor's hooks
+    does the same for ~5 us a call, on every op of every step: this costs nothing per call.)"""
+    global _dynamo_skips
+    from torch._dynamo import trace_rules
+
+    trace_rules.add(__name__.split(".")[0])
+    # The code the package generates (programs, express guards and backwards) is named "<stagetorch ...>".
+    trace_rules.SKIP_DIRS.append("<stagetorch")
+    trace_rules._recompile_re()
+    _dynamo_skips = True
 
 
 def _batch_size(tensors: tuple[torch.Tensor, ...], batch: int) -> int:
