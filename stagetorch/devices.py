@@ -89,11 +89,12 @@ def cuda_memory(device: torch.device) -> CudaMemory:
     # overstates a capped process, and the recovery from an out-of-memory error finds the cap).
     read_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     fraction = 1.0 if read_fraction is None else float(read_fraction(device))
-    stats = torch.cuda.memory_stats(device)  # (one call: each of torch.cuda.memory_reserved & co. makes them all)
+    # One call, unflattened: torch.cuda.memory_reserved & co. each make and flatten every statistic.
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    reserved, allocated = stats.get("reserved_bytes", {}).get("all", {}), stats.get("allocated_bytes", {}).get("all", {})
     return CudaMemory(
-        int(free), int(total), fraction, stats.get("reserved_bytes.all.current", 0),
-        stats.get("allocated_bytes.all.current", 0), stats.get("reserved_bytes.all.peak", 0),
-        stats.get("allocated_bytes.all.peak", 0),
+        int(free), int(total), fraction, reserved.get("current", 0), allocated.get("current", 0),
+        reserved.get("peak", 0), allocated.get("peak", 0),
     )
 
 

@@ -66,6 +66,7 @@ class Executable:
         self._inner: dict[Graph, Executable] = {}
         self._signature: distributed.Signature | None = None
         self._resident: int | None = None  # see resident_bytes
+        self._on_cuda = devices.device_type(graph.device) == "cuda"  # (its first run calibrates: _calibrated)
 
     @property
     def mutated(self) -> list[int]:
@@ -126,7 +127,7 @@ class Executable:
 
     @property
     def cap(self) -> int | None:
-        """The largest chunk known to run (see :meth:`~stagetorch.planner.Planner.remember`)."""
+        """The largest chunk known to run (see :meth:`~stagetorch.planner.Planner.shrink`)."""
         return self.planner.cap
 
     @property
@@ -184,7 +185,7 @@ class Executable:
             self.planner.see_inputs(inputs)
         if on_chunk is not None:  # a retried step reports only the examples beyond those it reported
             on_chunk = _Progress(on_chunk)
-        if self.planner.calibration is None and devices.device_type(self.graph.device) == "cuda":
+        if self._on_cuda and self.planner.calibration is None:
             return self._calibrated(inputs, plan, on_chunk, name)
         try:
             return self._attempt(inputs, plan, on_chunk, name)
@@ -264,8 +265,9 @@ class Executable:
     def _calibrated(
         self, inputs: list, plan: Plan, on_chunk: Callable[[int, int], None] | None, name: str
     ) -> tuple[list, list]:
-        """The first run of this program on CUDA, measured: the bytes it needed at the allocator (reserved, as
-        the budget counts them: :func:`stagetorch.devices.cuda_budget`) against its plan's peak. Later plans
+        """The first run of this program on CUDA, measured: the bytes it needed at the allocator as the budget
+        counts them (:func:`stagetorch.devices.cuda_budget`: its allocated peak, or its reserved peak where it
+        made segments) against its plan's peak. Later plans
         carry the difference (:meth:`~stagetorch.planner.Planner.calibrate`), said once in the log."""
         device = self.graph.device
         before = devices.cuda_memory(device)
@@ -278,15 +280,20 @@ class Executable:
             failed = e
         else:
             after = devices.cuda_memory(device)
-            # What the budget counted as the step's own: its inputs and what the call holds beside the program.
-            others = before.allocated - self.resident_bytes(inputs) - plan.held_bytes
-            needed = after.peak_reserved - others
+            # What the budget counted as the step's own: its inputs, and what the call holds beside the program
+            # that was allocated before it ran (the .grad it replaces or adds into; not the copies it makes).
+            others = before.allocated - self.resident_bytes(inputs) - max(plan.held_bytes - self.restore_bytes, 0)
+            needed = after.peak_allocated - others
+            if after.peak_reserved > before.reserved:
+                # It made segments: the bytes they hold beyond its tensors (the budget counted the cached ones
+                # as free) are its too. (Without new segments the reserved peak is the cache it started with.)
+                needed = max(needed, after.peak_reserved - others)
             self.planner.calibrate(needed, plan.peak)
             remember(self.planner)
             log.info(
-                "stagetorch: %s: on %s the first run peaked at %s allocated and %s reserved for a plan of %s: "
-                "later plans leave %s more room", name, device, devices.format_bytes(after.peak_allocated - others),
-                devices.format_bytes(needed), devices.format_bytes(plan.peak),
+                "stagetorch: %s: on %s the first run needed %s (%s allocated at its peak) for a plan of %s: "
+                "later plans leave %s more room", name, device, devices.format_bytes(needed),
+                devices.format_bytes(after.peak_allocated - others), devices.format_bytes(plan.peak),
                 devices.format_bytes(self.planner.calibration),
             )
             return result

@@ -50,7 +50,7 @@ class Planner:
 
     The chunked split, the whole graph's peak, the recompute frontier and each plan are made on first use
     and kept; a plan is made again only when the budget moves by more than about 0.4%, or when what ran
-    says it must be (:meth:`remember`).
+    says it must be (:meth:`shrink`, :meth:`calibrate`).
     """
 
     graph: Graph
