@@ -85,8 +85,8 @@ def cuda_memory(device: torch.device) -> CudaMemory:
     """The allocator's and the driver's readings for ``device``: the one place stagetorch asks torch.cuda for
     them (tests replace it to plan for a device they do not have)."""
     free, total = torch.cuda.mem_get_info(device)
-    # get_per_process_memory_fraction came in torch 2.7; before it a fraction cannot be read back (1.0 then
-    # overstates a capped process, and the recovery from an out-of-memory error finds the cap).
+    # A torch without get_per_process_memory_fraction cannot read a fraction back: 1.0 then overstates a
+    # capped process, and the recovery from an out-of-memory error finds the cap.
     read_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     fraction = 1.0 if read_fraction is None else float(read_fraction(device))
     # One call, unflattened: torch.cuda.memory_reserved & co. each make and flatten every statistic.
