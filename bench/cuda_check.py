@@ -288,10 +288,10 @@ def speed_table(device: str, quick: bool) -> list[str]:
         float(step(*stagetorch.lazy(x, y, memory_budget=budget)))
 
     whole = median_ms(eager, device)
-    rows = [("eager, whole batch", whole), (f"jit at {budget / GiB:.2f} GiB, chunks {list(staged.plan(x, y).chunk_sizes)}",
-                                             median_ms(jit, device)),
+    at = stagetorch.devices.format_bytes(budget)
+    rows = [("eager, whole batch", whole), (f"jit at {at}, chunks {list(staged.plan(x, y).chunk_sizes)}", median_ms(jit, device)),
             (f"hand accumulation, micro-batches of {chunk}", median_ms(accumulated, device)),
-            (f"lazy at {budget / GiB:.2f} GiB, after 3 warm-up steps", median_ms(lazy, device, warmup=3))]
+            (f"lazy at {at}, after 3 warm-up steps", median_ms(lazy, device, warmup=3))]
     lines = ["| step | median of 5 (ms) | / eager |", "|---|---|---|"]
     lines += [f"| {name} | {ms:.1f} | {ms / whole:.2f}x |" for name, ms in rows]
     return lines
