@@ -39,7 +39,7 @@ from .ir import Graph, Var, op_name
 from .planning import SAFETY_MARGIN, Plan, _base, chunked_peak, plan_chunks
 from .remat_planning import Recompute, chunk_frontier, frontier, plan_joint
 
-__all__ = ["Planner", "held_beside", "recall", "COPIES"]
+__all__ = ["Planner", "held_beside", "recall", "remember", "COPIES"]
 
 log = logging.getLogger("stagetorch")
 
