@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 from . import _caches, shapes
 from .costing import MemoryReport, Schedule, peak_bytes, timeline
 from .costing import report as costing_report
+from .cutting import CutPlan
 from .devices import format_bytes
 from .executable import Executable
 from .flops import graph_flops
@@ -259,6 +260,12 @@ def _schedule(staged: Staged, args: tuple, kwargs: dict) -> Schedule:
     budget, held = plan.budget_bytes, plan.held_bytes
     recompute = plan.recompute if isinstance(plan, RematPlan) else None
     graph = executable.graph if recompute is None else recompute.graph
+    if isinstance(plan, CutPlan):  # cut where the examples meet: the three programs one after another
+        cut = plan.cut
+        live = [*_live_totals(cut.before_split.body(max(plan.before_sizes)).first), *_live_totals(cut.coupled),
+                *_live_totals(cut.after_split.body(max(plan.chunk_sizes)).first)]
+        return Schedule(budget, plan.peak, plan.chunk_sizes, tuple(cut.recomputed), (), (), (), plan.extra_flops,
+                        graph_flops(graph), [held + b for b in live], (), str(plan))
     if plan.chunked:
         split = executable.split() if recompute is None else executable.planner.recomputing(graph).split()
         body = split.body(max(plan.chunk_sizes)).rest

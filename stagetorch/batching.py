@@ -148,6 +148,9 @@ class BatchAnalysis:
     placeholders: dict[int, dict[Var, Any]]
     needs_global: list[Var]
     prepass: dict[Var, Prepass]
+    # Shared values of the whole batch's extent that eager pairs with the examples (a tensor the step closed
+    # over, a buffer, one it built from Python data): per-example, made whole and cut to each chunk.
+    spanning: dict[Var, Batched] = attrs.field(factory=dict)
 
 
 
@@ -179,16 +182,45 @@ def analyze(graph: Graph, inputs: dict[Var, Batched], batch: int) -> BatchAnalys
     analysis starts again with that known (once per such tensor).
     """
     promoted: dict[Var, Batched] = {}
+    spanning: dict[Var, Batched] = {}
     while True:
         try:
-            return _analyze(graph, inputs, batch, promoted)
+            return _analyze(graph, inputs, batch, promoted, spanning)
         except _Promote as p:
             promoted[p.var] = p.label
+        except _Span as p:
+            spanning.update(p.found)
 
 
 class _Promote(Exception):  # noqa: N818 - control flow inside analyze, never seen by users
     def __init__(self, var: Var, label: Batched):
         self.var, self.label = var, label
+
+
+class _Span(Exception):  # noqa: N818 - control flow inside analyze, never seen by users
+    def __init__(self, found: dict[Var, Batched]):
+        self.found = found
+
+
+def _pointwise(prim: Any) -> bool:
+    return isinstance(prim, torch._ops.OpOverload) and torch.Tag.pointwise in prim.tags
+
+
+def _origins(v: Var, lab: Batched, makers: dict[Var, Eqn], batch: int) -> dict[Var, Batched]:
+    """Where a shared value that eager pairs with the examples gets its batch extent: through the pointwise
+    ops that made it from other shared values (``-W``, ``W.double() * 2``, the backward's ``grad * W``), back to
+    the operands that carry the extent at the aligned dim, so that those are cut per chunk rather than the
+    whole product made first (which would hold a whole batch's tensor through the chunks)."""
+    e = makers.get(v)
+    if e is None or not _pointwise(e.prim) or len([w for w in e.outvars if w is not None]) != 1:
+        return {v: lab}
+    extent, ndim = lab.extent(batch), v.aval.ndim
+    found: dict[Var, Batched] = {}
+    for _, x in _vars(e.args) + [(k, x) for k, x in e.kwargs.items() if isinstance(x, Var)]:
+        own = lab.dim - (ndim - x.aval.ndim)
+        if own >= 0 and x.aval.shape[own] == extent:
+            found.update(_origins(x, lab.moved(own), makers, batch))
+    return found or {v: lab}
 
 
 # Factories whose output depends on nothing but their sizes (and a fill value): where per-example values are
@@ -251,8 +283,12 @@ def _into_factory(
     return _Promote(v, attrs.evolve(lab, dim=dim))
 
 
-def _analyze(graph: Graph, inputs: dict[Var, Batched], batch: int, promoted: dict[Var, Batched]) -> BatchAnalysis:
+def _analyze(
+    graph: Graph, inputs: dict[Var, Batched], batch: int, promoted: dict[Var, Batched],
+    spanning: dict[Var, Batched],
+) -> BatchAnalysis:
     labels: dict[Var, Any] = dict(inputs)
+    labels.update((v, lab) for v, lab in spanning.items() if v in graph.invars)
     makers = {v: e for e in graph.eqns for v in e.outvars if v is not None}
     phases: list[str] = []
     decisions: dict[int, Chunked] = {}
@@ -287,7 +323,7 @@ def _analyze(graph: Graph, inputs: dict[Var, Batched], batch: int, promoted: dic
             phases.append(phase)
             for v in e.outvars:
                 if v is not None:
-                    labels[v] = _POST if late else None
+                    labels[v] = _POST if late else spanning.get(v)
             if late:
                 # An in-place op that returns nothing (_foreach_add_ of an optimizer's step) leaves its
                 # arguments' Vars as they were: what reads them after it must run after it too.
@@ -317,7 +353,10 @@ def _analyze(graph: Graph, inputs: dict[Var, Batched], batch: int, promoted: dic
                 f"stagetorch.ops.register(torch.ops.{op_name(_packet(e.prim))}, "
                 f"batch=stagetorch.ops.per_example()), or run without chunking (a larger memory_budget)."
             )
-        decision = rule(e, LabelFn(labels, batch, makers))
+        try:
+            decision = rule(e, LabelFn(labels, batch, makers))
+        except BatchCouplingError as error:
+            raise _ambiguous(graph, e, spanning, batch, error) from None
         for v in writes(e):
             if not isinstance(labels.get(v), Batched):
                 if decision.out_of_place and _read_only_through(graph, i, v):
@@ -329,6 +368,17 @@ def _analyze(graph: Graph, inputs: dict[Var, Batched], batch: int, promoted: dic
                     "updates a tensor shared by the whole batch in place from per-example values",
                     "update it outside the staged function, or run without chunking (a larger memory_budget)",
                 )
+        written = {w.root for w in writes(e)}  # (a write's target is promoted or refused above instead)
+        span: dict[Var, Batched] = {}
+        for v, cut in decision.slice.items() if decision.call is None else ():
+            # A shared value cut to the chunk here is paired with the examples, as eager's broadcasting pairs
+            # it: it is per-example everywhere, the backward's products with it included (cut here alone, the
+            # backward would read the whole batch's values against a chunk's: wrong gradients, right loss).
+            # (A rule with a call of its own cuts what it then reads in its own way: an index's positions.)
+            if type(cut) is Batched and labels.get(v) is None and v not in spanning and v.root not in written:
+                span.update(_origins(v, cut, makers, batch))
+        if span:
+            raise _Span(span)
         for v in late:
             if v not in needs_global:
                 needs_global.append(v)
@@ -340,7 +390,30 @@ def _analyze(graph: Graph, inputs: dict[Var, Batched], batch: int, promoted: dic
                 prepass[v] = decision.prepass[j]
         decisions[i] = decision
 
-    return BatchAnalysis(graph, batch, labels, phases, decisions, placeholders, needs_global, prepass)
+    return BatchAnalysis(graph, batch, labels, phases, decisions, placeholders, needs_global, prepass, dict(spanning))
+
+
+def _ambiguous(
+    graph: Graph, eqn: Eqn, spanning: dict[Var, Batched], batch: int, error: BatchCouplingError
+) -> BatchCouplingError:
+    """``error``, naming the tensor the step did not receive when the coupling is with one taken as per-example
+    (it has the batch's size where it met the examples first, and is used otherwise here)."""
+    read = [v for v in eqn.invars if v in spanning]
+    if not read:
+        return error
+    v = read[0]
+    roles = dict(zip(graph.invars, zip(graph.roles or [], graph.names or [])))
+    role, name = roles.get(v, ("", ""))
+    what = (
+        f"{role} {name!r}" if name else f"a value of shape {tuple(v.aval.shape)} the step made without its arguments"
+    )
+    return BatchCouplingError(
+        f"{error}\nThe per-example operand here is {what}: it was not passed in as batched, but it has the "
+        f"batch's size ({spanning[v].extent(batch)}) along dim {spanning[v].dim} "
+        f"where it first met the examples, so stagetorch took it as one entry per example, as eager's "
+        f"broadcasting pairs it; here it is used some other way. Pass it to the staged function as an argument "
+        f"(batched along its batch dim), or give it a shape whose batch dim cannot be mistaken."
+    )
 
 
 def _read_only_through(graph: Graph, i: int, written: Var) -> bool:

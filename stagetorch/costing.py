@@ -31,7 +31,7 @@ from .registry import slot
 
 __all__ = [
     "CATEGORIES", "MemoryEffect", "effect", "workspace", "Layouts", "allocated", "Lifetimes", "Timeline", "timeline", "peak_bytes", "Schedule",
-    "MemoryReport", "report", "CommitCost", "commit_cost",
+    "MemoryReport", "report", "CommitCost", "commit_cost", "allocation_events",
 ]
 
 # "optimizer": an optimizer's state the step reads or makes (it steps inside the staged function; a first step
@@ -271,6 +271,8 @@ class Timeline:
     owners: dict[Var, tuple[str, int, int]]
     peak_workspace: int
     lifetimes: Lifetimes
+    # The storages the program makes and keeps to its end (its outputs, accumulated gradients): never freed by it.
+    kept: frozenset[Var] = frozenset()
 
 
 @_gc.paused()  # a row and a list per equation, all kept: the collector's passes would find nothing
@@ -393,7 +395,33 @@ def timeline(graph: Graph, workspaces: bool = True, final: bool = True) -> Timel
     # The roots live at the peak, from their lifetimes (a copy of the live set at each new peak would cost
     # the square of a forward pass's length).
     peak_live = [r for r, a, b in zip(owners, start, end) if a <= peak_index <= b]
-    return Timeline(rows, peak, peak_index, peak_live, owners, peak_ws, lifetimes)
+    kept = frozenset(r for r, (_, _, made) in owners.items() if made >= 0 and r not in ended)
+    return Timeline(rows, peak, peak_index, peak_live, owners, peak_ws, lifetimes, kept)
+
+
+def allocation_events(graph: Graph, final: bool = True) -> list[tuple[str, Any, int]]:
+    """The order in which running ``graph`` allocates and frees storage, as a device's allocator sees it (for
+    :mod:`stagetorch.cuda_allocator`): ``("alloc", key, bytes)`` when a storage is made (bytes before any
+    rounding; an equation's outputs, then its kernel's workspace), ``("free", key, 0)`` when it goes (the
+    workspace as its equation ends, each storage after its last use). The graph's inputs are not in it (they
+    exist before it runs), nor the frees of what it keeps to its end (:attr:`Timeline.kept`) or of a commit's
+    workspace (held to the end). Keys are the storages' root vars, and ``("workspace", i)`` for the ``i``-th
+    workspace. ``final`` as in :func:`timeline`."""
+    t = timeline(graph, final=final)
+    life, roots = t.lifetimes, list(t.owners)
+    at: dict[int, list[tuple[str, Any, int]]] = {}
+    ends: dict[int, list[tuple[str, Any, int]]] = {}
+    for k, (nbytes, start, end) in enumerate(zip(life.nbytes, life.start, life.end)):
+        if start == 0:
+            continue
+        key = roots[k] if k < len(roots) else ("workspace", k - len(roots))
+        at.setdefault(start, []).append(("alloc", key, nbytes))
+        if k >= len(roots):
+            if start == end:  # a kernel's workspace goes as its equation ends; a commit's is held to the end
+                at[start].append(("free", key, 0))
+        elif key not in t.kept:
+            ends.setdefault(end, []).append(("free", key, 0))
+    return [ev for row in sorted({*at, *ends}) for ev in (*at.get(row, ()), *ends.get(row, ()))]
 
 
 def peak_bytes(graph: Graph, workspaces: bool = True) -> int:

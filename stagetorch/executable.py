@@ -23,6 +23,7 @@ from . import devices, distributed
 from .batching import Batched
 from .chunking import Split, is_oom, run_chunked
 from .costing import allocated
+from .cutting import CutPlan, run_cut
 from .errors import OutOfMemoryError, StagingError
 from .execute import Program, Undo
 from .ir import Graph, Var, op_name
@@ -48,14 +49,14 @@ class Executable:
 
     def __init__(
         self, graph: Graph, batched: dict[Var, Batched], batch: int, consts: list[torch.Tensor] | None = None,
-        *, cap: int | None = None, remat: bool = False, planner: Planner | None = None,
+        *, cap: int | None = None, remat: bool = False, planner: Planner | None = None, cut_coupled: bool = False,
     ):
         self.graph = graph
         self.batched = batched
         self.batch = batch
         self.consts = [] if consts is None else consts
         if planner is None:
-            planner = Planner(graph, batched, batch, cap=cap, remat=remat)
+            planner = Planner(graph, batched, batch, cap=cap, remat=remat, cut_coupled=cut_coupled)
             recall(planner)  # what an earlier run of this program learned (a step staged or recorded again)
         self.planner = planner
         self._program: Program | None = None
@@ -202,6 +203,14 @@ class Executable:
         if isinstance(plan, RematPlan) and plan.recompute is not None and plan.recompute.graph is not self.graph:
             # The recomputing graph runs in the chunks the plan gives (its planner's, at the same budget).
             return self._for(plan.recompute.graph)._attempt(inputs, plan, on_chunk, name)
+        if isinstance(plan, CutPlan):  # a step whose examples meet, cut there (stagetorch.cutting)
+            log.info("stagetorch: %s: %s", name, plan)
+            undo = Undo(inputs[i] for i in self.mutated)
+            try:
+                return run_cut(plan.cut, inputs, plan, undo)
+            except BaseException:
+                undo.restore()
+                raise
         mutated = self._mutated  # (the properties' values once made, read directly: a step's hot path)
         if mutated is None:
             mutated = self.mutated

@@ -33,6 +33,8 @@ from . import _caches, _gc, distributed
 from .batching import Batched, analyze
 from .chunking import Split
 from .costing import allocated, peak_bytes
+from .cuda_allocator import fit_reserved, on_cuda
+from .cutting import Cut, cut_floor, find_cut, plan_cut
 from .devices import bytes_ceiling, format_bytes
 from .errors import BatchCouplingError, OutOfMemoryError, StagingError, UnsupportedOpError
 from .ir import Graph, Var, op_name
@@ -64,6 +66,8 @@ class Planner:
     # leave them out of the budget. None until the first run on CUDA measured it.
     calibration: int | None = None
     remat: bool = False
+    # Whether a step whose examples meet may be cut there (:mod:`stagetorch.cutting`): jit's steps.
+    cut_coupled: bool = False
     # Bytes the graph counts twice because two of its inputs are views of one storage, less the bytes of the
     # storages its inputs view that it does not count (negative then; known at the first run: see
     # :meth:`see_inputs`).
@@ -72,6 +76,8 @@ class Planner:
     # With a process group: this rank's plan per (shard size, budget), or the error that says none fits.
     shard_plans: dict[tuple, Plan | OutOfMemoryError] = attrs.field(factory=dict)
     _split: Split | None = None
+    # The step cut where its examples meet; False: no cut helps; the error that says why it cannot be cut.
+    _cut: Cut | StagingError | bool | None = None
     _full_peak: int | None = None
     # The last (plan, held, budget, donated) of plan_call and the plan it returned for them: reused while they stay.
     _called: tuple = (None, 0, 0, 0, None)
@@ -107,19 +113,54 @@ class Planner:
         if self._full_peak is None:
             self._full_peak = peak_bytes(self.graph) - (self.overlap or 0)
         fits = self._fits(budget)
-        # Chunked plans are kept per budget to about 0.4% (its top 9 bits).
-        key = -1 if fits else budget >> max(budget.bit_length() - 9, 0) << max(budget.bit_length() - 9, 0)
+        # Chunked plans are kept per budget to about 0.4% (its top 9 bits); so is every plan on CUDA, where the
+        # caching allocator's segments can make a whole batch that fits by its tensors not fit.
+        key = -1 if fits and not on_cuda(self.graph) else budget >> max(budget.bit_length() - 9, 0) << max(budget.bit_length() - 9, 0)
         if key not in self.plans:
-            if self.remat and not fits and _owns_its_inputs(self.graph):
-                self.plans[key] = plan_joint(
-                    self.graph, budget, lambda g, peak=None: self._chunk_plan(g, budget, peak), self._floor, self.frontier,
-                    batch=self.batch, chunk_points=self.chunk_frontier,
-                )
-            else:
-                self.plans[key] = plan_chunks(
-                    self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak, cap=self.cap
-                )
+            try:
+                if self.remat and not fits and _owns_its_inputs(self.graph):
+                    self.plans[key] = plan_joint(
+                        self.graph, budget, lambda g, peak=None: self._chunk_plan(g, budget, peak), self._floor,
+                        self.frontier, batch=self.batch, chunk_points=self.chunk_frontier,
+                    )
+                else:
+                    self.plans[key] = self._chunks_within_reserved(budget)
+            except BatchCouplingError as coupled:
+                # When the analysis raises BatchCouplingError and a cut exists, plan the cut.
+                cut = self.cut(coupled) if self.cut_coupled else None
+                if cut is None:
+                    raise
+                self.plans[key] = plan_cut(cut, budget, self._full_peak, self.cap, coupled.smallest_budget)
         return self.plans[key]
+
+    def _chunks_within_reserved(self, budget: int) -> Plan:
+        """The chunk plan within ``budget``; on CUDA, in chunks small enough that what the caching allocator is
+        predicted to reserve fits it too (:func:`~stagetorch.cuda_allocator.fit_reserved`): a memory fraction
+        caps the allocator's segments, not the tensors cut from them."""
+        def chunks(cap: int | None) -> Plan:
+            return plan_chunks(self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak, cap=cap)
+
+        plan = chunks(self.cap)
+        if not on_cuda(self.graph):
+            return plan
+        return fit_reserved(plan, self.graph, self.split, budget, lambda cap: chunks(min(cap, self.cap or cap)))
+
+    def cut(self, coupled: BatchCouplingError) -> Cut | None:
+        """The step cut where its examples meet (:mod:`stagetorch.cutting`), or None when nothing couples
+        them or the cut runs in no less memory than the whole batch (the coupled part is most of the step).
+        Raises ``coupled``, the analysis's error, with why the step cannot be cut, when it cannot."""
+        if self._cut is None:
+            try:
+                found = find_cut(self.graph, self.batched, self.batch)
+                useful = found is not None and cut_floor(found) < peak_bytes(self.graph) - (self.overlap or 0)
+                self._cut = found if useful else False
+            except StagingError as why:
+                self._cut = why
+        if isinstance(self._cut, StagingError):
+            error = type(coupled)(f"{coupled}\nIt cannot be cut where its examples meet either: {self._cut}")
+            error.__dict__.update(coupled.__dict__)  # the smallest budget recomputation alone names
+            raise error from None
+        return self._cut or None
 
     def plan_call(
         self, budget: int, held: int, why: list[str], inputs: Sequence | None = None, donated: int = 0

@@ -183,7 +183,8 @@ class Staged:
             # A chunk size that ran out of memory for another signature of this step is not tried again.
             entry = _Entry(
                 traced,
-                Executable(graph, batched, batch, traced.consts, cap=self._caps.get(batch), remat=self.remat),
+                Executable(graph, batched, batch, traced.consts, cap=self._caps.get(batch), remat=self.remat,
+                           cut_coupled=True),
             )
             self._cache[key] = entry
         self._last_key, self._last_entry = key, entry

@@ -95,8 +95,10 @@ def run(shard: LazyShard, executable: Executable, inputs: list, budget: int) -> 
     if plan.chunked or isinstance(plan, RematPlan):
         log.info("stagetorch: lazy (rank %d): %s", shard.group.rank, plan)
     outs = executable.run_shard(inputs, plan, shard.offset, shard.group)[0]
-    labels = executable.split().analysis.labels
+    analysis = executable.split().analysis
+    labels = analysis.labels
     for v in executable.graph.outvars:
-        if isinstance(labels.get(v), Batched):
+        # (A shared value paired with the examples is whole on every rank, not this rank's rows.)
+        if isinstance(labels.get(v), Batched) and v not in analysis.spanning:
             shard.labels[v] = labels[v]
     return outs
