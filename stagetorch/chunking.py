@@ -534,9 +534,11 @@ def _loop(
     on_chunk: Callable[[int, int], None] | None,
     run: _Run,
     combine: Callable[[dict[Var, torch.Tensor], dict[Var, str]], None] | None,
+    retry: bool = True,
 ) -> tuple[dict[Var, Any], list[int]]:
     """Run a per-chunk graph over the batch. The accumulators are written in place, so a chunk that runs
-    out of memory spoils the pass: it is dropped whole and the batch redone in chunks of half that size.
+    out of memory spoils the pass: it is dropped whole and the batch redone in chunks of half that size
+    (with ``retry``; else the ``ChunkOutOfMemory`` is raised, for the caller's planner to choose).
     ``combine`` then merges the results with those of the other parts of a sharded batch.
     Returns the combined results and the chunk sizes of the pass that succeeded."""
     sizes = list(sizes)
@@ -553,6 +555,8 @@ def _loop(
         try:
             held = _pass(make, env, sizes, progress, run)
         except ChunkOutOfMemory as e:
+            if not retry:
+                raise
             half = e.size // 2
             # The caller warns once, with what it will do from now on.
             log.info(
@@ -593,6 +597,7 @@ def run_chunked(
     offset: int = 0,
     combine: Callable[[dict[Var, torch.Tensor], dict[Var, str]], None] | None = None,
     undo: Undo | None = None,
+    retry: bool = True,
 ) -> tuple[list, list[tuple[int, torch.Tensor]], list[int]]:
     """Run the split graph in chunks of ``sizes`` examples.
 
@@ -601,7 +606,8 @@ def run_chunked(
     ``combine(values, kinds)`` merges, in place, the partials of the reductions over those examples with
     those of the other parts; it is called once after each pre-pass and once after the chunk loop.
     ``undo`` receives a copy of the caller's state each program writes outside its commit (see
-    :class:`~stagetorch.execute.Undo`): the caller restores it if the run fails.
+    :class:`~stagetorch.execute.Undo`): the caller restores it if the run fails. ``retry=False``: a chunk
+    that runs out of memory raises ``ChunkOutOfMemory`` rather than redo the batch in halves.
 
     **Returns** the flat outputs, the (input position, gradient) pairs to accumulate, and the chunk sizes
     that actually ran (they differ from ``sizes`` after an out-of-memory retry).
@@ -615,10 +621,10 @@ def run_chunked(
     del senv
 
     if split.globals:
-        partials, sizes = _loop(split.normaliser_pass, env, sizes, None, run, combine)
+        partials, sizes = _loop(split.normaliser_pass, env, sizes, None, run, combine, retry)
         env.update(partials)
     if split.reduced_for_globals:
-        partials, sizes = _loop(split.reduction_pass, env, sizes, None, run, combine)
+        partials, sizes = _loop(split.reduction_pass, env, sizes, None, run, combine, retry)
         env.update(partials)
         if split.global_post.eqns:
             batch_wide = split.global_post
@@ -626,7 +632,7 @@ def run_chunked(
             values = program.outputs(program.run_env([env[v] for v in batch_wide.invars], undo))
             env.update(zip(batch_wide.outvars, values))
 
-    combined, ran = _loop(split.body, env, sizes, on_chunk, run, combine)
+    combined, ran = _loop(split.body, env, sizes, on_chunk, run, combine, retry)
     env.update(combined)
     del combined
 

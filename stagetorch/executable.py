@@ -4,29 +4,31 @@ runs its programs through, unchunked when the batch fits, else in exact chunks, 
 
 An Executable compiles and runs; it decides nothing about memory. Its caller gets the plan for a budget from
 the executable's planner and hands it down; the executable runs that plan (:mod:`stagetorch.execute`,
-:mod:`stagetorch.chunking`, :mod:`stagetorch.distributed`) and tells the planner what ran
-(:meth:`~stagetorch.planner.Planner.remember`).
+:mod:`stagetorch.chunking`, :mod:`stagetorch.distributed`) and tells the planner what ran: a plan that ran
+out of memory (:meth:`~stagetorch.planner.Planner.shrink`: the executable then runs the planner's next, smaller
+plan, and the program keeps what it learned, :func:`~stagetorch.planner.remember`), and on CUDA what the
+first run measured (:meth:`~stagetorch.planner.Planner.calibrate`).
 """
 
 from __future__ import annotations
 
 import logging
+import traceback
 import zlib
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from . import distributed
+from . import devices, distributed
 from .batching import Batched
 from .chunking import Split, is_oom, run_chunked
 from .costing import allocated
 from .cutting import CutPlan, run_cut
-from .errors import BatchCouplingError, OutOfMemoryError
+from .errors import OutOfMemoryError, StagingError
 from .execute import Program, Undo
 from .ir import Graph, Var, op_name
 from .passes import writes
-from .planner import COPIES, Planner
+from .planner import COPIES, Planner, recall, remember
 from .planning import Plan
 from .remat_planning import RematPlan
 
@@ -53,9 +55,10 @@ class Executable:
         self.batched = batched
         self.batch = batch
         self.consts = [] if consts is None else consts
-        self.planner = (
-            Planner(graph, batched, batch, cap=cap, remat=remat, cut_coupled=cut_coupled) if planner is None else planner
-        )
+        if planner is None:
+            planner = Planner(graph, batched, batch, cap=cap, remat=remat, cut_coupled=cut_coupled)
+            recall(planner)  # what an earlier run of this program learned (a step staged or recorded again)
+        self.planner = planner
         self._program: Program | None = None
         self._mutated: list[int] | None = None  # see the ``mutated`` property
         self._guarded: list[int] | None = None  # see the ``guarded`` property
@@ -63,6 +66,8 @@ class Executable:
         # The Executables of the recomputing graphs the planner chose, each with that graph's planner.
         self._inner: dict[Graph, Executable] = {}
         self._signature: distributed.Signature | None = None
+        self._resident: int | None = None  # see resident_bytes
+        self._on_cuda = devices.device_type(graph.device) == "cuda"  # (its first run calibrates: _calibrated)
 
     @property
     def mutated(self) -> list[int]:
@@ -99,6 +104,20 @@ class Executable:
             self._restoring = (sum(copied.values()), [COPIES.format(len(self.guarded))])
         return self._restoring
 
+    def resident_bytes(self, inputs: list) -> int:
+        """Bytes the allocator already holds for ``inputs`` on the program's device (each storage once), which
+        the plans count: made on the first call (later calls' inputs are laid out the same)."""
+        if not inputs:
+            return 0
+        if self._resident is None:
+            kind = self.graph.device.type
+            storages = {
+                x.untyped_storage().data_ptr(): allocated(x.untyped_storage().nbytes(), x.device)
+                for x in inputs if isinstance(x, torch.Tensor) and x.device.type == kind
+            }
+            self._resident = sum(storages.values())
+        return self._resident
+
     @property
     def program(self) -> Program:
         if self._program is None:
@@ -109,7 +128,7 @@ class Executable:
 
     @property
     def cap(self) -> int | None:
-        """The largest chunk known to run (see :meth:`~stagetorch.planner.Planner.remember`)."""
+        """The largest chunk known to run (see :meth:`~stagetorch.planner.Planner.shrink`)."""
         return self.planner.cap
 
     @property
@@ -159,17 +178,31 @@ class Executable:
         If anything fails, inputs the program updates in place (parameters, buffers, ``.grad``, optimizer
         state) are restored first: from the copies its programs took before writing them, or untouched
         because the failure came before the commit that writes them (:func:`~stagetorch.execute.commit_plan`).
-        If the device runs out of memory where the plan said the step fits, the step is redone in smaller
-        chunks, and later plans use the chunk size that ran (:meth:`~stagetorch.planner.Planner.remember`).
+        If the device runs out of memory where the plan said the step fits, the step is redone as the
+        planner's next smaller plan until one runs (:meth:`_recover`); later plans start from that one.
+        On CUDA the first run of a program measures the allocator against its plan (:meth:`_calibrated`).
         """
         if self.planner.overlap is None:  # a caller that planned without the inputs: later plans count it
             self.planner.see_inputs(inputs)
+        if on_chunk is not None:  # a retried step reports only the examples beyond those it reported
+            on_chunk = _Progress(on_chunk)
+        if self._on_cuda and self.planner.calibration is None:
+            return self._calibrated(inputs, plan, on_chunk, name)
+        try:
+            return self._attempt(inputs, plan, on_chunk, name)
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            failed = e  # (recovered outside this block: the error being handled holds the failed attempt's frames)
+        return self._recover(inputs, plan, failed, on_chunk, name)
+
+    def _attempt(
+        self, inputs: list, plan: Plan, on_chunk: Callable[[int, int], None] | None, name: str
+    ) -> tuple[list, list[tuple[int, torch.Tensor]]]:
+        """One run of ``plan``; if it fails, the inputs it wrote are restored and the error raised."""
         if isinstance(plan, RematPlan) and plan.recompute is not None and plan.recompute.graph is not self.graph:
             # The recomputing graph runs in the chunks the plan gives (its planner's, at the same budget).
-            inner = self._for(plan.recompute.graph)
-            result = inner.run(inputs, plan, on_chunk=on_chunk, name=name)
-            self.planner.learn(inner.planner.cap)  # if it ran out of memory: plan again with what ran
-            return result
+            return self._for(plan.recompute.graph)._attempt(inputs, plan, on_chunk, name)
         if isinstance(plan, CutPlan):  # a step whose examples meet, cut there (stagetorch.cutting)
             log.info("stagetorch: %s: %s", name, plan)
             undo = Undo(inputs[i] for i in self.mutated)
@@ -185,28 +218,96 @@ class Executable:
             program = self._program
             if program is None:
                 program = self.program
-            try:
-                return program.run(inputs)
-            except Exception as e:
-                if not is_oom(e) or self.batch == 1:
-                    raise
-                return self._recover(inputs, e, on_chunk, name)
+            return program.run(inputs)
         undo = Undo(inputs[i] for i in mutated)
         try:
             if plan.chunked:
                 log.info("stagetorch: %s: %s", name, plan)
-                outs, grads, ran = run_chunked(self.split(), inputs, plan.chunk_sizes, on_chunk=on_chunk, undo=undo)
-                self.planner.remember(plan.chunk_sizes, ran, name)
+                # A chunk that runs out of memory ends the attempt: the next plan is the planner's (_recover).
+                outs, grads, _ = run_chunked(
+                    self.split(), inputs, plan.chunk_sizes, on_chunk=on_chunk, undo=undo, retry=False
+                )
                 return outs, grads
             return self.program.run(inputs, undo)
-        except Exception as e:
-            undo.restore()
-            if not is_oom(e) or plan.chunked or self.batch == 1:
-                raise
-            return self._recover(inputs, e, on_chunk, name)
         except BaseException:
             undo.restore()
             raise
+
+    def _recover(
+        self, inputs: list, plan: Plan, error: Exception, on_chunk: Callable[[int, int], None] | None, name: str
+    ) -> tuple[list, list]:
+        """``plan`` ran out of memory (``error``; the inputs it wrote already restored): free what the failed
+        attempt held, and run the planner's next smaller plan (:meth:`~stagetorch.planner.Planner.shrink`:
+        one chunk more each time, then recomputation), until one runs. The program keeps what ran
+        (:func:`~stagetorch.planner.remember`): later calls, and later one-line steps, start from it. Where
+        nothing smaller is left (chunks of one, no recomputation; a batch that cannot be split), ``error`` is
+        raised, and the planner forgets what this call tried."""
+        before = self.planner.lesson()
+        failures = 1
+        while True:
+            _release(error, self.graph.device)
+            if not self.planner.shrink(plan):
+                break
+            try:
+                plan = self.planner.plan_call(plan.budget_bytes, plan.held_bytes, [], donated=plan.donated_bytes)[1]
+            except StagingError:  # no smaller plan fits (or the batch cannot be split)
+                break
+            log.info("stagetorch: %s: out of memory (%d); trying %s", name, failures, plan)
+            try:
+                result = self._attempt(inputs, plan, on_chunk, name)
+            except Exception as e:
+                if not is_oom(e):
+                    self.planner.teach(before)
+                    raise
+                error, failures = e, failures + 1
+                continue
+            remember(self.planner)
+            log.warning(
+                "stagetorch: %s: out of memory %d time(s) where the plan said the step fits; it ran in chunks "
+                "[%s]%s, and later calls will too", name, failures, "+".join(map(str, plan.chunk_sizes)),
+                " recomputing" if isinstance(plan, RematPlan) and plan.recompute is not None else "",
+            )
+            return result
+        self.planner.teach(before)
+        raise error
+
+    def _calibrated(
+        self, inputs: list, plan: Plan, on_chunk: Callable[[int, int], None] | None, name: str
+    ) -> tuple[list, list]:
+        """The first run of this program on CUDA, measured: the bytes it needed at the allocator as the budget
+        counts them (:func:`stagetorch.devices.cuda_budget`: its allocated peak, or its reserved peak where it
+        made segments) against its plan's peak. Later plans
+        carry the difference (:meth:`~stagetorch.planner.Planner.calibrate`), said once in the log."""
+        device = self.graph.device
+        before = devices.cuda_memory(device)
+        devices.reset_peaks(device)
+        try:
+            result = self._attempt(inputs, plan, on_chunk, name)
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            failed = e
+        else:
+            after = devices.cuda_memory(device)
+            # What the budget counted as the step's own: its inputs, and what the call holds beside the program
+            # that was allocated before it ran (the .grad it replaces or adds into; not the copies it makes).
+            others = before.allocated - self.resident_bytes(inputs) - max(plan.held_bytes - self.restore_bytes, 0)
+            needed = after.peak_allocated - others
+            if after.peak_reserved > before.reserved:
+                # It made segments: the bytes they hold beyond its tensors (the budget counted the cached ones
+                # as free) are its too. (Without new segments the reserved peak is the cache it started with.)
+                needed = max(needed, after.peak_reserved - others)
+            self.planner.calibrate(needed, plan.peak)
+            remember(self.planner)
+            log.info(
+                "stagetorch: %s: on %s the first run needed %s (%s allocated at its peak) for a plan of %s: "
+                "later plans leave %s more room", name, device, devices.format_bytes(needed),
+                devices.format_bytes(after.peak_allocated - others), devices.format_bytes(plan.peak),
+                devices.format_bytes(self.planner.calibration),
+            )
+            return result
+        # Its peaks are the failed attempt's: the next run, of the plan the recovery found, is measured instead.
+        return self._recover(inputs, plan, failed, on_chunk, name)
 
     def signature(self) -> distributed.Signature:
         """The staged program as the ranks of a process group compare it: its ops and their shapes."""
@@ -240,22 +341,28 @@ class Executable:
             undo.restore()
             raise
 
-    def _recover(self, inputs: list, error: Exception, on_chunk: Any, name: str) -> tuple[list, list]:
-        """The whole batch ran out of memory although the plan said it fits (the inputs it wrote already
-        restored): redo it in two halves (and smaller, if those fail too)."""
-        try:
-            split = self.split()
-        except BatchCouplingError as coupled:
-            raise error from coupled
-        half = self.batch // 2
-        undo = Undo(inputs[i] for i in self.mutated)
-        try:
-            outs, grads, ran = run_chunked(split, inputs, [half, self.batch - half], on_chunk=on_chunk, undo=undo)
-        except BaseException:
-            undo.restore()
-            raise
-        self.planner.remember((self.batch,), ran, name)
-        return outs, grads
+
+class _Progress:
+    """Reports the examples of a retried step only beyond those already reported (a progress bar's total)."""
+
+    def __init__(self, on_chunk: Callable[[int, int], None]):
+        self.on_chunk, self.reported = on_chunk, 0
+
+    def __call__(self, start: int, n: int) -> None:
+        if start + n > self.reported:
+            self.on_chunk(self.reported, start + n - self.reported)
+            self.reported = start + n
+
+
+def _release(error: BaseException, device: torch.device) -> None:
+    """Free what a failed attempt held: the tensors its frames hold through ``error``'s traceback (kept for the
+    error's report, without them), and on CUDA the segments the caching allocator keeps for them."""
+    traceback.clear_frames(error.__traceback__)
+    cause = error.__cause__
+    if cause is not None:
+        traceback.clear_frames(cause.__traceback__)
+    if devices.device_type(device) == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _mutated_inputs(graph: Graph) -> list[int]:

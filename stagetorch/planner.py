@@ -5,26 +5,31 @@ A :class:`Planner` belongs to one staged graph. Given a budget, and what the cal
 the plan: the chunk sizes and, with ``remat``, the recompute set (chosen by
 :func:`stagetorch.remat_planning.plan_joint`; the chunks of each candidate sized by
 :func:`stagetorch.planning.plan_chunks`). It keeps its plans per budget, the planners of the recomputing
-graphs it chose among, and the largest chunk known to run (``cap``), which the executor reports after a
-larger one ran out of memory.
+graphs it chose among, and what runs taught it: the largest chunk known to run (``cap``) and, below chunks
+of one, the largest program budget (``ceiling``), both learned when a run ran out of memory
+(:meth:`Planner.shrink`), and on CUDA what the first run measured beyond its plan (``calibration``). What a
+program learned outlives its planner (:func:`recall`): a step staged again, or a one-line step recorded
+again, plans with it.
 
 It runs nothing. A budget goes down: a front end (:mod:`~stagetorch.staged`: the step's budget and what the
 call holds; the one-line mode's flush: the budget and the copies a run keeps) -> :meth:`Planner.plan_call`
 -> :mod:`~stagetorch.remat_planning` and :mod:`~stagetorch.planning` -> :mod:`~stagetorch.costing`. The plan
 comes back to the front end, which hands it to :meth:`stagetorch.executable.Executable.run`; what a run
-learns comes back to the planner as a call from the executable (:meth:`Planner.remember`), never as a call
-up from a lower module.
+learns comes back to the planner as a call from the executable (:meth:`Planner.shrink`,
+:meth:`Planner.calibrate`), never as a call up from a lower module.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import zlib
 from collections.abc import Sequence
 
 import attrs
 import torch
 
-from . import _gc, distributed
+from . import _caches, _gc, distributed
 from .batching import Batched, analyze
 from .chunking import Split
 from .costing import allocated, peak_bytes
@@ -32,11 +37,11 @@ from .cuda_allocator import fit_reserved, on_cuda
 from .cutting import Cut, cut_floor, find_cut, plan_cut
 from .devices import bytes_ceiling, format_bytes
 from .errors import BatchCouplingError, OutOfMemoryError, StagingError, UnsupportedOpError
-from .ir import Graph, Var
+from .ir import Graph, Var, op_name
 from .planning import SAFETY_MARGIN, Plan, _base, chunked_peak, plan_chunks
 from .remat_planning import Recompute, chunk_frontier, frontier, plan_joint
 
-__all__ = ["Planner", "held_beside", "COPIES"]
+__all__ = ["Planner", "held_beside", "recall", "remember", "COPIES"]
 
 log = logging.getLogger("stagetorch")
 
@@ -47,7 +52,7 @@ class Planner:
 
     The chunked split, the whole graph's peak, the recompute frontier and each plan are made on first use
     and kept; a plan is made again only when the budget moves by more than about 0.4%, or when what ran
-    says it must be (:meth:`remember`).
+    says it must be (:meth:`shrink`, :meth:`calibrate`).
     """
 
     graph: Graph
@@ -55,6 +60,11 @@ class Planner:
     batch: int
     # The largest chunk known to run: set when a larger one ran out of memory, so later calls plan with it.
     cap: int | None = None
+    # The largest program budget known to run, once chunks of one ran out of memory (plans recompute below it).
+    ceiling: int | None = None
+    # Bytes a CUDA run needed beyond its plan (the allocator's segments, library workspaces): later plans
+    # leave them out of the budget. None until the first run on CUDA measured it.
+    calibration: int | None = None
     remat: bool = False
     # Whether a step whose examples meet may be cut there (:mod:`stagetorch.cutting`): jit's steps.
     cut_coupled: bool = False
@@ -165,7 +175,9 @@ class Planner:
         the whole call would fit in."""
         if self.overlap is None and inputs is not None:
             self.see_inputs(inputs)
-        program_budget = max(budget - held, 0)
+        program_budget = max(budget - held - (self.calibration or 0), 0)
+        if self.ceiling is not None:
+            program_budget = min(program_budget, self.ceiling)
         called = self._called
         if budget == called[2] and held == called[1] and donated == called[3] and called[0] is not None:
             # The same call as the last (a step loop's flush, its budget read from the same free memory):
@@ -335,25 +347,72 @@ class Planner:
         last answer is not reused."""
         self._called = (None, 0, 0, 0, None)
 
-    def remember(self, planned: Sequence[int], ran: Sequence[int], name: str) -> None:
-        """What a run of the chunks ``planned`` ran: if it ran out of memory and went on in smaller chunks
-        (``ran``), later plans use chunks no larger than those."""
-        if max(ran) >= max(planned):
-            return
-        self.cap = max(ran)
+    def shrink(self, failed: Plan) -> bool:
+        """A run of ``failed`` ran out of memory where it said the step fits: plan one step smaller from now
+        on. That is the next chunking with one chunk more (16 examples: 16, 8, 6, 4, 3, 2, 1: never a halving
+        that overshoots, 3 -> 1), then, once chunks of one ran out, recomputing below the failed plan's peak.
+        **Returns** False where nothing smaller is left to try (chunks of one, no recomputation)."""
+        largest = max(failed.chunk_sizes)
+        if largest > 1:
+            self.learn(min(largest - 1, math.ceil(self.batch / (math.ceil(self.batch / largest) + 1))))
+            return True
+        if not self.remat:
+            return False
+        # A budget whose usable part (the plan's margin kept) ends a byte below the failed program's peak.
+        self.ceiling = int(max(*failed.peak_bytes, failed.phase_peak_bytes) / (1 - SAFETY_MARGIN)) - 1
+        self.learn(1)
         self.plans.clear()
         self._forget()
-        log.warning(
-            "stagetorch: %s: out of memory where the plan said a chunk of %d fits; ran in chunks of at most %d, "
-            "and later calls will too", name, max(planned), self.cap,
-        )
+        return True
 
     def learn(self, cap: int | None) -> None:
-        """The ``cap`` a recomputing graph's planner learned when its run ran out of memory: plan again with it."""
+        """A chunk of more than ``cap`` examples ran out of memory: plan again with it."""
         if cap is not None and cap != self.cap:
             self.cap = cap
             self.plans.clear()
             self._forget()
+
+    def calibrate(self, needed: int, planned: int) -> None:
+        """The first run on CUDA needed ``needed`` bytes (the allocator's, as the budget counts them) where
+        its plan said ``planned``: later plans leave the difference out of the budget, if it was more."""
+        self.calibration = max(needed - planned, 0)
+        if self.calibration:
+            self.plans.clear()
+            self._forget()
+
+    def lesson(self) -> tuple:
+        """What runs taught this planner, as :func:`recall` gives it to a later planner of the same program."""
+        return self.cap, self.ceiling, self.calibration
+
+    def teach(self, lesson: tuple) -> None:
+        self.cap, self.ceiling, self.calibration = lesson
+        self.plans.clear()
+        self._forget()
+
+
+# What programs learned, by what they are (program_key): a step staged again, a one-line step recorded again
+# (each recording builds its own executables), plans with what an earlier run of the same program learned.
+_LESSONS: dict[tuple, tuple] = {}
+_caches.on_clear(_LESSONS.clear)
+
+
+def program_key(graph: Graph, batch: int) -> tuple:
+    """What a program is, as far as its memory goes: its ops and their results' shapes, its batch, its device."""
+    text = "\n".join(f"{op_name(e.prim)} {[str(v.aval) for v in e.outvars if v is not None]}" for e in graph.eqns)
+    return graph.device, batch, len(graph.eqns), zlib.crc32(text.encode())
+
+
+def remember(planner: Planner) -> None:
+    """Keep what ``planner`` learned for later planners of its program (:func:`recall`)."""
+    _LESSONS[program_key(planner.graph, planner.batch)] = planner.lesson()
+
+
+def recall(planner: Planner) -> None:
+    """Give ``planner`` what an earlier planner of the same program learned, if any did."""
+    if _LESSONS:
+        lesson = _LESSONS.get(program_key(planner.graph, planner.batch))
+        if lesson is not None:
+            planner.teach(lesson)
 
 
 def _owns_its_inputs(graph: Graph) -> bool:

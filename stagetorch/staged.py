@@ -314,8 +314,11 @@ class Staged:
         entry, inputs, _ = self._stage(args, kwargs)
         return self._step_plan(entry, inputs)[1]
 
-    def _budget(self, executable: Executable) -> int:
-        return free_memory(executable.graph.device, self.memory_budget)
+    def _budget(self, executable: Executable, inputs: list = ()) -> int:
+        """The step's budget: its ``memory_budget``, else what the device has free; on CUDA no more than what
+        this process can get, with the bytes its ``inputs`` already hold there (see
+        :func:`stagetorch.devices.free_memory`)."""
+        return free_memory(executable.graph.device, self.memory_budget, executable.resident_bytes(inputs))
 
     def _donated(self, entry: _Entry) -> list[int]:
         """Positions of the inputs whose ``.grad`` the call drops before the program runs: with
@@ -361,7 +364,7 @@ class Staged:
         executable = entry.executable
         held, why = self._held(entry, inputs)
         donated = sum(_grad_storages(inputs, self._donated(entry)).values()) if self.donate_grads else 0
-        return executable.planner.plan_call(self._budget(executable), held, why, inputs, donated)
+        return executable.planner.plan_call(self._budget(executable, inputs), held, why, inputs, donated)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.process_group is not None:
@@ -402,7 +405,7 @@ class Staged:
         # A shard with gaps or overlaps (a strided view) runs on a contiguous copy, as the stand-in is.
         args, kwargs = _map_batched(self, args, kwargs, lambda x, dim: x if _dense(x) else x.contiguous())
         entry, inputs, _ = self._stage(args, kwargs, global_batch=sum(sizes))
-        plan = entry.executable.shard_plan(local, self._budget(entry.executable))
+        plan = entry.executable.shard_plan(local, self._budget(entry.executable, inputs))
         return entry, inputs, plan, sum(sizes[: group.rank])
 
     def _signature(self, args: tuple, kwargs: dict, leaves: list[tuple[bool, int]]) -> distributed.Signature:

@@ -376,7 +376,7 @@ class _Session(BackwardSkip):
         inputs = [kept_values[v] if v in kept_values else values[v] if v in values else consts[v] for v in invars]
         if self.versions:
             self._check_versions(invars)
-        budget = free_memory(device, self.memory_budget)
+        budget = free_memory(device, self.memory_budget, executable.resident_bytes(inputs))
         try:
             plan = executable.planner.plan_call(budget, *executable.restoring, inputs)[1]
         except StagingError:
@@ -532,7 +532,7 @@ class _Session(BackwardSkip):
                     if t is not None and t._version != seen:
                         self._check_versions(span.invars)
                         break
-            budget = free_memory(device, self.memory_budget)
+            budget = free_memory(device, self.memory_budget, executable.resident_bytes(inputs))
             if self.shard is None:
                 # A run copies what the flush updates in place (BatchNorm's statistics), beside the program:
                 # the planner plans the program in the budget less those copies (an error names the budget
