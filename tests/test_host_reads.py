@@ -203,14 +203,26 @@ def test_host_read_stages_in_chunks_equal_to_eager(name):
 
 
 @pytest.mark.parametrize("name", sorted(SELECTS))
-def test_selecting_examples_on_the_host_refuses_chunking_by_name(name):
+def test_selecting_examples_on_the_host_is_cut_where_the_examples_meet(name):
+    """Selecting examples (``x[mask]``, ``nonzero`` then a gather) mixes them across the batch, so it cannot
+    run in plain chunks: below the whole batch's peak the step is cut where the examples meet (issue 38's
+    cut), and a budget below every cut says the smallest that runs, leaving the model as it was; that budget
+    runs and equals eager."""
     make_step, make_model, batch_of = PATTERNS[name]
-    staged = stagetorch.jit(make_step(make_model()))
+    model = make_model()
+    reference = copy.deepcopy(model)
+    staged = stagetorch.jit(make_step(model))
     batch = batch_of(1)
-    staged.memory_budget = staged.plan(*batch).full_batch_peak_bytes // 3
-    with pytest.raises(stagetorch.BatchCouplingError) as err:
+    full = staged.plan(*batch).full_batch_peak_bytes
+    staged.memory_budget = full // 3
+    with pytest.raises(stagetorch.OutOfMemoryError) as err:
         staged(*batch)
-    assert "test_host_reads.py:" in str(err.value) and "without chunking" in str(err.value)
+    assert "where the examples meet" in str(err.value) and err.value.smallest_budget < full
+    assert_same_state(model, reference)
+    staged.memory_budget = err.value.smallest_budget
+    loss = staged(*batch)
+    torch.testing.assert_close(loss, make_step(reference)(*batch).detach(), rtol=1e-5, atol=1e-6)
+    assert_same_state(model, reference)
 
 
 def test_layerdrop_takes_the_layers_eager_takes():
