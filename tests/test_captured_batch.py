@@ -364,3 +364,27 @@ def test_a_reshape_naming_the_batch_size_equals_eager_or_is_refused_by_name_befo
             assert p.grad is None and torch.equal(p, q)
         return
     assert_same_training(got, eager_training(row, data))
+
+
+def test_a_global_paired_with_the_examples_and_used_per_class_is_named():
+    """``W`` of the batch's size is per example in ``loss * W`` and per class in ``logits * W`` (as many
+    classes as examples): no single role, so chunking refuses by name, pointing at the tensor and the fix,
+    and leaves the model as it was."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, BATCH)).double()
+    before = copy.deepcopy(model)
+    x = torch.randn(BATCH, 16, dtype=torch.float64)
+
+    def step(x):
+        logits = model(x)
+        loss = (logits.sum(1) * W).mean() + (logits * W).mean()
+        loss.backward()
+        return loss
+
+    staged = stagetorch.jit(step, remat=False)
+    staged.memory_budget = staged.plan(x).full_batch_peak_bytes // 2
+    with pytest.raises(BatchCouplingError) as err:
+        staged(x)
+    text = str(err.value)
+    assert "test_captured_batch.py:" in text and "const 'W'" in text and "as an argument" in text, text
+    for p, q in zip(model.parameters(), before.parameters()):
+        assert torch.equal(p, q) and p.grad is None
