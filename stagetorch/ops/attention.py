@@ -104,10 +104,19 @@ SHAPE: dict = {
 }
 
 
+def _traced_logsumexp_is_float() -> bool:
+    """Whether this torch's fake kernel says float for a double input's logsumexp (torch 2.11; 2.13 says
+    double, as the kernel returns): only then does the traced value need the memory rule, which otherwise
+    would only keep the planner from deriving chunk peaks along a line (``planning._Sizes``)."""
+    q = torch.empty(1, 1, 2, 8, dtype=torch.float64, device="meta")
+    try:
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, q, q)[1].dtype != torch.float64
+    except (RuntimeError, NotImplementedError):
+        return True
+
+
 # Memory rules: op -> rule(eqn) -> MemoryEffect (see stagetorch/costing.py)
-MEMORY: dict = {
-    aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu_memory,
-}
+MEMORY: dict = {aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu_memory} if _traced_logsumexp_is_float() else {}
 
 
 # Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
