@@ -573,19 +573,16 @@ def _loop(
 
 
 def even_chunks(batch: int, largest: int) -> list[int]:
-    """As few chunks as ``largest`` allows, each a multiple of 8 where that keeps their count (kernels see
-    friendly sizes), else as even as can be: 16 examples in chunks of at most 3 run as [3, 3, 3, 3, 2, 2], not
-    [3, 3, 3, 3, 3, 1] (the same count and peak, and no tiny last chunk to pay a whole chunk's launches for)."""
+    """Even chunks no larger than ``largest``, rounded up to a multiple of 8 where that still fits, so the
+    last chunk is not tiny and kernels see friendly sizes."""
     count = math.ceil(batch / largest)
     size = math.ceil(batch / count)
     if size > 8 and math.ceil(size / 8) * 8 <= largest:
         size = math.ceil(size / 8) * 8
-        sizes = [size] * (batch // size)
-        if batch % size:
-            sizes.append(batch % size)
-        return sizes
-    small, bigger = divmod(batch, count)
-    return [small + 1] * bigger + [small] * (count - bigger)
+    sizes = [size] * (batch // size)
+    if batch % size:
+        sizes.append(batch % size)
+    return sizes
 
 
 def run_chunked(

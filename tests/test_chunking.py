@@ -310,10 +310,6 @@ def test_plan_prefers_multiples_of_eight_and_no_tiny_last_chunk():
     assert _sizes(100, 45) == [40, 40, 20]
     assert _sizes(100, 30) == [25, 25, 25, 25]
     assert _sizes(1000, 300) == [256, 256, 256, 232]
-    # Below 8, or where a multiple of 8 would add a chunk: as even as can be, the larger ones first.
-    assert _sizes(16, 3) == [3, 3, 3, 3, 2, 2]
-    assert _sizes(101, 30) == [26, 25, 25, 25]
-    assert _sizes(7, 3) == [3, 2, 2]
 
 
 # -- out of memory at run time, and failures ---------------------------------------------------------------
