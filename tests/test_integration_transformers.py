@@ -273,12 +273,13 @@ def test_a_tensor_the_trainer_holds_is_read_each_step(tmp_path):
 
 
 class Unstageable(TokenLM):
-    """Reads a tensor's value into Python control flow once ``read_value`` is set."""
+    """Reads a parameter's value into Python control flow once ``read_value`` is set (a read of the batch's
+    integer inputs alone would stage: stagetorch computes those on the host when the step is called)."""
 
     read_value = False
 
     def forward(self, input_ids, attention_mask, labels, num_items_in_batch=None, **kwargs):
-        if self.read_value and attention_mask.sum() > 0:
+        if self.read_value and next(self.parameters()).sum() > 0:
             attention_mask = attention_mask * 1
         return super().forward(input_ids, attention_mask, labels, num_items_in_batch)
 
