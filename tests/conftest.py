@@ -8,6 +8,7 @@ from stagetorch import tracing
 from stagetorch.lazymode import recording
 from stagetorch.lazymode.mode import Mode, force_mode
 from stagetorch.lazymode.session import _Session
+from stagetorch.planner import _LESSONS
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
@@ -15,6 +16,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_lessons_across_tests():
+    """What a program learned from an out-of-memory error is kept per program for the process (a step staged
+    again relearns nothing): a test's injected OOMs must not teach the next test's same-shaped program."""
+    yield
+    _LESSONS.clear()
 
 
 def pytest_configure(config):
