@@ -388,3 +388,41 @@ def test_a_global_paired_with_the_examples_and_used_per_class_is_named():
     assert "test_captured_batch.py:" in text and "const 'W'" in text and "as an argument" in text, text
     for p, q in zip(model.parameters(), before.parameters()):
         assert torch.equal(p, q) and p.grad is None
+
+
+@pytest.mark.parametrize("fraction", [None, 0.5], ids=["whole", "chunked"])
+def test_a_batch_sized_global_cut_per_chunk_is_at_its_plan_at_the_allocator(fraction):
+    """The fix's memory: a batch-sized global (issue 35's ``W``) is fed to each chunk as its slice of the whole,
+    which is resident; nothing batch-sized is copied per chunk. At a budget that chunks, the allocator's peak is
+    the plan's (to 2%), under the budget, and under the eager step's peak; whole, plan = allocator too."""
+    from memtrack import AllocatorPeak
+
+    batch = 4096
+    weights = torch.linspace(-1, 1, batch)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+    def step(x, y):
+        loss = -(F.log_softmax(model(x), -1).gather(1, y[:, None]).squeeze(1) * weights).mean()
+        loss.backward()
+        return loss
+
+    x, y = torch.randn(batch, 64), torch.randint(0, 10, (batch,))
+    resident = [*model.parameters(), x, y, weights]
+    step(x, y)  # eager: .grad made once, so every run below starts from none
+    model.zero_grad(set_to_none=True)
+    with AllocatorPeak(resident) as eager:
+        step(x, y)
+    model.zero_grad(set_to_none=True)
+    budget = 1 << 40 if fraction is None else int(fraction * stagetorch.jit(step, memory_budget=1 << 40).plan(x, y).peak)
+    staged = stagetorch.jit(step, memory_budget=budget, remat=False)
+    plan = staged.plan(x, y)
+    staged(x, y)
+    model.zero_grad(set_to_none=True)
+    with AllocatorPeak(resident) as run:
+        staged(x, y)
+    assert (len(plan.chunk_sizes) > 1) == (fraction is not None)
+    assert run.peak - 16 <= plan.peak <= run.peak * 1.02, (plan.peak, run.peak)
+    assert run.peak <= budget
+    if fraction is not None:
+        assert run.peak < eager.peak, (run.peak, eager.peak)
