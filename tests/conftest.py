@@ -1,3 +1,4 @@
+import os
 import pathlib
 import sys
 
@@ -11,6 +12,11 @@ from stagetorch.lazymode.session import _Session
 from stagetorch.planner import _LESSONS
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # `pytest -n N`: each worker takes its share of the cores, so N workers do not each start one OpenMP thread
+    # per core and spin against each other. Tests that measure a kernel at a thread count set it themselves.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.fixture(autouse=True)
