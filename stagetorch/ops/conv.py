@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .. import batching, flops
 from ..errors import ShapeError
 from ..ir import Aval, Eqn
-from . import _layout
+from . import _layout, linalg
 
 aten = torch.ops.aten
 
@@ -98,9 +98,40 @@ FLOPS: dict = {
 # here models it (unmeasured: no GPU in this project's CI). It lives in the plan's safety margin.
 
 
+class _Isa(NamedTuple):
+    """What the rules need to know of the kernels oneDNN runs at one ISA."""
+
+    block: int  # oneDNN's channel block: the floats in one vector register
+    weight_gradient_kernels: tuple[str, ...]  # the ungrouped ones, in cpu_convolution_list's order
+
+
+# The ISAs whose f32 convolution kernels the rules follow: AVX-512 (jit_avx512_common and its 1x1 and
+# first-layer kernels; measured on Intel Sapphire Rapids) and AVX2 (jit_avx2 and jit_avx2_1x1; measured on an
+# AMD EPYC, and on Intel under ONEDNN_MAX_CPU_ISA=AVX2).
+_ISAS = {
+    "avx512": _Isa(16, ("1x1", "first", "blocked", "avx2", "gemm")),
+    "avx2": _Isa(8, ("1x1_avx2", "avx2", "gemm")),
+}
+
+
+def _onednn_isa() -> str:
+    """Which of :data:`_ISAS` oneDNN's f32 convolutions run at here: "avx512" where the CPU has AVX512 core
+    (F, BW, VL, DQ) and oneDNN's ISA is not capped below it (``ONEDNN_MAX_CPU_ISA``); else "avx2" (below AVX2,
+    where oneDNN runs neither, too: unmeasured)."""
+    cap = linalg._isa_cap()
+    if cap is not None and not cap.startswith(("AVX512", "AVX10")):
+        return "avx2"
+    cpu = linalg._cpu_capability()
+    if cpu:
+        wide = all(cpu.get(name) for name in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq"))
+    else:
+        wide = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return "avx512" if wide else "avx2"
+
+
 def _block() -> int:
     """oneDNN's channel block: the floats in one vector register."""
-    return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+    return _ISAS[_onednn_isa()].block
 
 
 def _pad(c: int, block: int) -> int:
@@ -482,6 +513,8 @@ def _jit_scratchpad(kind: str, x: Aval, w: Aval, grad: Aval, stride, channels_la
         if bias:
             out += (groups * _pad(o, b) * 4 + 128 if o % b else 0) + _reducer(threads, b, nb_oc, n, 1 << 21)
         return out + _reducer(threads, kernel * ic_block * b, nb_oc * _div_up(c, ic_block), n * o_d, 1 << 21)
+    if kind == "1x1_avx2":
+        return out + _avx2_1x1_scratchpad(x, w, grad, stride, channels_last, bias)
     b = 16
     nb_oc = _div_up(o, b)
     if kind == "1x1":
@@ -533,6 +566,42 @@ def _jit_scratchpad(kind: str, x: Aval, w: Aval, grad: Aval, stride, channels_la
     return out
 
 
+def _halved(blocks: int, most: int) -> int:
+    """jit_avx2_1x1's blocking of a dimension's blocks: halved, or divided by 3, while over ``most``."""
+    while blocks > most and (blocks % 2 == 0 or blocks % 3 == 0):
+        blocks //= 2 if blocks % 2 == 0 else 3
+    return blocks
+
+
+def _avx2_1x1_scratchpad(x: Aval, w: Aval, grad: Aval, stride, channels_last: bool, bias: bool) -> int:  # noqa: ANN001
+    """jit_avx2_1x1's weight-gradient scratchpad (``init_conf``, ``init_balancers`` and ``init_scratchpad``
+    of jit_avx2_1x1_convolution_bwd_weights_t): the bias padded to 8 channels; a strided layer's input
+    compacted to unit stride per thread (rtus); the bias's reducer (cpu_reducer_t) and the weight's
+    (cpu_reducer_2d_t: every thread of a group, the first too, reduces into a space of its own, aligned by
+    128 bytes), over the blocks of output and input channels as the kernel blocks them, each example's
+    output positions a reduction step."""
+    threads, b = torch.get_num_threads(), 8
+    n, c, o = x.shape[0], x.shape[1], w.shape[0]
+    positions = math.prod(grad.shape[2:])
+    nb_oc, nb_ic = _div_up(o, b), _div_up(c, b)
+    oc_blocking = _halved(nb_oc, 32) if not channels_last or o % b == 0 else nb_oc
+    small = math.prod(grad.shape[2:]) <= 1024  # the input after rtus: the output's positions
+    ic_blocking = _halved(nb_ic, 17 if channels_last else 9) if not channels_last or (c % b == 0 and small) else nb_ic
+    out = _pad(o, b) * 4 + 128 if bias and o % b else 0
+    if any(s != 1 for s in stride):
+        per_thread = positions * c if channels_last else ic_blocking * positions * b
+        out += threads * per_thread * 4 + 128
+    job = oc_blocking * ic_blocking * b * b
+    max_buffer = threads * job * 8
+    if bias:
+        out += _reducer(threads, b, nb_oc, n, max_buffer)
+    groups, per_group, ub = _reduce_balance(
+        threads, job, _div_up(nb_ic, ic_blocking) * _div_up(nb_oc, oc_blocking), n * positions, max_buffer)
+    if per_group > 1:
+        out += groups * per_group * ub * job * 4 + 128 + groups * _PAGE + _PAGE
+    return out
+
+
 def _depthwise_scratchpad(x: Aval, w: Aval, channels_last: bool, bias: bool) -> int:
     """jit_uni_dw's (jit_avx512_common_dw) weight-gradient scratchpad: contiguous, threads over the channel
     blocks and then the batch, each batch thread but the first reducing a (channel-padded) weight and bias of its
@@ -549,28 +618,32 @@ def _depthwise_scratchpad(x: Aval, w: Aval, channels_last: bool, bias: bool) -> 
 
 
 def _weight_gradient_kernel(x: Aval, w: Aval, stride, padding, channels_last: bool) -> str:  # noqa: ANN001
-    """Which of oneDNN's f32 backward-weights kernels runs an ungrouped convolution (the first of
-    cpu_convolution_list's that accepts it, on AVX-512; a 1-d convolution as the 2-d one torch runs): ``1x1``
-    (jit_avx512_common_1x1: a 1x1 kernel without padding; strided only in 1-d and 2-d where the stride tiles
-    the input exactly, its input then compacted to unit stride), ``first`` (jit_avx512_common's first-layer
-    kernel: up to 3 input channels, or fewer than a block channels-last; the input read in place, the weight's
-    output channels padded), ``blocked`` (jit_avx512_common, channels padded to the block), ``avx2``
-    (jit_avx2, blocks of 8: 4-15 input channels, or where jit_avx512_common's padding limits refuse) or
-    ``gemm`` (gemm_convolution, plain layouts: where jit_avx2's refuse too). The limits are the kernels'
-    ``init_conf`` (``boundaries_ok``), in terms of the padding oneDNN infers at each far end."""
+    """Which of oneDNN's f32 backward-weights kernels runs an ungrouped convolution: the first of this ISA's
+    (:data:`_ISAS`, in cpu_convolution_list's order) whose ``init_conf`` accepts it (a 1-d convolution as the
+    2-d one torch runs). ``1x1`` (jit_avx512_common_1x1) and ``1x1_avx2`` (jit_avx2_1x1): a 1x1 kernel without
+    padding; strided only in 1-d and 2-d where the stride tiles the input exactly, its input then compacted to
+    unit stride. ``first`` (jit_avx512_common's first-layer kernel: up to 3 input channels, or fewer than a
+    block channels-last; the input read in place, the weight's output channels padded), ``blocked``
+    (jit_avx512_common, channels padded to the block), ``avx2`` (jit_avx2, blocks of 8) or ``gemm``
+    (gemm_convolution, plain layouts: where the others refuse). The limits are the kernels' ``init_conf``
+    (``boundaries_ok``), in terms of the padding oneDNN infers at each far end."""
     c, kernel, spatial = x.shape[1], w.shape[2:], x.ndim - 2
     ins = x.shape[2:]
     outs = [_window(ins[i], kernel[i], stride[i], padding[i], 1) for i in range(spatial)]
-    if math.prod(kernel) == 1 and all(p == 0 for p in padding) and (
+    one_by_one = math.prod(kernel) == 1 and all(p == 0 for p in padding) and (
         all(s == 1 for s in stride) or (spatial < 3 and all(o * s == i for o, s, i in zip(outs, stride, ins)))
-    ):
-        return "1x1"
+    )
     common, avx2, _ = _limits(x, w, stride, padding)
-    if common and channels_last:
-        return "first" if c < _block() else "blocked"
-    if common and (c <= 3 or c >= _block()):
-        return "first" if c <= 3 else "blocked"
-    return "avx2" if avx2 else "gemm"
+    b = _block()
+    accepts = {
+        "1x1": one_by_one,
+        "1x1_avx2": one_by_one,
+        "first": common and (c < b if channels_last else c <= 3),
+        "blocked": common and c >= b,
+        "avx2": avx2,
+        "gemm": True,
+    }
+    return next(kind for kind in _ISAS[_onednn_isa()].weight_gradient_kernels if accepts[kind])
 
 
 def _limits(x: Aval, w: Aval, stride, padding) -> tuple[bool, bool, bool]:  # noqa: ANN001
@@ -659,7 +732,7 @@ def _weight_gradient_as(kind: str, x: Aval, w: Aval, grad: Aval, stride, padding
         copies = 0 if channels_last else src + dst
         scratchpad = _jit_scratchpad(kind, x, w, grad, stride, channels_last, bias, groups)
     else:
-        b = 8 if kind == "avx2" else _block()
+        b = 8 if kind in ("avx2", "1x1_avx2") else _block()
         c_in = c if kind == "first" else _pad(c, b)
         blocked = _pad(o, b) * c_in * kernel * itemsize
         src = 0 if channels_last or kind == "first" else x.nbytes * _pad(c, b) // c
