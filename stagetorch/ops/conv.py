@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -98,19 +99,31 @@ FLOPS: dict = {
 # here models it (unmeasured: no GPU in this project's CI). It lives in the plan's safety margin.
 
 
+def _brgemm_blocks_avx2(channels: int) -> int:
+    """The channels as oneDNN's AVX2 brgemm kernels pad them: to a block of 8, 16, 24 or 32 (no more blocks of 8
+    than the channels fill), picked by its efficiency estimate (``est_eff``, not replayed): the most padding of
+    those (a bound: 40 channels are padded to 48 where the bound takes 64)."""
+    return max(_pad(channels, 8 * blocks) for blocks in range(1, min(4, -(-channels // 8)) + 1))
+
+
 class _Isa(NamedTuple):
     """What the rules need to know of the kernels oneDNN runs at one ISA."""
 
     block: int  # oneDNN's channel block: the floats in one vector register
     weight_gradient_kernels: tuple[str, ...]  # the ungrouped ones, in cpu_convolution_list's order
+    brgemm_output_channels: Callable[[int], int]  # the forward brgemm kernel's output channels, padded
+    brgemm_input_channels: Callable[[int], int]  # the input-gradient brgemm kernels' input channels, padded
+    brgemm_grouped_data: bool  # whether a grouped channels-last unstrided input gradient may run brgemm's kernel
 
 
 # The ISAs whose f32 convolution kernels the rules follow: AVX-512 (jit_avx512_common and its 1x1 and
 # first-layer kernels; measured on Intel Sapphire Rapids) and AVX2 (jit_avx2 and jit_avx2_1x1; measured on an
-# AMD EPYC, and on Intel under ONEDNN_MAX_CPU_ISA=AVX2).
+# AMD EPYC, and on Intel under ONEDNN_MAX_CPU_ISA=AVX2). On AVX-512 the brgemm kernels' block of input channels
+# is 16, or 32-64 where there are more (picked by efficiency, not replayed: 32, the most padding).
 _ISAS = {
-    "avx512": _Isa(16, ("1x1", "first", "blocked", "avx2", "gemm")),
-    "avx2": _Isa(8, ("1x1_avx2", "avx2", "gemm")),
+    "avx512": _Isa(16, ("1x1", "first", "blocked", "avx2", "gemm"), lambda c: _pad(c, 16),
+                   lambda c: _pad(c, 32) if c > 16 else _pad(c, 16), False),
+    "avx2": _Isa(8, ("1x1_avx2", "flat_avx2", "avx2", "gemm"), _brgemm_blocks_avx2, _brgemm_blocks_avx2, True),
 }
 
 
@@ -327,9 +340,10 @@ def convolution_workspace(e: Eqn, layouts: Any = None) -> int:
         return copies + columns
     if channels_last and groups == 1 and not transposed:
         # oneDNN's brgemm kernel reads the input and writes the output in place (channels-last both): only the
-        # weight is reordered (output channels padded to the vector width), beside a scratchpad of a page and
+        # weight is reordered (output channels padded to the kernel's block: _ISAS), beside a scratchpad of a page and
         # an array of 103 batch elements of 40 bytes per thread (brgemm_convolution_utils::init_scratchpad).
-        return copies + w.nbytes * _pad(w.shape[0], _block()) // w.shape[0] + 4096 + 4120 * torch.get_num_threads()
+        padded = _ISAS[_onednn_isa()].brgemm_output_channels(w.shape[0])
+        return copies + w.nbytes * padded // w.shape[0] + 4096 + 4120 * torch.get_num_threads()
     # oneDNN over grouped channels-last tensors reorders less than the formula below counts for contiguous ones
     # (but for a few shapes: tests/test_workspace.py); it stands for it, mostly an over-estimate.
     src, weight, dst, _ = _onednn_parts(x, w, out, groups, transposed)
@@ -353,10 +367,9 @@ def _strided_backward_data(x: Aval, w: Aval, stride, dilation, groups: int, tran
 
 def _brgemm_data_weight(w: Aval) -> int:
     """The weight as oneDNN's brgemm input-gradient kernels reorder it: a group's input channels padded to the
-    kernel's block of them, 16, or 32-64 where there are more (the block is picked by efficiency, not replayed:
-    32, the most padding)."""
-    c_g, b = w.shape[1], _block()
-    return w.nbytes * (_pad(c_g, 2 * b) if c_g > b else _pad(c_g, b)) // c_g
+    kernel's block of them (:data:`_ISAS`)."""
+    c_g = w.shape[1]
+    return w.nbytes * _ISAS[_onednn_isa()].brgemm_input_channels(c_g) // c_g
 
 
 def _brgemm_data(w: Aval) -> int:
@@ -505,7 +518,7 @@ def _jit_scratchpad(kind: str, x: Aval, w: Aval, grad: Aval, stride, channels_la
     (i_d, i_h, i_w), (o_d, o_h, o_w), (k_d, k_h, k_w), (s_d, s_h, s_w) = _dims(x, w, grad, stride)
     kernel = k_d * k_h * k_w
     out = 0
-    if kind in ("avx2", "grouped8"):
+    if kind in ("avx2", "flat_avx2", "grouped8"):
         # Two reducers (cpu_reducer_t, 2M floats at most a thread), the weight's over the batch and depth.
         b = 8
         ic_block = c if c == 3 else b
@@ -623,7 +636,8 @@ def _weight_gradient_kernel(x: Aval, w: Aval, stride, padding, channels_last: bo
     2-d one torch runs). ``1x1`` (jit_avx512_common_1x1) and ``1x1_avx2`` (jit_avx2_1x1): a 1x1 kernel without
     padding; strided only in 1-d and 2-d where the stride tiles the input exactly, its input then compacted to
     unit stride. ``first`` (jit_avx512_common's first-layer kernel: up to 3 input channels, or fewer than a
-    block channels-last; the input read in place, the weight's output channels padded), ``blocked``
+    block channels-last; the input read in place, the weight's output channels padded), ``flat_avx2``
+    (jit_avx2's, for 3 input channels: the same, by 8), ``blocked``
     (jit_avx512_common, channels padded to the block), ``avx2`` (jit_avx2, blocks of 8) or ``gemm``
     (gemm_convolution, plain layouts: where the others refuse). The limits are the kernels' ``init_conf``
     (``boundaries_ok``), in terms of the padding oneDNN infers at each far end."""
@@ -640,6 +654,7 @@ def _weight_gradient_kernel(x: Aval, w: Aval, stride, padding, channels_last: bo
         "1x1_avx2": one_by_one,
         "first": common and (c < b if channels_last else c <= 3),
         "blocked": common and c >= b,
+        "flat_avx2": avx2 and c == 3,
         "avx2": avx2,
         "gemm": True,
     }
@@ -732,10 +747,11 @@ def _weight_gradient_as(kind: str, x: Aval, w: Aval, grad: Aval, stride, padding
         copies = 0 if channels_last else src + dst
         scratchpad = _jit_scratchpad(kind, x, w, grad, stride, channels_last, bias, groups)
     else:
-        b = 8 if kind in ("avx2", "1x1_avx2") else _block()
-        c_in = c if kind == "first" else _pad(c, b)
+        b = 8 if kind in ("avx2", "flat_avx2", "1x1_avx2") else _block()
+        flat = kind in ("first", "flat_avx2")
+        c_in = c if flat else _pad(c, b)
         blocked = _pad(o, b) * c_in * kernel * itemsize
-        src = 0 if channels_last or kind == "first" else x.nbytes * _pad(c, b) // c
+        src = 0 if channels_last or flat else x.nbytes * _pad(c, b) // c
         dst = 0 if channels_last else grad.nbytes * _pad(o, b) // o
         copies = src + dst
         scratchpad = _jit_scratchpad(kind, x, w, grad, stride, channels_last, bias)
@@ -787,7 +803,12 @@ def _grouped_data(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: 
         block = next((bl for bl in (8, 4) if bl < b and c_g % bl == 0 and o_g % bl == 0), None)
     if channels_last:
         block = block or b
-        return groups * _pad(o_g, block) * _pad(c_g, block) * kernel * w.itemsize
+        blocked = groups * _pad(o_g, block) * _pad(c_g, block) * kernel * w.itemsize
+        if _ISAS[_onednn_isa()].brgemm_grouped_data and all(s == 1 for s in stride):
+            # AVX2's brgemm input-gradient kernel comes before jit_avx2's (seen on groups of 4 channels; which
+            # shapes it refuses not replayed: the larger).
+            return max(blocked, _brgemm_data(w))
+        return blocked
     # Either kernel writes the input gradient into ideep's own tensor, then copied into the one returned.
     gemm = max(_gemm_data(x, w, grad, stride, padding, groups), x.nbytes)
     if block is None:
