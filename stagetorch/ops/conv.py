@@ -114,6 +114,8 @@ class _Isa(NamedTuple):
     brgemm_output_channels: Callable[[int], int]  # the forward brgemm kernel's output channels, padded
     brgemm_input_channels: Callable[[int], int]  # the input-gradient brgemm kernels' input channels, padded
     brgemm_grouped_data: bool  # whether a grouped channels-last unstrided input gradient may run brgemm's kernel
+    gemm_grouped_forward: bool  # whether a contiguous grouped forward whose groups are not of 8 channels runs gemm
+    depthwise_forward: Callable[..., int] | None  # a depthwise forward's workspace, where not the generic one
 
 
 # The ISAs whose f32 convolution kernels the rules follow: AVX-512 (jit_avx512_common and its 1x1 and
@@ -122,8 +124,9 @@ class _Isa(NamedTuple):
 # is 16, or 32-64 where there are more (picked by efficiency, not replayed: 32, the most padding).
 _ISAS = {
     "avx512": _Isa(16, ("1x1", "first", "blocked", "avx2", "gemm"), lambda c: _pad(c, 16),
-                   lambda c: _pad(c, 32) if c > 16 else _pad(c, 16), False),
-    "avx2": _Isa(8, ("1x1_avx2", "flat_avx2", "avx2", "gemm"), _brgemm_blocks_avx2, _brgemm_blocks_avx2, True),
+                   lambda c: _pad(c, 32) if c > 16 else _pad(c, 16), False, False, None),
+    "avx2": _Isa(8, ("1x1_avx2", "flat_avx2", "avx2", "gemm"), _brgemm_blocks_avx2, _brgemm_blocks_avx2, True, True,
+                 lambda *a: _depthwise_forward_avx2(*a)),
 }
 
 
@@ -344,11 +347,37 @@ def convolution_workspace(e: Eqn, layouts: Any = None) -> int:
         # an array of 103 batch elements of 40 bytes per thread (brgemm_convolution_utils::init_scratchpad).
         padded = _ISAS[_onednn_isa()].brgemm_output_channels(w.shape[0])
         return copies + w.nbytes * padded // w.shape[0] + 4096 + 4120 * torch.get_num_threads()
+    c_g, o_g = x.shape[1] // groups, out.shape[1] // groups
+    depthwise = _ISAS[_onednn_isa()].depthwise_forward
+    if depthwise is not None and c_g == o_g == 1 and not transposed:
+        return copies + depthwise(x, w, out, channels_last)
+    if (_ISAS[_onednn_isa()].gemm_grouped_forward and groups > 1 and not transposed and not channels_last
+            and (c_g % 8 or o_g % 8) and not (c_g == o_g == 1 and x.ndim == 4)):
+        # jit_avx2 refuses groups of channels not a multiple of 8 (and jit_uni_dw is for depthwise 2-d layers):
+        # gemm reads the plain tensors, its column buffers per thread; the output made by ideep and copied
+        # into the one returned after them.
+        return copies + max(_gemm_data(x, w, out, stride, padding, groups), out.nbytes)
     # oneDNN over grouped channels-last tensors reorders less than the formula below counts for contiguous ones
     # (but for a few shapes: tests/test_workspace.py); it stands for it, mostly an over-estimate.
     src, weight, dst, _ = _onednn_parts(x, w, out, groups, transposed)
     # The blocked output is reordered into the returned tensor after the input and weight copies are freed.
     return copies + max(src + weight + dst, dst + out.nbytes) - out.nbytes
+
+
+def _depthwise_forward_avx2(x: Aval, w: Aval, out: Aval, channels_last: bool) -> int:
+    """A depthwise forward's workspace on AVX2: brdgmm_dw over channels-last tensors (in place: the weight
+    reordered, its channels padded to 8) and over contiguous 3-d ones (the input and the output channels-last, beside the output returned);
+    jit_uni_dw over contiguous 2-d ones (channels blocked by 8, the weight padded, and a padded bias booked where
+    they are not a multiple of 8), its blocked output reordered into the one returned after the rest is freed."""
+    g, b = x.shape[1], 8
+    blocked = _pad(g, b)
+    if channels_last:
+        return w.nbytes * blocked // g
+    if x.ndim == 5:
+        return x.nbytes + out.nbytes
+    src, dst = x.nbytes * blocked // g, out.nbytes * blocked // g
+    weight = w.nbytes * blocked // g + (blocked * w.itemsize + 128 if g % b else 0)
+    return max(src + weight + dst, dst + out.nbytes) - out.nbytes
 
 
 def _unknown(v: Any) -> None:
