@@ -114,8 +114,7 @@ class _Isa(NamedTuple):
     brgemm_output_channels: Callable[[int], int]  # the forward brgemm kernel's output channels, padded
     brgemm_input_channels: Callable[[int], int]  # the input-gradient brgemm kernels' input channels, padded
     brgemm_grouped_data: bool  # whether a grouped channels-last unstrided input gradient may run brgemm's kernel
-    gemm_grouped_forward: bool  # whether a contiguous grouped forward whose groups are not of 8 channels runs gemm
-    depthwise_forward: Callable[..., int] | None  # a depthwise forward's workspace, where not the generic one
+    forward: Callable[..., int | None]  # this ISA's own forward kernels' workspace (None: the generic rule's)
 
 
 # The ISAs whose f32 convolution kernels the rules follow: AVX-512 (jit_avx512_common and its 1x1 and
@@ -124,9 +123,9 @@ class _Isa(NamedTuple):
 # is 16, or 32-64 where there are more (picked by efficiency, not replayed: 32, the most padding).
 _ISAS = {
     "avx512": _Isa(16, ("1x1", "first", "blocked", "avx2", "gemm"), lambda c: _pad(c, 16),
-                   lambda c: _pad(c, 32) if c > 16 else _pad(c, 16), False, False, None),
-    "avx2": _Isa(8, ("1x1_avx2", "flat_avx2", "avx2", "gemm"), _brgemm_blocks_avx2, _brgemm_blocks_avx2, True, True,
-                 lambda *a: _depthwise_forward_avx2(*a)),
+                   lambda c: _pad(c, 32) if c > 16 else _pad(c, 16), False, lambda *_: None),
+    "avx2": _Isa(8, ("1x1_avx2", "flat_avx2", "avx2", "gemm"), _brgemm_blocks_avx2, _brgemm_blocks_avx2, True,
+                 lambda *a: _forward_avx2(*a)),
 }
 
 
@@ -341,22 +340,15 @@ def convolution_workspace(e: Eqn, layouts: Any = None) -> int:
             # Each group's output apart, then concatenated into the one returned: all of them at the end.
             columns = max(columns, out.nbytes)
         return copies + columns
+    own = None if transposed else _ISAS[_onednn_isa()].forward(x, w, out, stride, padding, channels_last, groups)
+    if own is not None:
+        return copies + own
     if channels_last and groups == 1 and not transposed:
         # oneDNN's brgemm kernel reads the input and writes the output in place (channels-last both): only the
         # weight is reordered (output channels padded to the kernel's block: _ISAS), beside a scratchpad of a page and
         # an array of 103 batch elements of 40 bytes per thread (brgemm_convolution_utils::init_scratchpad).
         padded = _ISAS[_onednn_isa()].brgemm_output_channels(w.shape[0])
         return copies + w.nbytes * padded // w.shape[0] + 4096 + 4120 * torch.get_num_threads()
-    c_g, o_g = x.shape[1] // groups, out.shape[1] // groups
-    depthwise = _ISAS[_onednn_isa()].depthwise_forward
-    if depthwise is not None and c_g == o_g == 1 and not transposed:
-        return copies + depthwise(x, w, out, channels_last)
-    if (_ISAS[_onednn_isa()].gemm_grouped_forward and groups > 1 and not transposed and not channels_last
-            and (c_g % 8 or o_g % 8) and not (c_g == o_g == 1 and x.ndim == 4)):
-        # jit_avx2 refuses groups of channels not a multiple of 8 (and jit_uni_dw is for depthwise 2-d layers):
-        # gemm reads the plain tensors, its column buffers per thread; the output made by ideep and copied
-        # into the one returned after them.
-        return copies + max(_gemm_data(x, w, out, stride, padding, groups), out.nbytes)
     # oneDNN over grouped channels-last tensors reorders less than the formula below counts for contiguous ones
     # (but for a few shapes: tests/test_workspace.py); it stands for it, mostly an over-estimate.
     src, weight, dst, _ = _onednn_parts(x, w, out, groups, transposed)
@@ -364,19 +356,44 @@ def convolution_workspace(e: Eqn, layouts: Any = None) -> int:
     return copies + max(src + weight + dst, dst + out.nbytes) - out.nbytes
 
 
-def _depthwise_forward_avx2(x: Aval, w: Aval, out: Aval, channels_last: bool) -> int:
-    """A depthwise forward's workspace on AVX2: brdgmm_dw over channels-last tensors (in place: the weight
-    reordered, its channels padded to 8) and over contiguous 3-d ones (the input and the output channels-last, beside the output returned);
-    jit_uni_dw over contiguous 2-d ones (channels blocked by 8, the weight padded, and a padded bias booked where
-    they are not a multiple of 8), its blocked output reordered into the one returned after the rest is freed."""
-    g, b = x.shape[1], 8
-    blocked = _pad(g, b)
-    if channels_last:
-        return w.nbytes * blocked // g
-    if x.ndim == 5:
-        return x.nbytes + out.nbytes
-    src, dst = x.nbytes * blocked // g, out.nbytes * blocked // g
-    weight = w.nbytes * blocked // g + (blocked * w.itemsize + 128 if g % b else 0)
+def _forward_avx2(x: Aval, w: Aval, out: Aval, stride, padding, channels_last: bool, groups: int) -> int | None:  # noqa: ANN001
+    """A forward's workspace where AVX2's kernels differ from the generic rule's (None elsewhere: jit_avx2 over
+    blocked tensors, brgemm over channels-last ungrouped ones). Depthwise: brdgmm_dw over channels-last tensors
+    (in place: the weight reordered, its channels padded to 8) and over contiguous 3-d ones (the input and the
+    output channels-last beside the output returned, and the weight: a bound, 3% over to 4% under seen
+    exactly); jit_uni_dw over contiguous 2-d ones (channels blocked by 8, the weight padded and a padded bias
+    booked where they are not a multiple of 8; its blocked output reordered into the one returned after the
+    rest is freed). Other groups: brgemm over channels-last tensors (as ungrouped, each group's output channels
+    padded); over contiguous ones gemm where a group's channels are not a multiple of 8 (jit_avx2 refuses them:
+    per thread a column buffer; the output made by ideep, then copied into the one returned). A 1x1 layer
+    (jit_avx2_1x1): the weight's input channels padded too, and strided, its input compacted to unit stride per
+    thread (rtus: the input channel blocks by the output's positions)."""
+    c_g, o_g, b = x.shape[1] // groups, out.shape[1] // groups, 8
+    if c_g == o_g == 1:
+        g = x.shape[1]
+        blocked = _pad(g, b)
+        if channels_last:
+            return w.nbytes * blocked // g
+        if x.ndim == 5:
+            return x.nbytes + out.nbytes + w.nbytes * blocked // g
+        src, dst = x.nbytes * blocked // g, out.nbytes * blocked // g
+        weight = w.nbytes * blocked // g + (blocked * w.itemsize + 128 if g % b else 0)
+        return max(src + weight + dst, dst + out.nbytes) - out.nbytes
+    if groups > 1 and channels_last:
+        weight = groups * _brgemm_blocks_avx2(o_g) * c_g * math.prod(w.shape[2:]) * w.itemsize
+        return weight + 4096 + 4120 * torch.get_num_threads()
+    if groups > 1 and (c_g % b or o_g % b):
+        return max(_gemm_data(x, w, out, stride, padding, groups), out.nbytes)
+    unit = math.prod(w.shape[2:]) == 1 and all(p == 0 for p in padding)
+    strided = any(s != 1 for s in stride)
+    tiles = x.ndim == 4 and all(o * s == i for o, s, i in zip(out.shape[2:], stride, x.shape[2:]))
+    if groups > 1 or channels_last or not unit or (strided and not tiles):
+        return None
+    c, o = x.shape[1], out.shape[1]
+    src, dst = x.nbytes * _pad(c, b) // c, out.nbytes * _pad(o, b) // o
+    weight = _pad(o, b) * _pad(c, b) * w.itemsize
+    if strided:
+        weight += torch.get_num_threads() * _pad(c, b) * math.prod(out.shape[2:]) * x.itemsize + 128
     return max(src + weight + dst, dst + out.nbytes) - out.nbytes
 
 
