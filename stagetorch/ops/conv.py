@@ -357,16 +357,18 @@ def convolution_workspace(e: Eqn, layouts: Any = None) -> int:
 
 
 def _forward_avx2(x: Aval, w: Aval, out: Aval, stride, padding, channels_last: bool, groups: int) -> int | None:  # noqa: ANN001
-    """A forward's workspace where AVX2's kernels differ from the generic rule's (None elsewhere: jit_avx2 over
-    blocked tensors, brgemm over channels-last ungrouped ones). Depthwise: brdgmm_dw over channels-last tensors
-    (in place: the weight reordered, its channels padded to 8) and over contiguous 3-d ones (the input and the
-    output channels-last beside the output returned, and the weight: a bound, 3% over to 4% under seen
-    exactly); jit_uni_dw over contiguous 2-d ones (channels blocked by 8, the weight padded and a padded bias
+    """A forward's workspace on AVX2 (None: the generic rule's, for transposed ones). Ungrouped: brgemm over
+    channels-last tensors (the output channels padded to its block, bounded: :func:`_brgemm_blocks_avx2`; the
+    batch elements of the kernel's positions per thread, :func:`_brgemm_batch`); jit_avx2 over blocked ones,
+    as the generic rule, with a padded bias booked where the output channels are not a multiple of 8. Depthwise: brdgmm_dw over channels-last tensors
+    (in place: the weight reordered, its channels padded to 8) and over contiguous 3-d ones (the input made
+    channels-last beside the weight reordered, or the output made twice: the larger, fitted to four layers
+    exactly, not derived); jit_uni_dw over contiguous 2-d ones (channels blocked by 8, the weight padded and a padded bias
     booked where they are not a multiple of 8; its blocked output reordered into the one returned after the
     rest is freed). Other groups: brgemm over channels-last tensors (as ungrouped, each group's output channels
     padded); over contiguous ones gemm where a group's channels are not a multiple of 8 (jit_avx2 refuses them:
     per thread a column buffer; the output made by ideep, then copied into the one returned). A 1x1 layer
-    (jit_avx2_1x1): the weight's input channels padded too, and strided, its input compacted to unit stride per
+    (jit_avx2_1x1): the weight's input channels padded too, the bias padded, and strided, its input compacted to unit stride per
     thread (rtus: the input channel blocks by the output's positions)."""
     c_g, o_g, b = x.shape[1] // groups, out.shape[1] // groups, 8
     if c_g == o_g == 1:
@@ -375,7 +377,7 @@ def _forward_avx2(x: Aval, w: Aval, out: Aval, stride, padding, channels_last: b
         if channels_last:
             return w.nbytes * blocked // g
         if x.ndim == 5:
-            return x.nbytes + out.nbytes + w.nbytes * blocked // g
+            return max(x.nbytes + w.nbytes * blocked // g, 2 * out.nbytes)
         src, dst = x.nbytes * blocked // g, out.nbytes * blocked // g
         weight = w.nbytes * blocked // g + (blocked * w.itemsize + 128 if g % b else 0)
         return max(src + weight + dst, dst + out.nbytes) - out.nbytes
@@ -384,14 +386,20 @@ def _forward_avx2(x: Aval, w: Aval, out: Aval, stride, padding, channels_last: b
         return weight + 4096 + 4120 * torch.get_num_threads()
     if groups > 1 and (c_g % b or o_g % b):
         return max(_gemm_data(x, w, out, stride, padding, groups), out.nbytes)
+    c, o = x.shape[1], out.shape[1]
+    bias = _pad(o, b) * w.itemsize + 128 if o % b else 0  # the bias padded (taken as given: 192 B at most over)
+    if groups > 1:
+        return None
+    if channels_last:
+        return w.nbytes * _brgemm_blocks_avx2(o) // o + 4096 + _brgemm_batch(w) * torch.get_num_threads()
     unit = math.prod(w.shape[2:]) == 1 and all(p == 0 for p in padding)
     strided = any(s != 1 for s in stride)
-    tiles = x.ndim == 4 and all(o * s == i for o, s, i in zip(out.shape[2:], stride, x.shape[2:]))
-    if groups > 1 or channels_last or not unit or (strided and not tiles):
-        return None
-    c, o = x.shape[1], out.shape[1]
+    tiles = x.ndim == 4 and all(o_ * s == i for o_, s, i in zip(out.shape[2:], stride, x.shape[2:]))
+    if not unit or (strided and not tiles):
+        src, weight, dst, _ = _onednn_parts(x, w, out, groups, False)
+        return max(src + weight + bias + dst, dst + out.nbytes) - out.nbytes
     src, dst = x.nbytes * _pad(c, b) // c, out.nbytes * _pad(o, b) // o
-    weight = _pad(o, b) * _pad(c, b) * w.itemsize
+    weight = _pad(o, b) * _pad(c, b) * w.itemsize + bias
     if strided:
         weight += torch.get_num_threads() * _pad(c, b) * math.prod(out.shape[2:]) * x.itemsize + 128
     return max(src + weight + dst, dst + out.nbytes) - out.nbytes
@@ -418,6 +426,13 @@ def _brgemm_data_weight(w: Aval) -> int:
     return w.nbytes * _ISAS[_onednn_isa()].brgemm_input_channels(c_g) // c_g
 
 
+def _brgemm_batch(w: Aval) -> int:
+    """The bytes of batch elements (40 each) oneDNN's brgemm convolutions book per thread: one per kernel
+    position, in pages of 4096 bytes, as many elements as fill them (103 for a page)."""
+    page, element = 4096, 40
+    return -(-_pad(math.prod(w.shape[2:]) * element, page) // element) * element
+
+
 def _brgemm_data(w: Aval) -> int:
     """The input gradient's workspace under oneDNN's unstrided brgemm kernel over channels-last tensors
     (``brg_conv_bwd`` running its forward kernel, ``brg_conv_fwd``, on the transposed problem), which reads the
@@ -427,9 +442,7 @@ def _brgemm_data(w: Aval) -> int:
     2-d and 3-d layers of 1-256 channels, kernels 1-7, padding 0-3, dilation 1-2 at 1-3 threads (no padded input block
     booked: the forward kernel reads the padding in place). A layer whose kernel covers its whole input
     (oneDNN's inner-product kernel, not modelled) books less: over there."""
-    page, element = 4096, 40
-    batch = -(-_pad(math.prod(w.shape[2:]) * element, page) // element) * element
-    return _brgemm_data_weight(w) + page + 128 + batch * torch.get_num_threads()
+    return _brgemm_data_weight(w) + 4096 + 128 + _brgemm_batch(w) * torch.get_num_threads()
 
 
 def _strided_data(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: bool) -> int:  # noqa: ANN001
@@ -850,16 +863,31 @@ def _grouped_data(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: 
     if channels_last:
         block = block or b
         blocked = groups * _pad(o_g, block) * _pad(c_g, block) * kernel * w.itemsize
-        if _ISAS[_onednn_isa()].brgemm_grouped_data and all(s == 1 for s in stride):
-            # AVX2's brgemm input-gradient kernel comes before jit_avx2's (seen on groups of 4 channels; which
-            # shapes it refuses not replayed: the larger).
-            return max(blocked, _brgemm_data(w))
+        if _ISAS[_onednn_isa()].brgemm_grouped_data:
+            # AVX2: its brgemm input-gradient kernel where unstrided (seen on groups of 4 channels), else gemm
+            # over the channels-last tensors (seen on groups of 2-16 input channels, depthwise too), or jit_avx2
+            # where a group's channels are multiples of 8 (which one not replayed: the larger).
+            if all(s == 1 for s in stride):
+                return max(blocked, _brgemm_data(w))
+            return max(_gemm_nspc_data(x, w, grad, groups), blocked if c_g % 8 == 0 and o_g % 8 == 0 else 0)
         return blocked
     # Either kernel writes the input gradient into ideep's own tensor, then copied into the one returned.
     gemm = max(_gemm_data(x, w, grad, stride, padding, groups), x.nbytes)
     if block is None:
         return gemm
     return max(gemm, grad.nbytes + w.nbytes, x.nbytes)
+
+
+def _gemm_nspc_data(x: Aval, w: Aval, grad: Aval, groups: int) -> int:
+    """gemm_convolution's input gradient over channels-last tensors (gemm_convolution_utils ``init_conf``,
+    nspc backward data): per thread a column buffer of a group's input channels by the kernel's and the
+    output's positions and, grouped, an accumulator of a group's input gradient (threads over groups and
+    examples in 1-d and 2-d: all taken, a bound; one thread in 3-d), beside the weight transposed."""
+    threads = 1 if x.ndim == 5 else torch.get_num_threads()
+    c_g, kernel = x.shape[1] // groups, math.prod(w.shape[2:])
+    columns = c_g * kernel * math.prod(grad.shape[2:]) * x.itemsize
+    accumulator = math.prod(x.shape[2:]) * c_g * x.itemsize if groups > 1 else 0
+    return threads * columns + 128 + (threads * accumulator + 128 if accumulator else 0) + w.nbytes
 
 
 def _gemm_data(x: Aval, w: Aval, grad: Aval, stride, padding, groups: int) -> int:  # noqa: ANN001
