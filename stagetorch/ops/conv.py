@@ -836,6 +836,11 @@ def _grouped_weight_gradient(x: Aval, w: Aval, grad: Aval, stride, padding, chan
         kind = "grouped"
     elif avx2 and c_g != 3 and (channels_last or (c_g % 8 == 0 and o_g % 8 == 0)):
         kind = "grouped8"
+        if c_g == o_g == 1 and _block() == 8:
+            # AVX2 runs a depthwise one jit_uni_dw refuses in jit_avx2 (16 groups) or gemm (3 groups): which
+            # not replayed, the larger.
+            return max(_weight_gradient_as(k, x, w, grad, stride, padding, channels_last, bias, groups)
+                       for k in ("grouped8", "gemm"))
     else:
         kind = "gemm"
     return _weight_gradient_as(kind, x, w, grad, stride, padding, channels_last, bias, groups)
