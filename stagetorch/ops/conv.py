@@ -869,12 +869,14 @@ def _grouped_data(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: 
         block = block or b
         blocked = groups * _pad(o_g, block) * _pad(c_g, block) * kernel * w.itemsize
         if _ISAS[_onednn_isa()].brgemm_grouped_data:
-            # AVX2: its brgemm input-gradient kernel where unstrided (seen on groups of 4 channels), else gemm
-            # over the channels-last tensors (seen on groups of 2-16 input channels, depthwise too), or jit_avx2
-            # where a group's channels are multiples of 8 (which one not replayed: the larger).
+            # AVX2: its brgemm input-gradient kernel where unstrided (seen on groups of 4 channels), else jit_avx2
+            # (each group's weight blocked by 8) where its init_conf allows (no stride in depth, the same in
+            # height and width, not a kernel wider than 3 over fewer than 8 channels a group strided: then gemm
+            # over the channels-last tensors; its further limits not replayed: the larger of the two).
             if all(s == 1 for s in stride):
                 return max(blocked, _brgemm_data(w))
-            return max(_gemm_nspc_data(x, w, grad, groups), blocked if c_g % 8 == 0 and o_g % 8 == 0 else 0)
+            jit = (x.ndim < 5 or stride[0] == 1) and stride[-1] == stride[-2] and not (c_g < 8 and w.shape[-1] > 3)
+            return max(_gemm_nspc_data(x, w, grad, groups), blocked if jit else 0)
         return blocked
     # Either kernel writes the input gradient into ideep's own tensor, then copied into the one returned.
     gemm = max(_gemm_data(x, w, grad, stride, padding, groups), x.nbytes)
