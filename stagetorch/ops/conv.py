@@ -383,7 +383,7 @@ def _forward_avx2(x: Aval, w: Aval, out: Aval, stride, padding, channels_last: b
         return max(src + weight + dst, dst + out.nbytes) - out.nbytes
     if groups > 1 and channels_last:
         weight = groups * _brgemm_blocks_avx2(o_g) * c_g * math.prod(w.shape[2:]) * w.itemsize
-        return weight + 4096 + 4120 * torch.get_num_threads()
+        return weight + 4096 + _brgemm_batch(w) * torch.get_num_threads()
     if groups > 1 and (c_g % b or o_g % b):
         return max(_gemm_data(x, w, out, stride, padding, groups), out.nbytes)
     c, o = x.shape[1], out.shape[1]
