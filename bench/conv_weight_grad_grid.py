@@ -5,8 +5,8 @@
 Each case (1-d/2-d/3-d, 1-64 input channels, kernels 1-5, strides 1-3, padding 0-2, groups incl. depthwise,
 contiguous or channels-last, 1-3 threads) runs in a worker process; a case that hangs (oneDNN's strided 1x1
 backward-weights kernel over channels-last tensors at 3 threads on 2 cores did) is skipped after 90 s. Prints
-the rule / allocator distribution for the weight gradient alone (mask F,T,T), with the input gradient (T,T,T) and
-for the input gradient alone (T,F,F).
+the rule / allocator distribution for the weight gradient alone (mask F,T,T), with the input gradient (T,T,T),
+for the input gradient alone (T,F,F) and for the forward (fwd).
 """
 
 from __future__ import annotations
@@ -75,6 +75,8 @@ def worker(todo: str, out: str) -> None:
             onednn = rules._uses_mkldnn(Aval(lift(x), x.dtype, x.device), Aval(lift(w), w.dtype, w.device),
                                         [s] * max(nd, 2), [1] * max(nd, 2), False, g)
             res = {}
+            aten.convolution(*conv)  # oneDNN's primitive cache warm
+            res["fwd"] = (op_workspace(aten.convolution, *conv), _rule(aten.convolution, *conv))
             for mask in ((False, True, True), (True, True, True), (True, False, False)):
                 args = (go, x, w, [o], [s] * nd, [p] * nd, [1] * nd, False, [0] * nd, g, list(mask))
                 op_workspace(aten.convolution_backward, *args)  # oneDNN's primitive cache warm
@@ -114,7 +116,7 @@ def main() -> None:
             print("skipped (hang or crash):", todo[done])
             del todo[done]
     rows = [json.loads(line) for line in _lines(a.out)]
-    for mask in ("FTT", "TTT", "TFF"):
+    for mask in ("FTT", "TTT", "TFF", "fwd"):
         for grouped in (False, True):
             r = [row["res"][mask][1] / row["res"][mask][0] for row in rows if mask in row["res"]
                  and row["onednn"] and (row["case"][5] > 1) == grouped and row["res"][mask][0] > 0]

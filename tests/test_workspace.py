@@ -22,15 +22,14 @@ from memtrack import op_workspace
 
 import stagetorch
 from stagetorch.costing import Layouts, effect, peak_bytes, workspace
+from stagetorch.ops import conv as conv_rules
 
-# The oneDNN convolution rules replay the kernels oneDNN runs on AVX-512 (jit_avx512_common, brgemm, their
-# blocking by 16 channels). On a CPU without AVX-512 (an AMD EPYC with AVX2 only, measured in session 13: 79 of
-# these cases, the plan up to 4.6x under the allocator) oneDNN runs its jit_avx2 and gemm kernels instead, which
-# the rules do not model yet: these tests say nothing there, and the gap is named in docs/memory.md.
-ONEDNN_AVX512 = pytest.mark.skipif(
-    not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
-    reason="the oneDNN convolution workspace rules follow its AVX-512 kernels; this CPU runs its AVX2 ones",
-)
+# The oneDNN convolution rules follow the kernels oneDNN runs at the CPU's ISA (stagetorch/ops/conv.py, _ISAS):
+# AVX-512 (jit_avx512_common, brgemm, blocks of 16 channels) and AVX2 (jit_avx2, jit_avx2_1x1, brgemm and gemm,
+# blocks of 8). On AVX2 the brgemm kernels' block of channels (8-32, picked by an efficiency estimate) is bounded,
+# not replayed: where a test claims the allocator's bytes on AVX-512, it claims "never under, within" the
+# bound's slack on AVX2. test_onednn_convolutions_capped_at_avx2_are_never_under runs the AVX2 rules on any CPU.
+AVX2 = conv_rules._onednn_isa() == "avx2"
 
 
 aten = torch.ops.aten
@@ -108,8 +107,6 @@ def _conv_case(case):
 @pytest.mark.parametrize("mkldnn", [True, False], ids=["onednn", "native"])
 @pytest.mark.parametrize("case", CONVS, ids=lambda c: "x".join(map(str, c)))
 def test_convolution_workspace_is_the_allocators(case, mkldnn):
-    if mkldnn and not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-        pytest.skip(ONEDNN_AVX512.kwargs["reason"])
     if not mkldnn and case[0] >= 16 and case[7] == 2:
         pytest.skip("without oneDNN, 16 examples run NNPACK's forward (no workspace) and a backward not modelled")
     x, w, b, stride, padding, groups = _conv_case(case)
@@ -179,7 +176,6 @@ STRIDED = [
 ]
 
 
-@ONEDNN_AVX512
 @pytest.mark.parametrize("layout", ["contiguous", "channels-last"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("case", STRIDED, ids=lambda c: "x".join(map(str, c)))
@@ -197,7 +193,10 @@ def test_onednn_strided_input_gradient_is_the_allocators(case, threads, layout):
         both = case == STRIDED[0] and layout == "contiguous"
         for mask in ((True, False, False), (True, True, True)) if both else ((True, False, False),):
             measured, rule = _backward_workspace(go, x, w, stride, padding, groups, mask)
-            assert abs(rule - measured) <= 0.02 * measured + 256, (mask, measured, rule)
+            if AVX2:  # the weight's input channels padded to the most of brgemm's blocks: 64 to 72 (1.10x)
+                assert measured <= rule <= 1.10 * measured + 256, (mask, measured, rule)
+            else:
+                assert abs(rule - measured) <= 0.02 * measured + 256, (mask, measured, rule)
 
 
 # oneDNN's weight gradient, one case per kernel it picks (stagetorch/ops/conv.py, _weight_gradient_kernel):
@@ -223,7 +222,6 @@ WEIGHT_GRADIENTS = [
 ]
 
 
-@ONEDNN_AVX512
 @pytest.mark.parametrize("layout", ["contiguous", "channels-last"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("case", WEIGHT_GRADIENTS, ids=lambda c: "x".join(map(str, c)))
@@ -262,7 +260,6 @@ INPUT_GRADIENTS = [
 ]
 
 
-@ONEDNN_AVX512
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("case", INPUT_GRADIENTS, ids=lambda c: "x".join(map(str, c)))
 def test_onednn_input_gradient_workspace_is_never_under_the_allocators(case, threads):
@@ -273,13 +270,13 @@ def test_onednn_input_gradient_workspace_is_never_under_the_allocators(case, thr
             measured, rule = _backward_workspace(go, x, w, stride, padding, groups, mask)
             assert measured <= rule, (mask, measured, rule)
             if groups == 1 and (k == 1 or stride == 1) and layout == "channels-last" and mask[1] is False:
-                # Exact but where oneDNN's channel block is 48 (the rule takes 64: 1.16x over at most).
-                assert rule == measured if c <= 32 else rule <= 1.17 * measured, (mask, measured, rule)
+                # Exact but where oneDNN's channel block is 48 (the rule takes 64: 1.16x over at most); on AVX2,
+                # where the block (8-32) is bounded, 32 channels padded to 48 (1.13x).
+                assert rule == measured if c <= 32 and not AVX2 else rule <= 1.17 * measured, (mask, measured, rule)
             if groups == c == o and layout == "channels-last" and mask[1] is False:
                 assert rule <= 1.02 * measured + 256, (mask, measured, rule)
 
 
-@ONEDNN_AVX512
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("case", [(4, 16, 24, 32, 3, 1, 2, 1), (4, 3, 24, 32, 3, 1, 2, 1), (4, 16, 12, 16, 3, 1, 2, 2),
                                   (2, 8, 12, 16, 3, 1, 3, 1), (4, 24, 24, 24, 3, 1, 2, 1), (4, 16, 24, 40, 5, 2, 2, 1),
@@ -287,7 +284,9 @@ def test_onednn_input_gradient_workspace_is_never_under_the_allocators(case, thr
 def test_onednn_channels_last_forward_workspace_is_the_allocators(case, threads):
     """Over a channels-last input oneDNN's brgemm kernel reads the input and writes the output in place: the
     weight made channels-last and reordered, and a small scratchpad, are all (the rule counted the contiguous
-    kernel's blocked copies: up to 20x the allocator). A 1x1 kernel at one thread holds less (a bound)."""
+    kernel's blocked copies: up to 20x the allocator). A 1x1 kernel at one thread holds less (a bound). On AVX2
+    the weight's output channels are padded to a block of 8-32 the kernel picks by efficiency, bounded by the
+    most padding (32 channels padded to 48 where the kernel keeps 32: 1.20x)."""
     n, c, size, o, k, padding, nd, stride = case
     torch.manual_seed(0)
     x = _laid_out(torch.randn(n, c, *[size] * nd), "channels-last")
@@ -297,6 +296,8 @@ def test_onednn_channels_last_forward_workspace_is_the_allocators(case, threads)
         measured, rule = op_workspace(aten.convolution, *args), _rule(aten.convolution, *args)
     if k == 1 and threads == 1:
         assert measured <= rule <= measured + 16 * 1024
+    elif AVX2:
+        assert measured <= rule <= 1.21 * measured, (measured, rule)
     else:
         assert rule == measured
 
@@ -330,7 +331,6 @@ def test_vnet_down_convolution_recomputing_in_chunks_of_one_is_at_its_plan():
     assert abs(plan.peak - tracker.peak) <= 0.02 * tracker.peak, (plan.peak, tracker.peak)
 
 
-@ONEDNN_AVX512
 @pytest.mark.parametrize("fraction", [1.0, 0.6, 0.5])
 def test_a_3d_network_of_few_channels_chunked_is_at_its_plan(fraction):
     """A 3-d network whose second layer (8 input channels, a 5x5x5 kernel, padded in depth) takes its weight gradient
@@ -368,6 +368,72 @@ def test_a_3d_network_of_few_channels_chunked_is_at_its_plan(fraction):
     assert abs(plan.peak - tracker.peak) <= 0.02 * tracker.peak, (plan.peak, tracker.peak)
     for got, want in zip(chunked, (p.grad for p in model.parameters())):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+_CAPPED_CONVS = """
+import json, sys
+import torch
+sys.path.insert(0, {tests!r})
+from memtrack import op_workspace
+from test_workspace import CONVS, INPUT_GRADIENTS, WEIGHT_GRADIENTS, _backward_workspace, _conv, _layer, _rule
+from stagetorch.ops import conv
+assert conv._onednn_isa() == "avx2", conv._onednn_isa()
+aten = torch.ops.aten
+rows = []
+torch.set_num_threads(2)
+for n, c, size, o, k, groups, padding, nd, stride in WEIGHT_GRADIENTS + CONVS:
+    for layout in ("contiguous", "channels-last") if nd > 1 else ("contiguous",):
+        x, w, go = _layer(n, c, size, o, k, nd, layout, stride, padding, groups)
+        args = _conv(x, w, torch.randn(o), stride, padding, False, groups)
+        aten.convolution(*args)
+        rows.append(("fwd", n, c, o, k, groups, nd, layout, op_workspace(aten.convolution, *args),
+                     _rule(aten.convolution, *args)))
+        for mask in ((False, True, True), (True, True, True), (True, False, False)):
+            rows.append(("".join("FT"[m] for m in mask), n, c, o, k, groups, nd, layout,
+                         *_backward_workspace(go, x, w, stride, padding, groups, mask)))
+for n, c, size, o, k, groups, padding, nd, stride, layout in INPUT_GRADIENTS:
+    x, w, go = _layer(n, c, size, o, k, nd, layout, stride, padding, groups)
+    rows.append(("TFF", n, c, o, k, groups, nd, layout,
+                 *_backward_workspace(go, x, w, stride, padding, groups, (True, False, False))))
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.skipif(AVX2, reason="this CPU runs oneDNN's AVX2 kernels uncapped: the tests above cover them")
+def test_onednn_convolutions_capped_at_avx2_are_never_under():
+    """oneDNN capped at AVX2 (ONEDNN_MAX_CPU_ISA, read when oneDNN first runs: a fresh interpreter) runs the
+    kernels of a CPU without AVX-512 (jit_avx2, jit_avx2_1x1, AVX2's brgemm and brdgmm, gemm): the rules follow
+    the cap, so an AVX-512 machine checks the AVX2 rules too. Every forward, weight and input gradient of the
+    cases above at 2 threads, either layout: never under the allocator, and the weight gradient alone (its
+    kernels' thread splits replayed) within 2%."""
+    script = _CAPPED_CONVS.format(tests=str(Path(__file__).parent))
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(rows) > 200
+    under = [row for row in rows if row[-2] > row[-1]]
+    loose = [row for row in rows if row[0] == "FTT" and row[-1] > 1.02 * row[-2] + 256]
+    assert not under and not loose, (under, loose)
+
+
+def test_onednn_isa_follows_the_cpu_and_the_cap(monkeypatch):
+    """The convolution rules' ISA: AVX-512 where the CPU has AVX512 core and oneDNN is not capped below it
+    (ONEDNN_MAX_CPU_ISA, or DNNL_MAX_CPU_ISA), else AVX2."""
+    from stagetorch.ops import linalg
+
+    wide = {name: True for name in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx2")}
+    for cpu, cap, isa in [(wide, None, "avx512"), (wide, "ALL", "avx512"), (wide, "AVX512_CORE_AMX", "avx512"),
+                          (wide, "avx2", "avx2"), (wide, "AVX2_VNNI", "avx2"), ({"avx2": True}, None, "avx2"),
+                          ({"avx2": True, "avx512_f": True}, None, "avx2")]:
+        monkeypatch.setattr(linalg, "_cpu_capability", lambda cpu=cpu: cpu)
+        for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+            monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+            monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+            if cap is not None:
+                monkeypatch.setenv(name, cap)
+            assert conv_rules._onednn_isa() == isa, (cpu, cap, name)
+            assert conv_rules._block() == (16 if isa == "avx512" else 8)
 
 
 @pytest.mark.parametrize("case", [(2, 16, 4, 8, 2, 2), (4, 16, 6, 8, 3, 1)], ids=["3d", "2d"])

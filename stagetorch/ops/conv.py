@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
 from .. import batching, flops
 from ..errors import ShapeError
 from ..ir import Aval, Eqn
-from . import _layout
+from . import _layout, linalg
 
 aten = torch.ops.aten
 
@@ -91,6 +92,9 @@ FLOPS: dict = {
 #   (_jit_scratchpad): the allocator's to 2% over 767 measured shapes at 1-3 threads, either layout. A strided
 #   convolution's input gradient runs another kernel, channels-last inside (_strided_data), exact at the
 #   allocator; a grouped one one of three (_grouped_data).
+#   Which kernels run depends on oneDNN's ISA (_ISAS, _onednn_isa): the rules were measured on AVX-512 (Intel
+#   Sapphire Rapids) and AVX2 (AMD EPYC; _forward_avx2, jit_avx2_1x1's weight gradient, brgemm's blocks bounded):
+#   never under the allocator on bench/conv_weight_grad_grid.py's grids there (bench/RESULTS.md).
 # - without oneDNN, a 2-d forward of 16 examples or more runs NNPACK, whose buffers torch does not hand out;
 #   the backward then unfolds fewer examples at once than the column buffer counted (an over-estimate).
 #
@@ -98,9 +102,54 @@ FLOPS: dict = {
 # here models it (unmeasured: no GPU in this project's CI). It lives in the plan's safety margin.
 
 
+def _brgemm_blocks_avx2(channels: int) -> int:
+    """The channels as oneDNN's AVX2 brgemm kernels pad them: to a block of 8, 16, 24 or 32 (no more blocks of 8
+    than the channels fill), picked by its efficiency estimate (``est_eff``, not replayed): the most padding of
+    those (a bound: 40 channels are padded to 48 where the bound takes 64)."""
+    return max(_pad(channels, 8 * blocks) for blocks in range(1, min(4, -(-channels // 8)) + 1))
+
+
+class _Isa(NamedTuple):
+    """What the rules need to know of the kernels oneDNN runs at one ISA."""
+
+    block: int  # oneDNN's channel block: the floats in one vector register
+    weight_gradient_kernels: tuple[str, ...]  # the ungrouped ones, in cpu_convolution_list's order
+    brgemm_output_channels: Callable[[int], int]  # the forward brgemm kernel's output channels, padded
+    brgemm_input_channels: Callable[[int], int]  # the input-gradient brgemm kernels' input channels, padded
+    brgemm_grouped_data: bool  # whether a grouped channels-last unstrided input gradient may run brgemm's kernel
+    forward: Callable[..., int | None]  # this ISA's own forward kernels' workspace (None: the generic rule's)
+
+
+# The ISAs whose f32 convolution kernels the rules follow: AVX-512 (jit_avx512_common and its 1x1 and
+# first-layer kernels; measured on Intel Sapphire Rapids) and AVX2 (jit_avx2 and jit_avx2_1x1; measured on an
+# AMD EPYC, and on Intel under ONEDNN_MAX_CPU_ISA=AVX2). On AVX-512 the brgemm kernels' block of input channels
+# is 16, or 32-64 where there are more (picked by efficiency, not replayed: 32, the most padding).
+_ISAS = {
+    "avx512": _Isa(16, ("1x1", "first", "blocked", "avx2", "gemm"), lambda c: _pad(c, 16),
+                   lambda c: _pad(c, 32) if c > 16 else _pad(c, 16), False, lambda *_: None),
+    "avx2": _Isa(8, ("1x1_avx2", "flat_avx2", "avx2", "gemm"), _brgemm_blocks_avx2, _brgemm_blocks_avx2, True,
+                 lambda *a: _forward_avx2(*a)),
+}
+
+
+def _onednn_isa() -> str:
+    """Which of :data:`_ISAS` oneDNN's f32 convolutions run at here: "avx512" where the CPU has AVX512 core
+    (F, BW, VL, DQ) and oneDNN's ISA is not capped below it (``ONEDNN_MAX_CPU_ISA``); else "avx2" (below AVX2,
+    where oneDNN runs neither, too: unmeasured)."""
+    cap = linalg._isa_cap()
+    if cap is not None and not cap.startswith(("AVX512", "AVX10")):
+        return "avx2"
+    cpu = linalg._cpu_capability()
+    if cpu:
+        wide = all(cpu.get(name) for name in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq"))
+    else:
+        wide = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return "avx512" if wide else "avx2"
+
+
 def _block() -> int:
     """oneDNN's channel block: the floats in one vector register."""
-    return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+    return _ISAS[_onednn_isa()].block
 
 
 def _pad(c: int, block: int) -> int:
@@ -294,16 +343,69 @@ def convolution_workspace(e: Eqn, layouts: Any = None) -> int:
             # Each group's output apart, then concatenated into the one returned: all of them at the end.
             columns = max(columns, out.nbytes)
         return copies + columns
+    own = None if transposed else _ISAS[_onednn_isa()].forward(x, w, out, stride, padding, channels_last, groups)
+    if own is not None:
+        return copies + own
     if channels_last and groups == 1 and not transposed:
         # oneDNN's brgemm kernel reads the input and writes the output in place (channels-last both): only the
-        # weight is reordered (output channels padded to the vector width), beside a scratchpad of a page and
+        # weight is reordered (output channels padded to the kernel's block: _ISAS), beside a scratchpad of a page and
         # an array of 103 batch elements of 40 bytes per thread (brgemm_convolution_utils::init_scratchpad).
-        return copies + w.nbytes * _pad(w.shape[0], _block()) // w.shape[0] + 4096 + 4120 * torch.get_num_threads()
+        padded = _ISAS[_onednn_isa()].brgemm_output_channels(w.shape[0])
+        return copies + w.nbytes * padded // w.shape[0] + 4096 + 4120 * torch.get_num_threads()
     # oneDNN over grouped channels-last tensors reorders less than the formula below counts for contiguous ones
     # (but for a few shapes: tests/test_workspace.py); it stands for it, mostly an over-estimate.
     src, weight, dst, _ = _onednn_parts(x, w, out, groups, transposed)
     # The blocked output is reordered into the returned tensor after the input and weight copies are freed.
     return copies + max(src + weight + dst, dst + out.nbytes) - out.nbytes
+
+
+def _forward_avx2(x: Aval, w: Aval, out: Aval, stride, padding, channels_last: bool, groups: int) -> int | None:  # noqa: ANN001
+    """A forward's workspace on AVX2 (None: the generic rule's, for transposed ones). Ungrouped: brgemm over
+    channels-last tensors (the output channels padded to its block, bounded: :func:`_brgemm_blocks_avx2`; the
+    batch elements of the kernel's positions per thread, :func:`_brgemm_batch`); jit_avx2 over blocked ones,
+    as the generic rule, with a padded bias booked where the output channels are not a multiple of 8. Depthwise: brdgmm_dw over channels-last tensors
+    (in place: the weight reordered, its channels padded to 8) and over contiguous 3-d ones (the input made
+    channels-last beside the weight reordered, or the output made twice: the larger, fitted to four layers
+    exactly, not derived); jit_uni_dw over contiguous 2-d ones (channels blocked by 8, the weight padded and a padded bias
+    booked where they are not a multiple of 8; its blocked output reordered into the one returned after the
+    rest is freed). Other groups: brgemm over channels-last tensors (as ungrouped, each group's output channels
+    padded); over contiguous ones gemm where a group's channels are not a multiple of 8 (jit_avx2 refuses them:
+    per thread a column buffer; the output made by ideep, then copied into the one returned). A 1x1 layer
+    (jit_avx2_1x1): the weight's input channels padded too, the bias padded, and strided, its input compacted to unit stride per
+    thread (rtus: the input channel blocks by the output's positions)."""
+    c_g, o_g, b = x.shape[1] // groups, out.shape[1] // groups, 8
+    if c_g == o_g == 1:
+        g = x.shape[1]
+        blocked = _pad(g, b)
+        if channels_last:
+            return w.nbytes * blocked // g
+        if x.ndim == 5:
+            return max(x.nbytes + w.nbytes * blocked // g, 2 * out.nbytes)
+        src, dst = x.nbytes * blocked // g, out.nbytes * blocked // g
+        weight = w.nbytes * blocked // g + (blocked * w.itemsize + 128 if g % b else 0)
+        return max(src + weight + dst, dst + out.nbytes) - out.nbytes
+    if groups > 1 and channels_last:
+        weight = groups * _brgemm_blocks_avx2(o_g) * c_g * math.prod(w.shape[2:]) * w.itemsize
+        return weight + 4096 + _brgemm_batch(w) * torch.get_num_threads()
+    if groups > 1 and (c_g % b or o_g % b):
+        return max(_gemm_data(x, w, out, stride, padding, groups), out.nbytes)
+    c, o = x.shape[1], out.shape[1]
+    bias = _pad(o, b) * w.itemsize + 128 if o % b else 0  # the bias padded (taken as given: 192 B at most over)
+    if groups > 1:
+        return None
+    if channels_last:
+        return w.nbytes * _brgemm_blocks_avx2(o) // o + 4096 + _brgemm_batch(w) * torch.get_num_threads()
+    unit = math.prod(w.shape[2:]) == 1 and all(p == 0 for p in padding)
+    strided = any(s != 1 for s in stride)
+    tiles = x.ndim == 4 and all(o_ * s == i for o_, s, i in zip(out.shape[2:], stride, x.shape[2:]))
+    if not unit or (strided and not tiles):
+        src, weight, dst, _ = _onednn_parts(x, w, out, groups, False)
+        return max(src + weight + bias + dst, dst + out.nbytes) - out.nbytes
+    src, dst = x.nbytes * _pad(c, b) // c, out.nbytes * _pad(o, b) // o
+    weight = _pad(o, b) * _pad(c, b) * w.itemsize + bias
+    if strided:
+        weight += torch.get_num_threads() * _pad(c, b) * math.prod(out.shape[2:]) * x.itemsize + 128
+    return max(src + weight + dst, dst + out.nbytes) - out.nbytes
 
 
 def _unknown(v: Any) -> None:
@@ -322,10 +424,16 @@ def _strided_backward_data(x: Aval, w: Aval, stride, dilation, groups: int, tran
 
 def _brgemm_data_weight(w: Aval) -> int:
     """The weight as oneDNN's brgemm input-gradient kernels reorder it: a group's input channels padded to the
-    kernel's block of them, 16, or 32-64 where there are more (the block is picked by efficiency, not replayed:
-    32, the most padding)."""
-    c_g, b = w.shape[1], _block()
-    return w.nbytes * (_pad(c_g, 2 * b) if c_g > b else _pad(c_g, b)) // c_g
+    kernel's block of them (:data:`_ISAS`)."""
+    c_g = w.shape[1]
+    return w.nbytes * _ISAS[_onednn_isa()].brgemm_input_channels(c_g) // c_g
+
+
+def _brgemm_batch(w: Aval) -> int:
+    """The bytes of batch elements (40 each) oneDNN's brgemm convolutions book per thread: one per kernel
+    position, in pages of 4096 bytes, as many elements as fill them (103 for a page)."""
+    page, element = 4096, 40
+    return -(-_pad(math.prod(w.shape[2:]) * element, page) // element) * element
 
 
 def _brgemm_data(w: Aval) -> int:
@@ -337,9 +445,7 @@ def _brgemm_data(w: Aval) -> int:
     2-d and 3-d layers of 1-256 channels, kernels 1-7, padding 0-3, dilation 1-2 at 1-3 threads (no padded input block
     booked: the forward kernel reads the padding in place). A layer whose kernel covers its whole input
     (oneDNN's inner-product kernel, not modelled) books less: over there."""
-    page, element = 4096, 40
-    batch = -(-_pad(math.prod(w.shape[2:]) * element, page) // element) * element
-    return _brgemm_data_weight(w) + page + 128 + batch * torch.get_num_threads()
+    return _brgemm_data_weight(w) + 4096 + 128 + _brgemm_batch(w) * torch.get_num_threads()
 
 
 def _strided_data(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: bool) -> int:  # noqa: ANN001
@@ -474,7 +580,7 @@ def _jit_scratchpad(kind: str, x: Aval, w: Aval, grad: Aval, stride, channels_la
     (i_d, i_h, i_w), (o_d, o_h, o_w), (k_d, k_h, k_w), (s_d, s_h, s_w) = _dims(x, w, grad, stride)
     kernel = k_d * k_h * k_w
     out = 0
-    if kind in ("avx2", "grouped8"):
+    if kind in ("avx2", "flat_avx2", "grouped8"):
         # Two reducers (cpu_reducer_t, 2M floats at most a thread), the weight's over the batch and depth.
         b = 8
         ic_block = c if c == 3 else b
@@ -482,6 +588,8 @@ def _jit_scratchpad(kind: str, x: Aval, w: Aval, grad: Aval, stride, channels_la
         if bias:
             out += (groups * _pad(o, b) * 4 + 128 if o % b else 0) + _reducer(threads, b, nb_oc, n, 1 << 21)
         return out + _reducer(threads, kernel * ic_block * b, nb_oc * _div_up(c, ic_block), n * o_d, 1 << 21)
+    if kind == "1x1_avx2":
+        return out + _avx2_1x1_scratchpad(x, w, grad, stride, channels_last, bias)
     b = 16
     nb_oc = _div_up(o, b)
     if kind == "1x1":
@@ -533,6 +641,42 @@ def _jit_scratchpad(kind: str, x: Aval, w: Aval, grad: Aval, stride, channels_la
     return out
 
 
+def _halved(blocks: int, most: int) -> int:
+    """jit_avx2_1x1's blocking of a dimension's blocks: halved, or divided by 3, while over ``most``."""
+    while blocks > most and (blocks % 2 == 0 or blocks % 3 == 0):
+        blocks //= 2 if blocks % 2 == 0 else 3
+    return blocks
+
+
+def _avx2_1x1_scratchpad(x: Aval, w: Aval, grad: Aval, stride, channels_last: bool, bias: bool) -> int:  # noqa: ANN001
+    """jit_avx2_1x1's weight-gradient scratchpad (``init_conf``, ``init_balancers`` and ``init_scratchpad``
+    of jit_avx2_1x1_convolution_bwd_weights_t): the bias padded to 8 channels; a strided layer's input
+    compacted to unit stride per thread (rtus); the bias's reducer (cpu_reducer_t) and the weight's
+    (cpu_reducer_2d_t: every thread of a group, the first too, reduces into a space of its own, aligned by
+    128 bytes), over the blocks of output and input channels as the kernel blocks them, each example's
+    output positions a reduction step."""
+    threads, b = torch.get_num_threads(), 8
+    n, c, o = x.shape[0], x.shape[1], w.shape[0]
+    positions = math.prod(grad.shape[2:])
+    nb_oc, nb_ic = _div_up(o, b), _div_up(c, b)
+    oc_blocking = _halved(nb_oc, 32) if not channels_last or o % b == 0 else nb_oc
+    small = math.prod(grad.shape[2:]) <= 1024  # the input after rtus: the output's positions
+    ic_blocking = _halved(nb_ic, 17 if channels_last else 9) if not channels_last or (c % b == 0 and small) else nb_ic
+    out = _pad(o, b) * 4 + 128 if bias and o % b else 0
+    if any(s != 1 for s in stride):
+        per_thread = positions * c if channels_last else ic_blocking * positions * b
+        out += threads * per_thread * 4 + 128
+    job = oc_blocking * ic_blocking * b * b
+    max_buffer = threads * job * 8
+    if bias:
+        out += _reducer(threads, b, nb_oc, n, max_buffer)
+    groups, per_group, ub = _reduce_balance(
+        threads, job, _div_up(nb_ic, ic_blocking) * _div_up(nb_oc, oc_blocking), n * positions, max_buffer)
+    if per_group > 1:
+        out += groups * per_group * ub * job * 4 + 128 + groups * _PAGE + _PAGE
+    return out
+
+
 def _depthwise_scratchpad(x: Aval, w: Aval, channels_last: bool, bias: bool) -> int:
     """jit_uni_dw's (jit_avx512_common_dw) weight-gradient scratchpad: contiguous, threads over the channel
     blocks and then the batch, each batch thread but the first reducing a (channel-padded) weight and bias of its
@@ -549,28 +693,34 @@ def _depthwise_scratchpad(x: Aval, w: Aval, channels_last: bool, bias: bool) -> 
 
 
 def _weight_gradient_kernel(x: Aval, w: Aval, stride, padding, channels_last: bool) -> str:  # noqa: ANN001
-    """Which of oneDNN's f32 backward-weights kernels runs an ungrouped convolution (the first of
-    cpu_convolution_list's that accepts it, on AVX-512; a 1-d convolution as the 2-d one torch runs): ``1x1``
-    (jit_avx512_common_1x1: a 1x1 kernel without padding; strided only in 1-d and 2-d where the stride tiles
-    the input exactly, its input then compacted to unit stride), ``first`` (jit_avx512_common's first-layer
-    kernel: up to 3 input channels, or fewer than a block channels-last; the input read in place, the weight's
-    output channels padded), ``blocked`` (jit_avx512_common, channels padded to the block), ``avx2``
-    (jit_avx2, blocks of 8: 4-15 input channels, or where jit_avx512_common's padding limits refuse) or
-    ``gemm`` (gemm_convolution, plain layouts: where jit_avx2's refuse too). The limits are the kernels'
-    ``init_conf`` (``boundaries_ok``), in terms of the padding oneDNN infers at each far end."""
+    """Which of oneDNN's f32 backward-weights kernels runs an ungrouped convolution: the first of this ISA's
+    (:data:`_ISAS`, in cpu_convolution_list's order) whose ``init_conf`` accepts it (a 1-d convolution as the
+    2-d one torch runs). ``1x1`` (jit_avx512_common_1x1) and ``1x1_avx2`` (jit_avx2_1x1): a 1x1 kernel without
+    padding; strided only in 1-d and 2-d where the stride tiles the input exactly, its input then compacted to
+    unit stride. ``first`` (jit_avx512_common's first-layer kernel: up to 3 input channels, or fewer than a
+    block channels-last; the input read in place, the weight's output channels padded), ``flat_avx2``
+    (jit_avx2's, for 3 input channels: the same, by 8), ``blocked``
+    (jit_avx512_common, channels padded to the block), ``avx2`` (jit_avx2, blocks of 8) or ``gemm``
+    (gemm_convolution, plain layouts: where the others refuse). The limits are the kernels' ``init_conf``
+    (``boundaries_ok``), in terms of the padding oneDNN infers at each far end."""
     c, kernel, spatial = x.shape[1], w.shape[2:], x.ndim - 2
     ins = x.shape[2:]
     outs = [_window(ins[i], kernel[i], stride[i], padding[i], 1) for i in range(spatial)]
-    if math.prod(kernel) == 1 and all(p == 0 for p in padding) and (
+    one_by_one = math.prod(kernel) == 1 and all(p == 0 for p in padding) and (
         all(s == 1 for s in stride) or (spatial < 3 and all(o * s == i for o, s, i in zip(outs, stride, ins)))
-    ):
-        return "1x1"
+    )
     common, avx2, _ = _limits(x, w, stride, padding)
-    if common and channels_last:
-        return "first" if c < _block() else "blocked"
-    if common and (c <= 3 or c >= _block()):
-        return "first" if c <= 3 else "blocked"
-    return "avx2" if avx2 else "gemm"
+    b = _block()
+    accepts = {
+        "1x1": one_by_one,
+        "1x1_avx2": one_by_one,
+        "first": common and (c < b if channels_last else c <= 3),
+        "blocked": common and c >= b,
+        "flat_avx2": avx2 and c == 3,
+        "avx2": avx2,
+        "gemm": True,
+    }
+    return next(kind for kind in _ISAS[_onednn_isa()].weight_gradient_kernels if accepts[kind])
 
 
 def _limits(x: Aval, w: Aval, stride, padding) -> tuple[bool, bool, bool]:  # noqa: ANN001
@@ -659,10 +809,11 @@ def _weight_gradient_as(kind: str, x: Aval, w: Aval, grad: Aval, stride, padding
         copies = 0 if channels_last else src + dst
         scratchpad = _jit_scratchpad(kind, x, w, grad, stride, channels_last, bias, groups)
     else:
-        b = 8 if kind == "avx2" else _block()
-        c_in = c if kind == "first" else _pad(c, b)
+        b = 8 if kind in ("avx2", "flat_avx2", "1x1_avx2") else _block()
+        flat = kind in ("first", "flat_avx2")
+        c_in = c if flat else _pad(c, b)
         blocked = _pad(o, b) * c_in * kernel * itemsize
-        src = 0 if channels_last or kind == "first" else x.nbytes * _pad(c, b) // c
+        src = 0 if channels_last or flat else x.nbytes * _pad(c, b) // c
         dst = 0 if channels_last else grad.nbytes * _pad(o, b) // o
         copies = src + dst
         scratchpad = _jit_scratchpad(kind, x, w, grad, stride, channels_last, bias)
@@ -688,6 +839,11 @@ def _grouped_weight_gradient(x: Aval, w: Aval, grad: Aval, stride, padding, chan
         kind = "grouped"
     elif avx2 and c_g != 3 and (channels_last or (c_g % 8 == 0 and o_g % 8 == 0)):
         kind = "grouped8"
+        if c_g == o_g == 1 and _block() == 8:
+            # AVX2 runs a depthwise one jit_uni_dw refuses in jit_avx2 (16 groups) or gemm (3 groups): which
+            # not replayed, the larger.
+            return max(_weight_gradient_as(k, x, w, grad, stride, padding, channels_last, bias, groups)
+                       for k in ("grouped8", "gemm"))
     else:
         kind = "gemm"
     return _weight_gradient_as(kind, x, w, grad, stride, padding, channels_last, bias, groups)
@@ -714,12 +870,34 @@ def _grouped_data(x: Aval, w: Aval, grad: Aval, stride, padding, channels_last: 
         block = next((bl for bl in (8, 4) if bl < b and c_g % bl == 0 and o_g % bl == 0), None)
     if channels_last:
         block = block or b
-        return groups * _pad(o_g, block) * _pad(c_g, block) * kernel * w.itemsize
+        blocked = groups * _pad(o_g, block) * _pad(c_g, block) * kernel * w.itemsize
+        if _ISAS[_onednn_isa()].brgemm_grouped_data:
+            # AVX2: its brgemm input-gradient kernel where unstrided (seen on groups of 4 channels), else jit_avx2
+            # (each group's weight blocked by 8) where its init_conf allows (no stride in depth, the same in
+            # height and width, not a kernel wider than 3 over fewer than 8 channels a group strided: then gemm
+            # over the channels-last tensors; its further limits not replayed: the larger of the two).
+            if all(s == 1 for s in stride):
+                return max(blocked, _brgemm_data(w))
+            jit = (x.ndim < 5 or stride[0] == 1) and stride[-1] == stride[-2] and not (c_g < 8 and w.shape[-1] > 3)
+            return max(_gemm_nspc_data(x, w, grad, groups), blocked if jit else 0)
+        return blocked
     # Either kernel writes the input gradient into ideep's own tensor, then copied into the one returned.
     gemm = max(_gemm_data(x, w, grad, stride, padding, groups), x.nbytes)
     if block is None:
         return gemm
     return max(gemm, grad.nbytes + w.nbytes, x.nbytes)
+
+
+def _gemm_nspc_data(x: Aval, w: Aval, grad: Aval, groups: int) -> int:
+    """gemm_convolution's input gradient over channels-last tensors (gemm_convolution_utils ``init_conf``,
+    nspc backward data): per thread a column buffer of a group's input channels by the kernel's and the
+    output's positions and, grouped, an accumulator of a group's input gradient (threads over groups and
+    examples in 1-d and 2-d: all taken, a bound; one thread in 3-d), beside the weight transposed."""
+    threads = 1 if x.ndim == 5 else torch.get_num_threads()
+    c_g, kernel = x.shape[1] // groups, math.prod(w.shape[2:])
+    columns = c_g * kernel * math.prod(grad.shape[2:]) * x.itemsize
+    accumulator = math.prod(x.shape[2:]) * c_g * x.itemsize if groups > 1 else 0
+    return threads * columns + 128 + (threads * accumulator + 128 if accumulator else 0) + w.nbytes
 
 
 def _gemm_data(x: Aval, w: Aval, grad: Aval, stride, padding, groups: int) -> int:  # noqa: ANN001
