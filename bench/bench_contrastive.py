@@ -6,8 +6,12 @@ its examples meet (stagetorch.cutting), and a hand-written GradCache loop, on CP
 (b) The largest batch whose step fits a budget (the whole step's predicted peak at ``BATCH``): whole-batch
     steps against the cut step (planned only: nothing runs).
 
-(c) ``python bench/bench_contrastive.py ratio``: the cut step with large chunks against the whole step, timed
-    in alternation.
+(c) ``python bench/bench_contrastive.py ratio [BATCH]``: the cut step with large chunks (0.8x the whole step's
+    peak) and with small ones (``MARGIN`` times the smallest budget), and GradCache by hand, against the whole
+    step, timed in rounds.
+(d) ``valgrind --tool=callgrind --instr-atstart=no python bench/bench_contrastive.py instructions [BATCH]``: the
+    same steps' instruction counts, one callgrind dump each (repeatable on a loaded machine; run it with
+    ``OMP_NUM_THREADS=1`` so that every step runs the same kernels).
 
 Run: python bench/bench_contrastive.py   (or python -m pytest bench/bench_contrastive.py -s)
 """
@@ -156,27 +160,83 @@ def run() -> list[str]:
     return lines
 
 
-def ratio(pairs: int = 5) -> list[str]:
-    """(c) The cut step with large chunks against the whole step, timed in alternation (on a loaded machine,
-    drift hits both alike): the median of the per-pair ratios."""
+def _steps(model: DualEncoder, args: tuple[torch.Tensor, ...]) -> dict:
+    """The steps (c) and (d) compare: the whole-batch step, the cut step at 0.8x its peak (large chunks) and at
+    ``MARGIN`` times the smallest budget (small chunks), and GradCache by hand in the small plan's chunks."""
+    whole = stagetorch.jit(step_of(model), remat=False)
+    whole(*args)
+    large = stagetorch.jit(step_of(model), remat=False, memory_budget=int(whole.plan(*args).peak * 0.8))
+    small = stagetorch.jit(step_of(model), remat=False, memory_budget=1 << 20)
+    try:
+        small.plan(*args)
+    except stagetorch.OutOfMemoryError as e:
+        small.memory_budget = int(e.smallest_budget * MARGIN)
+    chunk = max(small.plan(*args).chunk_sizes)
+    steps = {"whole": whole, "cut, 0.8x": large, f"cut, {MARGIN}x floor": small, f"GradCache by hand ({chunk})": gradcache(model, chunk)}
+    for fn in steps.values():
+        fn(*args)
+    return steps
+
+
+def _chunks(fn) -> str:
+    plan = fn.plan if isinstance(fn, stagetorch.Staged) else None
+    return "" if plan is None else f" [{'+'.join(map(str, plan(*_batch(BATCH)).chunk_sizes))}]"
+
+
+def ratio(rounds: int = 5) -> list[str]:
+    """(c) Each step against the whole step, timed in rounds (each round runs every step once, so that drift on a
+    loaded machine hits all alike): the median of the per-round ratios."""
     torch.manual_seed(0)
     model = DualEncoder()
     args = _batch(BATCH)
-    whole = stagetorch.jit(step_of(model), remat=False)
-    whole(*args)
-    cut = stagetorch.jit(step_of(model), remat=False, memory_budget=int(whole.plan(*args).peak * 0.8))
-    cut(*args)
-    ratios = []
-    for _ in range(pairs):
-        seconds = []
-        for fn in (whole, cut):
-            t = time.perf_counter()
+    steps = _steps(model, args)
+    # Wall clock, and the process's CPU time: at one thread (OMP_NUM_THREADS=1) the latter leaves out the time
+    # the process waits for a core on a loaded machine.
+    seconds: dict[tuple[str, str], list[float]] = {(clock, name): [] for clock in ("wall", "cpu") for name in steps}
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            t, c = time.perf_counter(), time.process_time()
             fn(*args)
-            seconds.append(time.perf_counter() - t)
-        ratios.append(seconds[1] / seconds[0])
-    sizes = "+".join(map(str, cut.plan(*args).chunk_sizes))
-    return [f"cut step in chunks [{sizes}] / whole-batch step, {pairs} alternating pairs: median "
-            f"{statistics.median(ratios):.2f}x (all: {', '.join(f'{r:.2f}' for r in ratios)})"]
+            seconds["wall", name].append(time.perf_counter() - t)
+            seconds["cpu", name].append(time.process_time() - c)
+    lines = [f"{rounds} rounds, {torch.get_num_threads()} thread(s); whole step median {statistics.median(seconds['wall', 'whole']):.3f} s "
+             f"wall, {statistics.median(seconds['cpu', 'whole']):.3f} s CPU"]
+    for clock in ("wall", "cpu"):
+        for name, fn in steps.items():
+            ratios = [t / w for t, w in zip(seconds[clock, name], seconds[clock, "whole"])]
+            lines.append(f"{clock}: {name}{_chunks(fn)} / whole: median {statistics.median(ratios):.2f}x "
+                         f"(all: {', '.join(f'{r:.2f}' for r in ratios)})")
+    return lines
+
+
+_CALLGRIND = """#include <valgrind/callgrind.h>
+void start(void) { CALLGRIND_START_INSTRUMENTATION; CALLGRIND_ZERO_STATS; }
+void stop(const char *name) { CALLGRIND_DUMP_STATS_AT(name); CALLGRIND_STOP_INSTRUMENTATION; }
+"""
+
+
+def instructions() -> list[str]:
+    """(d) Under ``valgrind --tool=callgrind --instr-atstart=no``: one step of each, instrumented alone (a dump
+    per step, named after it; instruction counts do not depend on the machine's load)."""
+    import ctypes
+    import subprocess
+    import tempfile
+
+    folder = tempfile.mkdtemp()
+    with open(f"{folder}/callgrind.c", "w") as f:
+        f.write(_CALLGRIND)
+    subprocess.run(["cc", "-shared", "-fPIC", f"{folder}/callgrind.c", "-o", f"{folder}/callgrind.so"], check=True)
+    callgrind = ctypes.CDLL(f"{folder}/callgrind.so")
+    torch.manual_seed(0)
+    model = DualEncoder()
+    args = _batch(BATCH)
+    lines = []
+    for name, fn in _steps(model, args).items():
+        callgrind.start()
+        fn(*args)
+        callgrind.stop(name.encode())
+        lines.append(f"{name}{_chunks(fn)}")
+    return lines
 
 
 def test_contrastive_bench():
@@ -188,4 +248,7 @@ if __name__ == "__main__":
     import sys
 
     sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests"))
-    print("\n".join(ratio() if sys.argv[1:] == ["ratio"] else run()))
+    if sys.argv[2:]:
+        BATCH = int(sys.argv[2])
+    mode = sys.argv[1] if sys.argv[1:] else "run"
+    print("\n".join({"run": run, "ratio": ratio, "instructions": instructions}[mode]()))

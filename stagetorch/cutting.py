@@ -28,14 +28,14 @@ This module knows the IR, the batch analysis and the chunked executor; the plann
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 import torch
 
 from .batching import Batched, LabelFn, _rule_for, analyze
-from .chunking import Split, run_chunked
+from .chunking import Split, _cut, even_chunks, run_chunked
 from .costing import peak_bytes
 from .devices import format_bytes
 from .errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError
@@ -43,7 +43,7 @@ from .execute import Program, Undo
 from .flops import graph_flops
 from .ir import Eqn, Graph, Literal, Var, op_name
 from .passes import is_random, writes
-from .planning import SAFETY_MARGIN, Plan, chunked_peak, plan_chunks
+from .planning import SAFETY_MARGIN, Plan, _bytes, chunked_peak, plan_chunks
 
 __all__ = ["Cut", "CutPlan", "find_cut", "plan_cut", "run_cut"]
 
@@ -69,6 +69,8 @@ class Cut:
     recomputed: list[Eqn]  # the per-example forward equations the after part runs again
     # The step's vars each graph outputs, parallel to its outvars (a view of an input stands in for some).
     results: dict[str, list[Var]] = attrs.field(factory=dict)
+    # The schedule that keeps one chunk's activations from the before part to the after part, or None.
+    kept: Kept | None = None
 
     @functools.cached_property
     def before_split(self) -> Split:
@@ -95,6 +97,36 @@ class Cut:
             f"Examples meet at {op_name(first.prim)} at {first.source}{more}: the step is cut at {len(self.cut_values)} "
             f"per-example value(s) [{values}], {format_bytes(self.cut_bytes)} for the whole batch."
         )
+
+
+@attrs.define(eq=False)
+class Kept:
+    """One chunk's activations kept across the coupled part, as GradCache implementations keep the last
+    chunk's autograd graph: that chunk's forward runs once, not twice.
+
+    ``before`` is the before part with the **saved values** (the per-example forward values the after part's
+    backward reads) among its outputs; ``after`` is the after part reading them as inputs, its forward not
+    run again. Both run on the last examples of the batch only; the other examples run as the cut runs them.
+    """
+
+    batch: int
+    before: Graph  # outputs: the before part's, then the saved values
+    before_batched: dict[Var, Batched]
+    after: Graph  # inputs: the after part's, then the saved values' stand-ins
+    after_batched: dict[Var, Batched]
+    saved: list[Var]
+
+    @functools.cached_property
+    def before_split(self) -> Split:
+        return Split(analyze(self.before, self.before_batched, self.batch))
+
+    @functools.cached_property
+    def after_split(self) -> Split:
+        return Split(analyze(self.after, self.after_batched, self.batch))
+
+    def saved_bytes(self, n: int) -> int:
+        """Bytes of the saved values for ``n`` examples (each storage once; per-example, so linear in ``n``)."""
+        return -(-_bytes(self.saved) * n // self.batch)
 
 
 def _needs_rows(v: Var, batch: int) -> int | None | bool:
@@ -330,7 +362,43 @@ def find_cut(graph: Graph, batched: dict[Var, Batched], batch: int) -> Cut | Non
             part()
         except (BatchCouplingError, UnsupportedOpError) as e:
             raise type(e)(f"{e}\n(Found while cutting the step where its examples meet, in {name}.)") from None
+    cut.kept = _keep(cut, phases, idx[AFTER], ran, handed, roles)
     return cut
+
+
+def _keep(cut: Cut, phases: list[str], after_idx: set[int], ran: list[int], handed: dict[Var, Var], roles: list[str]) -> Kept | None:
+    """The schedule that keeps one chunk's activations across the coupled part (:class:`Kept`), or None where
+    the parts cannot run on two ranges of examples and merge exactly as chunks do: a pre-pass (a batch-wide
+    value that per-example work reads), a post phase that writes in place (it runs once per range), a result
+    concatenated under an outer dim, or a saved value that is not per-example."""
+    eqns = cut.graph.eqns
+    made_before = {v for i, e in enumerate(eqns) if phases[i] == BEFORE for v in e.outvars if v is not None}
+    saved = _unique(v for i in ran if phases[i] != BEFORE for v in eqns[i].invars if v in made_before)
+    if not saved:
+        return None
+    before_outs = cut.results[BEFORE]
+    before, _ = _phase_graph(cut.graph, set(), {}, before_outs + [v for v in saved if v not in before_outs], roles)
+    stand_ins = {v: _stand_in(v) for v in saved}
+    after, ran_kept = _phase_graph(cut.graph, after_idx, {**handed, **stand_ins}, cut.results[AFTER],
+                                   roles + ["arg"] * (len(handed) + len(stand_ins)))
+    if any(phases[i] == BEFORE for i in ran_kept):
+        return None  # the after part would still recompute some of the forward
+    kept = Kept(cut.batch, before, cut.batched, after, dict(cut.after_batched), saved)
+    try:
+        labels = kept.before_split.analysis.labels
+        if not all(isinstance(labels.get(v), Batched) for v in saved):
+            return None
+        kept.after_batched.update((stand_ins[v], labels[v]) for v in saved)
+        pairs = ((cut.before_split, kept.before_split), (cut.after_split, kept.after_split))
+    except (BatchCouplingError, UnsupportedOpError):
+        return None
+    for split in (s for pair in pairs for s in pair):
+        outer = any(getattr(split.analysis.labels.get(v), "outer", 1) != 1 for v in split.body_results)
+        if split.globals or split.reduced_for_globals or outer or any(writes(e) for e in split.post.eqns):
+            return None
+    if not set(cut.before_split.body_results) <= set(kept.before_split.body_results):
+        return None
+    return kept if set(cut.after_split.body_results) == set(kept.after_split.body_results) else None
 
 
 def _draws(e: Eqn) -> bool:
@@ -368,6 +436,9 @@ class CutPlan(Plan):
     before_sizes: tuple[int, ...] = ()
     coupled_peak_bytes: int = 0
     extra_flops: int = 0
+    # Examples of the last chunk whose activations are kept across the coupled part (:class:`Kept`): the last
+    # of ``before_sizes`` and the first of ``chunk_sizes``; 0 when every chunk's forward is recomputed.
+    kept_size: int = 0
 
 
 def _results_bytes(cut: Cut) -> tuple[int, int]:
@@ -413,23 +484,65 @@ def plan_cut(cut: Cut, budget: int, full_peak: int, cap: int | None = None, smal
         error.smallest_budget = best
         raise error from None
     extra = graph_flops(cut.recomputed)
-    sizes = "+".join(map(str, before.chunk_sizes))
+    after_peaks = tuple(p + made_before + made_coupled for p in after.peak_bytes)
+    phase_peak = max(before.peak, coupled_peak, after.phase_peak_bytes + made_before + made_coupled)
+    kept = _kept_chunk(cut, before, after, usable, coupled_peak, made_before + made_coupled)
+    before_sizes, after_sizes, kept_note = before.chunk_sizes, after.chunk_sizes, ""
+    if kept is not None:
+        n, kept_peak, rest_peak = kept
+        rest = cut.batch - n
+        before_sizes = (*even_chunks(rest, max(before.chunk_sizes)), n)
+        after_sizes = (n, *even_chunks(rest, max(after.chunk_sizes)))
+        after_peaks = (kept_peak, *(rest_peak for _ in after_sizes[1:]))
+        phase_peak = max(phase_peak, kept_peak)
+        extra = extra * rest // cut.batch
+        kept_note = (f" The last {n} examples keep their activations across the coupled part "
+                     f"({format_bytes(cut.kept.saved_bytes(n))}): their forward runs once.")
+    sizes = "+".join(map(str, before_sizes))
     reason = (
         f"{cut.describe()} The per-example part runs in chunks [{sizes}] up to them, the coupled part on the "
         f"whole batch (peak {format_bytes(coupled_peak)}), then the per-example part again in chunks, its forward "
-        f"recomputed ({extra / 1e6:.1f} MFLOP more)."
+        f"recomputed ({extra / 1e6:.1f} MFLOP more).{kept_note}"
     )
     return CutPlan(
-        cut.batch, after.chunk_sizes, tuple(p + made_before + made_coupled for p in after.peak_bytes), budget, full_peak,
-        reason, max(before.peak, coupled_peak, after.phase_peak_bytes + made_before + made_coupled),
-        cut=cut, before_sizes=before.chunk_sizes, coupled_peak_bytes=coupled_peak, extra_flops=extra,
+        cut.batch, after_sizes, after_peaks, budget, full_peak, reason, phase_peak,
+        cut=cut, before_sizes=before_sizes, coupled_peak_bytes=coupled_peak, extra_flops=extra,
+        kept_size=0 if kept is None else kept[0],
     )
+
+
+def _kept_chunk(cut: Cut, before: Plan, after: Plan, usable: int, coupled_peak: int, held: int) -> tuple[int, int, int] | None:
+    """The largest last chunk whose activations fit beside every part they are held across, no larger than
+    the after part's chunks: (its size, the peak while its activations are held, the peak of the other chunks
+    after it). None when no chunk of one example or more fits, or the cut has no such schedule.
+
+    Bounds, not costed graphs: the kept before chunk holds what a before chunk does plus the saved values;
+    the kept after chunk holds what an after chunk does (it only skips the forward) plus them; the other
+    after chunks run beside the kept chunk's partials (its gradient accumulators)."""
+    kept = cut.kept
+    largest = min(max(after.chunk_sizes), cut.batch - 1)
+    if kept is None or largest < 1:
+        return None
+    rest_peak = max(after.peak_bytes) + held + cut.after_split.body(max(after.chunk_sizes)).held_bytes[1]
+    if rest_peak > usable:
+        return None
+    n = largest
+    while n >= 1:
+        saved = kept.saved_bytes(n)
+        kept_peak = chunked_peak(cut.after_split, n, peak_bytes) + held + saved
+        held_across = max(chunked_peak(cut.before_split, n, peak_bytes), coupled_peak) + saved
+        if max(kept_peak, held_across) <= usable:
+            return n, max(kept_peak, held_across), rest_peak
+        n //= 2
+    return None
 
 
 def run_cut(
     cut: Cut, inputs: Sequence[torch.Tensor], plan: CutPlan, undo: Undo | None = None
 ) -> tuple[list, list[tuple[int, torch.Tensor]]]:
     """Run the step as ``plan`` cuts it. **Returns** the flat outputs and the (input position, gradient) pairs."""
+    if plan.kept_size:
+        return _run_kept(cut, inputs, plan, undo)
     graph = cut.graph
     env: dict[Var, Any] = dict(zip(graph.invars, inputs))
     made, _, _ = run_chunked(cut.before_split, inputs, plan.before_sizes, undo=undo)
@@ -444,3 +557,71 @@ def run_cut(
     env.update(zip(cut.results[AFTER], made))
     finals = [v.value if isinstance(v, Literal) else env[v] for v in graph.outvars]
     return finals, [(i, env[v]) for i, v in graph.grads]
+
+
+def _run_kept(
+    cut: Cut, inputs: Sequence[torch.Tensor], plan: CutPlan, undo: Undo | None
+) -> tuple[list, list[tuple[int, torch.Tensor]]]:
+    """:func:`run_cut` keeping the last chunk's activations (:class:`Kept`): each part runs on two ranges of
+    examples, the partials of the one run first merged into the other's before its post phase, as chunks'."""
+    kept, n = cut.kept, plan.kept_size
+    assert kept is not None
+    rest = cut.batch - n
+    graph = cut.graph
+    env: dict[Var, Any] = dict(zip(graph.invars, inputs))
+    first: dict[Var, Any] = {}
+    run_chunked(cut.before_split, inputs, plan.before_sizes[:-1], combine=_capture(first), undo=undo)
+    made, _, _ = run_chunked(kept.before_split, _last(kept.before_split, inputs, n), [n], offset=rest,
+                             combine=_merge(kept.before_split, first, earlier=True), undo=undo)
+    del first
+    by_var = dict(zip(kept.before.outvars, made))
+    env.update(zip(cut.results[BEFORE], made))
+    saved = [by_var[v] for v in kept.saved]
+    del made, by_var
+    program = cut.coupled_program
+    made = program.outputs(program.run_env([*inputs, *(env[v] for v in cut.cut_values)], undo))
+    env.update(zip(cut.results[COUPLED], made))
+    handed = [env[v] for v in cut.reentry]
+    last: dict[Var, Any] = {}
+    run_chunked(kept.after_split, [*_last(kept.after_split, [*inputs, *handed], n), *saved], [n], offset=rest,
+                combine=_capture(last), undo=undo)
+    del saved
+    made, _, _ = run_chunked(cut.after_split, [*inputs, *handed], plan.chunk_sizes[1:],
+                             combine=_merge(cut.after_split, last, earlier=False), undo=undo)
+    env.update(zip(cut.results[AFTER], made))
+    finals = [v.value if isinstance(v, Literal) else env[v] for v in graph.outvars]
+    return finals, [(i, env[v]) for i, v in graph.grads]
+
+
+def _last(split: Split, values: Sequence[torch.Tensor], n: int) -> list[torch.Tensor]:
+    """``values`` (parallel to the split graph's first inputs) with the per-example ones cut to the batch's
+    last ``n`` examples: a range's inputs, as :func:`~stagetorch.chunking.run_chunked` takes them with ``offset``."""
+    labels, spanning, batch = split.analysis.labels, split.analysis.spanning, split.analysis.batch
+    return [
+        _cut(x, lab, batch - n, n) if isinstance(lab := labels.get(v), Batched) and v not in spanning else x
+        for v, x in zip(split.graph.invars, values)
+    ]
+
+
+def _capture(into: dict[Var, Any]) -> Callable[[dict[Var, Any], dict[Var, str]], None]:
+    """A ``combine`` for :func:`~stagetorch.chunking.run_chunked` that keeps the range's partials."""
+    return lambda held, kinds: into.update(held)
+
+
+def _merge(split: Split, other: dict[Var, Any], earlier: bool) -> Callable[[dict[Var, Any], dict[Var, str]], None]:
+    """A ``combine`` that merges ``other``'s partials (another range's; ``earlier``: its examples come first)
+    into this range's, in place, as the chunk loop folds a chunk's."""
+
+    def combine(held: dict[Var, Any], kinds: dict[Var, str]) -> None:
+        for v, kind in kinds.items():
+            x = other.get(v)
+            if x is None or kind == "same":
+                continue
+            if kind == "cat":
+                held[v] = torch.cat((x, held[v]) if earlier else (held[v], x), split.analysis.labels[v].dim)
+            elif kind == "sum":
+                held[v].add_(x)
+            else:
+                (torch.maximum if kind == "max" else torch.minimum)(held[v], x, out=held[v])
+
+    return combine

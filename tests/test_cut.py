@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import stagetorch
 from stagetorch.cutting import CutPlan
+from stagetorch.flops import graph_flops
 
 BATCH, IMG, TXT, HIDDEN, EMBED = 64, 12, 10, 80, 8
 
@@ -209,3 +210,78 @@ def test_transformers_dual_encoder_cut_equals_eager():
     torch.testing.assert_close(staged_scale.grad, eager_scale.grad, rtol=1e-10, atol=1e-12)
     for (name, p), q in zip(staged_model.named_parameters(), eager_model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+class PooledTower(nn.Module):
+    """Tokens through an MLP, mean-pooled: activations outweigh the weights, as in the towers of real dual
+    encoders, so a budget between the floor and the whole batch keeps one chunk's activations."""
+
+    def __init__(self, d_in: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_in, 24), nn.GELU(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, EMBED))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.net(x).mean(1), dim=-1)
+
+
+def pooled_model() -> DualEncoder:
+    torch.manual_seed(0)
+    m = DualEncoder()
+    m.image, m.text = PooledTower(IMG), PooledTower(TXT)
+    return m.double()
+
+
+def pooled_batch(seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(BATCH, 6, d, generator=g, dtype=torch.float64) for d in (IMG, TXT, TXT))
+
+
+def infonce_and_embeddings(model: DualEncoder):
+    """InfoNCE as above, also returning a per-example value made before the cut (the image embeddings,
+    scaled): the two ranges of examples the kept schedule runs concatenate it."""
+    step = infonce(model)
+
+    def both(images, texts, hard):
+        return step(images, texts, hard), (model.image(images) * 2).detach()
+
+    return both
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.8])
+def test_kept_chunk_equals_eager_over_optimizer_steps(fraction):
+    """The last chunk keeps its activations across the coupled part (its forward runs once): the loss, the
+    per-example output, every .grad and the parameters after three Adam steps are eager's."""
+    eager_model, staged_model = pooled_model(), pooled_model()
+    eager_step, staged = infonce_and_embeddings(eager_model), stagetorch.jit(infonce_and_embeddings(staged_model), remat=False)
+    args = pooled_batch(0)
+    whole = staged.plan(*args).full_batch_peak_bytes
+    floor = floor_of(staged, *args)
+    staged.memory_budget = int(floor + fraction * (whole - floor))
+    plan = staged.plan(*args)
+    assert isinstance(plan, CutPlan) and plan.kept_size > 0, plan
+    assert plan.chunk_sizes[0] == plan.before_sizes[-1] == plan.kept_size and sum(plan.chunk_sizes) == BATCH
+    assert f"The last {plan.kept_size} examples keep their activations" in str(plan)
+    assert plan.peak <= staged.memory_budget
+    full = graph_flops(plan.cut.recomputed)
+    assert plan.extra_flops == full * (BATCH - plan.kept_size) // BATCH
+    eager_opt = torch.optim.Adam(eager_model.parameters(), lr=1e-2)
+    staged_opt = torch.optim.Adam(staged_model.parameters(), lr=1e-2)
+    for k in range(3):
+        args = pooled_batch(k)
+        eager_opt.zero_grad()
+        staged_opt.zero_grad()
+        expected, embeddings = eager_step(*args)
+        with KernelRows() as kernels:
+            loss, out = staged(*args)
+        # The three layers of the three tower passes (6 tokens an example) ran forward on every example once,
+        # and again for all but the kept chunk; the returned embeddings' image tower once more.
+        passes = 3 * BATCH + 3 * (BATCH - plan.kept_size) + BATCH
+        assert sum(kernels.rows) == 3 * 6 * passes
+        torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(out, embeddings, rtol=1e-12, atol=1e-12)
+        for (name, p), q in zip(staged_model.named_parameters(), eager_model.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+        eager_opt.step()
+        staged_opt.step()
+    for p, q in zip(staged_model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
