@@ -24,6 +24,7 @@ from ..executable import Executable
 from ..execute import accumulate_grad
 from ..flops import graph_flops
 from ..ir import Eqn, Graph, Var, op_name
+from ..passes import writes
 from ..tracing import Recorder, user_frame
 from . import mode as _mode
 from . import shard
@@ -456,6 +457,7 @@ class _Session(BackwardSkip):
         state an input after the flush's own."""
         recording = self.recording
         eqns, states = [], []
+        maker: dict[Var, Eqn] = {}
         for p in range(self.done, end):
             e = self.eqns[p]
             if p in drawn:
@@ -464,8 +466,11 @@ class _Session(BackwardSkip):
                 if state is None:
                     state = recording.draw_states[p] = Var(rng.SaveRngState.of(device).aval())
                 states.append(state)
-                eqns.append(Eqn(SetRngState.of(device), (state, *e.invars), {}, (), e.source))
+                eqns.append(Eqn(SetRngState.of(device), (state, *_beside(e, maker)), {}, (), e.source))
             eqns.append(e)
+            for v in e.outvars:
+                if v is not None:
+                    maker.setdefault(v.root, e)
         labels = {**self.batched, **self.made}
         invars = [*span.invars, *states]
         roles = ["arg" if v in labels else "const" for v in invars]
@@ -785,6 +790,21 @@ def _learn_chain(before: _PeekSpan, before_key: tuple, span: _PeekSpan, key: tup
 # A mid-step read whose own work is at most this fraction of the pending work's FLOPs computes only that
 # (see _Session._reads_little): what it runs again at the flush is at most 1/16 more.
 _LITTLE = 16
+
+
+def _beside(draw: Eqn, maker: dict[Var, Eqn]) -> list[Var]:
+    """What the :class:`~.draws.SetRngState` before ``draw`` reads, to run where it runs: its arguments, but
+    for one it draws into (CPU dropout's ``bernoulli_`` into ``empty_like(x)``) the arguments of what made
+    that one (``x``, read later anyway): a read of the storage before the draw writes it would keep a
+    recomputation from making it again whole (``remat._written_whole``)."""
+    written = {v.root for v in writes(draw)}
+    out = []
+    for v in draw.invars:
+        if v.root not in written:
+            out.append(v)
+        elif v.root in maker:
+            out += [u for u in maker[v.root].invars if u.root not in written]
+    return out
 
 
 def _draws(e: Any) -> bool:
