@@ -189,3 +189,32 @@ def test_a_draw_outside_that_the_recording_did_not_make_warns_and_the_next_steps
             assert_same_state(model, reference)
         model.zero_grad()
         reference.zero_grad()
+
+
+def _transformers_layerdrop(name: str) -> nn.Module:
+    T = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "opt":
+        config = T.OPTConfig(hidden_size=16, num_hidden_layers=4, num_attention_heads=2, ffn_dim=32, vocab_size=50,
+                             max_position_embeddings=64, word_embed_proj_dim=16, dropout=0.1, layerdrop=0.4)
+        return T.OPTForCausalLM(config).double().train()
+    config = T.BartConfig(d_model=16, encoder_layers=3, decoder_layers=3, encoder_attention_heads=2,
+                          decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, vocab_size=50,
+                          max_position_embeddings=64, dropout=0.1, encoder_layerdrop=0.4, decoder_layerdrop=0.4)
+    return T.BartForConditionalGeneration(config).double().train()
+
+
+@pytest.mark.parametrize("name", ["opt", "bart"])
+def test_transformers_layerdrop_with_dropout_whole_equals_eager(name, lazy_mode):
+    """transformers' own LayerDrop (``torch.rand([]) < self.layerdrop`` per layer) beside its dropout: the same
+    layers and masks as eager, three steps."""
+
+    def step(model: nn.Module) -> Callable:
+        def run(ids, attention_mask, labels):
+            loss = model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss
+            loss.backward()
+            return loss
+
+        return run
+
+    run_lazy_against_eager(step, lambda: _transformers_layerdrop(name), token_batch, chunked=False)
