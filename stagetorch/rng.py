@@ -26,7 +26,10 @@ import torch
 from .ir import Aval, Eqn, Var, iter_vars, op_name
 from .registry import slot
 
-__all__ = ["SaveRngState", "ReplayRandom", "LayoutOf", "replayable", "device_of", "save_generator", "METADATA_ONLY"]
+__all__ = [
+    "SaveRngState", "ReplayRandom", "LayoutOf", "replayable", "device_of", "save_generator", "generator_state",
+    "set_generator_state", "METADATA_ONLY",
+]
 
 # Ops that read only the sizes, strides, dtype and device of their first argument (by packet): recomputed
 # from a layout token of it (:class:`LayoutOf`), they need not have that argument recomputed too (CPU
@@ -232,3 +235,13 @@ def save_generator(device: torch.device) -> Callable[[], None]:
     (:mod:`stagetorch.host`) draw before its staged program, which then draws the same numbers again."""
     state = _get(device)
     return functools.partial(_set, device, state)
+
+
+def generator_state(device: torch.device) -> torch.Tensor:
+    """The state of ``device``'s default generator now (a copy: drawing on does not change it)."""
+    return _get(device)
+
+
+def set_generator_state(device: torch.device, state: torch.Tensor) -> None:
+    """Set ``device``'s default generator to ``state`` (one :func:`generator_state` gave)."""
+    _set(device, state)

@@ -1331,6 +1331,9 @@ def _trace(fn: Callable, args: Sequence, kwargs: dict, static_argnums: Sequence[
 
     optimizers = [_TracedOptimizer(opt, swapped) for _, opt in state.optimizers]
     restore = _swap(state, swapped)
+    # A torch.compile'd module warns when global module hooks exist (they fire again for its wrapper):
+    # where they are only the tracer's own (module paths for source info), the warning is not the user's.
+    own_hooks_only = not _module_globals._has_any_global_hook()
     hooks = _module_hooks(rec)
     # FakeTensorMode logs every kernel failure at ERROR level; stagetorch raises its own named error instead.
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
@@ -1338,7 +1341,12 @@ def _trace(fn: Callable, args: Sequence, kwargs: dict, static_argnums: Sequence[
     fake_log.setLevel(logging.CRITICAL)
     try:
         fake_args, fake_kwargs = pytree.tree_unflatten(fake_leaves, tree)
-        with fake_mode, _StagingMode(rec), _ReadConstants(rec) if watch else contextlib.nullcontext():
+        with (
+            fake_mode, _StagingMode(rec), _ReadConstants(rec) if watch else contextlib.nullcontext(),
+            warnings.catch_warnings() if own_hooks_only else contextlib.nullcontext(),
+        ):
+            if own_hooks_only:
+                warnings.filterwarnings("ignore", _COMPILED_MODULE_HOOKS, UserWarning)
             try:
                 out = fn(*fake_args, **fake_kwargs)
             except RuntimeError as e:
@@ -1651,6 +1659,10 @@ def _swap(state: State, fakes: dict[int, torch.Tensor]) -> Callable[[], None]:
             u()
 
     return restore
+
+
+# The start of the warning torch.compile's OptimizedModule gives when any global module hook exists.
+_COMPILED_MODULE_HOOKS = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
 
 
 def _module_hooks(rec: Recorder) -> list[Any]:

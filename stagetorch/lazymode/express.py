@@ -169,6 +169,7 @@ class ExpressReplay(SlowReplay):
     ) -> None:
         call.nsteps = self.step_count - call.first
         call.neqns = self.eqn_count - n_eqns
+        call.draws = any(n_eqns <= p < self.eqn_count for p in self.recording.draws)
         steps = self.recording.steps[call.first : call.first + call.nsteps]
         if _a_real_write(steps, call, leaves, out, written):
             call.write = True

@@ -8,19 +8,22 @@ signature for the next session with the same inputs to replay.
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
+from types import MappingProxyType
 from typing import Any
 
 import attrs
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .. import _caches
+from .. import _caches, rng
 from .._tree import map_leaves
 from ..errors import ConcretizationError, UnsupportedOpError
 from ..ir import Eqn, Var
 from ..tracing import Recorder, user_frame
 from .autograd_graph import _saved_state
+from .draws import COUNTED_BY_VALUES, draw_on_stand_ins, draws_from_default
 from .mode import Mode
 from .tensor import LazyTensor, _lazy_tensor, _real, _SessionBase
 
@@ -106,6 +109,13 @@ class _Recording:
     # (the tape, a guard per call of it) for the express replay's first check in LazyTensor.__torch_function__
     # (tape.express_guards); made again for another tape.
     guards: tuple | None = None
+    # The positions in ``eqns`` of the equations that draw from a default generator (draws.py), and whether
+    # a draw outside the lazy tensors came between one of them and the flush that ran it (LayerDrop's
+    # ``torch.rand([])``): then every session replaying it takes each draw's numbers when it is called.
+    draws: list[int] = attrs.field(factory=list)
+    interleaved: bool = False
+    # A graph input per draw position: the generator's state the flush sets before that draw.
+    draw_states: dict[int, Var] = attrs.field(factory=dict)
 
 # The latest recording per input signature: the step loop of a training script records once. The oldest
 # signatures are forgotten first.
@@ -168,10 +178,70 @@ class RecordingSteps(_SessionBase):
     """Recording: each op on lazy tensors staged on fake tensors by the tracer's recorder, into the session's
     recording; and how far the session is in it."""
 
+    # Draws (draws.py), each a class-level default a session replaces where it draws: ``drawn`` indexes the
+    # recording's draws taken at their call or run by a flush; ``draw_states`` maps the position of a draw
+    # taken and not run yet to (device, the generator's state at its call); ``expect``: ({device: the state
+    # its generator should still be in}, whether the draws were taken) while draws are pending, and from the
+    # start of a session that records (a draw outside before its first draw: LayerDrop's first layer).
+    drawn = 0
+    draw_states: dict[int, tuple[torch.device, torch.Tensor]] = MappingProxyType({})
+    expect: tuple | None = None
+
     @property
     def eqn_count(self) -> int:
         """The equations the session's calls made so far."""
         return self.end if self.mode is not Mode.RECORD else len(self.eqns)
+
+    def draws_due(self) -> None:
+        """A call made equations that draw from a default generator: take their numbers now, as eager does
+        (a session that records, or one replaying a recording whose draws interleave with draws outside the
+        lazy tensors), or note where the generator is, to see at the flush whether it moved meanwhile."""
+        recording = self.recording
+        positions = recording.draws
+        i, end = self.drawn, self.eqn_count
+        if i >= len(positions) or positions[i] >= end or self.shard is not None:
+            return
+        device = rng.device_of(self.eqns[positions[i]])
+        if self.mode is not Mode.RECORD and not recording.interleaved:
+            if self.expect is None:
+                self.expect = ({device: rng.generator_state(device)}, False)
+            return
+        self.check_generator()
+        states = self.draw_states
+        if type(states) is not dict:
+            states = self.draw_states = {}
+        while i < len(positions) and positions[i] < end:
+            p = positions[i]
+            if p >= self.done:
+                e = self.eqns[p]
+                device = rng.device_of(e)
+                states[p] = (device, rng.generator_state(device))
+                draw_on_stand_ins(e, self.values, self.consts)
+            i += 1
+        self.drawn = i
+        if not recording.interleaved:  # (recording: learn whether a draw outside comes before the flush)
+            self.expect = ({device: rng.generator_state(device)}, True)
+
+    def check_generator(self) -> None:
+        """Whether the generator moved since the draws pending were called (a draw outside the lazy tensors):
+        the recording then takes each draw's numbers at its call from now on; where these draws did not, this
+        step's numbers are not eager's, and a warning says so."""
+        expect, self.expect = self.expect, None
+        if expect is None:
+            return
+        states, taken = expect
+        if all(torch.equal(rng.generator_state(device), state) for device, state in states.items()):
+            return
+        self.recording.interleaved = True
+        if not taken and self.drawn < len(self.recording.draws):
+            e = self.eqns[self.recording.draws[self.drawn]]
+            warnings.warn(
+                f"stagetorch.lazy: a random number was drawn outside the lazy tensors (torch.rand, an op on real "
+                f"tensors) after {e.prim} at {e.source} was called and before it ran; eager would have drawn that "
+                "op's numbers first, so this step's random numbers differ from eager's. The steps after this "
+                "one take each op's numbers when it is called, as eager does.",
+                RuntimeWarning, stacklevel=2,
+            )
 
     @property
     def step_count(self) -> int:
@@ -181,6 +251,11 @@ class RecordingSteps(_SessionBase):
     def _start_recording(self) -> _Recording:
         """A new recording for this session's input signature, in place of the one kept for it."""
         self.recorder = Recorder(FakeTensorMode(allow_non_fake_inputs=True))
+        # Where the generators are as the step starts: a draw outside the lazy tensors before the step's first
+        # draw (LayerDrop's first layer) marks the recording interleaved (draws_due).
+        if self.expect is None:
+            devices = {torch.device("cpu"), *(m[3] for m in self.metas if m[3].type == "cuda")}
+            self.expect = ({device: rng.generator_state(device) for device in devices}, True)
         self.eqns = self.recorder.eqns
         recording = _Recording([], self.eqns)
         _RECORDINGS.pop(self.key, None)
@@ -207,7 +282,10 @@ class RecordingSteps(_SessionBase):
         tensor, a data-dependent shape) run it for real."""
         # A write into a real tensor runs now, but not the engine's accumulation into a real .grad: nobody can
         # read that before backward() returns, and its flush runs it.
-        if func in _CONCRETE or (_writes_real(func, args, kwargs) and torch._C._current_autograd_node() is None):
+        if (
+            func in _CONCRETE or func.overloadpacket in COUNTED_BY_VALUES
+            or (_writes_real(func, args, kwargs) and torch._C._current_autograd_node() is None)
+        ):
             return self._run_real(func, args, kwargs, leaves)
         try:
             return self._record(func, args, kwargs, leaves)
@@ -227,7 +305,7 @@ class RecordingSteps(_SessionBase):
     def _record_call(self, func: Any, args: tuple, kwargs: dict, src: Any = None) -> Any:
         """Record one call on fakes; the real tensors it lifted become this session's constants."""
         rec = self.recorder
-        n_consts = len(rec.consts)
+        n_consts, n_eqns = len(rec.consts), len(rec.eqns)
         # A fake kernel that fails (a wrong shape) logs its traceback before the tracer's ShapeError says it
         # better, with the user's line; jit's trace silences it the same way.
         disabled, _FAKE_LOG.disabled = _FAKE_LOG.disabled, True
@@ -235,6 +313,9 @@ class RecordingSteps(_SessionBase):
             out = rec.record(func, args, kwargs, src=src)
         finally:
             _FAKE_LOG.disabled = disabled
+        for k in range(n_eqns, len(rec.eqns)):
+            if draws_from_default(rec.eqns[k]):
+                self.recording.draws.append(k)
         for t in rec.consts[n_consts:]:
             var = rec.const_vars[id(t)]
             self.consts[var] = t
@@ -244,6 +325,7 @@ class RecordingSteps(_SessionBase):
     def _record(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
         rec = self.recorder
         out = self._record_call(func, map_leaves(args, torch.Tensor, self._unwrap), map_leaves(kwargs, torch.Tensor, self._unwrap))
+        self.draws_due()
         out_spec = map_leaves(out, torch.Tensor, lambda f: _Out(rec.var(f), f.shape, f.stride(), f.dtype, f.fake_device))
         inplace = _is_inplace(func)
         consts = self._consts_in(leaves)

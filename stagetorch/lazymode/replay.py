@@ -70,6 +70,7 @@ class SlowReplay(RecordingSteps):
         if not step.recorded:
             return self._run_real(step.func, args, kwargs, [])
         self.end += 1
+        self.draws_due()
         if step.inplace and type(args[0]) is not LazyTensor and isinstance(args[0], torch.Tensor):
             self.consts[step.out.var] = args[0]
             for _, v in step.consts:  # autograd bumps the written tensor's version now, for this write
@@ -104,6 +105,7 @@ class SlowReplay(RecordingSteps):
         # replay is turned off after _MAX_LEAVES, and the steps replay (unpadded one-line Mixtral with its
         # router loss recorded every step: ~20x its jit step).
         self.recording.left, self.recording.express = old.left, old.express
+        self.recording.interleaved = old.interleaved
         self.tape = None  # its steps are not this session's calls one for one: the next session tapes it
         rec = self.recorder
         new_of: dict[Var, Var] = {}

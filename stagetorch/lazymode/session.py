@@ -16,17 +16,20 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .. import rng
 from ..batching import Batched
 from ..devices import free_memory
 from ..errors import BatchCouplingError, ConcretizationError, ModifiedInputError, StagingError
 from ..executable import Executable
 from ..execute import accumulate_grad
 from ..flops import graph_flops
-from ..ir import Graph, Var, op_name
+from ..ir import Eqn, Graph, Var, op_name
+from ..passes import writes
 from ..tracing import Recorder, user_frame
 from . import mode as _mode
 from . import shard
 from .backward import BackwardSkip
+from .draws import SetRngState
 from .mode import Mode
 from .recording import _RECORDINGS
 from .shard import LazyShard
@@ -389,7 +392,17 @@ class _Session(BackwardSkip):
             self.peek_kept = kept
             self._peek(needed)
             return
-        results, _ = executable.run(inputs, plan, name="lazy")
+        if self.draw_states:
+            # Draws taken at their call are drawn again at the flush, from their states: the generator is
+            # where eager leaves it, and the peek's draws do not move it.
+            found = {d: rng.generator_state(d) for d, _ in self.draw_states.values()}
+            try:
+                results, _ = executable.run(inputs, plan, name="lazy")
+            finally:
+                for d, state in found.items():
+                    rng.set_generator_state(d, state)
+        else:
+            results, _ = executable.run(inputs, plan, name="lazy")
         for v, x in zip(needed, results):
             values[v] = x
         if span.extra:
@@ -399,6 +412,70 @@ class _Session(BackwardSkip):
             self.peek_kept = (key, extra, {v: b for v, b in labels_out.items() if v in extra})
         else:
             self.peek_kept = (key, None, None)
+
+    def _ran_draws(self, end: int) -> None:
+        """A flush ran the equations before ``end``: their draws are done with."""
+        positions, i = self.recording.draws, self.drawn
+        while i < len(positions) and positions[i] < end:
+            i += 1
+        self.drawn = i
+        states = self.draw_states
+        if states:
+            for p in [p for p in states if p < end]:
+                del states[p]
+        self.expect = None
+
+    def _run_drawn(self, built: tuple, span: _FlushSpan, end: int, drawn: list[int], inputs: list, budget: int) -> tuple:
+        """Run the flush of ``built`` whose draws at positions ``drawn`` took their numbers at their call (see
+        draws.py): whole, each draws again from its state (eager's numbers); in chunks, each chunk draws on
+        from where the last left the generator, starting at the first draw's state, as a chunked ``jit`` step
+        draws. The generator is set back after: where the calls left it, where eager leaves it. Returns the
+        results, the executable that ran and the key of its per-example outputs."""
+        flushes = self.recording.flushes
+        key = ("drawn", id(built[0]), tuple(drawn))
+        drawing = flushes.get(key)
+        if drawing is None:
+            drawing = flushes[key] = self._drawing(span, end, drawn, built[4])
+        states = [self.draw_states[p] for p in drawn]
+        found = {d: rng.generator_state(d) for d, _ in states}
+        try:
+            with_states = [*inputs, *(state for _, state in states)]
+            plan = drawing.planner.plan_call(budget, *drawing.restoring, with_states)[1]
+            if len(plan.chunk_sizes) == 1:
+                return drawing.run(with_states, plan, name="lazy")[0], drawing, ("made", id(drawing))
+            executable = built[0]
+            for d in found:
+                rng.set_generator_state(d, next(state for device, state in states if device == d))
+            plan = executable.planner.plan_call(budget, *built[6], inputs)[1]
+            return executable.run(inputs, plan, name="lazy")[0], executable, built[8]
+        finally:
+            for d, state in found.items():
+                rng.set_generator_state(d, state)
+
+    def _drawing(self, span: _FlushSpan, end: int, drawn: list[int], outs: tuple) -> Executable:
+        """The flush's executable with :class:`~.draws.SetRngState` before each draw at ``drawn``, its
+        state an input after the flush's own."""
+        recording = self.recording
+        eqns, states = [], []
+        maker: dict[Var, Eqn] = {}
+        for p in range(self.done, end):
+            e = self.eqns[p]
+            if p in drawn:
+                device = rng.device_of(e)
+                state = recording.draw_states.get(p)
+                if state is None:
+                    state = recording.draw_states[p] = Var(rng.SaveRngState.of(device).aval())
+                states.append(state)
+                eqns.append(Eqn(SetRngState.of(device), (state, *_beside(e, maker)), {}, (), e.source))
+            eqns.append(e)
+            for v in e.outvars:
+                if v is not None:
+                    maker.setdefault(v.root, e)
+        labels = {**self.batched, **self.made}
+        invars = [*span.invars, *states]
+        roles = ["arg" if v in labels else "const" for v in invars]
+        graph = Graph(invars, eqns, list(outs), roles, [""] * len(invars))
+        return Executable(graph, {v: b for v, b in labels.items() if v in invars}, self.batch, remat=self.remat)
 
     def _check_versions(self, invars: list[Var]) -> None:
         """Raise ModifiedInputError if a real tensor a pending call read was changed in place since."""
@@ -459,6 +536,8 @@ class _Session(BackwardSkip):
         end = len(self.eqns) if mode is _RECORD else self.end  # eqn_count, inline
         if end == done:
             return
+        if self.expect is not None:
+            self.check_generator()
         if grads is None:
             grads = [
                 (leaf, leaf.grad._var)
@@ -537,9 +616,13 @@ class _Session(BackwardSkip):
                 # A run copies what the flush updates in place (BatchNorm's statistics), beside the program:
                 # the planner plans the program in the budget less those copies (an error names the budget
                 # the whole flush fits in).
+                drawn = [p for p in self.draw_states if p < end]
                 try:
-                    plan = executable.planner.plan_call(budget, held[0], held[1], inputs)[1]
-                    results, _ = executable.run(inputs, plan, name="lazy")
+                    if drawn:
+                        results, executable, made_key = self._run_drawn(built, span, end, sorted(drawn), inputs, budget)
+                    else:
+                        plan = executable.planner.plan_call(budget, held[0], held[1], inputs)[1]
+                        results, _ = executable.run(inputs, plan, name="lazy")
                 except StagingError as e:
                     if getattr(e, "chunk_local_result", False):
                         raise _kept_chunk_local(e) from e
@@ -557,6 +640,8 @@ class _Session(BackwardSkip):
                 self._take_back()
             raise
         self.failed = False
+        if self.recording.draws:
+            self._ran_draws(end)
         if end == (len(self.eqns) if self.mode is _RECORD else self.end):
             self.ran_all = True  # idle(), inline
             _PENDING.discard(self.ref)
@@ -705,6 +790,21 @@ def _learn_chain(before: _PeekSpan, before_key: tuple, span: _PeekSpan, key: tup
 # A mid-step read whose own work is at most this fraction of the pending work's FLOPs computes only that
 # (see _Session._reads_little): what it runs again at the flush is at most 1/16 more.
 _LITTLE = 16
+
+
+def _beside(draw: Eqn, maker: dict[Var, Eqn]) -> list[Var]:
+    """What the :class:`~.draws.SetRngState` before ``draw`` reads, to run where it runs: its arguments, but
+    for one it draws into (CPU dropout's ``bernoulli_`` into ``empty_like(x)``) the arguments of what made
+    that one (``x``, read later anyway): a read of the storage before the draw writes it would keep a
+    recomputation from making it again whole (``remat._written_whole``)."""
+    written = {v.root for v in writes(draw)}
+    out = []
+    for v in draw.invars:
+        if v.root not in written:
+            out.append(v)
+        elif v.root in maker:
+            out += [u for u in maker[v.root].invars if u.root not in written]
+    return out
 
 
 def _draws(e: Any) -> bool:

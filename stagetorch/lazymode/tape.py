@@ -104,6 +104,7 @@ class _Call:
     # The call wrote real tensors (``torch.zeros(E).scatter_add_(0, experts, mask)``), nothing requiring grad:
     # its one step ran for real. The express replay runs it again for real (see ExpressReplay._express_write).
     write: bool = False
+    draws: bool = False  # its equations draw from a default generator (see draws.py)
     guard: Any = None  # the generated match (_compile_guard), made at its first replay
     backward: Any = None  # a backward's: the generated match and run (express._compile_backward)
 
@@ -355,6 +356,8 @@ def _compile_guard(call: _Call) -> Callable:
     for i, var in call.mutated:
         lines.append(f"    x{i}._var = {const(var)}\n    session.alive[{const(var)}] = _weakref(x{i})")
     lines.append(f"    session.cursor += {call.nsteps}\n    session.end += {call.neqns}\n    session.tape_pos += 1")
+    if call.draws:
+        lines.append("    session.draws_due()")
     if call.func is torch.nn.functional.batch_norm:  # BatchNorm's forward counted the batch just before it
         lines.append("    session.count_batch(4)")  # (one frame deeper than from __torch_function__)
     out = call.out
