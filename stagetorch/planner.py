@@ -36,7 +36,13 @@ from .costing import allocated, peak_bytes
 from .cuda_allocator import fit_reserved, on_cuda
 from .cutting import Cut, cut_floor, find_cut, plan_cut
 from .devices import bytes_ceiling, format_bytes
-from .errors import BatchCouplingError, OutOfMemoryError, StagingError, UnsupportedOpError
+from .errors import (
+    BatchCouplingError,
+    BatchStatisticsError,
+    OutOfMemoryError,
+    StagingError,
+    UnsupportedOpError,
+)
 from .ir import Graph, Var, op_name
 from .planning import SAFETY_MARGIN, Plan, _base, chunked_peak, plan_chunks
 from .remat_planning import Recompute, chunk_frontier, frontier, plan_joint
@@ -190,11 +196,42 @@ class Planner:
                 evolved = attrs.evolve(plan, held_bytes=held, budget_bytes=budget, donated_bytes=donated)
                 self._called = (plan, held, budget, donated, evolved)
             return program_budget, evolved
+        except BatchStatisticsError as e:
+            raise self._below_every_schedule(held_beside(e, held, why), budget, held) from None
         except StagingError as e:
             wider = held_beside(e, held, why)
             if wider is e:
                 raise
             raise wider from e
+
+    # (bnorm, issue 38 item 3) BatchNorm in training: the error names the smallest budget that runs and how.
+    def _below_every_schedule(self, coupled: BatchStatisticsError, budget: int, held: int) -> BatchStatisticsError:
+        """``coupled`` (the batch statistics of a BatchNorm in training keep the batch whole) said as what the
+        user can do: the smallest ``memory_budget`` that runs the call (``held`` bytes beside the program
+        included) and the schedule it runs, planned here, so that the budget named is one that plans."""
+        smallest = coupled.smallest_budget
+        if smallest is None:  # no recomputation (remat=False): the whole batch at once is the only schedule
+            smallest = int(peak_bytes(self.graph) / (1 - SAFETY_MARGIN)) + 1 + held
+        smallest = bytes_ceiling(smallest)
+        try:
+            plan = self.plan(max(min(smallest - held - (self.calibration or 0), self.ceiling or smallest), 0))
+        except StagingError:
+            how = ""
+        else:
+            how = f", {_schedule_of(plan)}"
+        first = str(coupled).split("\n", 1)[0]
+        error = BatchStatisticsError(
+            f"{first}\nNo schedule runs this step within memory_budget={format_bytes(budget)}: the smallest budget "
+            f"that runs it is {format_bytes(smallest)}{how}. BatchNorm in training mode couples the examples at "
+            f"{coupled.source}: each layer normalises with statistics of the whole batch, which depend on the "
+            "layers before it, so the batch can be neither run in chunks nor cut where its examples meet.\n"
+            f"What to do: raise memory_budget to at least {format_bytes(smallest)}, or use a smaller batch; or put "
+            "the BatchNorm layers in eval mode (model.eval()), or use GroupNorm or LayerNorm, which run in exact "
+            "chunks at any budget."
+        )
+        error.__dict__.update(coupled.__dict__)
+        error.smallest_budget = smallest
+        return error
 
     def frontier(self) -> list[Recompute]:
         """The recompute sets the joint planner chooses among (see :func:`stagetorch.remat_planning.frontier`)."""
@@ -441,6 +478,15 @@ def held_beside(error: StagingError, held: int, why: list[str]) -> StagingError:
     wider.__dict__.update(error.__dict__)  # what else the error says (a chunk-local result: see chunking)
     wider.smallest_budget = error.smallest_budget + held
     return wider
+
+
+def _schedule_of(plan: Plan) -> str:
+    """How ``plan`` runs the step, as an error names it: recomputing, chunked, or the whole batch at once."""
+    recompute = getattr(plan, "recompute", None)
+    chunks = f"in {len(plan.chunk_sizes)} chunks" if plan.chunked else "the whole batch at once"
+    if recompute is None:
+        return chunks
+    return f"with recomputation ({recompute.dropped} op(s) recomputed in the backward, {chunks})"
 
 
 def _graph_leaves(inputs: Sequence) -> list[torch.Tensor]:
