@@ -156,26 +156,20 @@ class PassesPlan(Plan):
 
 
 def passes_floor(passes: Passes) -> int:
-    """The fewest bytes the passes run in: one example per chunk, with the values of the levels before."""
-    return max(_pass_peak(passes, k, 1) for k in range(len(passes.splits)))
-
-
-def _pass_peak(passes: Passes, k: int, n: int) -> int:
-    """Pass ``k``'s peak in chunks of ``n``, with the batch-wide values the passes before it made."""
-    held = sum(v.aval.nbytes for _, made in passes.levels[:k] for v in made)
-    return chunked_peak(passes.splits[k], n, peak_bytes) + held
+    """The fewest bytes the passes run in: one example per chunk (each pass holds the values of the levels
+    before it: they are its inputs)."""
+    return max(chunked_peak(split, 1, peak_bytes) for split in passes.splits)
 
 
 def plan_passes(passes: Passes, budget: int, full_peak: int, cap: int | None = None) -> PassesPlan:
-    """The passes' plan within ``budget`` bytes: one chunk size for every pass (the largest that each fits).
-    Raises :class:`OutOfMemoryError` saying the smallest budget that runs when none fits."""
-    usable = int(budget * (1 - SAFETY_MARGIN))
+    """The passes' plan within ``budget`` bytes: every pass in the chunks of the pass that needs the
+    smallest. Raises :class:`OutOfMemoryError` saying the smallest budget that runs when none fits."""
     graphs = [g for g, _ in passes.levels] + [passes.final]
-    plans = []
     try:
-        for k, g in enumerate(graphs):
-            held = sum(v.aval.nbytes for _, made in passes.levels[:k] for v in made)
-            plans.append(plan_chunks(g, lambda k=k: passes.splits[k], passes.batch, max(budget - int(held / (1 - SAFETY_MARGIN)), 0), peak_bytes, cap=cap))
+        plans = [
+            plan_chunks(g, lambda k=k: passes.splits[k], passes.batch, budget, peak_bytes, cap=cap)
+            for k, g in enumerate(graphs)
+        ]
     except OutOfMemoryError:
         floor = int(passes_floor(passes) / (1 - SAFETY_MARGIN)) + 1
         error = OutOfMemoryError(
@@ -184,12 +178,14 @@ def plan_passes(passes: Passes, budget: int, full_peak: int, cap: int | None = N
         )
         error.smallest_budget = floor
         raise error from None
-    # Every pass in the chunks of the pass that needs the smallest (the passes share no chunk state).
     sizes = min((p.chunk_sizes for p in plans), key=max)
-    peaks = [_pass_peak(passes, k, max(sizes)) for k in range(len(graphs))]
+    peaks = [chunked_peak(split, max(sizes), peak_bytes) for split in passes.splits]
     base = graph_flops(passes.graph.eqns)
     extra = sum(graph_flops(g.eqns) for g in graphs) - base
-    reason = f"{passes.describe()} The passes re-run {extra / 1e6:.1f} MFLOP beyond the step's {base / 1e6:.1f}."
+    reason = (
+        f"{passes.describe()} Each pass runs in the chunks [{'+'.join(map(str, sizes))}]; the passes re-run "
+        f"{extra / 1e6:.1f} MFLOP beyond the step's {base / 1e6:.1f}."
+    )
     return PassesPlan(
         passes.batch, tuple(sizes), tuple(max(peaks) for _ in sizes), budget, full_peak, reason, max(peaks),
         passes=passes, extra_flops=extra,
@@ -203,7 +199,7 @@ def run_passes(
     graph = passes.graph
     env: dict[Var, Any] = dict(zip(graph.invars, inputs))
     carried: list[torch.Tensor] = []
-    for (_, made), split in zip(passes.levels, passes.splits):
+    for split in passes.splits[:-1]:
         outs, _, _ = run_chunked(split, [*inputs, *carried], plan.chunk_sizes, undo=undo)
         carried += outs
     outs, _, _ = run_chunked(passes.splits[-1], [*inputs, *carried], plan.chunk_sizes, undo=undo)

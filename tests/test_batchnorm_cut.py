@@ -1,6 +1,7 @@
 """BatchNorm in training mode under a memory budget (issue 38 item 3): its batch statistics couple the
-examples, so the batch cannot be chunked. Below every schedule the error names the smallest budget that
-runs the step and how; at that budget the step runs and equals eager, several optimizer steps in a loop."""
+examples. Below what recomputation needs, the step runs in passes over chunks, one per level of those
+statistics (stagetorch.multipass); below every schedule the error names the smallest budget that runs the
+step and how. Each against eager: several optimizer steps in a loop, train() and eval() between them."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 import stagetorch
 from stagetorch.devices import format_bytes
 from stagetorch.errors import BatchStatisticsError
+from stagetorch.multipass import PassesPlan
 
 BATCH = 8
 
@@ -56,17 +58,16 @@ def _assert_same(model: nn.Module, reference: nn.Module) -> None:
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)  # running mean/var, num_batches_tracked
 
 
-@pytest.mark.parametrize("remat", ["auto", False])
-@pytest.mark.parametrize("fraction", [0.3, 0.6])
-def test_below_every_schedule_the_error_names_the_smallest_budget_that_runs(remat, fraction):
-    model = bn_cnn()
+def _pair(model: nn.Module, remat: str | bool = "auto"):
+    """The model staged and a copy run eagerly, each with SGD and momentum, and a step that trains both and
+    compares them (the staged step's loss, every .grad, the parameters and buffers after)."""
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     staged, eager = stagetorch.jit(_step_of(model, opt), remat=remat), _step_of(reference, ref_opt)
 
-    def train(k: int) -> None:
-        x, y = _batch(k)
+    def train(k: int, batch=_batch) -> None:
+        x, y = batch(k)
         for m in (model, reference):
             m.train(k != 2)  # eval mode (its running statistics, chunked) between steps in training mode
         loss = staged(x, y)
@@ -76,10 +77,34 @@ def test_below_every_schedule_the_error_names_the_smallest_budget_that_runs(rema
         opt.step()
         ref_opt.step()
 
-    train(0)  # a first step whole: later calls hold each old .grad beside the program, as steady steps do
+    return staged, train
+
+
+@pytest.mark.parametrize("remat", ["auto", False])
+@pytest.mark.parametrize("fraction", [0.6, 0.25])
+def test_below_recomputation_batchnorm_statistics_are_summed_over_chunks_in_passes(remat, fraction):
+    """Below what recomputation needs (0.7x of the whole step's peak), the step runs in passes over chunks:
+    the loss, every .grad, running_mean, running_var and num_batches_tracked equal eager's, three SGD steps
+    with momentum, an eval-mode step between."""
+    model = bn_cnn()
+    staged, train = _pair(model, remat)
+    train(0)  # whole: later calls hold each old .grad beside the program, as steady steps do
     x, y = _batch(1)
-    full = staged.plan(x, y).full_batch_peak_bytes
-    staged.memory_budget = int(full * fraction)
+    staged.memory_budget = int(staged.plan(x, y).full_batch_peak_bytes * fraction)
+    plan = staged.plan(x, y)
+    assert isinstance(plan, PassesPlan) and plan.chunked
+    assert len(plan.passes.splits) == 9  # 4 levels forward, 4 backward, then the step
+    assert plan.peak <= staged.memory_budget
+    for k in range(1, 4):
+        train(k)
+
+
+def test_below_every_schedule_the_error_names_the_smallest_budget_that_runs():
+    model = bn_cnn()
+    staged, train = _pair(model)
+    train(0)
+    x, y = _batch(1)
+    staged.memory_budget = staged.plan(x, y).full_batch_peak_bytes // 50
     before = _state(model)
     grads = [p.grad.clone() for p in model.parameters()]
     with pytest.raises(BatchStatisticsError) as info:
@@ -88,31 +113,70 @@ def test_below_every_schedule_the_error_names_the_smallest_budget_that_runs(rema
     assert isinstance(error, stagetorch.BatchCouplingError)
     smallest = error.smallest_budget
     message = str(error)
-    assert f"the smallest budget that runs it is {format_bytes(smallest)}" in message
+    assert f"the smallest budget that runs it is {format_bytes(smallest)}, in 9 passes over chunks of 1" in message
     assert f"raise memory_budget to at least {format_bytes(smallest)}" in message
     assert "test_batchnorm_cut.py:" in message and "(model.0.1)" in message  # the user's line and module
-    assert ("with recomputation" in message) == (remat == "auto")
-    if remat == "auto":
-        assert smallest < full  # recomputation runs below the whole batch's peak
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
 
-    # At the budget named (copied from the message: the bytes it shows are enough), three SGD steps with
-    # momentum, switching to eval mode and back between them, equal eager's.
+    # At the budget named (copied from the message: the bytes it shows are enough): equal to eager.
     staged.memory_budget = format_bytes(smallest)
     for k in range(1, 4):
         train(k)
+    staged.memory_budget = int(smallest * 0.97)  # and a little less does not run
+    with pytest.raises(BatchStatisticsError):
+        staged(x, y)
 
 
-def test_a_budget_just_below_the_named_one_still_raises():
+def test_the_plan_and_the_memory_report_say_the_step_runs_in_passes():
     model = bn_cnn()
-    staged = stagetorch.jit(_step_of(model, torch.optim.SGD(model.parameters(), lr=0.1)))
     x, y = _batch(0)
-    staged.memory_budget = staged.plan(x, y).full_batch_peak_bytes // 3
+    step = _step_of(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    full = stagetorch.jit(step).plan(x, y).full_batch_peak_bytes
+    report = stagetorch.memory(step, memory_budget=full // 4)(x, y)
+    assert "9 chunked passes" in report.schedule.plan and "BatchNorm" in report.schedule.plan
+    assert report.schedule.extra_flops > 2 * report.schedule.base_flops  # O(L^2): the prefixes run again
+    assert max(report.schedule.live) <= report.schedule.peak_bytes
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_batchnorm1d_over_features_and_a_layer_without_affine_or_running_statistics():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(12, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 32),
+        nn.BatchNorm1d(32, affine=False, track_running_stats=False), nn.Tanh(), nn.Linear(32, 5),
+    ).double()
+    staged, train = _pair(model)
+
+    def batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(k)
+        return torch.randn(64, 12, generator=g, dtype=torch.float64), torch.randint(0, 5, (64,), generator=g)
+
+    train(0, batch)
+    staged.memory_budget = staged.plan(*batch(1)).full_batch_peak_bytes // 10
+    with pytest.raises(BatchStatisticsError) as info:  # (the weights are most of this step)
+        staged.plan(*batch(1))
+    assert "in 5 passes over chunks of 1 example(s)" in str(info.value)
+    staged.memory_budget = info.value.smallest_budget
+    assert isinstance(staged.plan(*batch(1)), PassesPlan)
+    for k in (1, 3):  # (step 2 in eval mode: the unaffine layer has no running statistics to use)
+        train(k, batch)
+
+
+def test_in_one_line_mode_the_error_names_the_smallest_budget_that_runs():
+    """The one-line mode does not run passes: below recomputation, the error names its budget."""
+    model = bn_cnn()
+    reference = copy.deepcopy(model)
+    x, y = _batch(0)
+    full = stagetorch.jit(_step_of(model, torch.optim.SGD(model.parameters(), lr=0.1))).plan(x, y).full_batch_peak_bytes
+    model.zero_grad(set_to_none=True)
+    lx, ly = stagetorch.lazy(x, y, batch=0, memory_budget=full // 50)
     with pytest.raises(BatchStatisticsError) as info:
-        staged.plan(x, y)
-    staged.memory_budget = int(info.value.smallest_budget * 0.97)
-    with pytest.raises(BatchStatisticsError) as again:
-        staged.plan(x, y)
-    assert again.value.smallest_budget == info.value.smallest_budget
+        F.cross_entropy(model(lx), ly).backward()
+    smallest = info.value.smallest_budget
+    assert f"the smallest budget that runs it is {format_bytes(smallest)}, with recomputation" in str(info.value)
+    lx, ly = stagetorch.lazy(x, y, batch=0, memory_budget=format_bytes(smallest))
+    F.cross_entropy(model(lx), ly).backward()
+    F.cross_entropy(reference(x), y).backward()
+    _assert_same(model, reference)
