@@ -34,12 +34,12 @@ import torch
 from .batching import BatchAnalysis, Batched, analyze
 from .chunking import Split, run_chunked
 from .costing import peak_bytes
-from .cutting import _phase_graph, _stand_in
+from .cutting import _draws, _phase_graph, _stand_in
 from .devices import format_bytes
-from .errors import OutOfMemoryError
+from .errors import BatchCouplingError, OutOfMemoryError
 from .execute import Undo
 from .flops import graph_flops
-from .ir import Graph, Literal, Var
+from .ir import Graph, Literal, Var, op_name
 from .passes import writes
 from .planning import SAFETY_MARGIN, Plan, chunked_peak, plan_chunks
 
@@ -131,6 +131,13 @@ def find_passes(graph: Graph, batched: dict[Var, Batched], batch: int) -> Passes
         made = [v for v in level if level[v] == k]
         lower = dict(stand_ins)
         g, _ = _phase_graph(graph, set(), lower, made, roles + ["arg"] * len(lower))
+        drawn = next((e for e in g.eqns if _draws(e)), None)
+        if drawn is not None:
+            raise BatchCouplingError(
+                f"{op_name(drawn.prim)} at {drawn.source} draws random numbers in per-example work that the passes "
+                "over the chunks run more than once (the draws are not replayed), so the step cannot run in passes."
+                "\nWhat to do: use no dropout before the last BatchNorm layer of a step that runs in passes."
+            )
         levels.append((g, made))
         stand_ins.update((v, _stand_in(v)) for v in made)
     inputs = {v.root for v in graph.invars}

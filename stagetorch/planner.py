@@ -136,8 +136,10 @@ class Planner:
                 else:
                     self.plans[key] = self._chunks_within_reserved(budget)
             except BatchCouplingError as coupled:
-                # BatchNorm in training, where nothing else fits: its statistics summed over the chunks.
-                passes = self.passes() if isinstance(coupled, BatchStatisticsError) and self.cut_coupled else None
+                # BatchNorm in training, where nothing else fits: its statistics summed over the chunks, in
+                # passes that recompute (remat="auto" only: O(L^2) forward work for L layers).
+                in_passes = isinstance(coupled, BatchStatisticsError) and self.cut_coupled and self.remat
+                passes = self.passes() if in_passes else None
                 if passes is not None:
                     self.plans[key] = self._plan_passes(passes, budget, coupled)
                     return self.plans[key]
@@ -257,7 +259,7 @@ class Planner:
         first = str(coupled).split("\n", 1)[0]
         error = BatchStatisticsError(
             f"{first}\nNo schedule runs this step within memory_budget={format_bytes(budget)}: the smallest budget "
-            f"that runs it is {format_bytes(smallest)}{how}. BatchNorm in training mode couples the examples at "
+            f"any schedule fits is {format_bytes(smallest)}{how}. BatchNorm in training mode couples the examples at "
             f"{coupled.source}: each layer normalises with statistics of the whole batch, which depend on the "
             f"layers before it, {_statistics_schedule(self._passes)}.\n"
             f"What to do: raise memory_budget to at least {format_bytes(smallest)}, or use a smaller batch; or put "

@@ -80,14 +80,13 @@ def _pair(model: nn.Module, remat: str | bool = "auto"):
     return staged, train
 
 
-@pytest.mark.parametrize("remat", ["auto", False])
 @pytest.mark.parametrize("fraction", [0.6, 0.25])
-def test_below_recomputation_batchnorm_statistics_are_summed_over_chunks_in_passes(remat, fraction):
+def test_below_recomputation_batchnorm_statistics_are_summed_over_chunks_in_passes(fraction):
     """Below what recomputation needs (0.7x of the whole step's peak), the step runs in passes over chunks:
     the loss, every .grad, running_mean, running_var and num_batches_tracked equal eager's, three SGD steps
     with momentum, an eval-mode step between."""
     model = bn_cnn()
-    staged, train = _pair(model, remat)
+    staged, train = _pair(model)
     train(0)  # whole: later calls hold each old .grad beside the program, as steady steps do
     x, y = _batch(1)
     staged.memory_budget = int(staged.plan(x, y).full_batch_peak_bytes * fraction)
@@ -113,7 +112,7 @@ def test_below_every_schedule_the_error_names_the_smallest_budget_that_runs():
     assert isinstance(error, stagetorch.BatchCouplingError)
     smallest = error.smallest_budget
     message = str(error)
-    assert f"the smallest budget that runs it is {format_bytes(smallest)}, in 9 passes over chunks of 1" in message
+    assert f"the smallest budget any schedule fits is {format_bytes(smallest)}, in 9 passes over chunks of 1" in message
     assert f"raise memory_budget to at least {format_bytes(smallest)}" in message
     assert "test_batchnorm_cut.py:" in message and "(model.0.1)" in message  # the user's line and module
     for k, v in model.state_dict().items():
@@ -127,6 +126,25 @@ def test_below_every_schedule_the_error_names_the_smallest_budget_that_runs():
     staged.memory_budget = int(smallest * 0.97)  # and a little less does not run
     with pytest.raises(BatchStatisticsError):
         staged(x, y)
+
+
+def test_without_recomputation_the_error_names_the_whole_batch():
+    """remat=False: no recomputation, so no passes either (they re-run the forward O(L^2) times): below the
+    whole step, the error names the whole batch's budget, which runs and equals eager."""
+    model = bn_cnn()
+    staged, train = _pair(model, remat=False)
+    train(0)
+    x, y = _batch(1)
+    full = staged.plan(x, y).full_batch_peak_bytes
+    staged.memory_budget = int(full * 0.6)
+    with pytest.raises(BatchStatisticsError) as info:
+        staged(x, y)
+    smallest = info.value.smallest_budget
+    assert f"the smallest budget any schedule fits is {format_bytes(smallest)}, the whole batch at once" in str(info.value)
+    assert smallest > full
+    staged.memory_budget = format_bytes(smallest)
+    for k in range(1, 4):
+        train(k)
 
 
 def test_the_plan_and_the_memory_report_say_the_step_runs_in_passes():
@@ -175,8 +193,32 @@ def test_in_one_line_mode_the_error_names_the_smallest_budget_that_runs():
     with pytest.raises(BatchStatisticsError) as info:
         F.cross_entropy(model(lx), ly).backward()
     smallest = info.value.smallest_budget
-    assert f"the smallest budget that runs it is {format_bytes(smallest)}, with recomputation" in str(info.value)
+    assert f"the smallest budget any schedule fits is {format_bytes(smallest)}, with recomputation" in str(info.value)
     lx, ly = stagetorch.lazy(x, y, batch=0, memory_budget=format_bytes(smallest))
     F.cross_entropy(model(lx), ly).backward()
     F.cross_entropy(reference(x), y).backward()
     _assert_same(model, reference)
+
+
+def test_dropout_keeps_the_step_out_of_passes():
+    """The passes re-run the per-example work, and dropout's draws are not replayed: such a step does not run
+    in passes; below recomputation the error names recomputation's budget, at which it equals eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_block(3, 8), nn.Dropout(0.3), _block(8, 8), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(8, 10)).double()
+    reference = copy.deepcopy(model)
+    staged, eager = stagetorch.jit(_step_of(model, torch.optim.SGD(model.parameters(), lr=0.1))), _step_of(
+        reference, torch.optim.SGD(reference.parameters(), lr=0.1))
+    x, y = _batch(0)
+    full = staged.plan(x, y).full_batch_peak_bytes
+    for seed in (1, 2, 3):
+        if seed == 2:  # (after a first step: the later calls hold each old .grad beside the program)
+            staged.memory_budget = full // 4
+            with pytest.raises(BatchStatisticsError, match="with recomputation") as info:
+                staged(x, y)
+            staged.memory_budget = info.value.smallest_budget
+        torch.manual_seed(seed)
+        loss = staged(x, y)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(loss, eager(x, y).detach(), rtol=1e-10, atol=1e-12)
+        _assert_same(model, reference)
