@@ -23,25 +23,23 @@ from __future__ import annotations
 import attrs
 import torch
 
-from .ir import Aval, Eqn, Graph, Var
+from .errors import UnsupportedOpError
+from .ir import Aval, Eqn, Graph, Var, op_name
 from .tracing import trace
 
 __all__ = ["as_batch_sums", "batch_norms_in_training"]
 
 aten = torch.ops.aten
 
-# The BatchNorm ops written out here, with the position of their ``training`` flag.
-_FORWARD = {aten.native_batch_norm: 5, aten._native_batch_norm_legit: 5}
-_BACKWARD = {aten.native_batch_norm_backward: 7}
-
-
-def _packet(e: Eqn) -> object:
-    return getattr(e.prim, "overloadpacket", e.prim)
+# The BatchNorm ops written out here (the overloads whose arguments _written_out reads), with the position of
+# their ``training`` flag.
+_FORWARD = {aten.native_batch_norm.default: 5, aten._native_batch_norm_legit.default: 5}
+_BACKWARD = {aten.native_batch_norm_backward.default: 7}
 
 
 def batch_norms_in_training(graph: Graph) -> list[Eqn]:
     """The BatchNorm equations of ``graph`` in training mode, forward and backward."""
-    return [e for e in graph.eqns if (i := {**_FORWARD, **_BACKWARD}.get(_packet(e))) is not None and e.args[i]]
+    return [e for e in graph.eqns if (i := {**_FORWARD, **_BACKWARD}.get(e.prim)) is not None and e.args[i]]
 
 
 def _channel_view(x: torch.Tensor) -> list[int]:
@@ -84,7 +82,7 @@ def _backward(grad, x, weight, save_mean, save_invstd, mask):  # noqa: ANN001, A
 def _written_out(e: Eqn) -> tuple[object, list, list]:
     """The function that writes ``e`` out, its arguments (Vars where ``e`` has them) and ``e``'s outvars
     it returns, in order."""
-    if _packet(e) in _FORWARD:
+    if e.prim in _FORWARD:
         x, weight, bias, running_mean, running_var, _, momentum, eps = e.args[:8]
         return _forward, [x, weight, bias, running_mean, running_var, momentum, eps], list(e.outvars[:3])
     grad, x, weight, _, _, save_mean, save_invstd, _, _, mask = e.args[:10]
@@ -97,6 +95,14 @@ def _replacement(e: Eqn) -> list[Eqn]:
     fn, args, outs = _written_out(e)
     tensors = [a for a in args if isinstance(a, Var)]
     traced = trace(fn, [Aval(a.aval.shape, a.aval.dtype, a.aval.device) if isinstance(a, Var) else a for a in args], {})
+    differ = [a for v, a in zip(traced.graph.outvars, outs) if a is not None and v.aval != a.aval]
+    if differ or tensors[0].aval.dtype not in (torch.float32, torch.float64):
+        # Half precision: the kernel keeps its statistics in float (and may return them so); sums in half
+        # precision would not make what it makes.
+        raise UnsupportedOpError(
+            f"{op_name(e.prim)} at {e.source} normalises a {tensors[0].aval} (in half precision, or with statistics "
+            "of another dtype), which its batch sums would not compute as its kernel does"
+        )
     sub: dict[Var, Var] = dict(zip(traced.graph.invars, tensors))
     for made, mine in zip(traced.graph.outvars, outs):
         if mine is not None:
