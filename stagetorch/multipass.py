@@ -14,6 +14,9 @@ outputs are that level's values; then a last chunked pass, the whole step with e
 input, which makes the results and the gradients and writes what the step updates (running statistics)
 once. Each pass is split and checked by the same batch analysis as any step: exact wherever it runs.
 
+A pass before the last runs per-example work that the last runs again: where that work draws random numbers
+(dropout: the draws are not replayed) or writes the step's inputs, the step is not run in passes.
+
 Cost: a pass per level re-runs the per-example work its values depend on (for L BatchNorm layers, L passes
 over forward prefixes and L forward-and-backward passes: O(L^2) forward work); memory: one chunk of one pass
 at a time, and the batch-wide values (per-channel vectors).
@@ -131,13 +134,7 @@ def find_passes(graph: Graph, batched: dict[Var, Batched], batch: int) -> Passes
         made = [v for v in level if level[v] == k]
         lower = dict(stand_ins)
         g, _ = _phase_graph(graph, set(), lower, made, roles + ["arg"] * len(lower))
-        drawn = next((e for e in g.eqns if _draws(e)), None)
-        if drawn is not None:
-            raise BatchCouplingError(
-                f"{op_name(drawn.prim)} at {drawn.source} draws random numbers in per-example work that the passes "
-                "over the chunks run more than once (the draws are not replayed), so the step cannot run in passes."
-                "\nWhat to do: use no dropout before the last BatchNorm layer of a step that runs in passes."
-            )
+        _check_runs_again(g, {v.root for v in graph.invars})
         levels.append((g, made))
         stand_ins.update((v, _stand_in(v)) for v in made)
     inputs = {v.root for v in graph.invars}
@@ -147,6 +144,22 @@ def find_passes(graph: Graph, batched: dict[Var, Batched], batch: int) -> Passes
     passes = Passes(graph, batched, batch, levels, final, finals)
     passes.splits  # noqa: B018 (each pass analysed now: a pass that cannot be chunked raises here)
     return passes
+
+
+def _check_runs_again(g: Graph, inputs: set[Var]) -> None:
+    """Raise :class:`BatchCouplingError` where a pass before the last, which the last runs again, draws random
+    numbers (the draws are not replayed) or writes the step's inputs (it would write them once per pass)."""
+    for e in g.eqns:
+        if _draws(e):
+            why, fix = "draws random numbers", "use no dropout in a step whose BatchNorm statistics need passes"
+        elif any(v.root in inputs for v in writes(e)):
+            why, fix = "writes an input of the step in place", "make the update outside the staged function"
+        else:
+            continue
+        raise BatchCouplingError(
+            f"{op_name(e.prim)} at {e.source} {why} in per-example work that the passes over the chunks run more "
+            f"than once, so the step cannot run in passes.\nWhat to do: {fix}, or a budget that recomputation fits."
+        )
 
 
 def _unique(vs: list[Var]) -> list[Var]:
