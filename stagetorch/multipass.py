@@ -201,7 +201,7 @@ def plan_passes(passes: Passes, budget: int, full_peak: int, cap: int | None = N
     sizes = min((p.chunk_sizes for p in plans), key=max)
     peaks = [chunked_peak(split, max(sizes), peak_bytes) for split in passes.splits]
     base = graph_flops(passes.graph.eqns)
-    extra = sum(graph_flops(g.eqns) for g in graphs) - base
+    extra = max(sum(graph_flops(g.eqns) for g in graphs) - base, 0)  # (the passes run no dead code)
     reason = (
         f"{passes.describe()} Each pass runs in the chunks [{'+'.join(map(str, sizes))}]; the passes re-run "
         f"{extra / 1e6:.1f} MFLOP beyond the step's {base / 1e6:.1f}."
@@ -217,6 +217,13 @@ def run_passes(
 ) -> tuple[list, list[tuple[int, torch.Tensor]]]:
     """Run the step as ``plan`` says. **Returns** the flat outputs and the (input position, gradient) pairs."""
     graph = passes.graph
+    if undo is not None:
+        # The copies that restore what the last pass writes are taken before the first: the plan counts them
+        # (``held_bytes``) through every pass.
+        written = {v.root for e in passes.final.eqns for v in writes(e)}
+        for v, x in zip(graph.invars, inputs):
+            if v.root in written and isinstance(x, torch.Tensor):
+                undo.save(x)
     env: dict[Var, Any] = dict(zip(graph.invars, inputs))
     carried: list[torch.Tensor] = []
     for split in passes.splits[:-1]:
