@@ -24,6 +24,7 @@ from .devices import format_bytes
 from .executable import Executable
 from .flops import graph_flops
 from .ir import Aval, Eqn, Graph, Var
+from .multipass import PassesPlan
 from .planning import body_peaks
 from .remat import RECOMPUTED, recomputed_eqns
 from .remat_planning import RematPlan
@@ -266,6 +267,11 @@ def _schedule(staged: Staged, args: tuple, kwargs: dict) -> Schedule:
                 *_live_totals(cut.after_split.body(max(plan.chunk_sizes)).first)]
         return Schedule(budget, plan.peak, plan.chunk_sizes, tuple(cut.recomputed), (), (), (), plan.extra_flops,
                         graph_flops(graph), [held + b for b in live], (), str(plan))
+    if isinstance(plan, PassesPlan):  # (bnorm) BatchNorm's statistics summed over the chunks: pass after pass
+        sizes = max(plan.chunk_sizes)
+        live = [held + b for split in plan.passes.splits for b in _live_totals(split.body(sizes).first)]
+        return Schedule(budget, plan.peak, plan.chunk_sizes, (), (), (), (), plan.extra_flops, graph_flops(graph),
+                        live, (), str(plan))
     if plan.chunked:
         split = executable.split() if recompute is None else executable.planner.recomputing(graph).split()
         body = split.body(max(plan.chunk_sizes)).rest

@@ -8,6 +8,7 @@ __all__ = [
     "ConcretizationError",
     "UnsupportedOpError",
     "BatchCouplingError",
+    "BatchStatisticsError",
     "OutOfMemoryError",
     "ModifiedInputError",
     "RankMismatchError",
@@ -38,6 +39,13 @@ class UnsupportedOpError(StagingError):
 
 class BatchCouplingError(StagingError):
     """An op mixes the examples of a batch, so running the batch in chunks would change the result."""
+
+
+class BatchStatisticsError(BatchCouplingError):
+    """An op normalises with statistics of the whole batch (BatchNorm in training mode), so no chunk can run
+    alone. ``source``: where in the user's code (file:line and module)."""
+
+    source: str = ""
 
 
 class OutOfMemoryError(StagingError, MemoryError):

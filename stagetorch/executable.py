@@ -27,6 +27,7 @@ from .cutting import CutPlan, run_cut
 from .errors import OutOfMemoryError, StagingError
 from .execute import Program, Undo
 from .ir import Graph, Var, op_name
+from .multipass import PassesPlan, run_passes
 from .passes import writes
 from .planner import COPIES, Planner, recall, remember
 from .planning import Plan
@@ -208,6 +209,14 @@ class Executable:
             undo = Undo(inputs[i] for i in self.mutated)
             try:
                 return run_cut(plan.cut, inputs, plan, undo)
+            except BaseException:
+                undo.restore()
+                raise
+        if isinstance(plan, PassesPlan):  # BatchNorm's statistics summed over the chunks (stagetorch.multipass)
+            log.info("stagetorch: %s: %s", name, plan)
+            undo = Undo(inputs[i] for i in self.mutated)
+            try:
+                return run_passes(plan.passes, inputs, plan, undo)
             except BaseException:
                 undo.restore()
                 raise

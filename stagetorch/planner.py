@@ -30,14 +30,22 @@ import attrs
 import torch
 
 from . import _caches, _gc, distributed
+from .batch_norm_sums import as_batch_sums
 from .batching import Batched, analyze
 from .chunking import Split
 from .costing import allocated, peak_bytes
 from .cuda_allocator import fit_reserved, on_cuda
 from .cutting import Cut, cut_floor, find_cut, plan_cut
 from .devices import bytes_ceiling, format_bytes
-from .errors import BatchCouplingError, OutOfMemoryError, StagingError, UnsupportedOpError
+from .errors import (
+    BatchCouplingError,
+    BatchStatisticsError,
+    OutOfMemoryError,
+    StagingError,
+    UnsupportedOpError,
+)
 from .ir import Graph, Var, op_name
+from .multipass import Passes, PassesPlan, find_passes, passes_floor, plan_passes
 from .planning import SAFETY_MARGIN, Plan, _base, chunked_peak, plan_chunks
 from .remat_planning import Recompute, chunk_frontier, frontier, plan_joint
 
@@ -78,6 +86,8 @@ class Planner:
     _split: Split | None = None
     # The step cut where its examples meet; False: no cut helps; the error that says why it cannot be cut.
     _cut: Cut | StagingError | bool | None = None
+    # The step in passes per level of its batch-wide values (BatchNorm in training); False: none helps.
+    _passes: Passes | bool | None = None
     _full_peak: int | None = None
     # The last (plan, held, budget, donated) of plan_call and the plan it returned for them: reused while they stay.
     _called: tuple = (None, 0, 0, 0, None)
@@ -126,6 +136,13 @@ class Planner:
                 else:
                     self.plans[key] = self._chunks_within_reserved(budget)
             except BatchCouplingError as coupled:
+                # BatchNorm in training, where nothing else fits: its statistics summed over the chunks, in
+                # passes that recompute (remat="auto" only: O(L^2) forward work for L layers).
+                in_passes = isinstance(coupled, BatchStatisticsError) and self.cut_coupled and self.remat
+                passes = self.passes() if in_passes else None
+                if passes is not None:
+                    self.plans[key] = self._plan_passes(passes, budget, coupled)
+                    return self.plans[key]
                 # When the analysis raises BatchCouplingError and a cut exists, plan the cut.
                 cut = self.cut(coupled) if self.cut_coupled else None
                 if cut is None:
@@ -162,6 +179,32 @@ class Planner:
             raise error from None
         return self._cut or None
 
+    # (bnorm, issue 38 item 3) BatchNorm in training in passes over the chunks.
+    def passes(self) -> Passes | None:
+        """The step in chunked passes per level of its batch-wide values, BatchNorm in training written as
+        batch sums (:mod:`stagetorch.multipass`), or None when it cannot run so or runs in no less memory
+        than the whole batch."""
+        if self._passes is None:
+            try:
+                found = find_passes(as_batch_sums(self.graph), self.batched, self.batch)
+            except StagingError as why:
+                log.info("stagetorch: BatchNorm's statistics cannot be summed over chunks here: %s", why)
+                found = None
+            whole = peak_bytes(self.graph) - (self.overlap or 0)
+            self._passes = found if found is not None and passes_floor(found) < whole else False
+        return self._passes or None
+
+    def _plan_passes(self, passes: Passes, budget: int, coupled: BatchStatisticsError) -> PassesPlan:
+        """The plan in passes within ``budget``; below it, ``coupled`` naming the smallest budget that runs
+        (the passes', or recomputation's where less)."""
+        try:
+            return plan_passes(passes, budget, self._full_peak, self.cap)
+        except OutOfMemoryError as below:
+            error = BatchStatisticsError(*coupled.args)
+            error.__dict__.update(coupled.__dict__)
+            error.smallest_budget = min(below.smallest_budget, coupled.smallest_budget or below.smallest_budget)
+            raise error from None
+
     def plan_call(
         self, budget: int, held: int, why: list[str], inputs: Sequence | None = None, donated: int = 0
     ) -> tuple[int, Plan]:
@@ -190,11 +233,42 @@ class Planner:
                 evolved = attrs.evolve(plan, held_bytes=held, budget_bytes=budget, donated_bytes=donated)
                 self._called = (plan, held, budget, donated, evolved)
             return program_budget, evolved
+        except BatchStatisticsError as e:
+            raise self._below_every_schedule(held_beside(e, held, why), budget, held) from None
         except StagingError as e:
             wider = held_beside(e, held, why)
             if wider is e:
                 raise
             raise wider from e
+
+    # (bnorm, issue 38 item 3) BatchNorm in training: the error names the smallest budget that runs and how.
+    def _below_every_schedule(self, coupled: BatchStatisticsError, budget: int, held: int) -> BatchStatisticsError:
+        """``coupled`` (the batch statistics of a BatchNorm in training keep the batch whole) said as what the
+        user can do: the smallest ``memory_budget`` that runs the call (``held`` bytes beside the program
+        included) and the schedule it runs, planned here, so that the budget named is one that plans."""
+        smallest = coupled.smallest_budget
+        if smallest is None:  # no recomputation (remat=False): the whole batch at once is the only schedule
+            smallest = int(peak_bytes(self.graph) / (1 - SAFETY_MARGIN)) + 1 + held
+        smallest = bytes_ceiling(smallest)
+        try:
+            plan = self.plan(max(min(smallest - held - (self.calibration or 0), self.ceiling or smallest), 0))
+        except StagingError:
+            how = ""
+        else:
+            how = f", {_schedule_of(plan)}"
+        first = str(coupled).split("\n", 1)[0]
+        error = BatchStatisticsError(
+            f"{first}\nNo schedule runs this step within memory_budget={format_bytes(budget)}: the smallest budget "
+            f"any schedule fits is {format_bytes(smallest)}{how}. BatchNorm in training mode couples the examples at "
+            f"{coupled.source}: each layer normalises with statistics of the whole batch, which depend on the "
+            f"layers before it, {_statistics_schedule(self._passes)}.\n"
+            f"What to do: raise memory_budget to at least {format_bytes(smallest)}, or use a smaller batch; or put "
+            "the BatchNorm layers in eval mode (model.eval()), or use GroupNorm or LayerNorm, which run in exact "
+            "chunks at any budget."
+        )
+        error.__dict__.update(coupled.__dict__)
+        error.smallest_budget = smallest
+        return error
 
     def frontier(self) -> list[Recompute]:
         """The recompute sets the joint planner chooses among (see :func:`stagetorch.remat_planning.frontier`)."""
@@ -441,6 +515,25 @@ def held_beside(error: StagingError, held: int, why: list[str]) -> StagingError:
     wider.__dict__.update(error.__dict__)  # what else the error says (a chunk-local result: see chunking)
     wider.smallest_budget = error.smallest_budget + held
     return wider
+
+
+def _statistics_schedule(passes: Passes | bool | None) -> str:
+    """What BatchNorm's statistics let run, as the error below every schedule says it."""
+    if isinstance(passes, Passes):
+        return (f"so the batch runs in chunks only in {len(passes.splits)} passes over them, one per level of "
+                "those statistics, forward and backward")
+    return "so the batch can be neither run in chunks nor cut where its examples meet"
+
+
+def _schedule_of(plan: Plan) -> str:
+    """How ``plan`` runs the step, as an error names it: in passes, recomputing, chunked, or the whole batch."""
+    if isinstance(plan, PassesPlan):
+        return f"in {len(plan.passes.splits)} passes over chunks of {max(plan.chunk_sizes)} example(s)"
+    recompute = getattr(plan, "recompute", None)
+    chunks = f"in {len(plan.chunk_sizes)} chunks" if plan.chunked else "the whole batch at once"
+    if recompute is None:
+        return chunks
+    return f"with recomputation ({recompute.dropped} op(s) recomputed in the backward, {chunks})"
 
 
 def _graph_leaves(inputs: Sequence) -> list[torch.Tensor]:

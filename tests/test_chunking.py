@@ -198,7 +198,8 @@ def test_batchnorm_training_raises_coupling_error_naming_the_line():
     model, make = models.cnn(norm="batch")
     x, y = make(BATCH)
     staged = stagetorch.jit(_step(model, LOSSES["mean_ce"]))
-    staged.memory_budget = staged.plan(x, y).full_batch_peak_bytes // 3
+    # (Below every schedule: from a third of the peak, the step runs in passes over chunks: test_batchnorm_cut.)
+    staged.memory_budget = staged.plan(x, y).full_batch_peak_bytes // 100
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(stagetorch.BatchCouplingError, match=r"native_batch_norm at tests/models.py:\d+ \(model.norm\).*BatchNorm in training mode"):
         staged(x, y)

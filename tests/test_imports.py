@@ -26,7 +26,7 @@ LAYERS = {
     "registry": 1,
     "tracing": 2, "guards": 2, "host": 2, "shapes": 2, "costing": 2, "batching": 2, "execute": 2, "passes": 2, "remat": 2, "rng": 2, "flops": 2,
     "chunking": 3, "planning": 4, "remat_planning": 4, "cuda_allocator": 4,
-    "ops": 5, "distributed": 5, "cutting": 5,
+    "ops": 5, "distributed": 5, "cutting": 5, "multipass": 5, "batch_norm_sums": 5,
     "planner": 6, "executable": 7, "staged": 8,
     "api": 9, "lazymode": 10, "lazy": 10, "demo": 11, "integrations": 11, "__init__": 12, "__main__": 12,
 }

@@ -9,7 +9,7 @@ import torch
 
 from .. import batching
 from ..batching import Chunked, LabelFn, coupling, per_example
-from ..errors import ShapeError
+from ..errors import BatchStatisticsError, ShapeError
 from ..ir import Aval, Eqn
 from . import _layout
 
@@ -51,12 +51,15 @@ def batch_norm_batch_rule(*, training_arg: int | None, outputs: Sequence[str | N
 
     def rule(eqn: Eqn, label: LabelFn) -> Chunked:
         if training_arg is not None and eqn.args[training_arg]:
-            raise coupling(
+            # Named apart so that the planner can say, at a budget below every schedule, what does run.
+            error = BatchStatisticsError(*coupling(
                 eqn,
                 "normalises with statistics of the whole batch (BatchNorm in training mode)",
                 "use GroupNorm or LayerNorm, put the BatchNorm layers in eval mode (model.eval()), or run "
                 "without chunking (a larger memory_budget)",
-            )
+            ).args)
+            error.source = str(eqn.source)
+            raise error
         return inner(eqn, label)
 
     return rule
