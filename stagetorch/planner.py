@@ -234,7 +234,7 @@ class Planner:
                 self._called = (plan, held, budget, donated, evolved)
             return program_budget, evolved
         except BatchStatisticsError as e:
-            raise self._below_every_schedule(held_beside(e, held, why), budget, held) from None
+            raise self._below_every_schedule(held_beside(e, held, why), budget, held, why) from None
         except StagingError as e:
             wider = held_beside(e, held, why)
             if wider is e:
@@ -242,7 +242,9 @@ class Planner:
             raise wider from e
 
     # (bnorm, issue 38 item 3) BatchNorm in training: the error names the smallest budget that runs and how.
-    def _below_every_schedule(self, coupled: BatchStatisticsError, budget: int, held: int) -> BatchStatisticsError:
+    def _below_every_schedule(
+        self, coupled: BatchStatisticsError, budget: int, held: int, why: list[str] = ()
+    ) -> BatchStatisticsError:
         """``coupled`` (the batch statistics of a BatchNorm in training keep the batch whole) said as what the
         user can do: the smallest ``memory_budget`` that runs the call (``held`` bytes beside the program
         included) and the schedule it runs, planned here, so that the budget named is one that plans."""
@@ -256,6 +258,8 @@ class Planner:
             how = ""
         else:
             how = f", {_schedule_of(plan)}"
+        if held:
+            how += f" (with the {format_bytes(held)} this call holds beside the program: {'; '.join(why)})"
         first = str(coupled).split("\n", 1)[0]
         error = BatchStatisticsError(
             f"{first}\nNo schedule runs this step within memory_budget={format_bytes(budget)}: the smallest budget "

@@ -438,15 +438,21 @@ class _Session(BackwardSkip):
             drawing = flushes[key] = self._drawing(span, end, drawn, built[4])
         states = [self.draw_states[p] for p in drawn]
         found = {d: rng.generator_state(d) for d, _ in states}
+        # Held beside the program through the flush (the plan counts them): the generator's state to set back
+        # after it, and, where the chunked flush does not take them as inputs, the draws' saved states.
+        set_back = sum(_nbytes(s) for s in found.values())
+        saved = sum(_nbytes(state) for _, state in states)
         try:
             with_states = [*inputs, *(state for _, state in states)]
-            plan = drawing.planner.plan_call(budget, *drawing.restoring, with_states)[1]
+            held, why = drawing.restoring
+            plan = drawing.planner.plan_call(budget, held + set_back, [*why, _SET_BACK], with_states)[1]
             if len(plan.chunk_sizes) == 1:
                 return drawing.run(with_states, plan, name="lazy")[0], drawing, ("made", id(drawing))
             executable = built[0]
             for d in found:
                 rng.set_generator_state(d, next(state for device, state in states if device == d))
-            plan = executable.planner.plan_call(budget, *built[6], inputs)[1]
+            held, why = built[6]
+            plan = executable.planner.plan_call(budget, held + set_back + saved, [*why, _SET_BACK, _SAVED], inputs)[1]
             return executable.run(inputs, plan, name="lazy")[0], executable, built[8]
         finally:
             for d, state in found.items():
@@ -790,6 +796,12 @@ def _learn_chain(before: _PeekSpan, before_key: tuple, span: _PeekSpan, key: tup
 # A mid-step read whose own work is at most this fraction of the pending work's FLOPs computes only that
 # (see _Session._reads_little): what it runs again at the flush is at most 1/16 more.
 _LITTLE = 16
+_SET_BACK = "the generator's state, set back after the flush"
+_SAVED = "the states the flush's draws took their numbers from"
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
 
 
 def _beside(draw: Eqn, maker: dict[Var, Eqn]) -> list[Var]:
