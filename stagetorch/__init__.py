@@ -5,6 +5,7 @@ from .api import Staged, clear_caches, eval_shape, jit, make_ir, memory
 from .costing import MemoryReport
 from .errors import (
     BatchCouplingError,
+    BatchStatisticsError,
     ConcretizationError,
     ModifiedInputError,
     OutOfMemoryError,
@@ -40,6 +41,7 @@ __all__ = [
     "ConcretizationError",
     "UnsupportedOpError",
     "BatchCouplingError",
+    "BatchStatisticsError",
     "OutOfMemoryError",
     "ModifiedInputError",
     "RankMismatchError",
