@@ -155,7 +155,7 @@ def test_import_stagetorch_imports_no_optional_extra():
 # method declared below (the session's interface, declared in ``tensor``).
 PACKAGE_LAYERS = {
     "lazymode": {
-        "mode": 0, "shard": 0,
+        "mode": 0, "shard": 0, "draws": 0,
         "tensor": 1, "autograd_graph": 2, "recording": 3, "tape": 4, "replay": 4, "express": 5, "backward": 6,
         "session": 7, "__init__": 8,
     },
