@@ -15,8 +15,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     # `pytest -n N`: each worker takes its share of the cores, so N workers do not each start one OpenMP thread
-    # per core and spin against each other. Tests that measure a kernel at a thread count set it themselves.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    # per core and spin against each other; but never fewer than 2, the threads of CI's 2-core machines: some
+    # tests check what a kernel allocates per thread (a reduction's partial sums) and the plans that follow.
+    torch.set_num_threads(max(2, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.fixture(autouse=True)
