@@ -204,18 +204,14 @@ class Executable:
         if isinstance(plan, RematPlan) and plan.recompute is not None and plan.recompute.graph is not self.graph:
             # The recomputing graph runs in the chunks the plan gives (its planner's, at the same budget).
             return self._for(plan.recompute.graph)._attempt(inputs, plan, on_chunk, name)
-        if isinstance(plan, CutPlan):  # a step whose examples meet, cut there (stagetorch.cutting)
+        if isinstance(plan, (CutPlan, PassesPlan)):
+            # A step whose examples meet, cut there (stagetorch.cutting), or whose BatchNorm statistics are
+            # summed over the chunks in passes (stagetorch.multipass).
             log.info("stagetorch: %s: %s", name, plan)
             undo = Undo(inputs[i] for i in self.mutated)
             try:
-                return run_cut(plan.cut, inputs, plan, undo)
-            except BaseException:
-                undo.restore()
-                raise
-        if isinstance(plan, PassesPlan):  # BatchNorm's statistics summed over the chunks (stagetorch.multipass)
-            log.info("stagetorch: %s: %s", name, plan)
-            undo = Undo(inputs[i] for i in self.mutated)
-            try:
+                if isinstance(plan, CutPlan):
+                    return run_cut(plan.cut, inputs, plan, undo)
                 return run_passes(plan.passes, inputs, plan, undo)
             except BaseException:
                 undo.restore()
