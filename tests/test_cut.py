@@ -92,6 +92,16 @@ def test_a_batch_that_fits_is_not_cut_though_the_analysis_refuses_chunks():
         staged._stage(args, {})[0].executable.split()
 
 
+def assert_grads_equal(staged_model: nn.Module, eager_model: nn.Module) -> None:
+    for (name, p), q in zip(staged_model.named_parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def assert_params_equal(staged_model: nn.Module, eager_model: nn.Module) -> None:
+    for p, q in zip(staged_model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize(("where", "remat"), [("between", False), ("floor", False), ("floor", "auto")])
 def test_cut_step_equals_eager_over_optimizer_steps(where, remat):
     eager_model, staged_model = model(), model()
@@ -121,12 +131,10 @@ def test_cut_step_equals_eager_over_optimizer_steps(where, remat):
         # The backward through the towers ran in chunks (the forward up to the cut may fit whole).
         assert not cut or sum(n < BATCH for n in kernels.rows) >= 6 * (len(plan.chunk_sizes) - 1)
         torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
-        for (name, p), q in zip(staged_model.named_parameters(), eager_model.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+        assert_grads_equal(staged_model, eager_model)
         eager_opt.step()
         staged_opt.step()
-    for p, q in zip(staged_model.parameters(), eager_model.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+    assert_params_equal(staged_model, eager_model)
 
 
 def test_below_every_schedule_says_the_smallest_budget_that_runs():
@@ -279,9 +287,7 @@ def test_kept_chunk_equals_eager_over_optimizer_steps(fraction):
         assert sum(kernels.rows) == 3 * 6 * passes
         torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(out, embeddings, rtol=1e-12, atol=1e-12)
-        for (name, p), q in zip(staged_model.named_parameters(), eager_model.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+        assert_grads_equal(staged_model, eager_model)
         eager_opt.step()
         staged_opt.step()
-    for p, q in zip(staged_model.parameters(), eager_model.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+    assert_params_equal(staged_model, eager_model)

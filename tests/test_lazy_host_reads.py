@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from test_host_reads import PATTERNS, B, D, LayerDropNet, features, labels_of
+from test_host_reads import PATTERNS, B, D, LayerDropNet, features, labels_of, seq2seq_step
 from test_jit_state import assert_same_state
 from torch import nn
 
@@ -208,13 +208,4 @@ def _transformers_layerdrop(name: str) -> nn.Module:
 def test_transformers_layerdrop_with_dropout_whole_equals_eager(name, lazy_mode):
     """transformers' own LayerDrop (``torch.rand([]) < self.layerdrop`` per layer) beside its dropout: the same
     layers and masks as eager, three steps."""
-
-    def step(model: nn.Module) -> Callable:
-        def run(ids, attention_mask, labels):
-            loss = model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss
-            loss.backward()
-            return loss
-
-        return run
-
-    run_lazy_against_eager(step, lambda: _transformers_layerdrop(name), token_batch, chunked=False)
+    run_lazy_against_eager(seq2seq_step, lambda: _transformers_layerdrop(name), token_batch, chunked=False)
