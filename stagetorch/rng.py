@@ -135,6 +135,43 @@ def _no_flops(e: Eqn) -> int:
     return 0
 
 
+class SetRngState:
+    """The prim of ``set_rng_state(state, *reads)``: set ``device``'s default generator to ``state`` (what
+    it was when the next equation, a random op, was called). It reads that op's arguments (and ignores
+    them) so that it runs where the op runs, right before it. It has an effect (the generator): never
+    removed, reordered or recomputed; a recomputation of the op replays the state it finds after it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.__name__ = "set_rng_state"
+
+    @staticmethod
+    @functools.cache
+    def of(device: torch.device) -> SetRngState:
+        return SetRngState(device)
+
+    def __call__(self, state: torch.Tensor, *reads: Any) -> None:
+        _set(self.device, state)
+
+    def __repr__(self) -> str:
+        return f"set_rng_state({self.device})"
+
+    def stagetorch_rule(self, name: str) -> Callable[..., Any] | None:
+        if name == "shape":
+            return lambda *args, **kwargs: ()
+        if name == "batch":
+            return _in_its_chunk
+        if name == "flops":
+            return _no_flops
+        return None
+
+
+def _in_its_chunk(e: Eqn, label: Any) -> Any:
+    from .batching import Chunked
+
+    return Chunked(out=())
+
+
 class ReplayRandom:
     """The prim of ``outs = replay(state, *args, **kwargs)``: ``op(*args, **kwargs)`` run with the
     generator of ``device`` set to ``state``, the generator's own state put back after."""

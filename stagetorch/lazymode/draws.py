@@ -7,7 +7,7 @@ eager gives to the recorded one, skip other layers than eager skips, and leave t
 each recorded draw saves the generator's state and draws once on stand-ins of its arguments' layout (how many
 numbers a draw takes depends on its shape, not its values: the same rule as ``jit``'s host reads,
 :mod:`stagetorch.host`), leaving the generator where eager leaves it; the flush draws again from each saved
-state (:class:`SetRngState` before each draw), then sets the generator back.
+state (:class:`stagetorch.rng.SetRngState` before each draw), then sets the generator back.
 
 That second draw costs a draw per random op, so a recording pays it only where it is needed: a session that
 records always does, and notes whether a draw outside the lazy tensors came between one of its draws and the
@@ -19,19 +19,16 @@ What it must not know: how a session records, replays or flushes (``recording`` 
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .._tree import map_leaves
-from ..batching import Chunked
 from ..ir import Eqn, Var
-from ..rng import replayable, set_generator_state
+from ..rng import replayable
 
-__all__ = ["SetRngState", "draws_from_default", "draw_on_stand_ins", "COUNTED_BY_VALUES"]
+__all__ = ["draws_from_default", "draw_on_stand_ins", "COUNTED_BY_VALUES"]
 
 _aten = torch.ops.aten
 
@@ -82,42 +79,3 @@ def _written(e: Eqn) -> list[Var]:
             if isinstance(x, Var):
                 out.append(x)
     return out
-
-
-class SetRngState:
-    """The prim of ``set_rng_state(state, *reads)``: set ``device``'s default generator to ``state`` (what
-    it was when the next equation, a random op, was called). It reads that op's arguments (and ignores
-    them) so that it runs where the op runs, right before it. It has an effect (the generator): never
-    removed, reordered or recomputed; a recomputation of the op replays the state it finds after it."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.__name__ = "set_rng_state"
-
-    @staticmethod
-    @functools.cache
-    def of(device: torch.device) -> SetRngState:
-        return SetRngState(device)
-
-    def __call__(self, state: torch.Tensor, *reads: Any) -> None:
-        set_generator_state(self.device, state)
-
-    def __repr__(self) -> str:
-        return f"set_rng_state({self.device})"
-
-    def stagetorch_rule(self, name: str) -> Callable[..., Any] | None:
-        if name == "shape":
-            return lambda *args, **kwargs: ()
-        if name == "batch":
-            return _in_its_chunk
-        if name == "flops":
-            return _no_flops
-        return None
-
-
-def _in_its_chunk(e: Eqn, label: Any) -> Chunked:
-    return Chunked(out=())
-
-
-def _no_flops(e: Eqn) -> int:
-    return 0

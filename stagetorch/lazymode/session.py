@@ -29,7 +29,6 @@ from ..tracing import Recorder, user_frame
 from . import mode as _mode
 from . import shard
 from .backward import BackwardSkip
-from .draws import SetRngState
 from .mode import Mode
 from .recording import _RECORDINGS
 from .shard import LazyShard
@@ -459,7 +458,7 @@ class _Session(BackwardSkip):
                 rng.set_generator_state(d, state)
 
     def _drawing(self, span: _FlushSpan, end: int, drawn: list[int], outs: tuple) -> Executable:
-        """The flush's executable with :class:`~.draws.SetRngState` before each draw at ``drawn``, its
+        """The flush's executable with :class:`~stagetorch.rng.SetRngState` before each draw at ``drawn``, its
         state an input after the flush's own."""
         recording = self.recording
         eqns, states = [], []
@@ -472,7 +471,7 @@ class _Session(BackwardSkip):
                 if state is None:
                     state = recording.draw_states[p] = Var(rng.SaveRngState.of(device).aval())
                 states.append(state)
-                eqns.append(Eqn(SetRngState.of(device), (state, *_beside(e, maker)), {}, (), e.source))
+                eqns.append(Eqn(rng.SetRngState.of(device), (state, *_beside(e, maker)), {}, (), e.source))
             eqns.append(e)
             for v in e.outvars:
                 if v is not None:
@@ -805,7 +804,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _beside(draw: Eqn, maker: dict[Var, Eqn]) -> list[Var]:
-    """What the :class:`~.draws.SetRngState` before ``draw`` reads, to run where it runs: its arguments, but
+    """What the :class:`~stagetorch.rng.SetRngState` before ``draw`` reads, to run where it runs: its arguments, but
     for one it draws into (CPU dropout's ``bernoulli_`` into ``empty_like(x)``) the arguments of what made
     that one (``x``, read later anyway): a read of the storage before the draw writes it would keep a
     recomputation from making it again whole (``remat._written_whole``)."""
