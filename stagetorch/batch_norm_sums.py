@@ -23,6 +23,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from ._tree import map_leaves
 from .errors import UnsupportedOpError
 from .ir import Aval, Eqn, Graph, Var, op_name
 from .tracing import trace
@@ -124,7 +125,8 @@ def _replacement(e: Eqn) -> list[Eqn]:
                 base = None if v.base is None else sub.get(v.base, v.base)
                 sub[v] = Var(v.aval, base, v.storage_nbytes, v.strides)
             outvars.append(None if v is None else sub[v])
-        eqns.append(Eqn(d.prim, _swap(d.args, sub), _swap(d.kwargs, sub), tuple(outvars), e.source))
+        args, kwargs = map_leaves((d.args, d.kwargs), Var, lambda v: sub.get(v, v))
+        eqns.append(Eqn(d.prim, args, kwargs, tuple(outvars), e.source))
     return eqns
 
 
@@ -136,16 +138,6 @@ def _contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
             return False
         step *= n
     return True
-
-
-def _swap(x: object, sub: dict[Var, Var]) -> object:
-    if isinstance(x, Var):
-        return sub.get(x, x)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_swap(y, sub) for y in x)
-    if isinstance(x, dict):
-        return {k: _swap(y, sub) for k, y in x.items()}
-    return x
 
 
 def as_batch_sums(graph: Graph) -> Graph:

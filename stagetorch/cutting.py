@@ -34,6 +34,7 @@ from typing import Any
 import attrs
 import torch
 
+from ._tree import map_leaves
 from .batching import Batched, LabelFn, _rule_for, analyze
 from .chunking import Split, _cut, even_chunks, run_chunked
 from .costing import peak_bytes
@@ -278,19 +279,10 @@ def _phase_graph(
             if v is not None and v.base is not None and v.base in sub:  # a view of a value now an input
                 sub[v] = Var(v.aval, sub[v.base], v.storage_nbytes, v.strides)
             outvars.append(None if v is None else sub.get(v, v))
-        new_eqns.append(attrs.evolve(e, args=_subst(e.args, sub), kwargs=_subst(e.kwargs, sub), outvars=tuple(outvars)))
+        args, kwargs = map_leaves((e.args, e.kwargs), Var, lambda v: sub.get(v, v))
+        new_eqns.append(attrs.evolve(e, args=args, kwargs=kwargs, outvars=tuple(outvars)))
     invars = list(graph.invars) + list(carried.values())
     return Graph(invars, new_eqns, [sub.get(v, v) for v in outs], roles=roles), order
-
-
-def _subst(x: Any, sub: dict[Var, Var]) -> Any:
-    if isinstance(x, Var):
-        return sub.get(x, x)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_subst(y, sub) for y in x)
-    if isinstance(x, dict):
-        return {k: _subst(y, sub) for k, y in x.items()}
-    return x
 
 
 def _stand_in(v: Var) -> Var:
