@@ -405,7 +405,9 @@ def test_onednn_convolutions_capped_at_avx2_are_never_under():
     kernels of a CPU without AVX-512 (jit_avx2, jit_avx2_1x1, AVX2's brgemm and brdgmm, gemm): the rules follow
     the cap, so an AVX-512 machine checks the AVX2 rules too. Every forward, weight and input gradient of the
     cases above at 2 threads, either layout: never under the allocator, and the weight gradient alone (its
-    kernels' thread splits replayed) within 2%."""
+    kernels' thread splits replayed) within 1.5x. (Within 2% is what the AVX2 tests above claim where the CPU
+    runs AVX2 natively, measured there; this capped run was never measured on an AVX-512 machine, whose cache
+    geometry some kernels' blocking reads, so here it claims the bound that matters and no byte-exactness.)"""
     script = _CAPPED_CONVS.format(tests=str(Path(__file__).parent))
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
@@ -413,7 +415,7 @@ def test_onednn_convolutions_capped_at_avx2_are_never_under():
     rows = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(rows) > 200
     under = [row for row in rows if row[-2] > row[-1]]
-    loose = [row for row in rows if row[0] == "FTT" and row[-1] > 1.02 * row[-2] + 256]
+    loose = [row for row in rows if row[0] == "FTT" and row[-1] > 1.5 * row[-2] + 256]
     assert not under and not loose, (under, loose)
 
 
