@@ -5,7 +5,7 @@
 (b) Trial runs needed to reach a working configuration: stagetorch plans from its estimate (zero trials);
     catch-OOM searches (accelerate's halving, Lightning's power scaling) run the step until it stops
     raising. Out-of-memory is simulated: a trial at batch b "fails" when the step's peak at b exceeds the
-    budget, the peak being stagetorch's tensor-level estimate (which tests/test_memory.py checks against
+    budget, the peak being stagetorch's tensor-level estimate (which tests/interpreters/test_memory.py checks against
     peaks measured on real tensors). The searches find a smaller *batch*; stagetorch keeps the batch.
 
 Run: python -m pytest bench/bench_chunking.py --benchmark-enable -s
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 import stagetorch
-from stagetorch.chunking import run_chunked
-from stagetorch.costing import peak_bytes as cost
-from stagetorch.planning import SAFETY_MARGIN, _chunk_peaks
+from stagetorch.interpreters.chunked import run_chunked
+from stagetorch.interpreters.memory import peak_bytes as cost
+from stagetorch.planning.chunks import SAFETY_MARGIN, _chunk_peaks
 
 BATCH = 256
 FRACTIONS = (0.35, 0.5, 0.7)

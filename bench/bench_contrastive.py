@@ -1,7 +1,7 @@
 """A contrastive step with in-batch negatives (issue 38): the whole-batch step, the step stagetorch cuts where
-its examples meet (stagetorch.cutting), and a hand-written GradCache loop, on CPU at float32.
+its examples meet (stagetorch.planning.cut), and a hand-written GradCache loop, on CPU at float32.
 
-(a) Time per example and peak at the allocator (tests/memtrack.AllocatorPeak) at one batch: the whole step,
+(a) Time per example and peak at the allocator (tests/support/memtrack.AllocatorPeak) at one batch: the whole step,
     the cut step under ``MARGIN`` times the smallest budget it runs in, GradCache in the cut step's chunks.
 (b) The largest batch whose step fits a budget (the whole step's predicted peak at ``BATCH``): whole-batch
     steps against the cut step (planned only: nothing runs).
@@ -247,7 +247,7 @@ if __name__ == "__main__":
     import pathlib
     import sys
 
-    sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests"))
+    sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests" / "support"))
     if sys.argv[2:]:
         BATCH = int(sys.argv[2])
     mode = sys.argv[1] if sys.argv[1:] else "run"

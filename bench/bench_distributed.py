@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import stagetorch
-from stagetorch import distributed as sdist
+from stagetorch.parallel import data_parallel as sdist
 
 V, T, D, H = 1000, 16, 128, 512
 SHARDS = (37, 63)

@@ -5,7 +5,7 @@ Run: python -m pytest bench/bench_lazy.py --benchmark-enable -s
 ``test_seed_step`` times each mode on its own (pytest-benchmark's table). ``test_interleaved_ratio`` runs
 an eager step and a lazy step alternately, 400 times, and prints the ratio of their medians: on a shared
 machine whose speed drifts by 20-30% within a minute, that ratio is the number to quote.
-``test_model_zoo_ratio`` does the same for the models of ``tests/models.py`` (CNN, transformer, MHA, GPT-2).
+``test_model_zoo_ratio`` does the same for the models of ``tests/support/models.py`` (CNN, transformer, MHA, GPT-2).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def test_interleaved_ratio(benchmark, batch):
 
 
 def zoo_step(name, model, x, y, mode):
-    """A train step of a model of tests/models.py: forward, loss, backward, SGD step."""
+    """A train step of a model of tests/support/models.py: forward, loss, backward, SGD step."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     forward_backward = models.gpt2_step(model) if name == "gpt2" else models.train_step(model)
 

@@ -9,7 +9,7 @@ the express replay running the router loss's write into a real tensor (``zeros(E
 kept (the whole flush planned again, and refused, at each mid-step write), and a recording made again after a
 divergence forgot that sessions had left its express replay (unpadded, every other step recorded).
 
-Setup: tests/test_moe.py's tiny Mixtral (hidden 32, 2 layers, 4 experts, top 2), float32, its router loss
+Setup: tests/ops/test_moe.py's tiny Mixtral (hidden 32, 2 layers, 4 experts, top 2), float32, its router loss
 weighted 1, the padded batch of 7 x 16, the budget at which ``jit`` splits it in >= 3 chunks.
 
 Run: python bench/bench_lazy_moe.py [steps] [mixtral|qwen2_moe|olmoe] [padded|unpadded] [layers]
@@ -25,18 +25,18 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 import test_moe  # noqa: E402
 from test_chunking import budget_for  # noqa: E402
 from test_moe import aux_step_of, batch, with_router_loss  # noqa: E402
 
 import stagetorch  # noqa: E402
-import stagetorch.devices  # noqa: E402
+import stagetorch.devices.budget  # noqa: E402
 from stagetorch.errors import StagingError  # noqa: E402
-from stagetorch.executable import Executable  # noqa: E402
 from stagetorch.lazymode import express, session  # noqa: E402
 from stagetorch.lazymode.recording import _RECORDINGS  # noqa: E402
 from stagetorch.lazymode.session import _Session  # noqa: E402
+from stagetorch.runtime.executable import Executable  # noqa: E402
 
 runs: list[tuple[str, float]] = []
 _run = Executable.run
@@ -55,7 +55,7 @@ _peeks = _Session._peeks
 def replanning_peeks(self, executable, device):
     """The answer as before it was kept: the whole flush planned again at each mid-step write."""
     try:
-        executable.plan(max(stagetorch.devices.free_memory(device, self.memory_budget) - executable.restore_bytes, 0))
+        executable.plan(max(stagetorch.devices.budget.free_memory(device, self.memory_budget) - executable.restore_bytes, 0))
         return False
     except StagingError as e:
         return bool(getattr(e, "chunk_local_result", False))

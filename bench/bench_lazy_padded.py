@@ -3,7 +3,7 @@ alternately in one process, with "lazy, before" the same one-line step as it was
 bound the 0-d tensors CPU ``scaled_dot_product_attention`` makes itself from a boolean mask (every step left
 the express replay at the first attention; after two steps the recording was replayed slowly).
 
-Setup: tests/test_transformers_zoo.py's tiny configs (hidden 32, 2 layers, 4 heads), float64, its padded batch
+Setup: tests/end_to_end/test_transformers_zoo.py's tiny configs (hidden 32, 2 layers, 4 heads), float64, its padded batch
 of 7 x 16, an AdamW step; one thread.
 
 Run: python bench/bench_lazy_padded.py [steps] [bert,gpt2,llama]
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 import test_transformers_zoo as zoo  # noqa: E402
 
 import stagetorch  # noqa: E402

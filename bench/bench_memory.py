@@ -13,7 +13,7 @@ import torch.nn as nn
 from memtrack import MODELS, PATHS, AllocatorPeak, measure, smallest_plan_peak
 
 import stagetorch
-from stagetorch.costing import peak_bytes
+from stagetorch.interpreters.memory import peak_bytes
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def test_cost_staged_96_layer_transformer(benchmark, graph):
 
 
 def test_predicted_against_measured_every_path(benchmark):
-    """The test zoo along every path (tests/memtrack.measure): plan's peak, live-storage peak, budget."""
+    """The test zoo along every path (tests/support/memtrack.measure): plan's peak, live-storage peak, budget."""
     rows = []
 
     def table():

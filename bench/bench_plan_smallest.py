@@ -1,6 +1,6 @@
 """Planning time at the smallest budget: the search below the frontier's least peak.
 
-Per zoo model (``tests/transformer_models.py``, 8 layers x 512 tokens by default, one example, CPU): the
+Per zoo model (``tests/support/transformer_models.py``, 8 layers x 512 tokens by default, one example, CPU): the
 step staged first (``staged.graph``), then the process's CPU time of asking its smallest budget (a 1 KiB
 budget's ``OutOfMemoryError`` names it: frontier, search below it) and planning at that budget, with the
 simulations it ran (``_Simulator.run`` calls), the simulators it built, and the plan's peak and recomputed
@@ -18,12 +18,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 import torch  # noqa: E402
 from transformer_models import model_and_batch, smallest_budget, step_of  # noqa: E402
 
 import stagetorch  # noqa: E402
-from stagetorch.remat_planning import _Simulator  # noqa: E402
+from stagetorch.planning.remat_search import _Simulator  # noqa: E402
 
 COUNTS = {"runs": 0, "built": 0}
 _run, _init = _Simulator.run, _Simulator.__init__

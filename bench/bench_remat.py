@@ -1,6 +1,6 @@
 """Recomputation benchmarks (issue 15).
 
-(a) Budget sweep on the seed models (tests/remat_models.py): for each budget, what the joint planner chose
+(a) Budget sweep on the seed models (tests/support/remat_models.py): for each budget, what the joint planner chose
     (chunks, recomputed ops, extra FLOPs), its predicted peak and the live-tensor peak measured.
 (b) The issue's example, 24 x (Linear(128,128) + GELU) over 1024 tokens, at budgets down to 1/3 of its peak:
     step time of stagetorch's plan against the unconstrained staged step, per-block torch.utils.checkpoint,
@@ -34,10 +34,10 @@ from memtrack import AllocatorPeak
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import stagetorch
-from stagetorch.costing import peak_bytes
-from stagetorch.flops import eqn_flops, graph_flops
-from stagetorch.planning import SAFETY_MARGIN
-from stagetorch.remat_planning import RematPlan, frontier, predicted_cost
+from stagetorch.interpreters.flops import eqn_flops, graph_flops
+from stagetorch.interpreters.memory import peak_bytes
+from stagetorch.planning.chunks import SAFETY_MARGIN
+from stagetorch.planning.remat_search import RematPlan, frontier, predicted_cost
 
 MiB = 2**20
 
@@ -225,7 +225,7 @@ def _times4(factory):
 
 
 # (seed name, factory of the model and its batch): the seed models at 4x their test batch, a transformer of
-# width 128, and the seed models at training sizes (tests/remat_models.py's TRAINING).
+# width 128, and the seed models at training sizes (tests/support/remat_models.py's TRAINING).
 _ACTIVATION_DOMINATED = {
     **{f"{name} x4": (name, lambda f=f: _times4(f)) for name, f in remat_models.SEEDS.items()},
     "transformer d128 x4": ("transformer", lambda: _times4(lambda: remat_models.transformer(4, 128))),

@@ -32,7 +32,7 @@ def test_trace_time(benchmark, layers):
 
 def test_trace_time_cold(benchmark):
     """96 layers with stagetorch's metadata cache emptied before each trace: what a first trace costs."""
-    from stagetorch import tracing
+    from stagetorch.staging import tracer as tracing
 
     model, make = models.transformer(layers=96)
     x, y = make(8)
@@ -50,7 +50,7 @@ def test_fake_tensor_floor():
     """The same step under FakeTensorMode alone: the cost stagetorch's tracer sits on."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from stagetorch.tracing import _swap, discover
+    from stagetorch.staging.tracer import _swap, discover
 
     model, make = models.transformer(layers=8)
     x, y = make(8)

@@ -5,7 +5,7 @@ Tiny configs of `transformers` models (8 layers, or 4 + 4 for encoder-decoders; 
 ``loss = model(**batch).loss; loss.backward()``. Per model: the eager step's peak; transformers' per-layer
 checkpointing, its peak and step time; stagetorch at the smallest budget it accepts (the budget the
 ``OutOfMemoryError`` of a tiny one names), its predicted and measured peak and step time. Peaks are measured
-at the CPU allocator (``tests/memtrack.py``'s ``AllocatorPeak``: every byte it hands out, the model's
+at the CPU allocator (``tests/support/memtrack.py``'s ``AllocatorPeak``: every byte it hands out, the model's
 parameters, the batch and the gradients held before the step counted as resident); step times are medians of
 interleaved runs (checkpointing, stagetorch, checkpointing, ...), in the same process: wall-clock, and the
 process's CPU time (``time.process_time``), the measure that holds on a shared machine, with ``--threads 1``
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 import torch  # noqa: E402
 from transformer_models import (  # noqa: E402
     MODELS,

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests" / "support"))
 import cuda_memory_check as cmc  # noqa: E402
 from memtrack import budget_between  # noqa: E402
 
@@ -288,7 +288,7 @@ def speed_table(device: str, quick: bool) -> list[str]:
         float(step(*stagetorch.lazy(x, y, memory_budget=budget)))
 
     whole = median_ms(eager, device)
-    at = stagetorch.devices.format_bytes(budget)
+    at = stagetorch.devices.budget.format_bytes(budget)
     rows = [("eager, whole batch", whole), (f"jit at {at}, chunks {list(staged.plan(x, y).chunk_sizes)}", median_ms(jit, device)),
             (f"hand accumulation, micro-batches of {chunk}", median_ms(accumulated, device)),
             (f"lazy at {at}, after 3 warm-up steps", median_ms(lazy, device, warmup=3))]

@@ -6,13 +6,13 @@ accumulation into a held ``.grad``; with the eager step's allocator peak beside 
 On CUDA (the default when a GPU is there) it reports ``max_memory_allocated`` and ``max_memory_reserved``
 (the caching allocator's segments: what fragmentation costs) against the plan, for a ResNet-ish CNN at batch
 64x3x224x224 and GPT-2 124M at 8x512. Without a GPU, or with ``--device cpu``, it runs the test models
-(tests/models.py) on CPU at the allocator (profiler allocation events; no reserved column). ``--dry-run``
+(tests/support/models.py) on CPU at the allocator (profiler allocation events; no reserved column). ``--dry-run``
 only stages and plans (nothing runs): it checks the script where no device is lent.
 
-Every number is tests/memtrack.AllocatorPeak: the allocator's peak during the call plus what was resident
+Every number is tests/support/memtrack.AllocatorPeak: the allocator's peak during the call plus what was resident
 before it (parameters, buffers, inputs, held ``.grad``, optimizer state).
 
-``--remat-seeds`` runs the seed models of tests/remat_models.py recomputing at 1.0, 0.7 and 0.5 of their peak.
+``--remat-seeds`` runs the seed models of tests/support/remat_models.py recomputing at 1.0, 0.7 and 0.5 of their peak.
 
 Run: python bench/cuda_memory_check.py [--device cuda|cpu] [--dry-run] [--remat-seeds]
 """
@@ -29,14 +29,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests" / "support"))
 import models  # noqa: E402
 import remat_models  # noqa: E402
 from memtrack import AllocatorPeak, budget_between, known_to_the_profiler  # noqa: E402
 
 import stagetorch  # noqa: E402
-from stagetorch.executable import Executable  # noqa: E402
-from stagetorch.planning import SAFETY_MARGIN, Plan  # noqa: E402
+from stagetorch.planning.chunks import SAFETY_MARGIN, Plan  # noqa: E402
+from stagetorch.runtime.executable import Executable  # noqa: E402
 
 PATHS = ("whole", "chunked", "recomputing", "lazy", "optimizer inside", "optimizer inside, donate_grads", "accumulating")
 INSIDE = ("optimizer inside", "optimizer inside, donate_grads")
@@ -213,7 +213,7 @@ def seed_runs(model: nn.Module, x: torch.Tensor, device: str, dry: bool,
 
 
 def check_seed(name: str, device: str, dry: bool) -> list[str]:
-    """A seed model of tests/remat_models.py recomputing (:func:`seed_runs`), against its eager step."""
+    """A seed model of tests/support/remat_models.py recomputing (:func:`seed_runs`), against its eager step."""
     torch.manual_seed(0)
     model, x = remat_models.SEEDS[name]()
     model, x = model.to(device), x.to(device)
@@ -232,7 +232,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dry-run", action="store_true", help="stage and plan only; run nothing")
-    parser.add_argument("--remat-seeds", action="store_true", help="the seed models of tests/remat_models.py instead")
+    parser.add_argument("--remat-seeds", action="store_true", help="the seed models of tests/support/remat_models.py instead")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, torch {torch.__version__}")
     print("| model | path | budget | plan | allocated (plan error) | reserved | eager allocated | staged / eager |")

@@ -1,4 +1,4 @@
-"""The step fuzzer's long search (tests/step_fuzz.py; its CI slice is tests/test_exactness_fuzz.py).
+"""The step fuzzer's long search (tests/support/step_fuzz.py; its CI slice is tests/end_to_end/test_exactness_fuzz.py).
 
 Random training steps whose loss reads a batch-sized weight or mask from anywhere (an argument, a global, a
 closure, a module attribute, a buffer, a factory, Python data), trained for a few SGD steps in eager and under
@@ -16,7 +16,7 @@ import pathlib
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests" / "support"))
 import step_fuzz  # noqa: E402
 
 

@@ -24,21 +24,21 @@ import attrs
 import torch
 import torch.utils._pytree as pytree
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests" / "support"))
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import bench_step  # noqa: E402
 import models  # noqa: E402
 
 import stagetorch  # noqa: E402
-from stagetorch import execute  # noqa: E402
-from stagetorch import staged as staged_module  # noqa: E402
-from stagetorch.execute import _NOTHING  # noqa: E402
+from stagetorch.interpreters import eager as execute  # noqa: E402
+from stagetorch.interpreters.eager import _NOTHING  # noqa: E402
+from stagetorch.runtime import staged as staged_module  # noqa: E402
 
 try:
-    from stagetorch import guards  # noqa: E402
+    from stagetorch.staging import guards  # noqa: E402
 except ImportError:  # the tree before issue 27
     guards = None
-from stagetorch.tracing import discover, held_values  # noqa: E402
+from stagetorch.staging.tracer import discover, held_values  # noqa: E402
 
 CASES = {case: bench_step.CASES[case] for case in ("seed_mlp_b256", "encoder_b32", "ln_mlp_b256")}
 
@@ -57,7 +57,7 @@ def per_call(f, block: int, blocks: int) -> float:
 
 def _old_install(inputs, grads, executable, traced):
     """Staged.__call__'s gradient install before issue 27 (the tree before it has no install_grads)."""
-    from stagetorch.execute import accumulate_grad, grad_to_install
+    from stagetorch.interpreters.eager import accumulate_grad, grad_to_install
 
     first = len(inputs) - len(executable.consts) - len(traced.grad_params)
     fed = {i for i in traced.grad_params if inputs[i].grad is None}
@@ -181,8 +181,8 @@ def lazy_parts(batch: int, steps: int, blocks: int) -> dict[str, tuple[float, fl
     flush's staged program replaced by one that hands back a real run's outputs."""
     import copy
 
-    from stagetorch import executable as executable_module
     from stagetorch.lazymode import session as session_module
+    from stagetorch.runtime import executable as executable_module
 
     torch.manual_seed(0)
     model, make = models.seed_mlp()

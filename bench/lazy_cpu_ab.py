@@ -10,7 +10,7 @@ import time
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, "tests")
+sys.path.insert(0, "tests/support")
 import models  # noqa: E402
 
 import stagetorch  # noqa: E402

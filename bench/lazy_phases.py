@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 import models  # noqa: E402
 
 import stagetorch  # noqa: E402
-from stagetorch import executable  # noqa: E402
 from stagetorch.lazymode import backward  # noqa: E402
 from stagetorch.lazymode.session import _Session  # noqa: E402
+from stagetorch.runtime import executable  # noqa: E402
 
 times: dict[str, list[float]] = {}
 

@@ -6,7 +6,7 @@ whether three optimizer steps equal the full batch's.
 The model is docs/lightning.md's (784-1024-1024-10 MLP, AdamW), in float64 so that "equal" means rounding
 (1e-12) and not float32's 1e-7. Each way trains 3 steps from the same weights over the same examples in the
 same order; Δw is the largest weight difference from the full-batch run. Peak: on the CPU, every tensor
-storage alive during a step (tests/memtrack.py's LivePeak: parameters, gradients, optimizer state, the
+storage alive during a step (tests/support/memtrack.py's LivePeak: parameters, gradients, optimizer state, the
 batch and all a step allocates), on the second step; on CUDA, torch.cuda.max_memory_allocated over that
 step. Time: median of steps 2-5 of a separate run without the tracker.
 """
@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests" / "support"))
 from memtrack import LivePeak  # noqa: E402
 
-from stagetorch.costing import format_bytes  # noqa: E402
 from stagetorch.integrations.lightning import StagedStrategy  # noqa: E402
+from stagetorch.interpreters.memory import format_bytes  # noqa: E402
 
 STEPS = 3
 

@@ -3,7 +3,7 @@ models use, at 512 examples, whole and at 0.6 of the whole step's plan (chunks),
 
     python bench/loss_plan_check.py
 
-The measured peak is tests/memtrack.AllocatorPeak's, with the parameters and the batch resident.
+The measured peak is tests/support/memtrack.AllocatorPeak's, with the parameters and the batch resident.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests" / "support"))
 from test_memory import _LOSS_STEPS as LOSSES  # noqa: E402  (what the tests check)
 from test_memory import loss_step_at_the_allocator
 

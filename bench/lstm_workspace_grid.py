@@ -6,7 +6,7 @@ Each case is an ``nn.LSTM`` (input and hidden 8-256, 1-3 layers, bidirectional o
 trained on a batch of 1-64 sequences of 1-64 steps, at 1 or 2 threads, from zero initial states or given
 ones (two tensors, or one tensor for both), its loss reading the output alone or the final states too. The training step (forward, a sum,
 backward) is staged, and every ``mkldnn_rnn_layer`` and ``mkldnn_rnn_layer_backward`` equation of it runs
-alone at the allocator (tests/memtrack.op_workspace) on tensors laid out as the trace recorded them (a
+alone at the allocator (tests/support/memtrack.op_workspace) on tensors laid out as the trace recorded them (a
 bidirectional layer's output gradient is a strided slice, the last layer's an expanded one), beside the
 workspace rule's answer for it. Prints rule / allocator per op: median, max, within 2%, under.
 """
@@ -54,7 +54,7 @@ def measure(case: dict) -> list:
     from memtrack import op_workspace
 
     import stagetorch
-    from stagetorch.costing import Layouts, workspace
+    from stagetorch.interpreters.memory import Layouts, workspace
     from stagetorch.ir import Var
 
     aten = torch.ops.aten
@@ -121,5 +121,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "support"))
     main()

@@ -2,7 +2,7 @@
 products or random ones (issue 25).
 
 Measure (each product run once below autograd, its allocations beyond its output recorded by
-tests/memtrack.op_workspace; about 0.1 s a product), writing one JSON row a product:
+tests/support/memtrack.op_workspace; about 0.1 s a product), writing one JSON row a product:
 
     python bench/onednn_matmul_grid.py measure --grid --threads 3 > grid3.jsonl
     python bench/onednn_matmul_grid.py measure --random 600 --seed 1 --threads 1 2 3 > random.jsonl
@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
 import stagetorch  # noqa: E402
-from stagetorch.costing import Layouts, workspace  # noqa: E402
+from stagetorch.interpreters.memory import Layouts, workspace  # noqa: E402
 from stagetorch.ops import linalg  # noqa: E402
 
 aten = torch.ops.aten

@@ -1,5 +1,5 @@
-"""Measured / planned peak at the allocator for the random networks of tests/random_nets.py, stepped as
-tests/test_random_steps.py steps them (two SGD steps at a fraction of the whole step's peak, or at the
+"""Measured / planned peak at the allocator for the random networks of tests/support/random_nets.py, stepped as
+tests/end_to_end/test_random_steps.py steps them (two SGD steps at a fraction of the whole step's peak, or at the
 smallest budget the planner's error names), reporting the distribution instead of asserting:
 
     python bench/random_plan_error.py image 0 80        # 80 networks, 160 steps
@@ -17,13 +17,13 @@ import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests" / "support"))
 import random_nets  # noqa: E402
 from memtrack import AllocatorPeak  # noqa: E402
 
 import stagetorch  # noqa: E402
-from stagetorch.costing import peak_bytes  # noqa: E402
 from stagetorch.errors import BatchCouplingError, OutOfMemoryError  # noqa: E402
+from stagetorch.interpreters.memory import peak_bytes  # noqa: E402
 
 
 def main() -> None:

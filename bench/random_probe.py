@@ -1,5 +1,5 @@
-"""Random networks against eager PyTorch, over as many seeds as you like (tests/random_nets.py): what
-tests/test_random_steps.py runs for 96 seeds, for thousands, reporting instead of stopping.
+"""Random networks against eager PyTorch, over as many seeds as you like (tests/support/random_nets.py): what
+tests/end_to_end/test_random_steps.py runs for 96 seeds, for thousands, reporting instead of stopping.
 
     python bench/random_probe.py sequence 0 500      # jit, recomputation allowed, two SGD steps each
     python bench/random_probe.py image 0 300
@@ -23,13 +23,13 @@ import traceback
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests" / "support"))
 import random_nets  # noqa: E402
 from memtrack import AllocatorPeak  # noqa: E402
 from test_random_steps import train_against_eager  # noqa: E402
 
 import stagetorch  # noqa: E402
-from stagetorch.costing import peak_bytes  # noqa: E402
+from stagetorch.interpreters.memory import peak_bytes  # noqa: E402
 
 
 def _lazy(case: random_nets.Case, steps: int = 3) -> str:

@@ -5,7 +5,7 @@
 - docs/img/remat-mlp.png: the issue's example (24 x (Linear(128,128)+GELU), 2 x 1024 tokens) under 16 MiB:
   chunks of one example and recomputation.
 - docs/img/remat-sweep.png: every seed model from 1.0x down to 0.2x of its no-recompute peak: the plan's
-  predicted peak, the peak measured by tests/memtrack.py while the step runs, and the extra FLOPs.
+  predicted peak, the peak measured by tests/support/memtrack.py while the step runs, and the extra FLOPs.
 
 Run: PYTHONPATH=. python bench/remat_plots.py   (about a minute on the 2-core CPU VM)
 """
@@ -23,15 +23,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests" / "support"))
 import remat_models  # noqa: E402
 from memtrack import AllocatorPeak  # noqa: E402
 
 import stagetorch  # noqa: E402
-from stagetorch.costing import peak_bytes  # noqa: E402
 from stagetorch.errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError  # noqa: E402
-from stagetorch.planning import SAFETY_MARGIN  # noqa: E402
-from stagetorch.remat_planning import RematPlan  # noqa: E402
+from stagetorch.interpreters.memory import peak_bytes  # noqa: E402
+from stagetorch.planning.chunks import SAFETY_MARGIN  # noqa: E402
+from stagetorch.planning.remat_search import RematPlan  # noqa: E402
 
 OUT = pathlib.Path(__file__).parent.parent / "docs" / "img"
 FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2)

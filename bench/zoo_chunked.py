@@ -1,4 +1,4 @@
-"""The transformers zoo (tests/test_transformers_zoo.py) chunked exactly: per model, a padded batch of 7 x 16
+"""The transformers zoo (tests/end_to_end/test_transformers_zoo.py) chunked exactly: per model, a padded batch of 7 x 16
 tokens in >= 3 uneven chunks against the same step in eager PyTorch, and the run's peak at the allocator
 against the plan and the budget.
 

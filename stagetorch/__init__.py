@@ -2,7 +2,6 @@
 
 from . import ops
 from .api import Staged, clear_caches, eval_shape, jit, make_ir, memory
-from .costing import MemoryReport
 from .errors import (
     BatchCouplingError,
     BatchStatisticsError,
@@ -14,9 +13,10 @@ from .errors import (
     StagingError,
     UnsupportedOpError,
 )
+from .interpreters.memory import MemoryReport
 from .ir import Aval, Eqn, Graph, Literal, SourceInfo, Var
 from .lazymode import LazyTensor, lazy
-from .planning import Plan
+from .planning.chunks import Plan
 
 __all__ = [
     "jit",

@@ -1,7 +1,7 @@
 """The public entry points: ``jit``, ``memory``, ``make_ir``, ``eval_shape`` and ``clear_caches``.
 
-``jit`` returns a :class:`~stagetorch.staged.Staged`, which caches one staged program per input signature
-and runs it through an :class:`~stagetorch.executable.Executable`: the whole batch at once when it fits,
+``jit`` returns a :class:`~stagetorch.runtime.staged.Staged`, which caches one staged program per input signature
+and runs it through an :class:`~stagetorch.runtime.executable.Executable`: the whole batch at once when it fits,
 else in exact chunks, recomputing where its planner says so.
 """
 
@@ -16,20 +16,21 @@ import attrs
 import torch
 import torch.utils._pytree as pytree
 
-from . import _caches, shapes
-from .costing import MemoryReport, Schedule, peak_bytes, timeline
-from .costing import report as costing_report
-from .cutting import CutPlan
-from .devices import format_bytes
-from .executable import Executable
-from .flops import graph_flops
+from .devices.budget import format_bytes
+from .interpreters import shapes
+from .interpreters.flops import graph_flops
+from .interpreters.memory import MemoryReport, Schedule, peak_bytes, timeline
+from .interpreters.memory import report as costing_report
 from .ir import Aval, Eqn, Graph, Var
-from .multipass import PassesPlan
-from .planning import body_peaks
-from .remat import RECOMPUTED, recomputed_eqns
-from .remat_planning import RematPlan
-from .staged import Staged, _grad_storages, _map_batched
-from .tracing import trace
+from .planning.chunks import body_peaks
+from .planning.cut import CutPlan
+from .planning.multipass import PassesPlan
+from .planning.remat_search import RematPlan
+from .runtime.executable import Executable
+from .runtime.staged import Staged, _grad_storages, _map_batched
+from .staging.tracer import trace
+from .transforms.remat import RECOMPUTED, recomputed_eqns
+from .utils import caches
 
 __all__ = ["make_ir", "eval_shape", "jit", "Staged", "memory", "Executable", "clear_caches"]
 
@@ -70,7 +71,7 @@ def clear_caches() -> None:
     The next call of each staged function stages it again. Use it to free the memory the caches hold, or
     after changing something stagetorch cannot see (a custom op's rule re-registered under the same name).
     """
-    _caches.clear_all()
+    caches.clear_all()
 
 
 def jit(

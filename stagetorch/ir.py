@@ -75,7 +75,7 @@ class Var:
     its base's storage); ``storage_nbytes`` is the size of the storage a base owns. ``strides``: the
     strides the value has when the graph runs, where known (the tracer records what it saw; a pass that
     makes a value may say, see :func:`restrided`); None where unknown. Memory rules read them through
-    :class:`stagetorch.costing.Layouts`; nothing else depends on them.
+    :class:`stagetorch.interpreters.memory.Layouts`; nothing else depends on them.
     """
 
     aval: Aval
@@ -312,7 +312,7 @@ def check(graph: Graph, *, abstract_eval: AbstractEval | None = None) -> Graph:
       ``base``, when the graph defines it, is defined before the view.
     - Outputs and gradients name defined variables; ``roles`` and ``names`` run parallel to ``invars``;
       each gradient's input position is in range and its aval is that input's.
-    - With ``abstract_eval`` (``stagetorch.shapes.abstract_eval``: the registry's shape rules, else meta
+    - With ``abstract_eval`` (``stagetorch.interpreters.shapes.abstract_eval``: the registry's shape rules, else meta
       kernels), each ATen equation's output avals are what the rules say for its input avals. Equations
       whose op has neither (a Python function a pass inserted) are checked structurally only.
     """

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import torch
 
-from . import _caches
+from .utils import caches
 
 __all__ = ["Rule", "register", "rules", "lookup"]
 
@@ -74,7 +74,7 @@ def register(
     - ``memory``: called with the :class:`~stagetorch.Eqn`; returns the bytes of transient workspace the
       op needs while it runs, beyond its outputs.
     - ``batch``: called as ``batch(eqn, label)``; says how the op runs on a chunk of the batch (see
-      :mod:`stagetorch.batching`).
+      :mod:`stagetorch.interpreters.batching`).
     - ``flops``: called with the :class:`~stagetorch.Eqn`; returns the floating-point operations it does
       (a multiply-add counts 2, as ``torch.utils.flop_counter`` counts). Default: one per output element.
     - ``calls``: called with the :class:`~stagetorch.Eqn`; returns how many kernels it runs, each of which
@@ -90,7 +90,7 @@ def register(
       itself beyond its outputs (column buffers, reordered copies, scratchpads), as the allocator sees them
       at the kernel's own peak. The memory interpreter holds them while the equation runs and frees them
       after it. Unlike a ``memory`` rule, a workspace rule keeps the planner's fast costing of chunk sizes
-      (it is asked again at each size). Measure it with ``tests/memtrack.op_workspace``.
+      (it is asked again at each size). Measure it with ``tests/support/memtrack.op_workspace``.
 
     Each slot is also a decorator: ``@stagetorch.ops.register.memory(torch.ops.mylib.op)``.
 
@@ -147,7 +147,7 @@ def lookup(prim: Any) -> Rule | None:
 # slot()'s answers, by (prim, slot name): the interpreters ask for every equation's rules, many times over a
 # plan. register() empties it.
 _SLOTS: dict[tuple[Any, str], Callable[..., Any] | None] = {}
-_caches.on_clear(_SLOTS.clear)
+caches.on_clear(_SLOTS.clear)
 
 
 def slot(prim: Any, name: str) -> Callable[..., Any] | None:
@@ -159,7 +159,7 @@ def slot(prim: Any, name: str) -> Callable[..., Any] | None:
 
 
 def _slot(prim: Any, name: str) -> Callable[..., Any] | None:
-    # A prim a pass makes from an op (stagetorch.rng's replay of a random op) answers for its own rules.
+    # A prim a pass makes from an op (stagetorch.transforms.rng's replay of a random op) answers for its own rules.
     own_rule = getattr(type(prim), "stagetorch_rule", None)
     if own_rule is not None and not isinstance(prim, torch._ops.OpOverload):
         return own_rule(prim, name)
@@ -179,4 +179,4 @@ def _is_out_variant(prim: torch._ops.OpOverload) -> bool:
     return any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in prim._schema.arguments)
 
 
-_caches.on_clear(_is_out_variant.cache_clear)
+caches.on_clear(_is_out_variant.cache_clear)

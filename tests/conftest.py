@@ -5,13 +5,18 @@ import sys
 import pytest
 import torch
 
-from stagetorch import tracing
 from stagetorch.lazymode import recording
 from stagetorch.lazymode.mode import Mode, force_mode
 from stagetorch.lazymode.session import _Session
-from stagetorch.planner import _LESSONS
+from stagetorch.planning.planner import _LESSONS
+from stagetorch.staging import tracer as tracing
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
+# tests/ mirrors the package, a folder per layer; the helpers every folder uses are in tests/support, imported by
+# module name (``import models``), as are the helpers one test module lends another (``from test_chunking import
+# budget_for``) wherever it sits.
+_TESTS = pathlib.Path(__file__).parent
+for _folder in sorted(p for p in _TESTS.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))):
+    sys.path.insert(0, str(_folder))
 
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     # `pytest -n N`: each worker takes its share of the cores, so N workers do not each start one OpenMP thread

@@ -28,10 +28,10 @@ from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision,
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from ..api import jit
-from ..devices import format_bytes, parse_bytes
+from ..devices.budget import format_bytes, parse_bytes
 from ..errors import OutOfMemoryError, StagingError
-from ..planning import Plan
-from ..staged import Staged
+from ..planning.chunks import Plan
+from ..runtime.staged import Staged
 
 __all__ = ["StagedStrategy"]
 

@@ -25,8 +25,8 @@ from transformers.utils import is_sagemaker_mp_enabled
 
 from ..api import jit
 from ..errors import StagingError, UnsupportedOpError
-from ..planning import Plan
-from ..staged import Staged
+from ..planning.chunks import Plan
+from ..runtime.staged import Staged
 
 __all__ = ["StagedTrainer", "StagedTrainingMixin"]
 

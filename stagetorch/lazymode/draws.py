@@ -6,8 +6,8 @@ Eager draws in program order. A step that also draws outside the lazy tensors (L
 eager gives to the recorded one, skip other layers than eager skips, and leave the generator elsewhere. So
 each recorded draw saves the generator's state and draws once on stand-ins of its arguments' layout (how many
 numbers a draw takes depends on its shape, not its values: the same rule as ``jit``'s host reads,
-:mod:`stagetorch.host`), leaving the generator where eager leaves it; the flush draws again from each saved
-state (:class:`stagetorch.rng.SetRngState` before each draw), then sets the generator back.
+:mod:`stagetorch.staging.host_reads`), leaving the generator where eager leaves it; the flush draws again from each saved
+state (:class:`stagetorch.transforms.rng.SetRngState` before each draw), then sets the generator back.
 
 That second draw costs a draw per random op, so a recording pays it only where it is needed: a session that
 records always does, and notes whether a draw outside the lazy tensors came between one of its draws and the
@@ -24,9 +24,9 @@ from collections.abc import Mapping
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .._tree import map_leaves
 from ..ir import Eqn, Var
-from ..rng import replayable
+from ..transforms.rng import replayable
+from ..utils.tree import map_leaves
 
 __all__ = ["draws_from_default", "draw_on_stand_ins", "COUNTED_BY_VALUES"]
 

@@ -15,8 +15,8 @@ from typing import Any
 import attrs
 import torch
 
-from .._tree import flat_call, flatten, map_leaves, unflat_call
 from ..ir import Var
+from ..utils.tree import flat_call, flatten, map_leaves, unflat_call
 from .autograd_graph import _PYTHON_FUNCTION_NODE, _autograd_graph, _Unreadable
 from .mode import Mode
 from .recording import _BACKWARD, _CONCRETE, _Backward, _meta

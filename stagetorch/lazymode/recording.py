@@ -17,11 +17,12 @@ import attrs
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .. import _caches, rng
-from .._tree import map_leaves
 from ..errors import ConcretizationError, UnsupportedOpError
 from ..ir import Eqn, Var
-from ..tracing import Recorder, user_frame
+from ..staging.tracer import Recorder, user_frame
+from ..transforms import rng
+from ..utils import caches
+from ..utils.tree import map_leaves
 from .autograd_graph import _saved_state
 from .draws import COUNTED_BY_VALUES, draw_on_stand_ins, draws_from_default
 from .mode import Mode
@@ -120,7 +121,7 @@ class _Recording:
 # The latest recording per input signature: the step loop of a training script records once. The oldest
 # signatures are forgotten first.
 _RECORDINGS: dict[tuple, _Recording] = {}
-_caches.on_clear(_RECORDINGS.clear)
+caches.on_clear(_RECORDINGS.clear)
 
 _MAX_RECORDINGS = 32
 

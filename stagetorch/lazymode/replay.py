@@ -12,8 +12,8 @@ from typing import Any
 import attrs
 import torch
 
-from .._tree import flatten, map_leaves
 from ..ir import Var
+from ..utils.tree import flatten, map_leaves
 from .autograd_graph import _Unreadable
 from .mode import Mode
 from .recording import _BACKWARD, RecordingSteps, _key, _Out, _Step

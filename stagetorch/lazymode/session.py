@@ -1,6 +1,6 @@
 """The session: what one ``lazy(...)`` call made (its lazy inputs, the recording it records or replays, the
 real values kept) and its flush, which runs the pending equations through the same
-:class:`~stagetorch.executable.Executable` that ``jit`` uses. :func:`lazy` starts one.
+:class:`~stagetorch.runtime.executable.Executable` that ``jit`` uses. :func:`lazy` starts one.
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .. import rng
-from ..batching import Batched
-from ..devices import free_memory
+from ..devices.budget import free_memory
 from ..errors import BatchCouplingError, ConcretizationError, ModifiedInputError, StagingError
-from ..executable import Executable
-from ..execute import accumulate_grad
-from ..flops import graph_flops
+from ..interpreters.batching import Batched
+from ..interpreters.eager import accumulate_grad
+from ..interpreters.flops import graph_flops
 from ..ir import Eqn, Graph, Var, op_name
-from ..passes import writes
-from ..tracing import Recorder, user_frame
+from ..runtime.executable import Executable
+from ..staging.tracer import Recorder, user_frame
+from ..transforms import rng
+from ..transforms.schedule import writes
 from . import mode as _mode
 from . import shard
 from .backward import BackwardSkip
@@ -458,7 +458,7 @@ class _Session(BackwardSkip):
                 rng.set_generator_state(d, state)
 
     def _drawing(self, span: _FlushSpan, end: int, drawn: list[int], outs: tuple) -> Executable:
-        """The flush's executable with :class:`~stagetorch.rng.SetRngState` before each draw at ``drawn``, its
+        """The flush's executable with :class:`~stagetorch.transforms.rng.SetRngState` before each draw at ``drawn``, its
         state an input after the flush's own."""
         recording = self.recording
         eqns, states = [], []
@@ -804,7 +804,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _beside(draw: Eqn, maker: dict[Var, Eqn]) -> list[Var]:
-    """What the :class:`~stagetorch.rng.SetRngState` before ``draw`` reads, to run where it runs: its arguments, but
+    """What the :class:`~stagetorch.transforms.rng.SetRngState` before ``draw`` reads, to run where it runs: its arguments, but
     for one it draws into (CPU dropout's ``bernoulli_`` into ``empty_like(x)``) the arguments of what made
     that one (``x``, read later anyway): a read of the storage before the draw writes it would keep a
     recomputation from making it again whole (``remat._written_whole``)."""

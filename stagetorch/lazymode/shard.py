@@ -2,7 +2,7 @@
 
 Each rank passes its shard; the session records for the *global* batch (the lazy tensors have its shape:
 ``x.shape[0]`` is every rank's examples together, as inside a step staged by ``jit(process_group=)``), and
-its flush runs this rank's examples through :meth:`stagetorch.executable.Executable.run_shard`, so a mean's count,
+its flush runs this rank's examples through :meth:`stagetorch.runtime.executable.Executable.run_shard`, so a mean's count,
 a loss's normaliser and every gradient are the global batch's. The collectives are jit's: the shard sizes
 (with a signature of the arguments) when ``lazy`` is called, the plan agreement (with a signature of the
 program), then the merges, at every flush. A per-example value a flush made holds this rank's rows; a later
@@ -22,14 +22,14 @@ from typing import Any
 import attrs
 import torch
 
-from ..batching import Batched
-from ..distributed import ShardGroup, Signature
 from ..errors import OutOfMemoryError, UnsupportedOpError
-from ..executable import Executable
+from ..interpreters.batching import Batched
 from ..ir import Var
-from ..planning import Plan
-from ..remat_planning import RematPlan
-from ..tracing import user_frame
+from ..parallel.data_parallel import ShardGroup, Signature
+from ..planning.chunks import Plan
+from ..planning.remat_search import RematPlan
+from ..runtime.executable import Executable
+from ..staging.tracer import user_frame
 
 __all__ = ["LazyShard", "start", "run"]
 

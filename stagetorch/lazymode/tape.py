@@ -14,8 +14,8 @@ from typing import Any
 import attrs
 import torch
 
-from .._tree import flatten
 from ..ir import Var
+from ..utils.tree import flatten
 from .autograd_graph import _autograd_graph, _Unreadable
 from .recording import _BACKWARD, RecordingSteps, _meta
 from .tensor import _MISS, _NO_KWARGS, LazyTensor, _make_subclass

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from .._tree import flat_call, map_leaves
 from ..errors import UnsupportedOpError
 from ..ir import Var
-from ..tracing import HELD, user_frame
+from ..staging.tracer import HELD, user_frame
+from ..utils.tree import flat_call, map_leaves
 from .mode import Mode
 
 __all__ = ["LazyTensor"]

@@ -6,11 +6,10 @@ from typing import Any
 
 import torch
 
-from .. import batching, flops
-from ..costing import MemoryEffect
 from ..errors import ShapeError
+from ..interpreters import batching, flops, shape_rules
+from ..interpreters.memory import MemoryEffect
 from ..ir import Aval, Eqn
-from . import _shape
 
 aten = torch.ops.aten
 
@@ -58,7 +57,7 @@ def sdpa_cpu_memory(e: Eqn) -> MemoryEffect:
 
 def sdpa_cpu_workspace(e: Eqn) -> int:
     """Each thread's scores, row maxima and sums and output block, in the accumulation type (float; double for
-    double inputs; measured at the allocator: tests/test_workspace.py). Reduced-precision inputs add a copy of the scores block in their own dtype."""
+    double inputs; measured at the allocator: tests/ops/test_workspace.py). Reduced-precision inputs add a copy of the scores block in their own dtype."""
     q, k, v = (a.aval for a in e.args[:3])
     if q.device.type != "cpu":
         return 0
@@ -70,7 +69,7 @@ def sdpa_cpu_workspace(e: Eqn) -> int:
 
 def _read_in_place(shape: tuple[int, ...], strides: tuple[int, ...] | None) -> bool:
     """The kernel reads the output gradient (batch, heads, L, E) as (batch, L, heads, E) and copies it unless
-    it is contiguous so (measured: tests/test_workspace.py)."""
+    it is contiguous so (measured: tests/ops/test_workspace.py)."""
     if strides is None:
         return False
     return torch.empty_strided(shape, strides, device="meta").transpose(1, 2).is_contiguous()
@@ -95,8 +94,8 @@ sdpa_cpu_backward_workspace.reads_layouts = True  # type: ignore[attr-defined]
 
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
-    aten._softmax: _shape.softmax("_softmax"),
-    aten._log_softmax: _shape.softmax("_log_softmax"),
+    aten._softmax: shape_rules.softmax("_softmax"),
+    aten._log_softmax: shape_rules.softmax("_log_softmax"),
     aten._softmax_backward_data: lambda grad, out, dim, dtype: Aval(grad.shape, dtype, grad.device),
     aten._log_softmax_backward_data: lambda grad, out, dim, dtype: Aval(grad.shape, dtype, grad.device),
     aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu,

@@ -8,10 +8,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import batching, flops
 from ..errors import ShapeError
+from ..interpreters import batching, flops
 from ..ir import Aval, Eqn
-from . import _layout, linalg
+from . import layout_rules, linalg
 
 aten = torch.ops.aten
 
@@ -77,7 +77,7 @@ FLOPS: dict = {
 # -- Workspace: what the CPU kernels allocate inside themselves ---------------------------------------------
 #
 # Measured at the allocator (profiler allocation events) on torch 2.13's CPU build, float32, contiguous NCHW /
-# NCDHW tensors; tests/test_workspace.py holds each formula to the measured excess of the op alone. Two
+# NCDHW tensors; tests/ops/test_workspace.py holds each formula to the measured excess of the op alone. Two
 # kernels run a CPU convolution, chosen as ConvParams::use_mkldnn chooses (_uses_mkldnn below):
 #
 # - the native one (slow_conv2d / slow_conv3d) unfolds its input into a column buffer of
@@ -205,8 +205,8 @@ def _input_gradient_columns(x: Aval, w: Aval, grad: Aval) -> int:
     """The native 2-d kernel's input gradient unfolds one example at a time into a buffer of each thread's own,
     one example's columns (whatever the kernel's size, 1x1 included), made with ``std::make_unique``
     (``slow_conv2d_backward_out_cpu_template``, ATen's ConvolutionMM2d.cpp): from plain ``malloc``, never
-    torch's allocator, so the profiler does not see it (tests/test_workspace.py measures it at ``malloc``;
-    tests/memtrack.AllocatorPeak adds it to the profiler's reading). One buffer per thread that has examples,
+    torch's allocator, so the profiler does not see it (tests/ops/test_workspace.py measures it at ``malloc``;
+    tests/support/memtrack.AllocatorPeak adds it to the profiler's reading). One buffer per thread that has examples,
     at most, when all of them run at once; a grouped convolution runs a group at a time (``w`` is a group's
     weight: its columns)."""
     examples = min(torch.get_num_threads(), x.shape[0])
@@ -228,34 +228,34 @@ def _group_slices(e: Eqn, backward: bool, layouts: Any) -> int | None:
     for name, v in (("x", x), ("grad", grad)):
         if v is None:
             continue
-        strides = _layout.strides_of(v, layouts)
+        strides = layout_rules.strides_of(v, layouts)
         if v is x and x.aval.ndim == 3:  # a 1-d convolution's input is made contiguous whole first
-            strides = _layout.dense_strides(x.aval.shape, torch.contiguous_format)
+            strides = layout_rules.dense_strides(x.aval.shape, torch.contiguous_format)
         if strides is None:
             return None
-        fmt = _layout.suggested(v, layouts) if v.aval.ndim != 3 else torch.contiguous_format
+        fmt = layout_rules.suggested(v, layouts) if v.aval.ndim != 3 else torch.contiguous_format
         shape = (v.aval.shape[0], v.aval.shape[1] // groups, *v.aval.shape[2:])
-        if not _layout.dense_in(shape, strides, fmt):
+        if not layout_rules.dense_in(shape, strides, fmt):
             out += v.aval.nbytes // groups
-            strides = _layout.dense_strides(shape, fmt)
+            strides = layout_rules.dense_strides(shape, fmt)
         slices[name] = (shape, strides)
     kernel = torch.contiguous_format
     if x.aval.ndim == 4:
         shape, strides = slices["x"]
         meta = torch.empty_strided(shape, strides, device="meta")
-        w_strides = _layout.strides_of(w, layouts)
+        w_strides = layout_rules.strides_of(w, layouts)
         w_shape = (w.aval.shape[0] // groups, *w.aval.shape[1:])
         w_meta = torch.empty_strided(w_shape, w_strides, device="meta") if w_strides is not None else None
         if _suggests_channels_last(meta) or (w_meta is not None and _suggests_channels_last(w_meta)):
             kernel = torch.channels_last
     for shape, strides in slices.values():
-        if not _layout.dense_in(shape, strides, kernel):
+        if not layout_rules.dense_in(shape, strides, kernel):
             out += math.prod(shape) * x.aval.itemsize
     return out
 
 
 def _suggests_channels_last(t: torch.Tensor) -> bool:
-    return _layout.suggested_of(t) in _layout.CHANNELS_LAST
+    return layout_rules.suggested_of(t) in layout_rules.CHANNELS_LAST
 
 
 def _onednn_parts(x: Aval, w: Aval, out: Aval, groups: int, transposed: bool) -> tuple[int, int, int, int]:
@@ -303,7 +303,7 @@ def _copies(e: Eqn, backward: bool, mkldnn: bool, layouts: Any) -> tuple[int, bo
     grad, x, w = (e.args[:3] if backward else (None, e.args[0], e.args[1]))
     one_d = x.aval.ndim == 3
     channels_last = not one_d and (mkldnn or x.aval.ndim == 4) and (
-        _layout.suggested(x, layouts) in _layout.CHANNELS_LAST or _layout.suggested(w, layouts) in _layout.CHANNELS_LAST
+        layout_rules.suggested(x, layouts) in layout_rules.CHANNELS_LAST or layout_rules.suggested(w, layouts) in layout_rules.CHANNELS_LAST
     )
     if channels_last:
         fmt = torch.channels_last if x.aval.ndim == 4 else torch.channels_last_3d
@@ -316,7 +316,7 @@ def _copies(e: Eqn, backward: bool, mkldnn: bool, layouts: Any) -> tuple[int, bo
     for v in (x, w, grad):
         if v is None or (sliced and (v is grad or (v is x and not one_d))):
             continue
-        dense = _layout.dense_in(v.aval.shape, _layout.strides_of(v, layouts), fmt)
+        dense = layout_rules.dense_in(v.aval.shape, layout_rules.strides_of(v, layouts), fmt)
         if dense is False or (dense is None and one_d and v is not w):
             copied += v.aval.nbytes
     return copied, channels_last
@@ -353,7 +353,7 @@ def convolution_workspace(e: Eqn, layouts: Any = None) -> int:
         padded = _ISAS[_onednn_isa()].brgemm_output_channels(w.shape[0])
         return copies + w.nbytes * padded // w.shape[0] + 4096 + 4120 * torch.get_num_threads()
     # oneDNN over grouped channels-last tensors reorders less than the formula below counts for contiguous ones
-    # (but for a few shapes: tests/test_workspace.py); it stands for it, mostly an over-estimate.
+    # (but for a few shapes: tests/ops/test_workspace.py); it stands for it, mostly an over-estimate.
     src, weight, dst, _ = _onednn_parts(x, w, out, groups, transposed)
     # The blocked output is reordered into the returned tensor after the input and weight copies are freed.
     return copies + max(src + weight + dst, dst + out.nbytes) - out.nbytes
@@ -920,8 +920,8 @@ def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
     if not mkldnn:
         slices = _group_slices(e, True, layouts or _unknown) if groups > 1 else None
         # The 3-d 1x1 kernel's input-sized buffer is the input's contiguous copy, where it makes one.
-        buffer = not (x.ndim == 5 and copies >= x.nbytes and not _layout.dense_in(
-            x.shape, _layout.strides_of(e.args[1], layouts or _unknown) or _layout.dense_strides(x.shape, torch.contiguous_format),
+        buffer = not (x.ndim == 5 and copies >= x.nbytes and not layout_rules.dense_in(
+            x.shape, layout_rules.strides_of(e.args[1], layouts or _unknown) or layout_rules.dense_strides(x.shape, torch.contiguous_format),
             torch.contiguous_format))
         # The 2-d kernel's input gradient: one example's columns per thread, from malloc (_input_gradient_columns).
         at_malloc = _input_gradient_columns(x, w, grad) if x.ndim == 4 and not transposed and mask[0] else 0

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import batching
+from ..interpreters import batching
 from ..ir import Aval
-from . import _layout
+from . import layout_rules
 
 aten = torch.ops.aten
 
@@ -26,8 +26,8 @@ BATCH: dict = {
 }
 
 
-# Layout rules (see stagetorch/ops/_layout.py): the backward multiplies in a TensorIterator, which keeps the
+# Layout rules (see stagetorch/ops/layout_rules.py): the backward multiplies in a TensorIterator, which keeps the
 # gradient's layout; its meta kernel returns a contiguous tensor.
 LAYOUT: dict = {
-    aten.native_dropout_backward: _layout.elementwise,
+    aten.native_dropout_backward: layout_rules.elementwise,
 }

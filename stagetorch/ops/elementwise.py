@@ -4,59 +4,59 @@ from __future__ import annotations
 
 import torch
 
-from .. import batching
+from ..interpreters import batching, shape_rules
 from ..ir import Aval, Eqn, Var
-from . import _layout, _shape
+from . import layout_rules
 
 aten = torch.ops.aten
 
 
 def div(x: Aval, other: Aval | complex, *, rounding_mode: str | None = None) -> Aval:
     """True division makes integers float; floor and trunc division keep the operands' promoted dtype."""
-    kind = _shape.Promotion.DEFAULT if rounding_mode else _shape.Promotion.INT_TO_FLOAT
-    return _shape.broadcast("div", kind=kind)(x, other)
+    kind = shape_rules.Promotion.DEFAULT if rounding_mode else shape_rules.Promotion.INT_TO_FLOAT
+    return shape_rules.broadcast("div", kind=kind)(x, other)
 
 
 def where(cond: Aval, x: Aval, y: Aval) -> Aval:
-    out = _shape.broadcast("where", tensors=3)(cond, x, y)
-    return Aval(out.shape, _shape.result_dtype(x, y), out.device)
+    out = shape_rules.broadcast("where", tensors=3)(cond, x, y)
+    return Aval(out.shape, shape_rules.result_dtype(x, y), out.device)
 
 
 def masked_fill(x: Aval, mask: Aval, value: Aval | complex) -> Aval:
     """The mask broadcasts ``x`` out of place; the fill value never changes the dtype."""
-    return Aval(_shape.broadcast_shapes("masked_fill", x, mask), x.dtype, x.device)
+    return Aval(shape_rules.broadcast_shapes("masked_fill", x, mask), x.dtype, x.device)
 
 
 # Promotion kinds are torch's own, as its reference implementations (torch._refs) declare them.
-_TO_FLOAT = _shape.Promotion.INT_TO_FLOAT
+_TO_FLOAT = shape_rules.Promotion.INT_TO_FLOAT
 
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
-    **{op: _shape.broadcast(op.__name__) for op in (
+    **{op: shape_rules.broadcast(op.__name__) for op in (
         aten.add, aten.sub, aten.mul, aten.rsub, aten.maximum, aten.minimum,
     )},
     aten.div: div,
-    aten.pow: _shape.broadcast("pow", kind=_shape.Promotion.BOOL_TO_LONG),
+    aten.pow: shape_rules.broadcast("pow", kind=shape_rules.Promotion.BOOL_TO_LONG),
     aten.where.self: where,
     aten.masked_fill: masked_fill,
-    **{op: _shape.compare(op.__name__) for op in (aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge)},
+    **{op: shape_rules.compare(op.__name__) for op in (aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge)},
     # Backward of an activation: shaped like the incoming gradient.
-    **{op: _shape.broadcast(op.__name__) for op in (
+    **{op: shape_rules.broadcast(op.__name__) for op in (
         aten.threshold_backward, aten.gelu_backward, aten.tanh_backward, aten.sigmoid_backward,
         aten.silu_backward,
     )},
     # grad * mask * scale: a float scale makes an integer gradient float.
-    aten.native_dropout_backward: _shape.broadcast("native_dropout_backward", tensors=3),
-    **{op: _shape.broadcast(op.__name__, tensors=1, bool_ok=False) for op in (aten.relu, aten.gelu, aten.silu, aten.neg)},
-    **{op: _shape.broadcast(op.__name__, tensors=1, kind=_TO_FLOAT) for op in (
+    aten.native_dropout_backward: shape_rules.broadcast("native_dropout_backward", tensors=3),
+    **{op: shape_rules.broadcast(op.__name__, tensors=1, bool_ok=False) for op in (aten.relu, aten.gelu, aten.silu, aten.neg)},
+    **{op: shape_rules.broadcast(op.__name__, tensors=1, kind=_TO_FLOAT) for op in (
         aten.tanh, aten.sigmoid, aten.exp, aten.log, aten.sqrt, aten.rsqrt,
     )},
-    aten.abs: _shape.broadcast("abs", tensors=1, kind=_shape.Promotion.COMPLEX_TO_FLOAT, bool_ok=False),
-    **{op: _shape.same(op.__name__) for op in (
+    aten.abs: shape_rules.broadcast("abs", tensors=1, kind=shape_rules.Promotion.COMPLEX_TO_FLOAT, bool_ok=False),
+    **{op: shape_rules.same(op.__name__) for op in (
         aten.clone, aten.detach, aten.alias, aten.fill, aten.copy_, aten.zero_, aten.fill_,
         aten.lift_fresh_copy,
     )},
-    **{op: _shape.same(op.__name__, dtype_arg="dtype") for op in (
+    **{op: shape_rules.same(op.__name__, dtype_arg="dtype") for op in (
         aten._to_copy, aten.ones_like, aten.zeros_like, aten.empty_like, aten.full_like,
     )},
 }
@@ -87,25 +87,25 @@ BATCH: dict = {
 }
 
 
-# Layout rules (see stagetorch/ops/_layout.py). With a 0-dim tensor operand these meta kernels return a
+# Layout rules (see stagetorch/ops/layout_rules.py). With a 0-dim tensor operand these meta kernels return a
 # contiguous tensor where the kernel (a TensorIterator) keeps the other operand's layout; over operands laid
 # out otherwise than each other (a contiguous gradient and a channels-last activation) the activations'
 # backward kernels, xlogy and xlog1py lay theirs out as TensorIterator does (the first operand's layout
 # first) where the meta kernels take the last operand's; log_sigmoid's CPU kernel returns both its outputs
 # contiguous where its meta kernel keeps the input's strides.
 LAYOUT: dict = {
-    aten.copysign.Tensor: _layout.elementwise,
-    aten.div.Tensor_mode: _layout.elementwise,
-    aten.floor_divide.default: _layout.elementwise,
-    aten.hardswish_backward: _layout.elementwise,
-    aten.elu_backward: _layout.elementwise,
-    aten.softplus_backward: _layout.elementwise,
-    aten.hardtanh_backward: _layout.elementwise,
-    aten.hardsigmoid_backward: _layout.elementwise,
-    aten.logit_backward: _layout.elementwise,
-    aten.xlogy.Tensor: _layout.elementwise,
-    aten.special_xlog1py.default: _layout.elementwise,
-    aten.log_sigmoid_forward: _layout.all_contiguous(2, devices=("cpu",)),
+    aten.copysign.Tensor: layout_rules.elementwise,
+    aten.div.Tensor_mode: layout_rules.elementwise,
+    aten.floor_divide.default: layout_rules.elementwise,
+    aten.hardswish_backward: layout_rules.elementwise,
+    aten.elu_backward: layout_rules.elementwise,
+    aten.softplus_backward: layout_rules.elementwise,
+    aten.hardtanh_backward: layout_rules.elementwise,
+    aten.hardsigmoid_backward: layout_rules.elementwise,
+    aten.logit_backward: layout_rules.elementwise,
+    aten.xlogy.Tensor: layout_rules.elementwise,
+    aten.special_xlog1py.default: layout_rules.elementwise,
+    aten.log_sigmoid_forward: layout_rules.all_contiguous(2, devices=("cpu",)),
 }
 
 
@@ -117,19 +117,19 @@ def _wrapped_dtype(number: object) -> torch.dtype | None:
     return next((dtype for kind, dtype in _WRAPPED if isinstance(number, kind)), None)
 
 
-def _wrapped_peak(tensors: list[Aval], number: object, kind: _shape.Promotion) -> int:
+def _wrapped_peak(tensors: list[Aval], number: object, kind: shape_rules.Promotion) -> int:
     """What one CPU TensorIterator call over ``tensors`` and the Python ``number`` allocates inside itself:
     the number wrapped as a 0-dim tensor, its cast to the common dtype where that differs, and a cast of
     each tensor of another dtype (an int64 tensor times 0.5 computes in float32)."""
     wrapped = _wrapped_dtype(number)
     if wrapped is None or not tensors or tensors[0].device.type != "cpu":
         return 0
-    common = _shape.result_dtype(*tensors, number, kind=kind)
+    common = shape_rules.result_dtype(*tensors, number, kind=kind)
     casts = sum(t.numel * common.itemsize for t in tensors if t.dtype != common)
     return wrapped.itemsize + (0 if common == wrapped else common.itemsize) + casts
 
 
-def _cast_peak(tensors: list[Aval], kind: _shape.Promotion, inplace: bool = False, compares: bool = False) -> int:
+def _cast_peak(tensors: list[Aval], kind: shape_rules.Promotion, inplace: bool = False, compares: bool = False) -> int:
     """What one CPU TensorIterator call over tensors of more than one dtype allocates inside itself: a copy
     of each operand of another dtype than the one it computes in, at the operand's own shape (broadcast
     operands and 0-dim ones alike: an int64 mask times a float32 tensor casts the mask to float32). In place
@@ -139,7 +139,7 @@ def _cast_peak(tensors: list[Aval], kind: _shape.Promotion, inplace: bool = Fals
     integers computes in float32: both operands are cast, even of one dtype."""
     if any(t.device.type != "cpu" for t in tensors):  # a CUDA kernel casts as it reads (a CPU scalar too)
         return 0
-    common = _shape.result_dtype(*tensors, kind=kind)
+    common = shape_rules.result_dtype(*tensors, kind=kind)
     casts = sum(t.numel * common.itemsize for t in tensors if t.dtype != common)
     if inplace and tensors[0].dtype not in (common, *((torch.bool,) if compares else ())):
         casts += tensors[0].numel * common.itemsize
@@ -158,12 +158,12 @@ def _compares(e: Eqn) -> bool:
     return e.prim._schema.name.removeprefix("aten::") in _COMPARES
 
 
-def mixed_dtype_workspace(positions: tuple[int, ...] = (0, 1), kind: _shape.Promotion = _shape.Promotion.DEFAULT):  # noqa: ANN201
+def mixed_dtype_workspace(positions: tuple[int, ...] = (0, 1), kind: shape_rules.Promotion = shape_rules.Promotion.DEFAULT):  # noqa: ANN201
     """A pointwise op over the tensors at ``positions`` (its promoting operands: not ``where``'s condition),
     whose CPU kernel casts each one of another dtype than the common one before computing
     (:func:`_cast_peak`): ``mask * x`` with an int64 or bool mask, ``x.eq(y)`` across dtypes,
     ``torch.where(c, f32, f64)``, ``torch.maximum(bf16, f32)``. Measured at the allocator
-    (tests/test_workspace.py); a comparison computes in the operands' common dtype (its output is bool).
+    (tests/ops/test_workspace.py); a comparison computes in the operands' common dtype (its output is bool).
     All of one dtype: 0."""
 
     def rule(e: Eqn) -> int:
@@ -173,7 +173,7 @@ def mixed_dtype_workspace(positions: tuple[int, ...] = (0, 1), kind: _shape.Prom
     return rule
 
 
-def wrapped_number_workspace(position: int, kind: _shape.Promotion = _shape.Promotion.DEFAULT):  # noqa: ANN201
+def wrapped_number_workspace(position: int, kind: shape_rules.Promotion = shape_rules.Promotion.DEFAULT):  # noqa: ANN201
     """An op whose CPU kernel wraps the Python number at argument ``position`` as a 0-dim tensor and casts
     it to the computation's dtype, both freed inside the call (:func:`_wrapped_peak`): the arithmetic and
     comparison ops on a tensor and a number (``x * 2``, ``x + 1.5``, ``x / 3``, ``x > 0``, ``x.mul_(beta)``:
@@ -191,7 +191,7 @@ def wrapped_number_workspace(position: int, kind: _shape.Promotion = _shape.Prom
         lists = [a for a in e.args if isinstance(a, (list, tuple)) and a and isinstance(a[0], Var)]
         how = kind
         if e.prim in (aten.div.Tensor_mode, aten.div_.Tensor_mode, aten.div.Scalar_mode, aten.div_.Scalar_mode):
-            how = _shape.Promotion.DEFAULT if e.kwargs.get("rounding_mode") else _TO_FLOAT
+            how = shape_rules.Promotion.DEFAULT if e.kwargs.get("rounding_mode") else _TO_FLOAT
         if isinstance(number, Var) and not lists:  # a tensor, not a number: its casts across dtypes alone
             return _cast_peak(tensors, how, _inplace(e))
         if not lists:
@@ -208,7 +208,7 @@ def wrapped_number_workspace(position: int, kind: _shape.Promotion = _shape.Prom
     return rule
 
 
-# Measured at the allocator (tests/test_workspace.py): these wrap a number; ``pow.Tensor_Scalar``, ``clamp``
+# Measured at the allocator (tests/ops/test_workspace.py): these wrap a number; ``pow.Tensor_Scalar``, ``clamp``
 # (both cast an integer ``self`` a float number promotes: number_cast_workspace), ``masked_fill``, ``fill_``,
 # ``lerp``, ``addcmul``/``addcdiv`` (their ``value``), ``hardtanh``, ``threshold``, ``leaky_relu`` and
 # ``_foreach_pow.Scalar`` take theirs as a number inside the kernel.
@@ -232,18 +232,18 @@ _WRAPS_OTHER_TO_FLOAT = (
 )
 
 
-def number_cast_workspace(positions: tuple[int, ...], kind: _shape.Promotion = _shape.Promotion.DEFAULT):  # noqa: ANN201
+def number_cast_workspace(positions: tuple[int, ...], kind: shape_rules.Promotion = shape_rules.Promotion.DEFAULT):  # noqa: ANN201
     """An op that reads the Python numbers at ``positions`` inside its kernel (nothing wrapped) but computes
     in the dtype they promote its tensor ``self`` to: the CPU kernel casts ``self`` first. An int64 or bool
     tensor ``** 0.5`` or clamped to ``0.5`` computes in float32 (a float32 copy of it), a bool tensor ``** 2``
-    in int64; a float tensor: 0. Measured at the allocator (tests/test_workspace.py)."""
+    in int64; a float tensor: 0. Measured at the allocator (tests/ops/test_workspace.py)."""
 
     def rule(e: Eqn) -> int:
         x = e.args[0]
         if not isinstance(x, Var) or x.aval.device.type != "cpu":
             return 0
         numbers = [e.args[i] for i in positions if i < len(e.args) and _wrapped_dtype(e.args[i]) is not None]
-        common = _shape.result_dtype(x.aval, *numbers, kind=kind)
+        common = shape_rules.result_dtype(x.aval, *numbers, kind=kind)
         return 0 if common == x.aval.dtype else x.aval.numel * common.itemsize
 
     return rule
@@ -269,15 +269,15 @@ _CASTS_TO_FLOAT = (
 WORKSPACE: dict = {
     **{op: wrapped_number_workspace(1) for op in _WRAPS_OTHER},
     **{op: wrapped_number_workspace(1, _TO_FLOAT) for op in _WRAPS_OTHER_TO_FLOAT},
-    aten.pow.Scalar: wrapped_number_workspace(0, _shape.Promotion.BOOL_TO_LONG),
-    aten._foreach_pow.ScalarAndTensor: wrapped_number_workspace(0, _shape.Promotion.BOOL_TO_LONG),
+    aten.pow.Scalar: wrapped_number_workspace(0, shape_rules.Promotion.BOOL_TO_LONG),
+    aten._foreach_pow.ScalarAndTensor: wrapped_number_workspace(0, shape_rules.Promotion.BOOL_TO_LONG),
     aten.remainder.Scalar_Tensor: wrapped_number_workspace(0),
     aten.xlogy.Scalar_Self: wrapped_number_workspace(0, _TO_FLOAT),
     aten.special_xlog1py.self_scalar: wrapped_number_workspace(0, _TO_FLOAT),
     **{op: mixed_dtype_workspace() for op in _CASTS},
     **{op: mixed_dtype_workspace(kind=_TO_FLOAT) for op in _CASTS_TO_FLOAT},
-    aten.pow.Tensor_Tensor: mixed_dtype_workspace(kind=_shape.Promotion.BOOL_TO_LONG),
-    aten.pow_.Tensor: mixed_dtype_workspace(kind=_shape.Promotion.BOOL_TO_LONG),
+    aten.pow.Tensor_Tensor: mixed_dtype_workspace(kind=shape_rules.Promotion.BOOL_TO_LONG),
+    aten.pow_.Tensor: mixed_dtype_workspace(kind=shape_rules.Promotion.BOOL_TO_LONG),
     aten.where.self: mixed_dtype_workspace((1, 2)),
     aten.pow.Tensor_Scalar: number_cast_workspace((1,)),  # bool ** True stays bool
     aten.clamp.default: number_cast_workspace((1, 2)),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..batching import Chunked, LabelFn, Reduced, coupling
+from ..interpreters.batching import Chunked, LabelFn, Reduced, coupling
 from ..ir import Aval, Eqn
 
 aten = torch.ops.aten

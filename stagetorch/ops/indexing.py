@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from ..batching import Batched, Chunked, LabelFn, Reduced, coupling
 from ..errors import BatchCouplingError
+from ..interpreters.batching import Batched, Chunked, LabelFn, Reduced, coupling
 from ..ir import Eqn, Var
 
 aten = torch.ops.aten

@@ -9,18 +9,20 @@ from typing import Any
 
 import torch
 
-from .. import _caches, batching, flops
+from ..interpreters import batching, flops, shape_rules
 from ..ir import Eqn, Var
-from . import _layout, _onednn, _shape
+from ..utils import caches
+from . import layout_rules
+from .kernels import onednn_matmul
 
 aten = torch.ops.aten
 
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
-    aten.mm: _shape.matmul,
-    aten.addmm: _shape.addmm,
-    aten.bmm: _shape.bmm,
-    aten.t: _shape.transpose_2d,
+    aten.mm: shape_rules.matmul,
+    aten.addmm: shape_rules.addmm,
+    aten.bmm: shape_rules.bmm,
+    aten.t: shape_rules.transpose_2d,
 }
 
 
@@ -58,14 +60,14 @@ FLOPS: dict = {op: flops.matmul_rule for op in (aten.mm, aten.addmm, aten.bmm, a
 # kernels, float32 for float16 on AVX512-FP16, VNNI pairs for bfloat16 on AMX), a float32 accumulator block,
 # its batch descriptors and AMX tile state, sized by its blocking search. Where the kernel is one it was checked
 # on (bfloat16 on AMX-BF16, float16 on AVX512-FP16, oneDNN 3.12 as torch 2.13 bundles it) and both operands'
-# strides are known and dense, the rule replays that search (stagetorch/ops/_onednn.py): the allocator's bytes
+# strides are known and dense, the rule replays that search (stagetorch/ops/onednn_matmul.py): the allocator's bytes
 # exactly over a grid of 27,000 products at 1-3 threads and 2,300 random ones at 1-16 (bench/RESULTS.md,
-# bench/onednn_matmul_grid.py, tests/test_workspace.py), but for K = 1 (an outer product: which of two
+# bench/onednn_matmul_grid.py, tests/ops/test_workspace.py), but for K = 1 (an outer product: which of two
 # blockings runs depends on oneDNN's primitive cache, the larger is taken) and, with an operand's strides
 # unknown, the larger of the ways it may be read. Elsewhere (another ISA, oneDNN's ISA capped by
 # ONEDNN_MAX_CPU_ISA, another oneDNN version, 16 threads or more where the AMX search may split K, an operand
 # laid out otherwise) the rule falls back to a bound from above over every blocking oneDNN's searches may choose
-# (_onednn.bound, derived from oneDNN's sources): never under the allocator on the grids of bench/RESULTS.md
+# (onednn_matmul.bound, derived from oneDNN's sources): never under the allocator on the grids of bench/RESULTS.md
 # (section halfsafe), at most a few times over for large products.
 
 
@@ -87,7 +89,7 @@ def _l2() -> tuple[int, int]:
     return (min(known), max(known)) if known else (256 << 10, 4 << 20)
 
 
-_caches.on_clear(_l2.cache_clear)
+caches.on_clear(_l2.cache_clear)
 
 
 @functools.cache
@@ -151,7 +153,7 @@ _BF16_BRGEMM_CAPS = _F16_BRGEMM_CAPS | {"AVX512_CORE_BF16"}
 _KNOWN_CAPS = _BF16_BRGEMM_CAPS | {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI"}
 
 
-_caches.on_clear(_onednn_half.cache_clear)
+caches.on_clear(_onednn_half.cache_clear)
 
 
 def _mkldnn_dense(shape: tuple[int, ...], strides: tuple[int, ...] | None) -> bool:
@@ -177,24 +179,24 @@ def _transposed(shape: tuple[int, ...], strides: tuple[int, ...] | None) -> bool
 
 
 def _bound(m: int, k: int, n: int, count: int, threads: int, dtype: torch.dtype, a_transposed: bool | None) -> int:
-    """The bound from above on oneDNN's scratchpad over every blocking it may choose (stagetorch/ops/_onednn.py);
+    """The bound from above on oneDNN's scratchpad over every blocking it may choose (stagetorch/ops/onednn_matmul.py);
     ``a_transposed``: A read column-major (None: either way). A single row or column counted either way round
     (oneDNN may swap A and B, ATen may transpose the result)."""
     amx, brgemm, gemm = _kernel_families(dtype)
     shapes = {(m, n), (n, m)} if 1 in (m, n) else {(m, n)}
     plain_a = a_transposed is not True or 1 in (m, n)
-    return max(_onednn.bound(r, k, c, count, threads, dtype == torch.float16, _l2(), amx, plain_a, brgemm, gemm)
+    return max(onednn_matmul.bound(r, k, c, count, threads, dtype == torch.float16, _l2(), amx, plain_a, brgemm, gemm)
                for r, c in shapes)
 
 
 @functools.cache
-def _replay_caches() -> _onednn.Caches | None:
+def _replay_caches() -> onednn_matmul.Caches | None:
     """This CPU's per-core L1d and L2 sizes and L2 ways, as oneDNN reads them, where oneDNN is the version the
     replay follows; None where it is not, or where the caches are unknown."""
     if "MKL-DNN v3.12." not in torch.__config__.show():
         return None
     found = _sysfs_caches()
-    return _onednn.Caches(found[1][0], *found[2]) if found else None
+    return onednn_matmul.Caches(found[1][0], *found[2]) if found else None
 
 
 @functools.cache
@@ -224,8 +226,8 @@ def _cpu_count(cpu_list: str) -> int:
     return count
 
 
-_caches.on_clear(_replay_caches.cache_clear)
-_caches.on_clear(_sysfs_caches.cache_clear)
+caches.on_clear(_replay_caches.cache_clear)
+caches.on_clear(_sysfs_caches.cache_clear)
 
 
 def _replayed(kernel: str, m: int, k: int, n: int, count: int | None, threads: int, a_transposed: bool,
@@ -243,7 +245,7 @@ def _replayed(kernel: str, m: int, k: int, n: int, count: int | None, threads: i
     a_tags = (False, True) if k == 1 else (a_transposed or m == 1,)
     b_tags = (False, True) if k == 1 else (b_transposed,)
     try:
-        return max(_onednn.scratchpad(kernel, m, k, n, count or 1, threads, ta, tb, caches)
+        return max(onednn_matmul.scratchpad(kernel, m, k, n, count or 1, threads, ta, tb, caches)
                    for ta in a_tags for tb in b_tags)
     except NotImplementedError:
         return None
@@ -276,7 +278,7 @@ def matmul_workspace(operands: tuple[int, int]):  # noqa: ANN201
         count = batch[0] if batch else 1
         if count * m * k * n <= 16 * 16 * 16 or not a.aval.nbytes or not b.aval.nbytes:
             return 0
-        a_strides, b_strides = _layout.strides_of(a, layouts), _layout.strides_of(b, layouts)
+        a_strides, b_strides = layout_rules.strides_of(a, layouts), layout_rules.strides_of(b, layouts)
         a_dense, b_dense = _mkldnn_dense(a.aval.shape, a_strides), _mkldnn_dense(b.aval.shape, b_strides)
         copies = (0 if a_dense else a.aval.nbytes) + (0 if b_dense else b.aval.nbytes)
         threads = torch.get_num_threads()

@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from ..batching import Chunked, Global, LabelFn, Prepass, Reduced, coupling, elementwise
-from ..costing import MemoryEffect
 from ..errors import ShapeError
+from ..interpreters import shape_rules
+from ..interpreters.batching import Chunked, Global, LabelFn, Prepass, Reduced, coupling, elementwise
+from ..interpreters.memory import MemoryEffect
 from ..ir import Aval, Eqn, op_name
 from ..registry import slot
-from . import _shape
 from .reductions import mean_bytes, partials_bytes
 
 aten = torch.ops.aten
@@ -96,7 +96,7 @@ def _divided(prim: Any, count: int) -> _Divided:
 
 
 # What the CPU loss kernels allocate (ATen's Loss.cpp and its structured kernels, torch 2.13; measured at the
-# allocator: tests/test_workspace.py). A reduced loss first computes the unreduced one, a tensor of the operands'
+# allocator: tests/ops/test_workspace.py). A reduced loss first computes the unreduced one, a tensor of the operands'
 # broadcast shape ("unreduced" below), then reduces it (:func:`mean_bytes`, :func:`partials_bytes`).
 
 def _reduction(e: Eqn, arg: int) -> int:
@@ -106,7 +106,7 @@ def _reduction(e: Eqn, arg: int) -> int:
 def _unreduced(e: Eqn) -> tuple[int, int]:
     """(elements, bytes) of the unreduced loss of ``e``'s first two operands, in the output's dtype."""
     x, y = e.args[0].aval, e.args[1].aval
-    numel = math.prod(_shape.broadcast_shapes(op_name(e.prim), x, y))
+    numel = math.prod(shape_rules.broadcast_shapes(op_name(e.prim), x, y))
     return numel, numel * e.outvars[0].aval.itemsize
 
 
@@ -242,7 +242,7 @@ SHAPE: dict = {
     aten.nll_loss_forward: nll_loss_forward,
     aten.nll_loss_backward: lambda grad, x, *args: Aval(x.shape, x.dtype, x.device),
     aten.mse_loss: lambda x, y, reduction=1: Aval(
-        _shape.broadcast_shapes("mse_loss", x, y) if reduction == 0 else (), _shape.result_dtype(x, y), x.device
+        shape_rules.broadcast_shapes("mse_loss", x, y) if reduction == 0 else (), shape_rules.result_dtype(x, y), x.device
     ),
     aten.mse_loss_backward: lambda grad, x, y, reduction: Aval(x.shape, x.dtype, x.device),
 }

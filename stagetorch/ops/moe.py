@@ -20,7 +20,7 @@ each expert on its group of rows, and puts the rows back in token order. A chunk
 its own tokens sorts them into another order and forms other groups, yet every row it puts back equals the
 whole batch's row for that token: each row of the sorted block is computed from its own token, its own
 expert's weights and nothing else, a row's group being a function of its own expert id. The labels below
-let the batch rules follow that argument op by op (each a :class:`~stagetorch.batching.Batched`, so the
+let the batch rules follow that argument op by op (each a :class:`~stagetorch.interpreters.batching.Batched`, so the
 executor sizes them per chunk; the generic rules keep their class, and refuse to combine them with plainly
 batched values):
 
@@ -45,9 +45,9 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from .. import batching
-from ..batching import Batched, Chunked, LabelFn, Reduced, coupling
 from ..errors import BatchCouplingError, ShapeError, UnsupportedOpError
+from ..interpreters import batching
+from ..interpreters.batching import Batched, Chunked, LabelFn, Reduced, coupling
 from ..ir import Aval, Eqn, Var, op_name
 from . import elementwise, indexing, reductions, views
 
@@ -126,7 +126,7 @@ class Routed(Batched):
     rules copy a label to what they compute, ``v`` and all; a rule believes ``holds`` of its argument ``x``
     only where ``v is x``."""
 
-    chunk_local: ClassVar[bool] = True  # see stagetorch.chunking._check_chunk_local
+    chunk_local: ClassVar[bool] = True  # see stagetorch.interpreters.chunked._check_chunk_local
     perm: Any = None
     holds: Any = attrs.field(default=None, eq=False)  # what one value holds, not how the rows are laid out
 
@@ -136,7 +136,7 @@ class Positions(Batched):
     """Per row in batch order, its position among the rows :class:`Routed` by ``perm`` (its inverse), held
     by the Var ``holds``."""
 
-    chunk_local: ClassVar[bool] = True  # see stagetorch.chunking._check_chunk_local
+    chunk_local: ClassVar[bool] = True  # see stagetorch.interpreters.chunked._check_chunk_local
     perm: Any = None
     holds: Any = attrs.field(default=None, eq=False)
 
@@ -146,7 +146,7 @@ class GroupCounts(Batched):
     """How many of a chunk's rows routed by ``perm`` go to each expert (``holds == ("counts", v)``: ``histc``
     of the sorted ids) or their running sums (``("offsets", v)``): ``size`` entries whatever the chunk."""
 
-    chunk_local: ClassVar[bool] = True  # see stagetorch.chunking._check_chunk_local
+    chunk_local: ClassVar[bool] = True  # see stagetorch.interpreters.chunked._check_chunk_local
     perm: Any = None
     holds: Any = attrs.field(default=None, eq=False)
     size: int = 0

@@ -7,11 +7,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .. import batching
-from ..batching import Chunked, LabelFn, coupling, per_example
 from ..errors import BatchStatisticsError, ShapeError
+from ..interpreters import batching
+from ..interpreters.batching import Chunked, LabelFn, coupling, per_example
 from ..ir import Aval, Eqn
-from . import _layout
+from . import layout_rules
 
 aten = torch.ops.aten
 
@@ -97,21 +97,21 @@ BATCH: dict = {
 
 
 # Layout rules: op -> rule(*args as the tracer holds them) -> the real kernel's strides per output (see
-# stagetorch/ops/_layout.py). Batch norm's kernels allocate their output (the backward: the input's
+# stagetorch/ops/layout_rules.py). Batch norm's kernels allocate their output (the backward: the input's
 # gradient) dense in the input's suggested memory format; its meta kernels keep the input's strides, so a
 # BatchNorm1d over a transposed input would be traced as a transposed output. The backward's meta kernels
 # also make the input's gradient when the output mask leaves it out (an input that needs no gradient):
 # the kernel returns none, and a trace holding one costed a whole activation too many.
 LAYOUT: dict = {
-    **{op: _layout.in_input_format(0) for op in (
+    **{op: layout_rules.in_input_format(0) for op in (
         aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training,
         aten._batch_norm_with_update, aten._batch_norm_no_update,
     )},
-    aten.native_batch_norm_backward: _layout.in_input_format(1, mask=9),
+    aten.native_batch_norm_backward: layout_rules.in_input_format(1, mask=9),
     # Group norm's output, over a channels-last batch of one: the meta kernel gives the batch dim a stride
     # of C (8, 1, 96, 8), the kernel the dense one (1152, 1, 96, 8); its suggested format then differs.
-    aten.native_group_norm: _layout.in_input_format(0),
-    aten.batch_norm_backward: _layout.in_input_format(1, mask=9),
+    aten.native_group_norm: layout_rules.in_input_format(0),
+    aten.batch_norm_backward: layout_rules.in_input_format(1, mask=9),
 }
 
 
@@ -120,7 +120,7 @@ def _batch_norm_cpu(v: object, layouts) -> tuple[int, int, int, int, bool, bool]
     "channels last" path, whether the input is dense in a layout the kernels know) of a CPU batch norm over
     ``v``. ATen's CPU kernels (batch_norm_kernel.cpp) take that path for an input with one value per
     (example, channel) — BatchNorm1d over (N, C) — or laid out channels-last (the IR's layouts show it:
-    stagetorch.costing.Layouts), and reduce it through per-thread buffers of C accumulators; an input
+    stagetorch.interpreters.memory.Layouts), and reduce it through per-thread buffers of C accumulators; an input
     neither contiguous nor channels-last (BatchNorm1d over a transposed activation) runs the generic
     TensorIterator path. Half-precision inputs accumulate in float32. Unknown strides: contiguous."""
     x = v.aval
@@ -128,10 +128,10 @@ def _batch_norm_cpu(v: object, layouts) -> tuple[int, int, int, int, bool, bool]
     rows = x.numel // c if c else 0
     size = x.dtype.itemsize
     acc = 4 if x.dtype in (torch.float16, torch.bfloat16) else size
-    strides = _layout.strides_of(v, layouts)
-    contiguous = strides is None or bool(_layout.dense_in(x.shape, strides, torch.contiguous_format))
-    channels_last = not contiguous and x.ndim in (4, 5) and _layout.suggested(v, layouts) in _layout.CHANNELS_LAST and bool(
-        _layout.dense_in(x.shape, strides, torch.channels_last if x.ndim == 4 else torch.channels_last_3d))
+    strides = layout_rules.strides_of(v, layouts)
+    contiguous = strides is None or bool(layout_rules.dense_in(x.shape, strides, torch.contiguous_format))
+    channels_last = not contiguous and x.ndim in (4, 5) and layout_rules.suggested(v, layouts) in layout_rules.CHANNELS_LAST and bool(
+        layout_rules.dense_in(x.shape, strides, torch.channels_last if x.ndim == 4 else torch.channels_last_3d))
     return c, rows, size, acc, rows == x.shape[0] or channels_last, contiguous or channels_last
 
 
@@ -163,7 +163,7 @@ def batch_norm_backward_workspace(e: Eqn, layouts=None) -> int:  # noqa: ANN001
     it then reduces through two per-thread buffers of C accumulators (2 x T x C), with the inverse standard
     deviations in eval mode and ones for a missing weight (C each; half precision: 3 x C float32 whatever
     the mode). The larger of the two is the kernel's peak (measured at the allocator:
-    tests/test_workspace.py). Laid out otherwise than each other (a contiguous gradient reaching a
+    tests/ops/test_workspace.py). Laid out otherwise than each other (a contiguous gradient reaching a
     channels-last activation's BatchNorm, a transposed BatchNorm1d input), the generic path keeps C
     accumulators."""
     x = e.args[1].aval
@@ -191,13 +191,13 @@ def _no_layouts(v: object) -> None:
 
 def _both_dense(layouts, x, grad) -> bool:  # noqa: ANN001
     """The input and the output gradient both contiguous, or both channels-last (unknown strides: so)."""
-    xs, gs = _layout.strides_of(x, layouts), _layout.strides_of(grad, layouts)
+    xs, gs = layout_rules.strides_of(x, layouts), layout_rules.strides_of(grad, layouts)
     if xs is None or gs is None:
         return True
     formats = [torch.contiguous_format]
     if x.aval.ndim in (4, 5):
         formats.append(torch.channels_last if x.aval.ndim == 4 else torch.channels_last_3d)
-    return any(_layout.dense_in(x.aval.shape, xs, f) and _layout.dense_in(grad.aval.shape, gs, f) for f in formats)
+    return any(layout_rules.dense_in(x.aval.shape, xs, f) and layout_rules.dense_in(grad.aval.shape, gs, f) for f in formats)
 
 
 def group_norm_workspace(e: Eqn, layouts) -> int:  # noqa: ANN001
@@ -205,13 +205,13 @@ def group_norm_workspace(e: Eqn, layouts) -> int:  # noqa: ANN001
     x = e.args[0]
     if x.aval.device.type != "cpu":
         return 0
-    fmt = _layout.suggested(x, layouts)
-    return 2 * e.args[3] * e.args[4] * x.aval.itemsize if fmt is None or fmt in _layout.CHANNELS_LAST else 0
+    fmt = layout_rules.suggested(x, layouts)
+    return 2 * e.args[3] * e.args[4] * x.aval.itemsize if fmt is None or fmt in layout_rules.CHANNELS_LAST else 0
 
 
 def _copied_contiguous(v: object, layouts) -> int:  # noqa: ANN001
     """The bytes ``.contiguous()`` of ``v`` copies (unknown strides: copied)."""
-    return 0 if _layout.dense_in(v.aval.shape, _layout.strides_of(v, layouts), torch.contiguous_format) else v.aval.nbytes
+    return 0 if layout_rules.dense_in(v.aval.shape, layout_rules.strides_of(v, layouts), torch.contiguous_format) else v.aval.nbytes
 
 
 def layer_norm_workspace(e: Eqn, layouts) -> int:  # noqa: ANN001

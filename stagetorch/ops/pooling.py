@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import batching
 from ..errors import ShapeError
+from ..interpreters import batching
 from ..ir import Aval, Eqn
-from . import _layout
+from . import layout_rules
 
 aten = torch.ops.aten
 
@@ -76,13 +76,13 @@ BATCH: dict = {
 
 # -- Workspace: what the CPU kernels allocate inside themselves ---------------------------------------------
 #
-# Measured at the allocator on torch 2.13's CPU build (tests/test_workspace.py), following the arguments'
-# strides where the IR knows them (stagetorch.costing.Layouts); an argument of unknown strides counts as copied.
+# Measured at the allocator on torch 2.13's CPU build (tests/ops/test_workspace.py), following the arguments'
+# strides where the IR knows them (stagetorch.interpreters.memory.Layouts); an argument of unknown strides counts as copied.
 
 
 def _copied(v: object, strides: tuple[int, ...] | None, fmt: torch.memory_format) -> int:
     """The bytes ``.contiguous(fmt)`` of ``v`` (laid out as ``strides``) copies."""
-    return 0 if _layout.dense_in(v.aval.shape, strides, fmt) else v.aval.nbytes
+    return 0 if layout_rules.dense_in(v.aval.shape, strides, fmt) else v.aval.nbytes
 
 
 def pool_backward_workspace(indices: int | None = None):  # noqa: ANN201
@@ -97,14 +97,14 @@ def pool_backward_workspace(indices: int | None = None):  # noqa: ANN201
         grad, x = e.args[0], e.args[1]
         if x.aval.device.type != "cpu" or x.aval.ndim != 4:
             return 0
-        fmt = _layout.suggested(grad, layouts)
-        x_fmt = _layout.suggested(x, layouts)
+        fmt = layout_rules.suggested(grad, layouts)
+        x_fmt = layout_rules.suggested(x, layouts)
         if fmt is None or x_fmt is None:  # unknown: counted as copied
             return x.aval.nbytes + grad.aval.nbytes + (e.args[indices].aval.nbytes if indices is not None else 0)
-        out = _copied(x, _layout.dense_strides(x.aval.shape, x_fmt), fmt)  # the input gradient
-        out += _copied(grad, _layout.strides_of(grad, layouts), fmt)
+        out = _copied(x, layout_rules.dense_strides(x.aval.shape, x_fmt), fmt)  # the input gradient
+        out += _copied(grad, layout_rules.strides_of(grad, layouts), fmt)
         if indices is not None:
-            out += _copied(e.args[indices], _layout.strides_of(e.args[indices], layouts), fmt)
+            out += _copied(e.args[indices], layout_rules.strides_of(e.args[indices], layouts), fmt)
         return out
 
     rule.reads_layouts = True  # type: ignore[attr-defined]
@@ -122,15 +122,15 @@ def upsample_nearest_workspace(e: Eqn, layouts) -> int:  # noqa: ANN001
     if x.aval.device.type != "cpu":
         return 0
     spatial = x.aval.ndim - 2
-    strides = _layout.strides_of(x, layouts)
+    strides = layout_rules.strides_of(x, layouts)
     fmt = torch.channels_last if spatial == 2 else torch.channels_last_3d
-    wide = x.aval.shape[1] > 3 and spatial in (2, 3) and bool(_layout.dense_in(x.aval.shape, strides, fmt))
+    wide = x.aval.shape[1] > 3 and spatial in (2, 3) and bool(layout_rules.dense_in(x.aval.shape, strides, fmt))
     if wide or (spatial == 2 and sum(out.aval.shape[2:]) <= 128):
         if spatial != 2 and not wide:
             return 0
-        x_fmt = _layout.suggested(x, layouts) or torch.contiguous_format
+        x_fmt = layout_rules.suggested(x, layouts) or torch.contiguous_format
         copied = _copied(x, strides, fmt)
-        return copied + _copied(out, _layout.dense_strides(out.aval.shape, x_fmt), fmt)
+        return copied + _copied(out, layout_rules.dense_strides(out.aval.shape, x_fmt), fmt)
     return sum(out.aval.shape[2:]) * (8 + x.aval.itemsize)
 
 

@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from .. import _caches
-from ..batching import Chunked, LabelFn, Reduced, coupling
-from ..costing import MemoryEffect
 from ..errors import ShapeError
+from ..interpreters.batching import Chunked, LabelFn, Reduced, coupling
+from ..interpreters.memory import MemoryEffect
 from ..ir import Aval, Eqn, Var
-from . import _layout
+from ..utils import caches
+from . import layout_rules
 
 aten = torch.ops.aten
 
@@ -53,7 +53,7 @@ def _mkldnn_rnn_workspace_bytes(shapes: tuple, params: tuple, grad_enabled: bool
     return 0 if out[3] is None else out[3].untyped_storage().nbytes()
 
 
-_caches.on_clear(_mkldnn_rnn_workspace_bytes.cache_clear)
+caches.on_clear(_mkldnn_rnn_workspace_bytes.cache_clear)
 
 
 def mkldnn_rnn_layer_memory(eqn: Eqn) -> MemoryEffect:
@@ -129,7 +129,7 @@ def _copied(v: Any, layouts: Any) -> int:
     strides read as a copy)."""
     if not isinstance(v, Var):
         return 0
-    dense = _layout.dense_in(v.aval.shape, _layout.strides_of(v, layouts), torch.contiguous_format)
+    dense = layout_rules.dense_in(v.aval.shape, layout_rules.strides_of(v, layouts), torch.contiguous_format)
     return 0 if dense else v.aval.nbytes
 
 

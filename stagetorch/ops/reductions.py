@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import batching
+from ..interpreters import batching, shape_rules
 from ..ir import Eqn
-from . import _shape
 
 aten = torch.ops.aten
 
@@ -40,12 +39,12 @@ def _reduction_workspace(mean: bool):  # noqa: ANN202
 
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
-    aten.sum.dim_IntList: _shape.reduce("sum"),
-    aten.sum.default: _shape.reduce("sum", dims_arg=None, keepdim_arg=None),
-    aten.mean.dim: _shape.reduce("mean", float_out=True),
-    aten.mean.default: _shape.reduce("mean", dims_arg=None, keepdim_arg=None, float_out=True),
-    aten.amax: _shape.reduce("amax"),
-    aten.amin: _shape.reduce("amin"),
+    aten.sum.dim_IntList: shape_rules.reduce("sum"),
+    aten.sum.default: shape_rules.reduce("sum", dims_arg=None, keepdim_arg=None),
+    aten.mean.dim: shape_rules.reduce("mean", float_out=True),
+    aten.mean.default: shape_rules.reduce("mean", dims_arg=None, keepdim_arg=None, float_out=True),
+    aten.amax: shape_rules.reduce("amax"),
+    aten.amin: shape_rules.reduce("amin"),
 }
 
 
@@ -96,7 +95,7 @@ BATCH: dict = {
 
 
 # Workspace rules: op -> rule(eqn) -> bytes the kernel allocates inside itself (measured at the CPU allocator,
-# float32 and float64, 1-3 threads: tests/test_workspace.py).
+# float32 and float64, 1-3 threads: tests/ops/test_workspace.py).
 WORKSPACE: dict = {
     aten.sum.default: _reduction_workspace(mean=False),
     aten.sum.dim_IntList: _reduction_workspace(mean=False),

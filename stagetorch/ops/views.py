@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import batching
-from ..batching import Batched, Chunked, LabelFn, coupling
+from ..interpreters import batching, shape_rules
+from ..interpreters.batching import Batched, Chunked, LabelFn, coupling
 from ..ir import Aval, Eqn
-from . import _shape
 
 aten = torch.ops.aten
 
@@ -58,19 +57,19 @@ def constant_pad_nd(eqn: Eqn, label: LabelFn) -> Chunked:
 
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
-    aten.view: _shape.view,
-    aten._unsafe_view: _shape.view,
-    aten.expand: _shape.expand,
-    aten.permute: _shape.permute,
-    aten.transpose.int: _shape.transpose,
-    aten.unsqueeze: _shape.unsqueeze,
-    aten.squeeze: _shape.squeeze,
-    aten.select.int: _shape.select,
-    aten.slice.Tensor: _shape.slice_,
-    aten.split.Tensor: _shape.split,
-    aten.constant_pad_nd: _shape.constant_pad,
-    aten.cat: _shape.cat,
-    aten.stack: _shape.stack,
+    aten.view: shape_rules.view,
+    aten._unsafe_view: shape_rules.view,
+    aten.expand: shape_rules.expand,
+    aten.permute: shape_rules.permute,
+    aten.transpose.int: shape_rules.transpose,
+    aten.unsqueeze: shape_rules.unsqueeze,
+    aten.squeeze: shape_rules.squeeze,
+    aten.select.int: shape_rules.select,
+    aten.slice.Tensor: shape_rules.slice_,
+    aten.split.Tensor: shape_rules.split,
+    aten.constant_pad_nd: shape_rules.constant_pad,
+    aten.cat: shape_rules.cat,
+    aten.stack: shape_rules.stack,
     aten.select_backward: lambda grad, sizes, dim, index: Aval(tuple(sizes), grad.dtype, grad.device),
     aten.slice_backward: lambda grad, sizes, dim, start, end, step: Aval(tuple(sizes), grad.dtype, grad.device),
 }
