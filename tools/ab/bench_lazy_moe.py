@@ -21,22 +21,20 @@ import copy
 import statistics
 import sys
 import time
-from pathlib import Path
 
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
+import test_moe
 import torch
+from test_chunking import budget_for
+from test_moe import aux_step_of, batch, with_router_loss
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
-import test_moe  # noqa: E402
-from test_chunking import budget_for  # noqa: E402
-from test_moe import aux_step_of, batch, with_router_loss  # noqa: E402
-
-import stagetorch  # noqa: E402
-import stagetorch.devices.budget  # noqa: E402
-from stagetorch.errors import StagingError  # noqa: E402
-from stagetorch.lazymode import express, session  # noqa: E402
-from stagetorch.lazymode.recording import _RECORDINGS  # noqa: E402
-from stagetorch.lazymode.session import _Session  # noqa: E402
-from stagetorch.runtime.executable import Executable  # noqa: E402
+import stagetorch
+import stagetorch.devices.budget
+from stagetorch.errors import StagingError
+from stagetorch.lazymode import express, session
+from stagetorch.lazymode.recording import _RECORDINGS
+from stagetorch.lazymode.session import _Session
+from stagetorch.runtime.executable import Executable
 
 runs: list[tuple[str, float]] = []
 _run = Executable.run

@@ -15,16 +15,14 @@ import copy
 import statistics
 import sys
 import time
-from pathlib import Path
 
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
+import test_transformers_zoo as zoo
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
-import test_transformers_zoo as zoo  # noqa: E402
-
-import stagetorch  # noqa: E402
-from stagetorch.lazymode import express  # noqa: E402
-from stagetorch.lazymode.recording import _RECORDINGS  # noqa: E402
+import stagetorch
+from stagetorch.lazymode import express
+from stagetorch.lazymode.recording import _RECORDINGS
 
 _made = express._made_from_python_values
 

@@ -15,30 +15,26 @@ before issue 27, on a guard miss only after it).
 from __future__ import annotations
 
 import argparse
-import pathlib
 import statistics
-import sys
 import time
 
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
 import attrs
+import bench_step
+import models
 import torch
 import torch.utils._pytree as pytree
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests" / "support"))
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import bench_step  # noqa: E402
-import models  # noqa: E402
-
-import stagetorch  # noqa: E402
-from stagetorch.interpreters import eager as execute  # noqa: E402
-from stagetorch.interpreters.eager import _NOTHING  # noqa: E402
-from stagetorch.runtime import staged as staged_module  # noqa: E402
+import stagetorch
+from stagetorch.interpreters import eager as execute
+from stagetorch.interpreters.eager import _NOTHING
+from stagetorch.runtime import staged as staged_module
 
 try:
-    from stagetorch.staging import guards  # noqa: E402
+    from stagetorch.staging import guards
 except ImportError:  # the tree before issue 27
     guards = None
-from stagetorch.staging.tracer import discover, held_values  # noqa: E402
+from stagetorch.staging.tracer import discover, held_values
 
 CASES = {case: bench_step.CASES[case] for case in ("seed_mlp_b256", "encoder_b32", "ln_mlp_b256")}
 

@@ -15,15 +15,12 @@ import copy
 import importlib
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
+import models
 import torch
 import torch.nn as nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
-import models  # noqa: E402
 
 
 def step_of(lazy, model, x, y):

@@ -7,13 +7,12 @@ import statistics
 import sys
 import time
 
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
+import models
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, "tests/support")
-import models  # noqa: E402
-
-import stagetorch  # noqa: E402
+import stagetorch
 
 
 def main(batch: int) -> None:

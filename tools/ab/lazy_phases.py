@@ -9,18 +9,16 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from pathlib import Path
 
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
+import models
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
-import models  # noqa: E402
-
-import stagetorch  # noqa: E402
-from stagetorch.lazymode import backward  # noqa: E402
-from stagetorch.lazymode.session import _Session  # noqa: E402
-from stagetorch.runtime import executable  # noqa: E402
+import stagetorch
+from stagetorch.lazymode import backward
+from stagetorch.lazymode.session import _Session
+from stagetorch.runtime import executable
 
 times: dict[str, list[float]] = {}
 

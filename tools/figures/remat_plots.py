@@ -14,24 +14,22 @@ from __future__ import annotations
 
 import math
 import pathlib
-import sys
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
+import matplotlib.pyplot as plt
+import remat_models
+import torch
+import torch.nn as nn
+from memtrack import AllocatorPeak
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests" / "support"))
-import remat_models  # noqa: E402
-from memtrack import AllocatorPeak  # noqa: E402
-
-import stagetorch  # noqa: E402
-from stagetorch.errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError  # noqa: E402
-from stagetorch.interpreters.memory import peak_bytes  # noqa: E402
-from stagetorch.planning.chunks import SAFETY_MARGIN  # noqa: E402
-from stagetorch.planning.remat_search import RematPlan  # noqa: E402
+import stagetorch
+from stagetorch.errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError
+from stagetorch.interpreters.memory import peak_bytes
+from stagetorch.planning.chunks import SAFETY_MARGIN
+from stagetorch.planning.remat_search import RematPlan
 
 OUT = pathlib.Path(__file__).parent.parent / "docs" / "img"
 FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2)

@@ -25,7 +25,6 @@ import argparse
 import json
 import logging
 import os
-import pathlib
 import re
 import statistics
 import subprocess
@@ -33,15 +32,13 @@ import sys
 import time
 from collections.abc import Callable
 
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
+import cuda_memory_check as cmc
 import torch
 import torch.nn as nn
+from memtrack import budget_between
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests" / "support"))
-import cuda_memory_check as cmc  # noqa: E402
-from memtrack import budget_between  # noqa: E402
-
-import stagetorch  # noqa: E402
+import stagetorch
 
 GiB = 1 << 30
 CAP = 4 * GiB

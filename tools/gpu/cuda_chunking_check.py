@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import time
 
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

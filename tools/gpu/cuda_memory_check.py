@@ -21,22 +21,19 @@ from __future__ import annotations
 
 import argparse
 import copy
-import pathlib
-import sys
 from collections.abc import Callable
 
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
+import models
+import remat_models
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from memtrack import AllocatorPeak, budget_between, known_to_the_profiler
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests" / "support"))
-import models  # noqa: E402
-import remat_models  # noqa: E402
-from memtrack import AllocatorPeak, budget_between, known_to_the_profiler  # noqa: E402
-
-import stagetorch  # noqa: E402
-from stagetorch.planning.chunks import SAFETY_MARGIN, Plan  # noqa: E402
-from stagetorch.runtime.executable import Executable  # noqa: E402
+import stagetorch
+from stagetorch.planning.chunks import SAFETY_MARGIN, Plan
+from stagetorch.runtime.executable import Executable
 
 PATHS = ("whole", "chunked", "recomputing", "lazy", "optimizer inside", "optimizer inside, donate_grads", "accumulating")
 INSIDE = ("optimizer inside", "optimizer inside, donate_grads")

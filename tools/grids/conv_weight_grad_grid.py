@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
+
 
 def cases(seed: int, count: int) -> list:
     rng = random.Random(seed)

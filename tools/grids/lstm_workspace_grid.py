@@ -17,7 +17,8 @@ import argparse
 import json
 import os
 import random
-import sys
+
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
 
 
 def cases(seed: int, count: int) -> list:
@@ -121,5 +122,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "support"))
     main()

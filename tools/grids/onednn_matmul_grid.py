@@ -31,16 +31,14 @@ import json
 import math
 import random
 import statistics
-import sys
 from pathlib import Path
 
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
-
-import stagetorch  # noqa: E402
-from stagetorch.interpreters.memory import Layouts, workspace  # noqa: E402
-from stagetorch.ops import linalg  # noqa: E402
+import stagetorch
+from stagetorch.interpreters.memory import Layouts, workspace
+from stagetorch.ops import linalg
 
 aten = torch.ops.aten
 SIZES = [1, 3, 8, 16, 17, 32, 64, 100, 256, 512, 1000]

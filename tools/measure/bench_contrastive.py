@@ -21,6 +21,7 @@ from __future__ import annotations
 import statistics
 import time
 
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -244,10 +245,8 @@ def test_contrastive_bench():
 
 
 if __name__ == "__main__":
-    import pathlib
     import sys
 
-    sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests" / "support"))
     if sys.argv[2:]:
         BATCH = int(sys.argv[2])
     mode = sys.argv[1] if sys.argv[1:] else "run"

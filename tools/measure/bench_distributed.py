@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from datetime import timedelta
 
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

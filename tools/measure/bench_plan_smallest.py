@@ -14,16 +14,14 @@ Results in bench/RESULTS.md ("Planning time at the smallest budget").
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
-import torch  # noqa: E402
-from transformer_models import model_and_batch, smallest_budget, step_of  # noqa: E402
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
+import torch
+from transformer_models import model_and_batch, smallest_budget, step_of
 
-import stagetorch  # noqa: E402
-from stagetorch.planning.remat_search import _Simulator  # noqa: E402
+import stagetorch
+from stagetorch.planning.remat_search import _Simulator
 
 COUNTS = {"runs": 0, "built": 0}
 _run, _init = _Simulator.run, _Simulator.__init__

@@ -26,6 +26,7 @@ import math
 import statistics
 import time
 
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
 import pytest
 import remat_models
 import torch

@@ -36,13 +36,13 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import pathlib
 import statistics
 import sys
 import tempfile
 import time
 import weakref
 
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
@@ -231,5 +231,4 @@ def _describe(plan: stagetorch.Plan) -> str:
 
 if __name__ == "__main__":
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    sys.path.insert(0, str(pathlib.Path(__file__).parent.parent))
     main()

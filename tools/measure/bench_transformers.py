@@ -26,13 +26,11 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
-import torch  # noqa: E402
-from transformer_models import (  # noqa: E402
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
+import torch
+from transformer_models import (
     MODELS,
     allocator_peak,
     checkpointing,
@@ -41,7 +39,7 @@ from transformer_models import (  # noqa: E402
     step_of,
 )
 
-import stagetorch  # noqa: E402
+import stagetorch
 
 MiB = 2**20
 

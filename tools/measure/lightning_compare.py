@@ -14,24 +14,21 @@ step. Time: median of steps 2-5 of a separate run without the tracker.
 from __future__ import annotations
 
 import argparse
-import pathlib
 import statistics
-import sys
 import time
 import warnings
 
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
 import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from memtrack import LivePeak
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests" / "support"))
-from memtrack import LivePeak  # noqa: E402
-
-from stagetorch.integrations.lightning import StagedStrategy  # noqa: E402
-from stagetorch.interpreters.memory import format_bytes  # noqa: E402
+from stagetorch.integrations.lightning import StagedStrategy
+from stagetorch.interpreters.memory import format_bytes
 
 STEPS = 3
 

@@ -7,13 +7,9 @@ markdown table.
 
 from __future__ import annotations
 
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "support"))
-
-import torch  # noqa: E402
-from eager_parity_cases import CASES, peaks  # noqa: E402
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
+import torch
+from eager_parity_cases import CASES, peaks
 
 
 def main() -> None:

@@ -12,12 +12,11 @@ raw errors. Exit status 1 when anything failed.
 from __future__ import annotations
 
 import argparse
-import pathlib
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests" / "support"))
-import step_fuzz  # noqa: E402
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
+import step_fuzz
 
 
 def main() -> int:

@@ -8,13 +8,9 @@ The measured peak is tests/support/memtrack.AllocatorPeak's, with the parameters
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
 import torch
-
-sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests" / "support"))
-from test_memory import _LOSS_STEPS as LOSSES  # noqa: E402  (what the tests check)
+from test_memory import _LOSS_STEPS as LOSSES  # (what the tests check)
 from test_memory import loss_step_at_the_allocator
 
 

@@ -11,19 +11,16 @@ smallest budget the planner's error names), reporting the distribution instead o
 from __future__ import annotations
 
 import argparse
-import pathlib
 import statistics
-import sys
 
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
+import random_nets
 import torch
+from memtrack import AllocatorPeak
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests" / "support"))
-import random_nets  # noqa: E402
-from memtrack import AllocatorPeak  # noqa: E402
-
-import stagetorch  # noqa: E402
-from stagetorch.errors import BatchCouplingError, OutOfMemoryError  # noqa: E402
-from stagetorch.interpreters.memory import peak_bytes  # noqa: E402
+import stagetorch
+from stagetorch.errors import BatchCouplingError, OutOfMemoryError
+from stagetorch.interpreters.memory import peak_bytes
 
 
 def main() -> None:

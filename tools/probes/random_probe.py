@@ -17,19 +17,16 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
-import pathlib
-import sys
 import traceback
 
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
+import random_nets
 import torch
+from memtrack import AllocatorPeak
+from test_random_steps import train_against_eager
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "tests" / "support"))
-import random_nets  # noqa: E402
-from memtrack import AllocatorPeak  # noqa: E402
-from test_random_steps import train_against_eager  # noqa: E402
-
-import stagetorch  # noqa: E402
-from stagetorch.interpreters.memory import peak_bytes  # noqa: E402
+import stagetorch
+from stagetorch.interpreters.memory import peak_bytes
 
 
 def _lazy(case: random_nets.Case, steps: int = 3) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
 import test_transformers_zoo as zoo
 import torch
 from memtrack import AllocatorPeak
