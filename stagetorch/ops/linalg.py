@@ -62,7 +62,7 @@ FLOPS: dict = {op: flops.matmul_rule for op in (aten.mm, aten.addmm, aten.bmm, a
 # on (bfloat16 on AMX-BF16, float16 on AVX512-FP16, oneDNN 3.12 as torch 2.13 bundles it) and both operands'
 # strides are known and dense, the rule replays that search (stagetorch/ops/onednn_matmul.py): the allocator's bytes
 # exactly over a grid of 27,000 products at 1-3 threads and 2,300 random ones at 1-16 (bench/RESULTS.md,
-# bench/onednn_matmul_grid.py, tests/ops/test_workspace.py), but for K = 1 (an outer product: which of two
+# tools/grids/onednn_matmul_grid.py, tests/ops/test_workspace.py), but for K = 1 (an outer product: which of two
 # blockings runs depends on oneDNN's primitive cache, the larger is taken) and, with an operand's strides
 # unknown, the larger of the ways it may be read. Elsewhere (another ISA, oneDNN's ISA capped by
 # ONEDNN_MAX_CPU_ISA, another oneDNN version, 16 threads or more where the AMX search may split K, an operand

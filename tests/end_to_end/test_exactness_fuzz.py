@@ -2,7 +2,7 @@
 batch-sized weight or mask from an argument, a global, a closure, a module attribute, a buffer, a factory or
 Python data, trained under jit (whole, >= 3 uneven chunks, recomputing) and lazy with a budget, each equal to
 eager at float64 or refused by a named stagetorch error that left the model untouched. The long search is
-bench/fuzz_exactness.py; every failure either finds becomes a named case in tests/interpreters/test_captured_batch.py.
+tools/probes/fuzz_exactness.py; every failure either finds becomes a named case in tests/interpreters/test_captured_batch.py.
 """
 
 from __future__ import annotations

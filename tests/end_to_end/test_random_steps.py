@@ -5,7 +5,7 @@ and a fraction of the whole step's peak as ``memory_budget``. The staged step (r
 planner choosing chunks and recompute together) must run, or raise a named error whose smallest budget
 then runs; within its budget, as its plan predicts (to 2% either way); and give eager's loss, gradients,
 weights and BatchNorm statistics (float64, to 1e-9), over two SGD steps between which a Python value the
-forward reads changes. The same generators over hundreds more seeds (bench/random_probe.py) found the
+forward reads changes. The same generators over hundreds more seeds (tools/probes/random_probe.py) found the
 defects tests/ops/test_layout.py and the chunk-graph and upsampling tests now pin down.
 """
 

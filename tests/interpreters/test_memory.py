@@ -548,7 +548,7 @@ def test_a_chunked_step_holds_the_batch_wide_total_weight_its_plan_counts(loss):
 def loss_step_at_the_allocator(loss: str, fraction: float | None) -> tuple:
     """A 3 x (Linear(256) + GELU) step at 512 x 256 ending in ``_LOSS_STEPS[loss]``, staged whole or at
     ``fraction`` of its peak (chunked): its plan, and the allocator's peak of its second call (from ``.grad``
-    cleared). ``bench/loss_plan_check.py`` prints it over losses and threads."""
+    cleared). ``tools/probes/loss_plan_check.py`` prints it over losses and threads."""
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(256, 256), nn.GELU())])
 

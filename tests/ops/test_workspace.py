@@ -805,7 +805,7 @@ def test_a_custom_op_workspace_is_held_while_it_runs_only():
 
 # -- oneDNN's half-precision matmul on the CPU (stagetorch/ops/linalg.py, stagetorch/ops/_onednn.py) ---------
 # Where the kernel is one the replay of oneDNN's blocking search follows (bfloat16 on AMX-BF16, float16 on
-# AVX512-FP16, oneDNN 3.12), the rule is the allocator's bytes exactly (bench/onednn_matmul_grid.py: a grid of
+# AVX512-FP16, oneDNN 3.12), the rule is the allocator's bytes exactly (tools/grids/onednn_matmul_grid.py: a grid of
 # 18,000 products and 3,500 random ones at 1-16 threads). Elsewhere it falls back to a bound from above over
 # every blocking oneDNN may choose (derived from its sources): never under the allocator.
 

@@ -4,7 +4,7 @@ The chunk planner costs a split's chunk graphs for two sizes and derives the oth
 derived chunk peaks must equal those of the graphs built and costed for each size, and the plans the same as
 when every size is built and costed. The joint planner skips sizing a recompute set whose lower bound on its
 chunked peak shows it cannot beat the best plan so far: the bound must hold. No wall-clock time is asserted
-here (see bench/bench_remat.py).
+here (see tools/measure/bench_remat.py).
 """
 
 from __future__ import annotations

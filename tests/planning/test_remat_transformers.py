@@ -4,7 +4,7 @@ Tiny configs (``transformer_models``, at 4 layers and 256 tokens here to keep th
 their own dropout on), one example, float32, CPU; the bench runs 8 layers and 512 tokens. At the smallest budget stagetorch accepts, the step's peak measured at the allocator is at
 most transformers' per-layer checkpointing's, and the step is bit for bit the step without recomputation:
 loss, every ``.grad`` and the generator's state after it (dropout is recomputed by replaying its draws).
-Step times are in ``bench/bench_transformers.py``.
+Step times are in ``tools/measure/bench_transformers.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""bench/cuda_memory_check.py --remat-seeds: each seed model of tests/support/remat_models.py recomputing at 1.0, 0.7 and
+"""tools/gpu/cuda_memory_check.py --remat-seeds: each seed model of tests/support/remat_models.py recomputing at 1.0, 0.7 and
 0.5 of its peak plans within 2% of the allocator's peak of the call it measures, runs under its budget, and
 gets the eager step's gradients. It planned with the last fraction's .grad still held (which the program
 replaces, so the plan counted it and recomputed more), then measured a call without it: the transformer at
@@ -9,18 +9,23 @@ from __future__ import annotations
 import copy
 import importlib.util
 import pathlib
+import sys
 
 import pytest
 import remat_models
 import torch
 
-_BENCH = pathlib.Path(__file__).parents[2] / "bench" / "cuda_memory_check.py"
+_BENCH = pathlib.Path(__file__).parents[2] / "tools" / "gpu" / "cuda_memory_check.py"
 
 
 def _bench():
     spec = importlib.util.spec_from_file_location("cuda_memory_check", _BENCH)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(_BENCH.parent))  # for its ``import _paths`` (tools/_paths.py)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(_BENCH.parent))
     return module
 
 

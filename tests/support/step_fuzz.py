@@ -15,7 +15,7 @@ uneven chunks, ``jit(remat="auto")`` at that budget (it may recompute instead), 
 compares loss, logits, every ``.grad`` and the weights after each step at float64 tolerance. A variant may
 instead raise one of stagetorch's named errors (:data:`REFUSALS`), leaving the model as it was; a raw error,
 a refusal that wrote state, or a wrong number is a failure. :func:`search` runs hypothesis over many specs
-(tests/end_to_end/test_exactness_fuzz.py: a derandomized slice; bench/fuzz_exactness.py: the long search).
+(tests/end_to_end/test_exactness_fuzz.py: a derandomized slice; tools/probes/fuzz_exactness.py: the long search).
 """
 
 from __future__ import annotations

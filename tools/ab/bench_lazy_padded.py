@@ -1,4 +1,6 @@
-"""One-line mode on padded transformers models (an attention mask): a step's time against eager, run
+"""A/B: one-line mode on padded transformers models against eager. Last run: 2026-11-26.
+
+One-line mode on padded transformers models (an attention mask): a step's time against eager, run
 alternately in one process, with "lazy, before" the same one-line step as it was before the express replay
 bound the 0-d tensors CPU ``scaled_dot_product_attention`` makes itself from a boolean mask (every step left
 the express replay at the first attention; after two steps the recording was replayed slowly).
@@ -6,7 +8,7 @@ the express replay at the first attention; after two steps the recording was rep
 Setup: tests/end_to_end/test_transformers_zoo.py's tiny configs (hidden 32, 2 layers, 4 heads), float64, its padded batch
 of 7 x 16, an AdamW step; one thread.
 
-Run: python bench/bench_lazy_padded.py [steps] [bert,gpt2,llama]
+Run: python tools/ab/bench_lazy_padded.py [steps] [bert,gpt2,llama]
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""What each part of a staged call costs, in microseconds per call (issue 27).
+"""A/B: what each part of a staged (and a one-line) call costs, in microseconds per call. Last run: 2026-11-26.
 
-Run from the repository root: ``PYTHONPATH=. python bench/hotpath_profile.py`` (``--runs 3 --alternations 400``
+What each part of a staged call costs, in microseconds per call (issue 27).
+
+Run from the repository root: ``python tools/ab/hotpath_profile.py`` (``--runs 3 --alternations 400``
 for the interleaved ratios as well, ``--lazy`` for the one-line mode's ratios, ``--lazy-parts`` for what each
 part of a warm one-line step costs).
 

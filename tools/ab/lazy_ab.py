@@ -1,9 +1,11 @@
-"""One-line mode's step against eager, for two trees of stagetorch in one process: ``stagetorch`` (this tree)
+"""A/B: one-line mode's step against eager for two trees of stagetorch in one process. Last run: 2026-11-26.
+
+One-line mode's step against eager, for two trees of stagetorch in one process: ``stagetorch`` (this tree)
 and a copy of another tree imported as ``stagetorch_base`` (``git archive <commit> stagetorch | tar -x``, then
 rename the folder; it must be on ``sys.path``). Eager, base and new steps run in turn on the seed MLP (the step
 of bench/bench_lazy.py), so the three medians see the same machine; each ratio is to eager's median.
 
-Run: ``PYTHONPATH=.:/path/to/base python bench/lazy_ab.py --batches 8 256 --runs 3`` (``--cpu``: thread CPU
+Run: ``PYTHONPATH=/path/to/base python tools/ab/lazy_ab.py --batches 8 256 --runs 3`` (``--cpu``: thread CPU
 time, with ``--threads 1``; ``--parts [--no-kernels]``: thread CPU time per part of the step, each tree's
 blocks of steps run in turn).
 """

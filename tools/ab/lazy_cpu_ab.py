@@ -1,7 +1,9 @@
-"""CPU time per seed-MLP train step (process_time), eager and lazy alternating in blocks: less sensitive to
+"""A/B: CPU time per seed-MLP step, eager against one-line mode, in alternating blocks. Last run: 2026-11-23.
+
+CPU time per seed-MLP train step (process_time), eager and lazy alternating in blocks: less sensitive to
 other processes than wall time on a shared machine.
 
-Run from the repository root: PYTHONPATH=. python bench/lazy_cpu_ab.py 8
+Run from the repository root: python tools/ab/lazy_cpu_ab.py 8
 """
 import statistics
 import sys

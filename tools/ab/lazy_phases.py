@@ -1,7 +1,9 @@
-"""Where one-line mode's per-step overhead goes: medians of timers around each part of a lazy step and an
+"""A/B: where one-line mode's per-step overhead goes, timers around each part of a step. Last run: 2026-11-22.
+
+Where one-line mode's per-step overhead goes: medians of timers around each part of a lazy step and an
 eager step, run alternately (issue 5).
 
-Run: python bench/lazy_phases.py [batch]
+Run: python tools/ab/lazy_phases.py [batch]
 """
 
 from __future__ import annotations

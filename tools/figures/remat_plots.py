@@ -1,4 +1,6 @@
-"""The plots of the Recomputation docs page (docs/remat.md), made from stagetorch's own reports and plans.
+"""Figures: draws docs/img/remat-*.png, the Recomputation page's plots. Last run: 2026-11-23.
+
+The plots of the Recomputation docs page (docs/remat.md), made from stagetorch's own reports and plans.
 
 - docs/img/remat-resnet.png: the ResNet seed model (BatchNorm: it cannot be chunked) at 0.6x of its peak,
   ``stagetorch.memory(step, memory_budget=...)(x).plot(...)``: the live bytes with and without recomputation.
@@ -7,7 +9,7 @@
 - docs/img/remat-sweep.png: every seed model from 1.0x down to 0.2x of its no-recompute peak: the plan's
   predicted peak, the peak measured by tests/support/memtrack.py while the step runs, and the extra FLOPs.
 
-Run: PYTHONPATH=. python bench/remat_plots.py   (about a minute on the 2-core CPU VM)
+Run: python tools/figures/remat_plots.py   (about a minute on the 2-core CPU VM)
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""The GPU checks of issue 36 in one command, printed as markdown for bench/RESULTS.md (under 5 minutes on one
+"""GPU: issue 36's checks (cap table, allocator table, chunked step) as markdown. Last run: never (written 2026-11-28).
+
+The GPU checks of issue 36 in one command, printed as markdown for bench/RESULTS.md (under 5 minutes on one
 H200; run by a session that has a GPU):
 
 1. **The cap table.** GPT-2 124M, 16x512, fp32, the process capped at 4 GiB with
@@ -9,14 +11,14 @@ H200; run by a session that has a GPU):
    raw ``torch.OutOfMemoryError`` if one ends a step, ``max_memory_reserved`` against the cap.
 2. **The plan against the allocator**: ``max_memory_allocated`` and ``max_memory_reserved`` against the plan,
    whole, chunked, recomputing and lazy, on the CNN (64x3x224x224) and GPT-2 (8x512)
-   (``bench/cuda_memory_check.py``'s models and measurements).
+   (``tools/gpu/cuda_memory_check.py``'s models and measurements).
 3. **Step times**, medians of 5, GPT-2 16x512 fp32 with TF32 matmuls, no cap: eager's whole batch, ``jit`` at
    4 GiB, hand accumulation at jit's chunk size, ``lazy`` at 4 GiB after its warm-up.
 
 ``--device cpu --quick`` runs every section with small models on the host (no cap, no reserved bytes): the
 smoke test of this script where no GPU is lent.
 
-Run: python bench/cuda_check.py [--device cuda|cpu] [--quick]
+Run: python tools/gpu/cuda_check.py [--device cuda|cpu] [--quick]
 """
 
 from __future__ import annotations
@@ -306,7 +308,7 @@ def main() -> None:
         return
     started = time.perf_counter()
     name = torch.cuda.get_device_name() if args.device == "cuda" else "host"
-    print(f"## bench/cuda_check.py on {name}, torch {torch.__version__}{' (--quick)' if args.quick else ''}\n")
+    print(f"## tools/gpu/cuda_check.py on {name}, torch {torch.__version__}{' (--quick)' if args.quick else ''}\n")
     for title, table in (("The cap table", cap_table), ("The plan against the allocator", plan_table),
                          ("Step times", speed_table)):
         section = time.perf_counter()

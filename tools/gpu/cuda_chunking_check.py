@@ -1,11 +1,13 @@
-"""CUDA check for chunked execution (needs a GPU; run by a session that has one).
+"""GPU: a batch eager cannot fit, chunked under jit, against eager. Last run: never (written 2026-11-22).
+
+CUDA check for chunked execution (needs a GPU; run by a session that has one).
 
 1. Finds a batch at which a plain PyTorch training step raises torch.OutOfMemoryError.
 2. Runs the same step at that batch under stagetorch.jit (budget: the device's free memory) and compares the
    gradients with an exact eager reference (per-chunk sum-reduced losses divided by the batch size).
 3. Compares throughput with plain PyTorch at the largest batch that fits.
 
-Run: python bench/cuda_chunking_check.py   (prints a markdown table for bench/RESULTS.md)
+Run: python tools/gpu/cuda_chunking_check.py   (prints a markdown table for bench/RESULTS.md)
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""The plan against the allocator on every path: whole, chunked, recomputing, lazy, an optimizer stepping inside
+"""GPU (or --device cpu): the plan against the allocator on every path. Last run: 2026-11-26, on CPU only.
+
+The plan against the allocator on every path: whole, chunked, recomputing, lazy, an optimizer stepping inside
 the staged function (with the previous step's ``.grad`` resident: by default held until the program has run,
 with ``donate_grads=True`` freed when the call starts, as eager's ``zero_grad()`` frees it), and gradient
 accumulation into a held ``.grad``; with the eager step's allocator peak beside it (staged / eager).
@@ -14,7 +16,7 @@ before it (parameters, buffers, inputs, held ``.grad``, optimizer state).
 
 ``--remat-seeds`` runs the seed models of tests/support/remat_models.py recomputing at 1.0, 0.7 and 0.5 of their peak.
 
-Run: python bench/cuda_memory_check.py [--device cuda|cpu] [--dry-run] [--remat-seeds]
+Run: python tools/gpu/cuda_memory_check.py [--device cuda|cpu] [--dry-run] [--remat-seeds]
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""oneDNN convolution weight gradients: the workspace rule against the allocator over a random grid (issue 25).
+"""Grid: oneDNN convolution weight-gradient workspaces, the rule against the allocator. Last run: 2026-11-29.
 
-    PYTHONPATH=.:tests python bench/conv_weight_grad_grid.py --seed 1 --cases 300 --out /tmp/grid.jsonl
+oneDNN convolution weight gradients: the workspace rule against the allocator over a random grid (issue 25).
+
+    python tools/grids/conv_weight_grad_grid.py --seed 1 --cases 300 --out /tmp/grid.jsonl
 
 Each case (1-d/2-d/3-d, 1-64 input channels, kernels 1-5, strides 1-3, padding 0-2, groups incl. depthwise,
 contiguous or channels-last, 1-3 threads) runs in a worker process; a case that hangs (oneDNN's strided 1x1

@@ -1,6 +1,8 @@
-"""oneDNN's CPU LSTM layer: the workspace rules against the allocator over a random grid (issue 25).
+"""Grid: oneDNN's CPU LSTM workspaces, the rules against the allocator. Last run: 2026-11-26.
 
-    PYTHONPATH=.:tests python bench/lstm_workspace_grid.py --seed 1 --cases 200 --out /tmp/lstm_grid.jsonl
+oneDNN's CPU LSTM layer: the workspace rules against the allocator over a random grid (issue 25).
+
+    python tools/grids/lstm_workspace_grid.py --seed 1 --cases 200 --out /tmp/lstm_grid.jsonl
 
 Each case is an ``nn.LSTM`` (input and hidden 8-256, 1-3 layers, bidirectional or not, batch_first or not)
 trained on a batch of 1-64 sequences of 1-64 steps, at 1 or 2 threads, from zero initial states or given

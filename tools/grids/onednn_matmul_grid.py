@@ -1,25 +1,27 @@
-"""The half-precision CPU matmul workspace rule (stagetorch/ops/linalg.py) against the allocator, over a grid of
+"""Grid: the half-precision CPU matmul workspace rule against the allocator. Last run: 2026-11-26.
+
+The half-precision CPU matmul workspace rule (stagetorch/ops/linalg.py) against the allocator, over a grid of
 products or random ones (issue 25).
 
 Measure (each product run once below autograd, its allocations beyond its output recorded by
 tests/support/memtrack.op_workspace; about 0.1 s a product), writing one JSON row a product:
 
-    python bench/onednn_matmul_grid.py measure --grid --threads 3 > grid3.jsonl
-    python bench/onednn_matmul_grid.py measure --random 600 --seed 1 --threads 1 2 3 > random.jsonl
-    python bench/onednn_matmul_grid.py measure --random 90 --seed 3 --big --threads 1 2 3 4 8 16 > big.jsonl
+    python tools/grids/onednn_matmul_grid.py measure --grid --threads 3 > grid3.jsonl
+    python tools/grids/onednn_matmul_grid.py measure --random 600 --seed 1 --threads 1 2 3 > random.jsonl
+    python tools/grids/onednn_matmul_grid.py measure --random 90 --seed 3 --big --threads 1 2 3 4 8 16 > big.jsonl
 
 Compare the rule (as a staged program's equation sees it, strides included) and the bound it falls back to, per
 dtype and thread count: exact / over / under, median and largest ratio to the allocator:
 
-    python bench/onednn_matmul_grid.py check grid3.jsonl random.jsonl big.jsonl
+    python tools/grids/onednn_matmul_grid.py check grid3.jsonl random.jsonl big.jsonl
 
 The fallback (issue 25): ``check --fallback`` takes the rule with the replay off (as on another oneDNN
 version). Other ISAs run on this CPU by capping oneDNN's (measure and check under the same cap; the rule then
 falls back by itself), e.g. bfloat16 on AVX512-BF16 without AMX, on AVX10.1 (AMX off), and on AVX512 without
 BF16 (gemm_bf16_matmul):
 
-    ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python bench/onednn_matmul_grid.py measure --random 300 --threads 1 2 3 4 > bf16isa.jsonl
-    ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python bench/onednn_matmul_grid.py check bf16isa.jsonl
+    ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python tools/grids/onednn_matmul_grid.py measure --random 300 --threads 1 2 3 4 > bf16isa.jsonl
+    ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python tools/grids/onednn_matmul_grid.py check bf16isa.jsonl
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""A contrastive step with in-batch negatives (issue 38): the whole-batch step, the step stagetorch cuts where
+"""Measures: a contrastive step whole, cut where examples meet, and GradCache. Last run: 2026-11-29.
+
+A contrastive step with in-batch negatives (issue 38): the whole-batch step, the step stagetorch cuts where
 its examples meet (stagetorch.planning.cut), and a hand-written GradCache loop, on CPU at float32.
 
 (a) Time per example and peak at the allocator (tests/support/memtrack.AllocatorPeak) at one batch: the whole step,
@@ -6,14 +8,14 @@ its examples meet (stagetorch.planning.cut), and a hand-written GradCache loop, 
 (b) The largest batch whose step fits a budget (the whole step's predicted peak at ``BATCH``): whole-batch
     steps against the cut step (planned only: nothing runs).
 
-(c) ``python bench/bench_contrastive.py ratio [BATCH]``: the cut step with large chunks (0.8x the whole step's
+(c) ``python tools/measure/bench_contrastive.py ratio [BATCH]``: the cut step with large chunks (0.8x the whole step's
     peak) and with small ones (``MARGIN`` times the smallest budget), and GradCache by hand, against the whole
     step, timed in rounds.
-(d) ``valgrind --tool=callgrind --instr-atstart=no python bench/bench_contrastive.py instructions [BATCH]``: the
+(d) ``valgrind --tool=callgrind --instr-atstart=no python tools/measure/bench_contrastive.py instructions [BATCH]``: the
     same steps' instruction counts, one callgrind dump each (repeatable on a loaded machine; run it with
     ``OMP_NUM_THREADS=1`` so that every step runs the same kernels).
 
-Run: python bench/bench_contrastive.py   (or python -m pytest bench/bench_contrastive.py -s)
+Run: python tools/measure/bench_contrastive.py   (or python -m pytest tools/measure/bench_contrastive.py -s)
 """
 
 from __future__ import annotations

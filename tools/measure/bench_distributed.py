@@ -1,4 +1,6 @@
-"""Per-step communication of ``jit(fn, process_group=)`` and ``lazy(..., process_group=)`` against
+"""Measures: bytes and collectives per step of jit/lazy(process_group=) against DDP, two gloo ranks. Last run: 2026-11-23.
+
+Per-step communication of ``jit(fn, process_group=)`` and ``lazy(..., process_group=)`` against
 DistributedDataParallel (issue 16).
 
 Two gloo processes on CPU, the same token model and the same uneven shards (37/63 sequences, -100 padding);
@@ -6,7 +8,7 @@ each rank counts the bytes it hands to collectives per step (DDP: its gradient b
 hook; stagetorch: every collective it calls), the number of collectives, the median step time, and the
 gradient's error against one process on the global batch.
 
-Run: python -m pytest bench/bench_distributed.py -s   (or: PYTHONPATH=. python bench/bench_distributed.py)
+Run: python -m pytest tools/measure/bench_distributed.py -s   (or: python tools/measure/bench_distributed.py)
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Planning time at the smallest budget: the search below the frontier's least peak.
+"""Measures: planning time at the smallest budget, per zoo model. Last run: 2026-11-26.
+
+Planning time at the smallest budget: the search below the frontier's least peak.
 
 Per zoo model (``tests/support/transformer_models.py``, 8 layers x 512 tokens by default, one example, CPU): the
 step staged first (``staged.graph``), then the process's CPU time of asking its smallest budget (a 1 KiB
@@ -6,7 +8,7 @@ budget's ``OutOfMemoryError`` names it: frontier, search below it) and planning 
 simulations it ran (``_Simulator.run`` calls), the simulators it built, and the plan's peak and recomputed
 FLOPs (equal before and after a change that only makes planning faster).
 
-    PYTHONPATH=.:tests python bench/bench_plan_smallest.py [--models BART,BERT] [--layers 8] [--tokens 512]
+    python tools/measure/bench_plan_smallest.py [--models BART,BERT] [--layers 8] [--tokens 512]
 
 Results in bench/RESULTS.md ("Planning time at the smallest budget").
 """

@@ -1,4 +1,6 @@
-"""Recomputation benchmarks (issue 15).
+"""Measures: recomputation plans, peaks and step times against torch.utils.checkpoint; planning time. Last run: 2026-11-24.
+
+Recomputation benchmarks (issue 15).
 
 (a) Budget sweep on the seed models (tests/support/remat_models.py): for each budget, what the joint planner chose
     (chunks, recomputed ops, extra FLOPs), its predicted peak and the live-tensor peak measured.
@@ -15,7 +17,7 @@
     transformer of width 128, and the seed models at training sizes): the plan, its predicted step cost, the
     measured step time and peak, and per-block checkpoint and chunking alone beside them.
 
-Run: python -m pytest bench/bench_remat.py --benchmark-enable -s
+Run: python -m pytest tools/measure/bench_remat.py --benchmark-enable -s
 CPU step times vary between runs (see /work/shared/REMAT.md): compare FLOPs and peaks first.
 """
 

@@ -1,4 +1,6 @@
-"""transformers.Trainer when the batch does not fit: auto_find_batch_size, gradient_checkpointing, StagedTrainer.
+"""Measures: transformers.Trainer under a memory limit against StagedTrainer. Last run: 2026-11-26.
+
+transformers.Trainer when the batch does not fit: auto_find_batch_size, gradient_checkpointing, StagedTrainer.
 
 One model and one padded batch (a Llama of 2 layers, width 128, vocabulary 2,000; 32 rows of 16 to 64 tokens,
 right-padded to 64, labels -100 on the padding), AdamW, 6 optimizer steps, float32, CPU. A memory limit of half
@@ -28,7 +30,7 @@ after every real token, and its labels are -100), and transformers' mask constru
 is False): without a cache and without a mask, masking_utils builds a packed-sequence mask whose chunked run
 fails today (a view of the whole batch's mask at a chunk's shape). Pass --mask once both are fixed.
 
-Run: python bench/bench_trainer.py [--mask]
+Run: python tools/measure/bench_trainer.py [--mask]
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Recomputation on real model code against what its users already have: ``model.gradient_checkpointing_enable()``.
+"""Measures: recomputation on transformers models against their own checkpointing. Last run: 2026-11-26.
+
+Recomputation on real model code against what its users already have: ``model.gradient_checkpointing_enable()``.
 
 Tiny configs of `transformers` models (8 layers, or 4 + 4 for encoder-decoders; hidden 64, 4 heads, vocab
 97, the configs' own dropout), one example of 512 tokens, float32, CPU, a training step
@@ -12,7 +14,7 @@ process's CPU time (``time.process_time``), the measure that holds on a shared m
 (two threads of a loaded 2-core machine wait on each other: T5's step took 3.5 s at load 6 against 0.5 s of CPU).
 The ratio columns are the medians of the per-repeat ratios (stagetorch / the checkpointing run beside it).
 
-    PYTHONPATH=.:tests python bench/bench_transformers.py [--models gpt2,llama] [--repeats 5] [--mask] [--threads 1]
+    python tools/measure/bench_transformers.py [--models gpt2,llama] [--repeats 5] [--mask] [--threads 1]
 
 ``--mask`` passes an all-ones ``attention_mask`` too (batch 1, so nothing is padded). The column
 "chunked exact, 3 chunks": the same model in float64 with its dropout off, a padded batch of 3 x 128 tokens

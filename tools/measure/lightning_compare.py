@@ -1,7 +1,9 @@
-"""What a Lightning user does when a batch does not fit, against StagedStrategy: peak memory, step time, and
+"""Measures: a Lightning user's answers to a batch that does not fit, against StagedStrategy. Last run: 2026-11-26.
+
+What a Lightning user does when a batch does not fit, against StagedStrategy: peak memory, step time, and
 whether three optimizer steps equal the full batch's.
 
-    PYTHONPATH=. python bench/lightning_compare.py [--batch 4096] [--budget 128MiB] [--device cpu] [--class-weights]
+    python tools/measure/lightning_compare.py [--batch 4096] [--budget 128MiB] [--device cpu] [--class-weights]
 
 The model is docs/lightning.md's (784-1024-1024-10 MLP, AdamW), in float64 so that "equal" means rounding
 (1e-12) and not float32's 1e-7. Each way trains 3 steps from the same weights over the same examples in the

@@ -1,8 +1,10 @@
-"""Staged (whole, unchunked) against eager peak of the same step, at the allocator, for every test model and
+"""Probe: staged (whole) against eager peak at the allocator for every test model: never more. Last run: 2026-11-26.
+
+Staged (whole, unchunked) against eager peak of the same step, at the allocator, for every test model and
 the optimizer-inside steps, foreach or not, first step or later (issue 25: never more than eager). Prints a
 markdown table.
 
-    PYTHONPATH=. python bench/eager_parity.py
+    python tools/probes/eager_parity.py
 """
 
 from __future__ import annotations

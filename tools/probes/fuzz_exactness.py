@@ -1,4 +1,6 @@
-"""The step fuzzer's long search (tests/support/step_fuzz.py; its CI slice is tests/end_to_end/test_exactness_fuzz.py).
+"""Probe: the step fuzzer's long search for wrong gradients under jit and lazy. Last run: 2026-11-28.
+
+The step fuzzer's long search (tests/support/step_fuzz.py; its CI slice is tests/end_to_end/test_exactness_fuzz.py).
 
 Random training steps whose loss reads a batch-sized weight or mask from anywhere (an argument, a global, a
 closure, a module attribute, a buffer, a factory, Python data), trained for a few SGD steps in eager and under
@@ -6,7 +8,7 @@ jit (whole, >= 3 uneven chunks, recomputing) and lazy with a budget. Prints each
 what differed) as it is found and a markdown summary per variant: ran, refused by which named error, wrong,
 raw errors. Exit status 1 when anything failed.
 
-    python bench/fuzz_exactness.py --examples 500 --seconds 1800 [--seed N]
+    python tools/probes/fuzz_exactness.py --examples 500 --seconds 1800 [--seed N]
 """
 
 from __future__ import annotations

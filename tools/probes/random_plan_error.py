@@ -1,9 +1,11 @@
-"""Measured / planned peak at the allocator for the random networks of tests/support/random_nets.py, stepped as
+"""Probe: measured / planned peak at the allocator over random networks, as a distribution. Last run: 2026-11-26.
+
+Measured / planned peak at the allocator for the random networks of tests/support/random_nets.py, stepped as
 tests/end_to_end/test_random_steps.py steps them (two SGD steps at a fraction of the whole step's peak, or at the
 smallest budget the planner's error names), reporting the distribution instead of asserting:
 
-    python bench/random_plan_error.py image 0 80        # 80 networks, 160 steps
-    python bench/random_plan_error.py sequence 0 80 --worst 10
+    python tools/probes/random_plan_error.py image 0 80        # 80 networks, 160 steps
+    python tools/probes/random_plan_error.py sequence 0 80 --worst 10
 
 "within 0.1%" and "within 2%" count steps; "over budget" counts steps whose measured peak exceeded the budget.
 """

@@ -1,11 +1,13 @@
-"""Random networks against eager PyTorch, over as many seeds as you like (tests/support/random_nets.py): what
+"""Probe: random networks against eager PyTorch over any number of seeds, reporting failures. Last run: 2026-11-24.
+
+Random networks against eager PyTorch, over as many seeds as you like (tests/support/random_nets.py): what
 tests/end_to_end/test_random_steps.py runs for 96 seeds, for thousands, reporting instead of stopping.
 
-    python bench/random_probe.py sequence 0 500      # jit, recomputation allowed, two SGD steps each
-    python bench/random_probe.py image 0 300
-    python bench/random_probe.py sequence 0 300 --lazy   # one-line mode: lazy line, loss.item(), SGD
-    python bench/random_probe.py sequence 0 150 --ranks 2  # data parallel on 2 gloo processes
-    python bench/random_probe.py sequence 0 150 --ranks 2 --lazy  # the same in one-line mode
+    python tools/probes/random_probe.py sequence 0 500      # jit, recomputation allowed, two SGD steps each
+    python tools/probes/random_probe.py image 0 300
+    python tools/probes/random_probe.py sequence 0 300 --lazy   # one-line mode: lazy line, loss.item(), SGD
+    python tools/probes/random_probe.py sequence 0 150 --ranks 2  # data parallel on 2 gloo processes
+    python tools/probes/random_probe.py sequence 0 150 --ranks 2 --lazy  # the same in one-line mode
 
 Each case prints one line when it is not equal to eager within its budget and plan; the last line counts
 the outcomes. A case the process crashes on (PyTorch's own CPU GroupNorm crashes on a channels-last input

@@ -1,8 +1,10 @@
-"""The transformers zoo (tests/end_to_end/test_transformers_zoo.py) chunked exactly: per model, a padded batch of 7 x 16
+"""Probe: the transformers zoo chunked exactly, gradients and allocator peak against the plan. Last run: 2026-11-26.
+
+The transformers zoo (tests/end_to_end/test_transformers_zoo.py) chunked exactly: per model, a padded batch of 7 x 16
 tokens in >= 3 uneven chunks against the same step in eager PyTorch, and the run's peak at the allocator
 against the plan and the budget.
 
-    PYTHONPATH=.:tests python bench/zoo_chunked.py [name ...]
+    python tools/probes/zoo_chunked.py [name ...]
 """
 
 from __future__ import annotations
