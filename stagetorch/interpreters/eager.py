@@ -557,7 +557,7 @@ def _entry(e: Eqn) -> Callable:
     own entry point.
     A binding parses its arguments in C++ and calls the kernel unboxed; an overload's ``_op`` boxes each
     argument through the JIT's operator registry, ~1-2 us more per op: a third of what one-line mode added
-    to a small step (bench/RESULTS.md). Whether a binding is exact is found once per overload and kinds of
+    to a small step (docs/history/results-log.md). Whether a binding is exact is found once per overload and kinds of
     arguments, by calling it on meta tensors under a dispatch mode that sees each op it dispatches: it must
     dispatch ``e.prim`` alone (``torch.ones_like`` also detaches), with the same arguments (nothing
     decomposed, defaulted or converted on the way)."""

@@ -94,7 +94,7 @@ FLOPS: dict = {
 #   allocator; a grouped one one of three (_grouped_data).
 #   Which kernels run depends on oneDNN's ISA (_ISAS, _onednn_isa): the rules were measured on AVX-512 (Intel
 #   Sapphire Rapids) and AVX2 (AMD EPYC; _forward_avx2, jit_avx2_1x1's weight gradient, brgemm's blocks bounded):
-#   never under the allocator on tools/grids/conv_weight_grad_grid.py's grids there (bench/RESULTS.md).
+#   never under the allocator on tools/grids/conv_weight_grad_grid.py's grids there (docs/history/results-log.md).
 # - without oneDNN, a 2-d forward of 16 examples or more runs NNPACK, whose buffers torch does not hand out;
 #   the backward then unfolds fewer examples at once than the column buffer counted (an over-estimate).
 #

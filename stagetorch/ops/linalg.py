@@ -61,13 +61,13 @@ FLOPS: dict = {op: flops.matmul_rule for op in (aten.mm, aten.addmm, aten.bmm, a
 # its batch descriptors and AMX tile state, sized by its blocking search. Where the kernel is one it was checked
 # on (bfloat16 on AMX-BF16, float16 on AVX512-FP16, oneDNN 3.12 as torch 2.13 bundles it) and both operands'
 # strides are known and dense, the rule replays that search (stagetorch/ops/onednn_matmul.py): the allocator's bytes
-# exactly over a grid of 27,000 products at 1-3 threads and 2,300 random ones at 1-16 (bench/RESULTS.md,
+# exactly over a grid of 27,000 products at 1-3 threads and 2,300 random ones at 1-16 (docs/history/results-log.md,
 # tools/grids/onednn_matmul_grid.py, tests/ops/test_workspace.py), but for K = 1 (an outer product: which of two
 # blockings runs depends on oneDNN's primitive cache, the larger is taken) and, with an operand's strides
 # unknown, the larger of the ways it may be read. Elsewhere (another ISA, oneDNN's ISA capped by
 # ONEDNN_MAX_CPU_ISA, another oneDNN version, 16 threads or more where the AMX search may split K, an operand
 # laid out otherwise) the rule falls back to a bound from above over every blocking oneDNN's searches may choose
-# (onednn_matmul.bound, derived from oneDNN's sources): never under the allocator on the grids of bench/RESULTS.md
+# (onednn_matmul.bound, derived from oneDNN's sources): never under the allocator on the grids of docs/history/results-log.md
 # (section halfsafe), at most a few times over for large products.
 
 

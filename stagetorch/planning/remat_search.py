@@ -47,7 +47,7 @@ _CANNOT = (OutOfMemoryError, BatchCouplingError, UnsupportedOpError)
 __all__ = ["Recompute", "frontier", "chunk_frontier", "RematPlan", "plan_joint", "CALL_FLOPS", "step_cost", "predicted_cost"]
 
 # What one op call costs beyond its arithmetic, in FLOP-equivalents, by device type: the price of running the
-# body once more per extra chunk. CPU: measured on a 2-core VM (bench/RESULTS.md, "1/3 of the no-recompute
+# body once more per extra chunk. CPU: measured on a 2-core VM (docs/history/results-log.md, "1/3 of the no-recompute
 # peak"), a chunk added 8-70 us per op call at ~50 GFLOP/s, as small-batch convolutions and an LSTM's
 # per-step work do not shrink with the chunk (200,000 before: the planner chose 4-6 chunks where fewer with
 # recomputation ran faster). An op's ``calls`` rule says how many kernels it runs (an LSTM layer: one per

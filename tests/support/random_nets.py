@@ -129,7 +129,7 @@ _IMAGE_OPS = ("conv", "conv1x1", "bn", "gn", "act", "add", "cat", "pool", "avg",
 class ImageNet(nn.Module):
     """Node 1 is a convolution of the input, and every later node reads nodes from 1 on: each activation
     needs a gradient. (PyTorch 2.13's CPU GroupNorm backward crashes the process on a channels-last input
-    that needs none; see bench/RESULTS.md, session 6.)"""
+    that needs none; see docs/history/results-log.md, session 6.)"""
 
     def __init__(self, rng: random.Random, c: int, nodes: int, bn: bool):
         super().__init__()

@@ -104,7 +104,7 @@ def _sizes_only(graph):
 
 
 # Not the LSTM: two of its recomputing schedules measure 1 KiB (one f32[4,64]) over their cost when run alone,
-# and equal to it after other tests in the same process (unexplained; see bench/RESULTS.md, "passes").
+# and equal to it after other tests in the same process (unexplained; see docs/history/results-log.md, "passes").
 @pytest.mark.parametrize("name", ["densenet", "transformer", "vnet"])
 def test_the_executor_frees_what_the_costing_counts(name):
     """The live-tensor peak of the compiled program is the memory interpreter's from tensor sizes, to the

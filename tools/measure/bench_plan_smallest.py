@@ -10,7 +10,7 @@ FLOPs (equal before and after a change that only makes planning faster).
 
     python tools/measure/bench_plan_smallest.py [--models BART,BERT] [--layers 8] [--tokens 512]
 
-Results in bench/RESULTS.md ("Planning time at the smallest budget").
+Results in docs/history/results-log.md ("Planning time at the smallest budget").
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ The ratio columns are the medians of the per-repeat ratios (stagetorch / the che
 "chunked exact, 3 chunks": the same model in float64 with its dropout off, a padded batch of 3 x 128 tokens
 (the last two rows padded, ``-100`` labels there), under a budget that runs it in 3 chunks, against the eager
 step: the largest relative error of the loss and of any parameter's gradient (by norm).
-Results in bench/RESULTS.md.
+Results in docs/history/results-log.md.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ torch 2.13's CPU build runs a half-precision mm/addmm/bmm/baddbmm over 16^3 mult
 accumulator, its batch descriptors and AMX tile buffers, each sized by a blocking search. This module replays that
 search (``src/cpu/x64/matmul/brgemm_matmul_utils.cpp``, ``amx_blocking_heuristics.cpp`` and
 ``src/cpu/x64/brgemm/brgemm_utils.cpp`` at oneDNN 80afa710) for the two kernels it was checked on, byte for byte
-against the allocator (bench/RESULTS.md): bfloat16 on AMX (``avx10_1_512_amx``, with its fallback to
+against the allocator (docs/history/results-log.md): bfloat16 on AMX (``avx10_1_512_amx``, with its fallback to
 ``avx10_1_512`` for small shapes) and float16 on AVX512-FP16 (``avx10_1_512``, which converts both operands to
 float32). The scores oneDNN compares are float32; they are computed here rounded to float32 at each step, as the
 C++ does, since near ties decide between blockings whose buffers differ by megabytes.
