@@ -17,7 +17,7 @@ Recomputation benchmarks (issue 15).
     transformer of width 128, and the seed models at training sizes): the plan, its predicted step cost, the
     measured step time and peak, and per-block checkpoint and chunking alone beside them.
 
-Run: python -m pytest tools/measure/bench_remat.py --benchmark-enable -s
+Run: python -m pytest bench/bench_remat.py --benchmark-enable -s
 CPU step times vary between runs (see /work/shared/REMAT.md): compare FLOPs and peaks first.
 """
 
@@ -28,7 +28,6 @@ import math
 import statistics
 import time
 
-import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
 import pytest
 import remat_models
 import torch
@@ -63,8 +62,7 @@ def _describe(plan) -> str:
     return kind
 
 
-@pytest.mark.parametrize("name", sorted(remat_models.SEEDS))
-def test_seed_sweep(name):
+def _seed_sweep(name):
     torch.manual_seed(0)
     model, x = remat_models.SEEDS[name]()
     staged = stagetorch.jit(step_of(model))
@@ -89,6 +87,11 @@ def test_seed_sweep(name):
         )
 
 
+@pytest.mark.parametrize("name", sorted(remat_models.SEEDS))
+def test_seed_sweep(benchmark, name):
+    benchmark.pedantic(_seed_sweep, args=(name,), rounds=1, iterations=1)
+
+
 def _chain():
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(24)]), torch.randn(2, 1024, 128)
@@ -108,7 +111,7 @@ def _timed(fn, x, model, repeat: int = 7, resident=()) -> tuple[float, int]:
     return statistics.median(times), tracker.peak
 
 
-def test_issue_example_step_time():
+def _issue_example_step_time():
     model, x = _chain()
     full = peak_bytes(stagetorch.make_ir(step_of(model))(x))
     rows = [("staged, unconstrained", stagetorch.jit(step_of(model), remat=False))]
@@ -134,13 +137,17 @@ def test_issue_example_step_time():
         print(f"  {label:44s} {seconds * 1e3:7.1f} ms ({seconds / base:4.2f}x)  peak {peak / MiB:6.1f} MiB  {what}")
 
 
+def test_issue_example_step_time(benchmark):
+    benchmark.pedantic(_issue_example_step_time, rounds=1, iterations=1)
+
+
 def _per_block(blocks, x):
     for b in blocks:
         x = checkpoint(b, x, use_reentrant=False)
     return x
 
 
-def test_planning_time_5000_equations():
+def _planning_time_5000_equations():
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(312)])
     x = torch.randn(64, 256, 32)
@@ -171,6 +178,10 @@ def test_planning_time_5000_equations():
     print(f"jit plan, one example at 0.3x (staged already) {time.perf_counter() - t:.2f} s: {_describe(plan)}")
 
 
+def test_planning_time_5000_equations(benchmark):
+    benchmark.pedantic(_planning_time_5000_equations, rounds=1, iterations=1)
+
+
 def _block_flops(graph, blocks: list[str]) -> int:
     def inside(module: str) -> bool:
         path = module.split(".", 1)[1] if "." in module else ""
@@ -179,8 +190,7 @@ def _block_flops(graph, blocks: list[str]) -> int:
     return sum(eqn_flops(e) for e in graph.eqns if not e.source.backward and inside(e.source.module))
 
 
-@pytest.mark.parametrize("name", sorted(remat_models.SEEDS))
-def test_seed_against_per_block_checkpoint(name):
+def _seed_against_per_block_checkpoint(name):
     torch.manual_seed(0)
     model, x = remat_models.SEEDS[name]()
     blocks, forward = remat_models.per_block(name, model)
@@ -222,6 +232,11 @@ def test_seed_against_per_block_checkpoint(name):
               f"{_describe(plan) if plan is not None else ''}")
 
 
+@pytest.mark.parametrize("name", sorted(remat_models.SEEDS))
+def test_seed_against_per_block_checkpoint(benchmark, name):
+    benchmark.pedantic(_seed_against_per_block_checkpoint, args=(name,), rounds=1, iterations=1)
+
+
 def _times4(factory):
     model, x = factory()
     return model, x.repeat(4, *[1] * (x.dim() - 1))
@@ -236,8 +251,7 @@ _ACTIVATION_DOMINATED = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(_ACTIVATION_DOMINATED))
-def test_one_third_budget(name):
+def _one_third_budget(name):
     torch.manual_seed(0)
     seed, factory = _ACTIVATION_DOMINATED[name]
     model, x = factory()
@@ -281,3 +295,8 @@ def test_one_third_budget(name):
     else:
         print(f"  chunking alone at 1/3: {_describe(alone.plan(x))}, {alone_time * 1e3:.1f} ms "
               f"({alone_time / base_time:.2f}x), peak {alone_peak / MiB:.2f} MiB")
+
+
+@pytest.mark.parametrize("name", sorted(_ACTIVATION_DOMINATED))
+def test_one_third_budget(benchmark, name):
+    benchmark.pedantic(_one_third_budget, args=(name,), rounds=1, iterations=1)

@@ -8,14 +8,14 @@ its examples meet (stagetorch.planning.cut), and a hand-written GradCache loop, 
 (b) The largest batch whose step fits a budget (the whole step's predicted peak at ``BATCH``): whole-batch
     steps against the cut step (planned only: nothing runs).
 
-(c) ``python tools/measure/bench_contrastive.py ratio [BATCH]``: the cut step with large chunks (0.8x the whole step's
+(c) ``python bench/bench_contrastive.py ratio [BATCH]``: the cut step with large chunks (0.8x the whole step's
     peak) and with small ones (``MARGIN`` times the smallest budget), and GradCache by hand, against the whole
     step, timed in rounds.
-(d) ``valgrind --tool=callgrind --instr-atstart=no python tools/measure/bench_contrastive.py instructions [BATCH]``: the
+(d) ``valgrind --tool=callgrind --instr-atstart=no python bench/bench_contrastive.py instructions [BATCH]``: the
     same steps' instruction counts, one callgrind dump each (repeatable on a loaded machine; run it with
     ``OMP_NUM_THREADS=1`` so that every step runs the same kernels).
 
-Run: python tools/measure/bench_contrastive.py   (or python -m pytest tools/measure/bench_contrastive.py -s)
+Run: python bench/bench_contrastive.py   (or python -m pytest bench/bench_contrastive.py -s)
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import statistics
 import time
 
-import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -242,8 +241,12 @@ def instructions() -> list[str]:
     return lines
 
 
-def test_contrastive_bench():
+def _contrastive_bench():
     print("\n".join(run()))
+
+
+def test_contrastive_bench(benchmark):
+    benchmark.pedantic(_contrastive_bench, rounds=1, iterations=1)
 
 
 if __name__ == "__main__":

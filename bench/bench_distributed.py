@@ -8,7 +8,7 @@ each rank counts the bytes it hands to collectives per step (DDP: its gradient b
 hook; stagetorch: every collective it calls), the number of collectives, the median step time, and the
 gradient's error against one process on the global batch.
 
-Run: python -m pytest tools/measure/bench_distributed.py -s   (or: python tools/measure/bench_distributed.py)
+Run: python -m pytest bench/bench_distributed.py -s   (or: python bench/bench_distributed.py)
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import time
 from collections.abc import Iterator
 from datetime import timedelta
 
-import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -219,8 +218,12 @@ def measure() -> list[str]:
     return lines
 
 
-def test_bytes_per_step_against_ddp():
+def _bytes_per_step_against_ddp():
     print("\n" + "\n".join(measure()))
+
+
+def test_bytes_per_step_against_ddp(benchmark):
+    benchmark.pedantic(_bytes_per_step_against_ddp, rounds=1, iterations=1)
 
 
 if __name__ == "__main__":
