@@ -32,13 +32,13 @@ def test_trace_time(benchmark, layers):
 
 def test_trace_time_cold(benchmark):
     """96 layers with stagetorch's metadata cache emptied before each trace: what a first trace costs."""
-    from stagetorch.staging import tracer as tracing
+    from stagetorch.staging import meta_cache
 
     model, make = models.transformer(layers=96)
     x, y = make(8)
     step = models.train_step(model)
     graph = benchmark.pedantic(
-        lambda: stagetorch.make_ir(step)(x, y), setup=tracing._META_CACHE.clear, rounds=3, iterations=1
+        lambda: stagetorch.make_ir(step)(x, y), setup=meta_cache.META_CACHE.clear, rounds=3, iterations=1
     )
     if benchmark.disabled:
         return
@@ -50,7 +50,8 @@ def test_fake_tensor_floor():
     """The same step under FakeTensorMode alone: the cost stagetorch's tracer sits on."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from stagetorch.staging.tracer import _swap, discover
+    from stagetorch.staging.state import discover
+    from stagetorch.staging.tracer import _swap
 
     model, make = models.transformer(layers=8)
     x, y = make(8)

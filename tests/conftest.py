@@ -9,7 +9,8 @@ from stagetorch.lazymode import recording
 from stagetorch.lazymode.mode import Mode, force_mode
 from stagetorch.lazymode.session import _Session
 from stagetorch.planning.planner import _LESSONS
-from stagetorch.staging import tracer as tracing
+from stagetorch.staging.recorder import Recorder
+from stagetorch.staging.source import mark_internal
 
 # tests/ mirrors the package, a folder per layer; the helpers every folder uses are in tests/support, imported by
 # module name (``import models``), as are the helpers one test module lends another (``from test_chunking import
@@ -65,7 +66,7 @@ def lazy_mode(request):
 def _instrument(monkeypatch, owner, name, wrapper):
     """Wrap a stagetorch method for counting. The wrapper is marked as stagetorch's own code, so the
     tracer does not take it for the user's line (which the replay's hook detection relies on)."""
-    tracing.mark_internal(wrapper.__code__)
+    mark_internal(wrapper.__code__)
     monkeypatch.setattr(owner, name, wrapper)
 
 
@@ -73,9 +74,9 @@ def _instrument(monkeypatch, owner, name, wrapper):
 def recorded(monkeypatch):
     """The ops run on fake tensors (recorded, not replayed), in order."""
     ops = []
-    original = tracing.Recorder.record
+    original = Recorder.record
     _instrument(
-        monkeypatch, tracing.Recorder, "record",
+        monkeypatch, Recorder, "record",
         lambda self, *a, **k: ops.append(a[0]) or original(self, *a, **k),
     )
     return ops

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..ir import Var
-from ..staging.tracer import is_user_code, user_frame
+from ..staging.source import is_user_code, user_frame
 from .autograd_graph import _PYTHON_FUNCTION_NODE, _autograd_graph, _is_lazy_summary
 from .express import ExpressReplay
 from .mode import Mode

@@ -19,7 +19,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import ConcretizationError, UnsupportedOpError
 from ..ir import Eqn, Var
-from ..staging.tracer import Recorder, user_frame
+from ..staging.recorder import Recorder
+from ..staging.source import user_frame
 from ..transforms import rng
 from ..utils import caches
 from ..utils.tree import map_leaves

@@ -23,7 +23,8 @@ from ..interpreters.eager import accumulate_grad
 from ..interpreters.flops import graph_flops
 from ..ir import Eqn, Graph, Var, op_name
 from ..runtime.executable import Executable
-from ..staging.tracer import Recorder, user_frame
+from ..staging.recorder import Recorder
+from ..staging.source import user_frame
 from ..transforms import rng
 from ..transforms.schedule import writes
 from . import mode as _mode

@@ -29,7 +29,7 @@ from ..parallel.data_parallel import ShardGroup, Signature
 from ..planning.chunks import Plan
 from ..planning.remat_search import RematPlan
 from ..runtime.executable import Executable
-from ..staging.tracer import user_frame
+from ..staging.source import user_frame
 
 __all__ = ["LazyShard", "start", "run"]
 

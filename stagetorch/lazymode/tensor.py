@@ -16,7 +16,8 @@ import torch
 
 from ..errors import UnsupportedOpError
 from ..ir import Var
-from ..staging.tracer import HELD, user_frame
+from ..staging.source import user_frame
+from ..staging.state import HELD
 from ..utils.tree import flat_call, map_leaves
 from .mode import Mode
 

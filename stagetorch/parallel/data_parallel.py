@@ -42,7 +42,7 @@ from ..interpreters.chunked import Split, run_chunked
 from ..interpreters.memory import peak_bytes
 from ..ir import Aval, Graph, Var
 from ..planning.chunks import Plan, chunked_peak, plan_chunks
-from ..staging.tracer import State
+from ..staging.state import State
 
 __all__ = ["ShardGroup", "Signature", "plan_shard", "run_shard", "global_aval", "LaidOutAval", "staging"]
 

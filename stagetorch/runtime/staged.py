@@ -24,7 +24,8 @@ from ..planning.chunks import Plan
 from ..planning.planner import COPIES
 from ..planning.remat_search import RematPlan
 from ..staging.guards import MAX_OUTCOMES, Outcomes, StateWalk, flatten_args
-from ..staging.tracer import State, Traced, arg_names, discover, held_values, leaf_names, trace
+from ..staging.state import State, arg_names, discover, held_values
+from ..staging.tracer import Traced, leaf_names, trace
 from ..utils import caches
 from .executable import Executable
 

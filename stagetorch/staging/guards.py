@@ -4,7 +4,7 @@ changed, not what exists.
 Every call of a staged function must know that the program it runs was staged for the state the function
 sees now: the same parameters and buffers (their shapes, strides, dtypes, devices, ``requires_grad``), the same
 Python values a trace may have baked in (module attributes, globals, closure cells, defaults, optimizer
-hyperparameters), the same hooks. :func:`stagetorch.staging.tracer.discover` and :meth:`State.tensors_and_key`
+hyperparameters), the same hooks. :func:`stagetorch.staging.state.discover` and :meth:`State.tensors_and_key`
 walk all of that and make the key; this module remembers, beside the key, every mutable place that walk
 read and the object it found there (:class:`Reads`), and checks on the next call that each place still
 holds that same object (:class:`Guard`), with C-level passes (``map(operator.is_, ...)``) instead of a
@@ -15,7 +15,7 @@ A step that reads values on the host (``if mask.any():``, LayerDrop's ``torch.ra
 per outcome of those reads: :class:`Outcomes` keeps them, and picks one per call by running the host
 program of each (:mod:`stagetorch.staging.host_reads`) on the call's arguments.
 
-What it must not know: how a trace uses the state, or what a key means (``tracing`` says both).
+What it must not know: how a trace uses the state (``tracer`` says), or what a key means (``state`` says).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch.utils._pytree as pytree
 
 from ..utils import caches
 from .host_reads import HostProgram
-from .tracer import _CLASS_GLOBALS, _MODULE_HOOKS, State, discover
+from .state import CLASS_GLOBALS, MODULE_HOOKS, State, discover
 
 __all__ = ["Reads", "Guard", "StateWalk", "flatten_args", "Outcomes", "MAX_OUTCOMES"]
 
@@ -46,7 +46,7 @@ _CELL = operator.attrgetter("cell_contents")
 # What State.tensors_and_key keys a tensor on, and its hooks (held as copies: a hook added changes them).
 _META = operator.attrgetter("shape", "dtype", "device", "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks")
 _STRIDE = torch.Tensor.stride  # and its strides (a parameter whose data ``Module.to`` swapped keeps the rest)
-# A list or dict longer than this is not looked into by discover (see ``tracing.discover``).
+# A list or dict longer than this is not looked into by discover (see ``state.discover``).
 _LONG = 256
 
 
@@ -117,12 +117,12 @@ class Reads:
                 if type(x) is list:  # a list attribute is keyed on its items
                     self.contents(x)
             self.value_dicts += [d["_parameters"], d["_buffers"], d["_modules"]]
-            self.dicts += [d[store] for store in _MODULE_HOOKS]
-        for store in _MODULE_HOOKS:
+            self.dicts += [d[store] for store in MODULE_HOOKS]
+        for store in MODULE_HOOKS:
             self.attr(_module_globals, f"_global{store}")
             self.dicts.append(getattr(_module_globals, f"_global{store}"))
         for cls in dict.fromkeys(type(sub) for sub in subs):
-            for _, g, key in _CLASS_GLOBALS[cls]:  # tensors_and_key has filled it
+            for _, g, key in CLASS_GLOBALS[cls]:  # tensors_and_key has filled it
                 self.item(g, key)
                 if type(g.get(key)) is list:
                     self.contents(g[key])

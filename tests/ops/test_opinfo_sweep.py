@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import stagetorch
-from stagetorch.staging.tracer import _relayout
+from stagetorch.staging.recorder import _relayout
 
 
 def _classify(info, s) -> str:

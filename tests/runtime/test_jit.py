@@ -209,7 +209,7 @@ def test_static_argnums_steer_python_control_flow():
 def test_the_per_call_state_walk_matches_the_trace_order():
     """Shared, tied and None parameters, buffers, and a closed-over tensor: the cheap walk every call makes
     lists the same tensors in the same order as the walk that named the staged program's inputs."""
-    from stagetorch.staging.tracer import discover
+    from stagetorch.staging.state import discover
 
     shared, tied = nn.Linear(4, 4), nn.Linear(4, 4)
     tied.weight = shared.weight
@@ -396,15 +396,15 @@ def test_random_chains_of_aliases_run_as_eager(seed):
 
 
 def test_clear_caches_forgets_staged_programs_and_module_caches():
-    from stagetorch.staging import tracer as tracing
+    from stagetorch.staging import meta_cache
 
     model, make = models.seed_mlp()
     step = stagetorch.jit(models.train_step(model))
     x, y = make(4)
     step(x, y)
-    assert step._cache and tracing._META_CACHE
+    assert step._cache and meta_cache.META_CACHE
     stagetorch.clear_caches()
-    assert not step._cache and not tracing._META_CACHE
+    assert not step._cache and not meta_cache.META_CACHE
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     step(x, y)  # staged again, same answer

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import stagetorch
 from stagetorch.staging import guards
 from stagetorch.staging.guards import StateWalk, flatten_args
-from stagetorch.staging.tracer import discover
+from stagetorch.staging.state import discover
 
 TEMPERATURE = 1.0
 CONFIG = {"weight": 1.0}

@@ -8,7 +8,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import stagetorch
-from stagetorch.staging import tracer as tracing
+from stagetorch.staging import meta_cache
+from stagetorch.staging.recorder import Recorder
 
 aten = torch.ops.aten
 
@@ -29,23 +30,23 @@ def test_a_warm_trace_equals_a_cold_one(name):
     # Cold in both caches: FakeTensorMode's own (whose first answer for the oneDNN LSTM backward gave its bias
     # gradient as one tensor for both biases, and later answers two) and stagetorch's.
     FakeTensorMode.cache_clear()
-    tracing._META_CACHE.clear()
+    meta_cache.META_CACHE.clear()
     cold = stagetorch.make_ir(step)(*args)
-    assert tracing._META_CACHE, "nothing was cached"
+    assert meta_cache.META_CACHE, "nothing was cached"
     warm = stagetorch.make_ir(step)(*args)
     assert structure(warm) == structure(cold)
 
 
 def outputs(func, args, kwargs=None):
     """One op recorded twice on the same fakes: (first outputs from the kernel, second from the cache)."""
-    rec = tracing.Recorder(FakeTensorMode(allow_non_fake_inputs=True))
+    rec = Recorder(FakeTensorMode(allow_non_fake_inputs=True))
     fakes = [rec.fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
     for f in fakes:
         if isinstance(f, FakeTensor):
             rec.add_input(f, "arg", "x")
-    tracing._META_CACHE.clear()
+    meta_cache.META_CACHE.clear()
     first = rec.record(func, tuple(fakes), kwargs or {})
-    assert tracing._meta_key(func, tuple(fakes), kwargs or {}) in tracing._META_CACHE
+    assert meta_cache.meta_key(func, tuple(fakes), kwargs or {}) in meta_cache.META_CACHE
     second = rec.record(func, tuple(fakes), kwargs or {})
     return fakes, first, second
 
@@ -90,7 +91,7 @@ def test_views_from_the_cache_alias_their_base(func, args):
 def test_int_and_float_arguments_are_different_keys():
     x = torch.arange(4)
     _, as_int, _ = outputs(aten.add.Tensor, (x, torch.tensor(1)))
-    rec = tracing.Recorder(FakeTensorMode(allow_non_fake_inputs=True))
+    rec = Recorder(FakeTensorMode(allow_non_fake_inputs=True))
     fx = rec.fake_mode.from_tensor(x)
     rec.add_input(fx, "arg", "x")
     assert rec.record(aten.mul.Scalar, (fx, 2), {}).dtype == torch.int64
@@ -100,13 +101,13 @@ def test_int_and_float_arguments_are_different_keys():
 
 
 def test_kinds_of_calls_cached():
-    assert tracing._cache_kind(aten.add_.Tensor) == "inplace"
-    assert tracing._cache_kind(aten.add.out) is None  # writes into out=
-    assert tracing._cache_kind(aten.transpose_.default) is None  # changes its argument's metadata
-    assert tracing._cache_kind(aten.nonzero.default) is None
-    assert tracing._cache_kind(aten._local_scalar_dense.default) is None
-    assert tracing._cache_kind(aten.mm.default) == "fresh"
-    assert tracing._cache_kind(aten.transpose.int) == "view"
+    assert meta_cache._cache_kind(aten.add_.Tensor) == "inplace"
+    assert meta_cache._cache_kind(aten.add.out) is None  # writes into out=
+    assert meta_cache._cache_kind(aten.transpose_.default) is None  # changes its argument's metadata
+    assert meta_cache._cache_kind(aten.nonzero.default) is None
+    assert meta_cache._cache_kind(aten._local_scalar_dense.default) is None
+    assert meta_cache._cache_kind(aten.mm.default) == "fresh"
+    assert meta_cache._cache_kind(aten.transpose.int) == "view"
 
 
 def test_in_place_calls_return_their_first_argument_and_undeclared_views_alias():
@@ -118,7 +119,7 @@ def test_in_place_calls_return_their_first_argument_and_undeclared_views_alias()
 
 
 def test_a_cached_call_still_refuses_what_the_kernel_refuses():
-    rec = tracing.Recorder(FakeTensorMode(allow_non_fake_inputs=True))
+    rec = Recorder(FakeTensorMode(allow_non_fake_inputs=True))
     a, b = (rec.fake_mode.from_tensor(t) for t in (torch.randn(3, 4), torch.randn(5)))
     for f in (a, b):
         rec.add_input(f, "arg", "x")
@@ -134,7 +135,7 @@ def _lstm_plan_and_peak(cold):
     step = models.train_step(model)
     if cold:
         FakeTensorMode.cache_clear()
-        tracing._META_CACHE.clear()
+        meta_cache.META_CACHE.clear()
     else:
         stagetorch.make_ir(step)(x, y)
     staged = stagetorch.jit(step, memory_budget=1 << 40)
@@ -186,4 +187,4 @@ def test_the_real_lstm_backward_returns_two_bias_gradients():
         fake = aten.mkldnn_rnn_layer_backward.default(
             *[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         )
-    assert fake[3] is fake[4], "the meta kernel returns two bias gradients now: tracing._unshared may go"
+    assert fake[3] is fake[4], "the meta kernel returns two bias gradients now: recorder._unshared may go"

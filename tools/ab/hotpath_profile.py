@@ -36,7 +36,7 @@ try:
     from stagetorch.staging import guards
 except ImportError:  # the tree before issue 27
     guards = None
-from stagetorch.staging.tracer import discover, held_values
+from stagetorch.staging.state import discover, held_values
 
 CASES = {case: bench_step.CASES[case] for case in ("seed_mlp_b256", "encoder_b32", "ln_mlp_b256")}
 
