@@ -201,7 +201,7 @@ def test_batchnorm_training_raises_coupling_error_naming_the_line():
     # (Below every schedule: from a third of the peak, the step runs in passes over chunks: test_batchnorm_cut.)
     staged.memory_budget = staged.plan(x, y).full_batch_peak_bytes // 100
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(stagetorch.BatchCouplingError, match=r"native_batch_norm at tests/support/models.py:\d+ \(model.norm\).*BatchNorm in training mode"):
+    with pytest.raises(stagetorch.BatchCouplingError, match=r"native_batch_norm at support/models.py:\d+ \(model.norm\).*BatchNorm in training mode"):
         staged(x, y)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k

@@ -480,7 +480,7 @@ def test_an_optimizer_that_cannot_be_staged_gets_a_named_error_and_changes_nothi
     F.cross_entropy(model(x), y).backward()
     before = _snapshot(model)
     state = copy.deepcopy(opt.state_dict())
-    with pytest.raises(stagetorch.UnsupportedOpError, match=r"(?s)Adagrad.step at tests/staging/test_jit_state.py:\d+ cannot be staged.*outside the staged function"):
+    with pytest.raises(stagetorch.UnsupportedOpError, match=r"(?s)Adagrad.step at staging/test_jit_state.py:\d+ cannot be staged.*outside the staged function"):
         stagetorch.jit(_optimizer_step(model, opt))(x, y)
     _assert_unchanged(model, before)
     assert "step" not in vars(opt)
