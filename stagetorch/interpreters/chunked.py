@@ -25,7 +25,8 @@ from ..ir import Aval, Eqn, Graph, Literal, Var, iter_vars, restrided
 from ..transforms.schedule import fold_partials, writes
 from ..utils.tree import map_leaves
 from .batching import BatchAnalysis, Batched, Global, Prepass, Reduced, coupling
-from .eager import Program, Undo
+from .eager import Program
+from .undo import Undo
 
 __all__ = ["Split", "run_chunked", "even_chunks", "is_oom", "ChunkOutOfMemory"]
 
@@ -603,7 +604,7 @@ def run_chunked(
     ``combine(values, kinds)`` merges, in place, the partials of the reductions over those examples with
     those of the other parts; it is called once after each pre-pass and once after the chunk loop.
     ``undo`` receives a copy of the caller's state each program writes outside its commit (see
-    :class:`~stagetorch.interpreters.eager.Undo`): the caller restores it if the run fails. ``retry=False``: a chunk
+    :class:`~stagetorch.interpreters.undo.Undo`): the caller restores it if the run fails. ``retry=False``: a chunk
     that runs out of memory raises ``ChunkOutOfMemory`` rather than redo the batch in halves.
 
     **Returns** the flat outputs, the (input position, gradient) pairs to accumulate, and the chunk sizes
