@@ -28,7 +28,7 @@ from .batching import BatchAnalysis, Batched, Global, Prepass, Reduced, coupling
 from .eager import Program
 from .undo import Undo
 
-__all__ = ["Split", "run_chunked", "even_chunks", "is_oom", "ChunkOutOfMemory"]
+__all__ = ["Split", "run_chunked", "even_chunks", "is_oom", "ChunkOutOfMemory", "slice_examples"]
 
 log = logging.getLogger("stagetorch")
 
@@ -430,7 +430,7 @@ def _writes_late(graph: Graph, shared: list[int], post: list[int], body: list[in
     return [i for i in shared if i not in late], sorted([*post, *moved])
 
 
-def _cut(x: torch.Tensor, lab: Batched, start: int, n: int) -> torch.Tensor:
+def slice_examples(x: torch.Tensor, lab: Batched, start: int, n: int) -> torch.Tensor:
     """Examples ``[start, start + n)`` of ``x`` (a view when the batch is not under an outer dim)."""
     if lab.outer == 1:
         return x.narrow(lab.dim, start * lab.k, n * lab.k)
@@ -459,9 +459,9 @@ def _feed_values(feeds: list[tuple], env: dict[Var, Any], held: dict[Var, Any], 
         elif kind == "into":
             vals.append(_rows(held, f[1], f[2], start, n, run.batch))
         elif kind == "slice":  # a shared value spans the staged batch: this run's examples start at its offset
-            vals.append(_cut(env[f[1]], f[2], run.offset + start, n))
+            vals.append(slice_examples(env[f[1]], f[2], run.offset + start, n))
         else:
-            vals.append(_cut(env[f[1]], f[2], start, n))
+            vals.append(slice_examples(env[f[1]], f[2], start, n))
     return vals
 
 
@@ -474,7 +474,7 @@ def _rows(held: dict[Var, Any], v: Var, lab: Batched, start: int, n: int, batch:
         shape[lab.dim] = lab.extent(batch)
         full = held[v] = torch.empty(shape, dtype=v.aval.dtype, device=v.aval.device)
     if lab.outer == 1:
-        return _cut(full, lab, start, n)
+        return slice_examples(full, lab, start, n)
     # Under an outer dim the rows are not one view's worth: write them through an unflattened view.
     return _OuterRows(full, lab, start, n)
 

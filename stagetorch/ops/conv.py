@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import ShapeError
-from ..interpreters import batching, flops
+from ..interpreters import batch_rules, flops
 from ..ir import Aval, Eqn
 from . import layout_rules, linalg
 
@@ -60,10 +60,10 @@ SHAPE: dict = {
 }
 
 
-# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
+# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/interpreters/batching.py)
 BATCH: dict = {
-    aten.convolution: batching.per_example(outputs=("b",)),
-    aten.convolution_backward: batching.per_example(outputs=("b", "sum", "sum")),
+    aten.convolution: batch_rules.per_example(outputs=("b",)),
+    aten.convolution_backward: batch_rules.per_example(outputs=("b", "sum", "sum")),
 }
 
 

@@ -164,7 +164,7 @@ PACKAGE_LAYERS = {
     "staging": {"host_reads": 0, "tracer": 1, "guards": 2, "__init__": 3},
     "transforms": {"schedule": 0, "rng": 0, "batch_norm_sums": 0, "remat": 1, "commit": 1, "__init__": 2},
     "interpreters": {
-        "shape_rules": 0, "shapes": 0, "flops": 0, "batching": 0, "undo": 0, "eager": 1, "memory": 1, "chunked": 2,
+        "shape_rules": 0, "shapes": 0, "flops": 0, "batching": 0, "undo": 0, "batch_rules": 1, "eager": 1, "memory": 1, "chunked": 2,
         "__init__": 3,
     },
     "planning": {"chunks": 0, "cut": 1, "remat_search": 1, "reserved": 1, "multipass": 2, "planner": 3, "__init__": 4},
