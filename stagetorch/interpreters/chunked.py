@@ -25,9 +25,10 @@ from ..ir import Aval, Eqn, Graph, Literal, Var, iter_vars, restrided
 from ..transforms.schedule import fold_partials, writes
 from ..utils.tree import map_leaves
 from .batching import BatchAnalysis, Batched, Global, Prepass, Reduced, coupling
-from .eager import Program, Undo
+from .eager import Program
+from .undo import Undo
 
-__all__ = ["Split", "run_chunked", "even_chunks", "is_oom", "ChunkOutOfMemory"]
+__all__ = ["Split", "run_chunked", "even_chunks", "is_oom", "ChunkOutOfMemory", "slice_examples"]
 
 log = logging.getLogger("stagetorch")
 
@@ -429,7 +430,7 @@ def _writes_late(graph: Graph, shared: list[int], post: list[int], body: list[in
     return [i for i in shared if i not in late], sorted([*post, *moved])
 
 
-def _cut(x: torch.Tensor, lab: Batched, start: int, n: int) -> torch.Tensor:
+def slice_examples(x: torch.Tensor, lab: Batched, start: int, n: int) -> torch.Tensor:
     """Examples ``[start, start + n)`` of ``x`` (a view when the batch is not under an outer dim)."""
     if lab.outer == 1:
         return x.narrow(lab.dim, start * lab.k, n * lab.k)
@@ -458,9 +459,9 @@ def _feed_values(feeds: list[tuple], env: dict[Var, Any], held: dict[Var, Any], 
         elif kind == "into":
             vals.append(_rows(held, f[1], f[2], start, n, run.batch))
         elif kind == "slice":  # a shared value spans the staged batch: this run's examples start at its offset
-            vals.append(_cut(env[f[1]], f[2], run.offset + start, n))
+            vals.append(slice_examples(env[f[1]], f[2], run.offset + start, n))
         else:
-            vals.append(_cut(env[f[1]], f[2], start, n))
+            vals.append(slice_examples(env[f[1]], f[2], start, n))
     return vals
 
 
@@ -473,7 +474,7 @@ def _rows(held: dict[Var, Any], v: Var, lab: Batched, start: int, n: int, batch:
         shape[lab.dim] = lab.extent(batch)
         full = held[v] = torch.empty(shape, dtype=v.aval.dtype, device=v.aval.device)
     if lab.outer == 1:
-        return _cut(full, lab, start, n)
+        return slice_examples(full, lab, start, n)
     # Under an outer dim the rows are not one view's worth: write them through an unflattened view.
     return _OuterRows(full, lab, start, n)
 
@@ -603,7 +604,7 @@ def run_chunked(
     ``combine(values, kinds)`` merges, in place, the partials of the reductions over those examples with
     those of the other parts; it is called once after each pre-pass and once after the chunk loop.
     ``undo`` receives a copy of the caller's state each program writes outside its commit (see
-    :class:`~stagetorch.interpreters.eager.Undo`): the caller restores it if the run fails. ``retry=False``: a chunk
+    :class:`~stagetorch.interpreters.undo.Undo`): the caller restores it if the run fails. ``retry=False``: a chunk
     that runs out of memory raises ``ChunkOutOfMemory`` rather than redo the batch in halves.
 
     **Returns** the flat outputs, the (input position, gradient) pairs to accumulate, and the chunk sizes

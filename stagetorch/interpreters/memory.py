@@ -6,7 +6,7 @@ after the last use of any value living in it; outputs and accumulated gradients 
 nobody needs not run. Memory rules in the registry add what tensor sizes
 do not show (transient workspace). On CUDA, sizes are rounded as the caching allocator rounds them.
 
-A step's last program commits an optimizer's update as :func:`stagetorch.interpreters.eager.commit_plan` lays it out
+A step's last program commits an optimizer's update as :func:`stagetorch.transforms.commit.commit_plan` lays it out
 (one workspace for its temporaries, allocated before its first write): costed as such.
 
 It knows the IR, the registry, the passes' schedule and the commit's layout; it runs nothing.
@@ -25,9 +25,9 @@ from torch._prims_common import compute_elementwise_output_strides
 from ..devices.budget import format_bytes
 from ..ir import Eqn, Graph, SourceInfo, Var, op_name
 from ..registry import slot
+from ..transforms.commit import commit_plan, may_commit
 from ..transforms.schedule import Liveness, liveness, scheduled
 from ..utils import collector
-from .eager import commit_plan, may_commit
 
 __all__ = [
     "CATEGORIES", "MemoryEffect", "effect", "workspace", "Layouts", "allocated", "Lifetimes", "Timeline", "timeline", "peak_bytes", "Schedule",
@@ -36,7 +36,7 @@ __all__ = [
 
 # "optimizer": an optimizer's state the step reads or makes (it steps inside the staged function; a first step
 # makes its moments); "workspace": what kernels allocate inside themselves while they run, and the one
-# allocation an optimizer's commit makes for its temporaries (:func:`stagetorch.interpreters.eager.commit_plan`), held
+# allocation an optimizer's commit makes for its temporaries (:func:`stagetorch.transforms.commit.commit_plan`), held
 # from its first write to the end of the program; "held": what the call holds beside the program (each .grad
 # it adds into or replaces, restore copies), in reports only.
 CATEGORIES = (
@@ -191,7 +191,7 @@ _NO_EFFECT = MemoryEffect()
 
 @attrs.frozen
 class CommitCost:
-    """What a program's commit (:func:`stagetorch.interpreters.eager.commit_plan`) allocates otherwise than one
+    """What a program's commit (:func:`stagetorch.transforms.commit.commit_plan`) allocates otherwise than one
     tensor per equation: before equation ``eqn`` runs, one ``spaces`` allocation per device (bytes before
     rounding, device), held to the end of the program, which ``placed`` outputs (the commit's temporaries)
     live in; and, beside it, the storage of each ``early`` output (a first step's momentum buffer: a tensor

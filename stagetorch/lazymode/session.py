@@ -19,10 +19,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..devices.budget import free_memory
 from ..errors import BatchCouplingError, ConcretizationError, ModifiedInputError, StagingError
 from ..interpreters.batching import Batched
-from ..interpreters.eager import accumulate_grad
 from ..interpreters.flops import graph_flops
 from ..ir import Eqn, Graph, Var, op_name
 from ..runtime.executable import Executable
+from ..runtime.grads import accumulate_grad
 from ..staging.recorder import Recorder
 from ..staging.source import user_frame
 from ..transforms import rng

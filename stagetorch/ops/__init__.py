@@ -6,7 +6,7 @@ Importing this package fills the registry (:mod:`stagetorch.registry`) through t
 that users call. The generic batch rules users need to describe their own ops are re-exported here.
 """
 
-from ..interpreters.batching import contraction, per_example
+from ..interpreters.batch_rules import contraction, per_example
 from ..interpreters.batching import elementwise as pointwise
 from ..registry import Rule, lookup, register, rules
 from . import (

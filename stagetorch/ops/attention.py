@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ..errors import ShapeError
-from ..interpreters import batching, flops, shape_rules
+from ..interpreters import batch_rules, flops, shape_rules
 from ..interpreters.memory import MemoryEffect
 from ..ir import Aval, Eqn
 
@@ -118,26 +118,26 @@ def _traced_logsumexp_is_float() -> bool:
 MEMORY: dict = {aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu_memory} if _traced_logsumexp_is_float() else {}
 
 
-# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
+# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/interpreters/batching.py)
 BATCH: dict = {
     # (batch, heads, sequence, features) layouts: every example attends within itself. A shared mask of
     # full batch extent is cut to the chunk.
-    aten._scaled_dot_product_flash_attention_for_cpu: batching.per_example(slice_args=(5,)),
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: batching.per_example(slice_args=(8,)),
-    aten._scaled_dot_product_flash_attention: batching.per_example(),
-    aten._scaled_dot_product_flash_attention_backward: batching.per_example(),
-    aten._scaled_dot_product_efficient_attention: batching.per_example(slice_args=(3,)),
-    aten._scaled_dot_product_efficient_attention_backward: batching.per_example(slice_args=(3,)),
-    aten._scaled_dot_product_cudnn_attention: batching.per_example(slice_args=(3,)),
-    aten._scaled_dot_product_cudnn_attention_backward: batching.per_example(),
+    aten._scaled_dot_product_flash_attention_for_cpu: batch_rules.per_example(slice_args=(5,)),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: batch_rules.per_example(slice_args=(8,)),
+    aten._scaled_dot_product_flash_attention: batch_rules.per_example(),
+    aten._scaled_dot_product_flash_attention_backward: batch_rules.per_example(),
+    aten._scaled_dot_product_efficient_attention: batch_rules.per_example(slice_args=(3,)),
+    aten._scaled_dot_product_efficient_attention_backward: batch_rules.per_example(slice_args=(3,)),
+    aten._scaled_dot_product_cudnn_attention: batch_rules.per_example(slice_args=(3,)),
+    aten._scaled_dot_product_cudnn_attention_backward: batch_rules.per_example(),
     # nn.TransformerEncoderLayer / nn.MultiheadAttention fast paths (eval, no grad, batch_first).
-    aten._transformer_encoder_layer_fwd: batching.per_example(),
-    aten._native_multi_head_attention: batching.per_example(),
-    aten._softmax: batching.softmax(dim_arg=1),
-    aten._log_softmax: batching.softmax(dim_arg=1),
-    aten._softmax_backward_data: batching.softmax(dim_arg=2),
-    aten._log_softmax_backward_data: batching.softmax(dim_arg=2),
-    aten._safe_softmax: batching.softmax(dim_arg=1),
+    aten._transformer_encoder_layer_fwd: batch_rules.per_example(),
+    aten._native_multi_head_attention: batch_rules.per_example(),
+    aten._softmax: batch_rules.softmax(dim_arg=1),
+    aten._log_softmax: batch_rules.softmax(dim_arg=1),
+    aten._softmax_backward_data: batch_rules.softmax(dim_arg=2),
+    aten._log_softmax_backward_data: batch_rules.softmax(dim_arg=2),
+    aten._safe_softmax: batch_rules.softmax(dim_arg=1),
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..interpreters import batching
+from ..interpreters import batch_rules, batching
 from ..ir import Aval
 from . import layout_rules
 
@@ -17,10 +17,10 @@ SHAPE: dict = {
 }
 
 
-# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
+# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/interpreters/batching.py)
 BATCH: dict = {
     # Each chunk draws its own random numbers: the same distribution as one full-batch draw, other values.
-    aten.native_dropout: batching.per_example(outputs=("b", "b")),
+    aten.native_dropout: batch_rules.per_example(outputs=("b", "b")),
     aten.bernoulli_: batching.elementwise,
     aten.bernoulli: batching.elementwise,
 }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..interpreters import batching, shape_rules
+from ..interpreters import batch_rules, batching, shape_rules
 from ..ir import Aval, Eqn, Var
 from . import layout_rules
 
@@ -62,7 +62,7 @@ SHAPE: dict = {
 }
 
 
-# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
+# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/interpreters/batching.py)
 BATCH: dict = {
     # Shape-preserving ops without torch's pointwise tag (tagged ones get batching.elementwise by default).
     **{op: batching.elementwise for op in (
@@ -75,7 +75,7 @@ BATCH: dict = {
         aten.softshrink_backward, aten.hardshrink_backward, aten.log_sigmoid_backward,
     )},
     # Factories that take a tensor only for its dtype and device: same output in every chunk.
-    **{op: batching.same_in_every_chunk for op in (
+    **{op: batch_rules.same_in_every_chunk for op in (
         aten.new_empty_strided, aten.new_empty, aten.new_zeros, aten.new_ones, aten.new_full,
     )},
     aten.hardswish: batching.elementwise,

@@ -10,7 +10,7 @@ from ..ir import Aval, Eqn
 aten = torch.ops.aten
 
 
-# Batch rules for this family's ops (see stagetorch/batching.py).
+# Batch rules for this family's ops (see stagetorch/interpreters/batching.py).
 
 def embedding(eqn: Eqn, label: LabelFn) -> Chunked:
     weight, indices = eqn.args[0], eqn.args[1]
@@ -40,7 +40,7 @@ SHAPE: dict = {
 }
 
 
-# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
+# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/interpreters/batching.py)
 BATCH: dict = {
     aten.embedding: embedding,
     aten.embedding_dense_backward: embedding_dense_backward,

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..interpreters import batching, flops, shape_rules
+from ..interpreters import batch_rules, flops, shape_rules
 from ..ir import Eqn, Var
 from ..utils import caches
 from . import layout_rules
@@ -26,21 +26,21 @@ SHAPE: dict = {
 }
 
 
-# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
+# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/interpreters/batching.py)
 BATCH: dict = {
-    aten.mm: batching.contraction("ij,jk->ik"),
-    aten.bmm: batching.contraction("bij,bjk->bik"),
-    aten.addmm: batching.contraction("ij,jk->ik", bias=True),
-    aten.baddbmm: batching.contraction("bij,bjk->bik", bias=True),
-    aten.mv: batching.contraction("ij,j->i"),
-    aten.dot: batching.contraction("i,i->"),
-    aten.addmv: batching.contraction("ij,j->i", bias=True),
-    aten.addr: batching.contraction("i,j->ij", bias=True),
-    aten.addbmm: batching.contraction("bij,bjk->ik", bias=True),
-    aten.vdot: batching.contraction("i,i->"),
-    aten.linalg_cross: batching.along(2, default=-1),
+    aten.mm: batch_rules.contraction("ij,jk->ik"),
+    aten.bmm: batch_rules.contraction("bij,bjk->bik"),
+    aten.addmm: batch_rules.contraction("ij,jk->ik", bias=True),
+    aten.baddbmm: batch_rules.contraction("bij,bjk->bik", bias=True),
+    aten.mv: batch_rules.contraction("ij,j->i"),
+    aten.dot: batch_rules.contraction("i,i->"),
+    aten.addmv: batch_rules.contraction("ij,j->i", bias=True),
+    aten.addr: batch_rules.contraction("i,j->ij", bias=True),
+    aten.addbmm: batch_rules.contraction("bij,bjk->ik", bias=True),
+    aten.vdot: batch_rules.contraction("i,i->"),
+    aten.linalg_cross: batch_rules.along(2, default=-1),
     # Linear algebra over the two trailing dims, batched over the leading ones.
-    **{op: batching.along(None, last=2) for op in (
+    **{op: batch_rules.along(None, last=2) for op in (
         aten.linalg_inv_ex, aten.linalg_cholesky_ex, aten.cholesky, aten._linalg_eigh, aten._linalg_svd,
         aten.linalg_qr, aten.linalg_lu_factor_ex, aten.linalg_lu, aten._linalg_solve_ex,
         aten.linalg_solve_triangular, aten.linalg_matrix_exp, aten.linalg_ldl_factor_ex,

@@ -26,7 +26,7 @@ def nll_loss_forward(x: Aval, target: Aval, weight: Aval | None, reduction: int,
     out = (x.shape[0],) if reduction == 0 and x.ndim == 2 else ()
     return Aval(out, x.dtype, x.device), Aval((), x.dtype, x.device)
 
-# Batch rules for this family's ops (see stagetorch/batching.py).
+# Batch rules for this family's ops (see stagetorch/interpreters/batching.py).
 
 _NONE, _MEAN, _SUM = 0, 1, 2  # at::Reduction
 
@@ -248,7 +248,7 @@ SHAPE: dict = {
 }
 
 
-# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
+# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/interpreters/batching.py)
 BATCH: dict = {
     aten.nll_loss_forward: nll_loss_forward_batch_rule,
     aten.nll_loss_backward: nll_loss_backward_batch_rule,

@@ -46,7 +46,7 @@ import attrs
 import torch
 
 from ..errors import BatchCouplingError, ShapeError, UnsupportedOpError
-from ..interpreters import batching
+from ..interpreters import batch_rules, batching
 from ..interpreters.batching import Batched, Chunked, LabelFn, Reduced, coupling
 from ..ir import Aval, Eqn, Var, op_name
 from . import elementwise, indexing, reductions, views
@@ -260,7 +260,7 @@ def cumsum(eqn: Eqn, label: LabelFn) -> Chunked:
 
 
 _ELEMENTWISE = elementwise.BATCH
-_bmm_like = batching.contraction("gmk,gkn->gmn")
+_bmm_like = batch_rules.contraction("gmk,gkn->gmn")
 
 
 def grouped_mm_batch(eqn: Eqn, label: LabelFn) -> Chunked:

@@ -8,8 +8,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..errors import BatchStatisticsError, ShapeError
-from ..interpreters import batching
-from ..interpreters.batching import Chunked, LabelFn, coupling, per_example
+from ..interpreters import batch_rules
+from ..interpreters.batch_rules import per_example
+from ..interpreters.batching import Chunked, LabelFn, coupling
 from ..ir import Aval, Eqn
 from . import layout_rules
 
@@ -43,7 +44,7 @@ def group_norm(x: Aval, weight, bias, n, c, hw, groups, eps):  # noqa: ANN001, A
     stats = Aval((n, groups), x.dtype, x.device)
     return x, stats, stats
 
-# Batch rules for this family's ops (see stagetorch/batching.py).
+# Batch rules for this family's ops (see stagetorch/interpreters/batching.py).
 
 def batch_norm_batch_rule(*, training_arg: int | None, outputs: Sequence[str | None]) -> Callable[[Eqn, LabelFn], Chunked]:
     """Batch norm: exact per chunk in eval mode (running statistics); training couples the examples."""
@@ -80,13 +81,13 @@ SHAPE: dict = {
 }
 
 
-# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
+# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/interpreters/batching.py)
 BATCH: dict = {
-    aten.native_layer_norm: batching.per_example(outputs=("b", "b", "b")),
-    aten.native_layer_norm_backward: batching.per_example(outputs=("b", "sum", "sum")),
+    aten.native_layer_norm: batch_rules.per_example(outputs=("b", "b", "b")),
+    aten.native_layer_norm_backward: batch_rules.per_example(outputs=("b", "sum", "sum")),
     # N, the batch size, is an argument of group norm and its backward.
-    aten.native_group_norm: batching.per_example(outputs=("b", "b", "b"), batch_size_args=(3,)),
-    aten.native_group_norm_backward: batching.per_example(outputs=("b", "sum", "sum"), batch_size_args=(5,)),
+    aten.native_group_norm: batch_rules.per_example(outputs=("b", "b", "b"), batch_size_args=(3,)),
+    aten.native_group_norm_backward: batch_rules.per_example(outputs=("b", "sum", "sum"), batch_size_args=(5,)),
     aten.native_batch_norm: batch_norm_batch_rule(training_arg=5, outputs=("b", None, None)),
     aten._native_batch_norm_legit_no_training: batch_norm_batch_rule(training_arg=None, outputs=("b", None, None)),
     aten._native_batch_norm_legit: batch_norm_batch_rule(training_arg=5, outputs=("b", None, None)),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ShapeError
-from ..interpreters import batching
+from ..interpreters import batch_rules
 from ..ir import Aval, Eqn
 from . import layout_rules
 
@@ -57,9 +57,9 @@ _UPSAMPLE = (
     "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa",
 )
 
-# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
+# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/interpreters/batching.py)
 BATCH: dict = {
-    **{op: batching.per_example() for op in (
+    **{op: batch_rules.per_example() for op in (
         aten.max_pool2d_with_indices, aten.max_pool2d_with_indices_backward, aten.max_pool3d_with_indices,
         aten.max_pool3d_with_indices_backward, aten.avg_pool2d, aten.avg_pool2d_backward, aten.avg_pool3d,
         aten.avg_pool3d_backward, aten._adaptive_avg_pool2d, aten._adaptive_avg_pool2d_backward,
@@ -68,8 +68,8 @@ BATCH: dict = {
     )},
     # Upsampling: per-example; the backward's input_size (argument 2) is the input's full size, batch
     # included, and is cut to the chunk with it.
-    **{getattr(aten, name): batching.per_example() for name in _UPSAMPLE},
-    **{getattr(aten, name + "_backward"): batching.per_example(size_list_args=(2,)) for name in _UPSAMPLE},
+    **{getattr(aten, name): batch_rules.per_example() for name in _UPSAMPLE},
+    **{getattr(aten, name + "_backward"): batch_rules.per_example(size_list_args=(2,)) for name in _UPSAMPLE},
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..interpreters import batching, shape_rules
+from ..interpreters import batch_rules, shape_rules
 from ..ir import Eqn
 
 aten = torch.ops.aten
@@ -48,49 +48,49 @@ SHAPE: dict = {
 }
 
 
-# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
+# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/interpreters/batching.py)
 BATCH: dict = {
-    aten.sum.dim_IntList: batching.reduction("sum"),
-    aten.sum.default: batching.reduction("sum", dims_arg=None, keepdim_arg=None),
-    aten.mean.dim: batching.mean_reduction(),
-    aten.mean.default: batching.mean_reduction(dims_arg=None, keepdim_arg=None),
-    aten.amax: batching.reduction("max"),
-    aten.amin: batching.reduction("min"),
-    aten.max.default: batching.reduction("max", dims_arg=None, keepdim_arg=None),
-    aten.min.default: batching.reduction("min", dims_arg=None, keepdim_arg=None),
+    aten.sum.dim_IntList: batch_rules.reduction("sum"),
+    aten.sum.default: batch_rules.reduction("sum", dims_arg=None, keepdim_arg=None),
+    aten.mean.dim: batch_rules.mean_reduction(),
+    aten.mean.default: batch_rules.mean_reduction(dims_arg=None, keepdim_arg=None),
+    aten.amax: batch_rules.reduction("max"),
+    aten.amin: batch_rules.reduction("min"),
+    aten.max.default: batch_rules.reduction("max", dims_arg=None, keepdim_arg=None),
+    aten.min.default: batch_rules.reduction("min", dims_arg=None, keepdim_arg=None),
     # all/any over bools: a chunk's answer combines with the others' as a minimum/maximum does.
-    aten.all.default: batching.reduction("min", dims_arg=None, keepdim_arg=None),
-    aten.all.dim: batching.reduction("min"),
-    aten.all.dims: batching.reduction("min"),
-    aten.any.default: batching.reduction("max", dims_arg=None, keepdim_arg=None),
-    aten.any.dim: batching.reduction("max"),
-    aten.any.dims: batching.reduction("max"),
+    aten.all.default: batch_rules.reduction("min", dims_arg=None, keepdim_arg=None),
+    aten.all.dim: batch_rules.reduction("min"),
+    aten.all.dims: batch_rules.reduction("min"),
+    aten.any.default: batch_rules.reduction("max", dims_arg=None, keepdim_arg=None),
+    aten.any.dim: batch_rules.reduction("max"),
+    aten.any.dims: batch_rules.reduction("max"),
     # Reductions and scans along a dim other than the batch's.
-    aten.max.dim: batching.along(1, keepdim=2, reduces=True),
-    aten.argmax: batching.along(1, keepdim=2, reduces=True),
-    aten.argmin: batching.along(1, keepdim=2, reduces=True),
-    aten.min.dim: batching.along(1, keepdim=2, reduces=True),
-    aten.median.dim: batching.along(1, keepdim=2, reduces=True),
-    aten.nanmedian.dim: batching.along(1, keepdim=2, reduces=True),
-    aten.mode: batching.along(1, default=-1, keepdim=2, reduces=True),
-    aten.kthvalue: batching.along(2, default=-1, keepdim=3, reduces=True),
-    aten.prod.dim_int: batching.along(1, keepdim=2, reduces=True),
-    aten.logsumexp: batching.along(1, keepdim=2, reduces=True),
-    aten.var.correction: batching.along(1, keepdim="keepdim", reduces=True),
-    aten.std.correction: batching.along(1, keepdim="keepdim", reduces=True),
-    aten.var_mean.correction: batching.along(1, keepdim="keepdim", reduces=True),
-    aten.std_mean.correction: batching.along(1, keepdim="keepdim", reduces=True),
-    aten.norm.ScalarOpt_dim: batching.along(2, keepdim=3, reduces=True),
-    aten.linalg_vector_norm: batching.along(2, keepdim=3, reduces=True),
-    aten.aminmax: batching.along("dim", keepdim="keepdim", reduces=True),
-    aten.cumsum: batching.along(1),
-    aten.cumprod: batching.along(1),
-    aten.cummax: batching.along(1),
-    aten.cummin: batching.along(1),
-    aten.logcumsumexp: batching.along(1),
-    aten.sort.default: batching.along(1, default=-1),
-    aten.sort.stable: batching.along("dim", default=-1),
-    aten.topk: batching.along(2, default=-1),
+    aten.max.dim: batch_rules.along(1, keepdim=2, reduces=True),
+    aten.argmax: batch_rules.along(1, keepdim=2, reduces=True),
+    aten.argmin: batch_rules.along(1, keepdim=2, reduces=True),
+    aten.min.dim: batch_rules.along(1, keepdim=2, reduces=True),
+    aten.median.dim: batch_rules.along(1, keepdim=2, reduces=True),
+    aten.nanmedian.dim: batch_rules.along(1, keepdim=2, reduces=True),
+    aten.mode: batch_rules.along(1, default=-1, keepdim=2, reduces=True),
+    aten.kthvalue: batch_rules.along(2, default=-1, keepdim=3, reduces=True),
+    aten.prod.dim_int: batch_rules.along(1, keepdim=2, reduces=True),
+    aten.logsumexp: batch_rules.along(1, keepdim=2, reduces=True),
+    aten.var.correction: batch_rules.along(1, keepdim="keepdim", reduces=True),
+    aten.std.correction: batch_rules.along(1, keepdim="keepdim", reduces=True),
+    aten.var_mean.correction: batch_rules.along(1, keepdim="keepdim", reduces=True),
+    aten.std_mean.correction: batch_rules.along(1, keepdim="keepdim", reduces=True),
+    aten.norm.ScalarOpt_dim: batch_rules.along(2, keepdim=3, reduces=True),
+    aten.linalg_vector_norm: batch_rules.along(2, keepdim=3, reduces=True),
+    aten.aminmax: batch_rules.along("dim", keepdim="keepdim", reduces=True),
+    aten.cumsum: batch_rules.along(1),
+    aten.cumprod: batch_rules.along(1),
+    aten.cummax: batch_rules.along(1),
+    aten.cummin: batch_rules.along(1),
+    aten.logcumsumexp: batch_rules.along(1),
+    aten.sort.default: batch_rules.along(1, default=-1),
+    aten.sort.stable: batch_rules.along("dim", default=-1),
+    aten.topk: batch_rules.along(2, default=-1),
 }
 
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from ..interpreters import batching, shape_rules
+from ..interpreters import batch_rules, batching, shape_rules
 from ..interpreters.batching import Batched, Chunked, LabelFn, coupling
 from ..ir import Aval, Eqn
 
 aten = torch.ops.aten
 
 
-# Batch rules for this family's ops (see stagetorch/batching.py).
+# Batch rules for this family's ops (see stagetorch/interpreters/batching.py).
 
-_gather_along = batching.along(1)
+_gather_along = batch_rules.along(1)
 
 
 def _gather(eqn: Eqn, label: LabelFn) -> Chunked:
@@ -40,10 +40,10 @@ def _slice_backward_label(eqn: Eqn, label: LabelFn) -> Batched:
     return lab
 
 
-select_backward = batching.batch_size_list(1, _select_backward_label)
+select_backward = batch_rules.batch_size_list(1, _select_backward_label)
 
 
-slice_backward = batching.batch_size_list(1, _slice_backward_label)
+slice_backward = batch_rules.batch_size_list(1, _slice_backward_label)
 
 
 def constant_pad_nd(eqn: Eqn, label: LabelFn) -> Chunked:
@@ -75,43 +75,43 @@ SHAPE: dict = {
 }
 
 
-# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/batching.py)
+# Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/interpreters/batching.py)
 BATCH: dict = {
-    aten.view: batching.view,
-    aten._unsafe_view: batching.view,
-    aten.reshape: batching.view,
-    aten.expand: batching.expand,
-    aten.permute: batching.permute,
-    aten.t: batching.transpose,
-    aten.transpose: batching.transpose,
-    aten.unsqueeze: batching.unsqueeze,
-    aten.squeeze: batching.squeeze,
-    aten.select.int: batching.select,
-    aten.slice.Tensor: batching.slice_,
+    aten.view: batch_rules.view,
+    aten._unsafe_view: batch_rules.view,
+    aten.reshape: batch_rules.view,
+    aten.expand: batch_rules.expand,
+    aten.permute: batch_rules.permute,
+    aten.t: batch_rules.transpose,
+    aten.transpose: batch_rules.transpose,
+    aten.unsqueeze: batch_rules.unsqueeze,
+    aten.squeeze: batch_rules.squeeze,
+    aten.select.int: batch_rules.select,
+    aten.slice.Tensor: batch_rules.slice_,
     aten.select_backward: select_backward,
     aten.slice_backward: slice_backward,
-    aten.split: batching.split,
-    aten.split_with_sizes: batching.split,
-    aten.unbind: batching.split,
-    aten.cat: batching.cat,
-    aten.stack: batching.stack,
+    aten.split: batch_rules.split,
+    aten.split_with_sizes: batch_rules.split,
+    aten.unbind: batch_rules.split,
+    aten.cat: batch_rules.cat,
+    aten.stack: batch_rules.stack,
     aten.constant_pad_nd: constant_pad_nd,
     # Copying variants of the views above.
-    aten.view_copy: batching.view,
-    aten.expand_copy: batching.expand,
+    aten.view_copy: batch_rules.view,
+    aten.expand_copy: batch_rules.expand,
     aten.alias_copy: batching.elementwise,
-    aten.squeeze_copy: batching.squeeze,
-    aten.unsqueeze_copy: batching.unsqueeze,
-    aten.unsafe_split: batching.split,
-    aten.split_with_sizes_copy: batching.split,
-    aten.flip: batching.along(1),
-    aten.roll: batching.along(2),
-    aten.tril: batching.along(None, last=2),
-    aten.triu: batching.along(None, last=2),
+    aten.squeeze_copy: batch_rules.squeeze,
+    aten.unsqueeze_copy: batch_rules.unsqueeze,
+    aten.unsafe_split: batch_rules.split,
+    aten.split_with_sizes_copy: batch_rules.split,
+    aten.flip: batch_rules.along(1),
+    aten.roll: batch_rules.along(2),
+    aten.tril: batch_rules.along(None, last=2),
+    aten.triu: batch_rules.along(None, last=2),
     aten.gather: _gather,
-    aten.scatter: batching.along(1),
-    aten.scatter_add: batching.along(1),
-    aten.scatter_reduce: batching.along(1),
-    aten.index_select: batching.along(1),
+    aten.scatter: batch_rules.along(1),
+    aten.scatter_add: batch_rules.along(1),
+    aten.scatter_reduce: batch_rules.along(1),
+    aten.index_select: batch_rules.along(1),
 }
 

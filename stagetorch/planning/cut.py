@@ -36,11 +36,14 @@ import torch
 
 from ..devices.budget import format_bytes
 from ..errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError
-from ..interpreters.batching import Batched, LabelFn, _rule_for, analyze
-from ..interpreters.chunked import Split, _cut, even_chunks, run_chunked
-from ..interpreters.eager import Program, Undo
+from ..interpreters.batching import Batched, LabelFn, analyze
+from ..interpreters.batching import rule_for as _rule_for
+from ..interpreters.chunked import Split, even_chunks, run_chunked
+from ..interpreters.chunked import slice_examples as _cut
+from ..interpreters.eager import Program
 from ..interpreters.flops import graph_flops
 from ..interpreters.memory import peak_bytes
+from ..interpreters.undo import Undo
 from ..ir import Eqn, Graph, Literal, Var, op_name
 from ..transforms.schedule import is_random, writes
 from ..utils.tree import map_leaves

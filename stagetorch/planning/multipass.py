@@ -38,9 +38,9 @@ from ..devices.budget import format_bytes
 from ..errors import BatchCouplingError, OutOfMemoryError
 from ..interpreters.batching import BatchAnalysis, Batched, analyze
 from ..interpreters.chunked import Split, run_chunked
-from ..interpreters.eager import Undo
 from ..interpreters.flops import graph_flops
 from ..interpreters.memory import peak_bytes
+from ..interpreters.undo import Undo
 from ..ir import Graph, Literal, Var, op_name
 from ..transforms.schedule import writes
 from .chunks import SAFETY_MARGIN, Plan, chunked_peak, plan_chunks

@@ -23,8 +23,9 @@ from ..devices import budget as devices
 from ..errors import OutOfMemoryError, StagingError
 from ..interpreters.batching import Batched
 from ..interpreters.chunked import Split, is_oom, run_chunked
-from ..interpreters.eager import Program, Undo
+from ..interpreters.eager import Program
 from ..interpreters.memory import allocated
+from ..interpreters.undo import Undo
 from ..ir import Graph, Var, op_name
 from ..parallel import data_parallel as distributed
 from ..planning.chunks import Plan
@@ -81,7 +82,7 @@ class Executable:
     @property
     def guarded(self) -> list[int]:
         """Positions of the inputs a run copies before it writes them, to restore them if it fails: those it
-        writes outside its commit (see :func:`stagetorch.interpreters.eager.commit_plan`). An optimizer stepped last
+        writes outside its commit (see :func:`stagetorch.transforms.commit.commit_plan`). An optimizer stepped last
         is a commit and copies nothing; a forward's BatchNorm statistics are copied."""
         if self._guarded is None:
             position = {v: i for i, v in enumerate(self.graph.invars)}
@@ -179,7 +180,7 @@ class Executable:
         **Returns** the flat outputs and the (input position, gradient) pairs to accumulate into ``.grad``.
         If anything fails, inputs the program updates in place (parameters, buffers, ``.grad``, optimizer
         state) are restored first: from the copies its programs took before writing them, or untouched
-        because the failure came before the commit that writes them (:func:`~stagetorch.interpreters.eager.commit_plan`).
+        because the failure came before the commit that writes them (:func:`~stagetorch.transforms.commit.commit_plan`).
         If the device runs out of memory where the plan said the step fits, the step is redone as the
         planner's next smaller plan until one runs (:meth:`_recover`); later plans start from that one.
         On CUDA the first run of a program measures the allocator against its plan (:meth:`_calibrated`).

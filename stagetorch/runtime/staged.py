@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 from ..devices.budget import free_memory
 from ..errors import OutOfMemoryError, ShapeError, UnsupportedOpError
 from ..interpreters.batching import Batched
-from ..interpreters.eager import _dense, accumulate_grad, install_grads
+from ..interpreters.eager import is_dense
 from ..ir import Graph
 from ..parallel import data_parallel as distributed
 from ..planning.chunks import Plan
@@ -28,6 +28,7 @@ from ..staging.state import State, arg_names, discover, held_values
 from ..staging.tracer import Traced, leaf_names, trace
 from ..utils import caches
 from .executable import Executable
+from .grads import accumulate_grad, install_grads
 
 __all__ = ["Staged"]
 
@@ -405,7 +406,7 @@ class Staged:
         # The program is the global batch's, staged on stand-ins laid out as the shard (dense, in the order
         # of its strides: channels-last stays channels-last, with no copy); the shard runs on what it cuts.
         # A shard with gaps or overlaps (a strided view) runs on a contiguous copy, as the stand-in is.
-        args, kwargs = _map_batched(self, args, kwargs, lambda x, dim: x if _dense(x) else x.contiguous())
+        args, kwargs = _map_batched(self, args, kwargs, lambda x, dim: x if is_dense(x) else x.contiguous())
         entry, inputs, _ = self._stage(args, kwargs, global_batch=sum(sizes))
         plan = entry.executable.shard_plan(local, self._budget(entry.executable, inputs))
         return entry, inputs, plan, sum(sizes[: group.rank])

@@ -131,7 +131,7 @@ def lay_out_as_parameters(
 ) -> tuple[list[Eqn], list[tuple[int, Var]]]:
     """A gradient laid out otherwise than its parameter (a convolution's weight gradient over channels-last
     activations, for a contiguous weight) is copied into the parameter's layout when it becomes ``.grad``
-    (autograd's layout contract; :func:`stagetorch.interpreters.eager.accumulate_grad`). The copy is made the program's
+    (autograd's layout contract; :func:`stagetorch.runtime.grads.accumulate_grad`). The copy is made the program's
     last equation, so that the memory interpreter counts it and the gradient it copies dies right after;
     made after the program, the copies of every such gradient were held at once, beside the program's
     outputs, and above its plan. (When ``.grad`` already exists the copy is one eager does not make.)"""

@@ -165,14 +165,14 @@ PACKAGE_LAYERS = {
         "source": 0, "host_reads": 0, "meta_cache": 0, "grads": 0, "messages": 1, "state": 1,
         "recorder": 2, "guards": 2, "tracer": 3, "__init__": 4,
     },
-    "transforms": {"schedule": 0, "rng": 0, "batch_norm_sums": 0, "remat": 1, "__init__": 2},
+    "transforms": {"schedule": 0, "rng": 0, "batch_norm_sums": 0, "remat": 1, "commit": 1, "__init__": 2},
     "interpreters": {
-        "shape_rules": 0, "shapes": 0, "flops": 0, "batching": 0, "eager": 0, "memory": 1, "chunked": 1,
-        "__init__": 2,
+        "shape_rules": 0, "shapes": 0, "flops": 0, "batching": 0, "undo": 0, "batch_rules": 1, "eager": 1, "memory": 1, "chunked": 2,
+        "__init__": 3,
     },
     "planning": {"chunks": 0, "cut": 1, "remat_search": 1, "reserved": 1, "multipass": 2, "planner": 3, "__init__": 4},
     "parallel": {"data_parallel": 0, "__init__": 1},
-    "runtime": {"executable": 0, "staged": 1, "__init__": 2},
+    "runtime": {"grads": 0, "executable": 0, "staged": 1, "__init__": 2},
     "lazymode": {
         "mode": 0, "shard": 0, "draws": 0,
         "tensor": 1, "autograd_graph": 2, "recording": 3, "tape": 4, "replay": 4, "express": 5, "backward": 6,

@@ -1,5 +1,5 @@
 """A failed step leaves the caller's state as it was without a copy of the model (issue 25): an optimizer
-stepped last in a staged step is a commit (``stagetorch.interpreters.eager.commit_plan``), whose temporaries live in one
+stepped last in a staged step is a commit (``stagetorch.transforms.commit.commit_plan``), whose temporaries live in one
 workspace allocated before its first write. An out-of-memory error in the last chunk and a failure to
 allocate the commit's workspace, after AdamW steps inside ``jit``: parameters, ``.grad``, buffers and optimizer
 state bitwise as before, and nothing copied."""
@@ -19,8 +19,10 @@ from memtrack import _events
 
 import stagetorch
 import stagetorch.interpreters.eager as execute
-from stagetorch.interpreters.eager import COMMIT_OPS, _out_overload
+import stagetorch.transforms.commit as commit_analysis
+from stagetorch.interpreters.undo import Undo
 from stagetorch.ir import Aval, Eqn, Var
+from stagetorch.transforms.commit import COMMIT_OPS, _out_overload
 
 BATCH = 24
 _OOM = {"after": None, "calls": 0}
@@ -120,7 +122,7 @@ class _Saves:
     def __init__(self, monkeypatch, model):
         self.names = {p.untyped_storage().data_ptr(): n for n, p in model.state_dict(keep_vars=True).items()}
         self.saved: list[str] = []
-        real = execute.Undo.save
+        real = Undo.save
 
         def save(undo, t):
             base = t if t._base is None else t._base
@@ -129,7 +131,7 @@ class _Saves:
                 self.saved.append(self.names.get(key, "optimizer state"))
             real(undo, t)
 
-        monkeypatch.setattr(execute.Undo, "save", save)
+        monkeypatch.setattr(Undo, "save", save)
 
 
 _WHEN = [False, True]
@@ -238,7 +240,7 @@ def test_an_optimizer_stepped_last_copies_nothing_and_its_commit_allocates_only_
             continue
         size, ptr = e.extra_fields.alloc_size, e.extra_fields.ptr
         if size > 0:
-            assert size <= execute._WRAPPED, f"the commit allocated {size} B after its first write"
+            assert size <= commit_analysis._WRAPPED, f"the commit allocated {size} B after its first write"
             mine.add(ptr)
         elif ptr in mine:
             mine.discard(ptr)
@@ -300,7 +302,7 @@ def _foreach_sample(prim):
 _FOREACH_OPS = sorted(
     (
         getattr(packet, name)
-        for packet in (getattr(torch.ops.aten, f"_foreach_{n}", None) for n in execute._COMMIT_NAMES)
+        for packet in (getattr(torch.ops.aten, f"_foreach_{n}", None) for n in commit_analysis._COMMIT_NAMES)
         if packet is not None
         for name in packet.overloads()
         if not name.endswith("out")
@@ -325,12 +327,12 @@ def test_a_functional_foreach_op_runs_in_a_commit_as_its_in_place_form_on_a_copy
 
     outs = tuple(var(t) for t in expected)
     firsts = [var(t) for t in sample[0]] if isinstance(sample[0], list) else sample[0]
-    in_place = execute._foreach_in_place(Eqn(prim, (firsts, *sample[1:]), {}, outs))
+    in_place = commit_analysis._foreach_in_place(Eqn(prim, (firsts, *sample[1:]), {}, outs))
     if in_place is None:
         assert prim is torch.ops.aten._foreach_pow.ScalarAndTensor
         steps = [var(torch.tensor(2.0)), var(torch.tensor(3.0))]
-        assert execute._cannot_fail(Eqn(prim, (0.9, steps), {}, tuple(var(torch.tensor(0.5)) for _ in steps)), set())
-        assert not execute._cannot_fail(Eqn(prim, (0.9, firsts), {}, outs), set())
+        assert commit_analysis._cannot_fail(Eqn(prim, (0.9, steps), {}, tuple(var(torch.tensor(0.5)) for _ in steps)), set())
+        assert not commit_analysis._cannot_fail(Eqn(prim, (0.9, firsts), {}, outs), set())
         return
     workspace = [torch.empty(t.shape) for t in expected]  # contiguous places, as the commit's workspace has
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -340,7 +342,7 @@ def test_a_functional_foreach_op_runs_in_a_commit_as_its_in_place_form_on_a_copy
     allocation = torch._C._profiler._EventType.Allocation
     sizes = [e.extra_fields.alloc_size for e in _events(prof.profiler.kineto_results.experimental_event_tree())
              if e.tag == allocation and e.extra_fields.alloc_size > 0]
-    assert all(n <= execute._WRAPPED for n in sizes), sizes
+    assert all(n <= commit_analysis._WRAPPED for n in sizes), sizes
     for got, want in zip(places, expected):
         assert torch.equal(got, want) and got.stride() == want.stride()
 
@@ -386,7 +388,7 @@ def test_the_out_overloads_a_commit_runs_allocate_nothing_of_the_outputs_size(pr
     allocation = torch._C._profiler._EventType.Allocation
     sizes = [e.extra_fields.alloc_size for e in _events(prof.profiler.kineto_results.experimental_event_tree())
              if e.tag == allocation and e.extra_fields.alloc_size > 0]
-    assert all(n <= execute._WRAPPED for n in sizes), sizes
+    assert all(n <= commit_analysis._WRAPPED for n in sizes), sizes
     assert torch.equal(out, expected)
 
 

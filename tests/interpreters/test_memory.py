@@ -416,7 +416,7 @@ _INSIDE = {
 def test_the_report_counts_the_commits_workspace_and_the_state_a_first_step_makes(kind, first):
     """An optimizer stepped last is the program's commit: its temporaries live in one workspace allocated
     before its first write and held to the end, beside the state a first step makes
-    (``stagetorch.interpreters.eager.commit_plan``). The report and the plan cost that, not one tensor per equation:
+    (``stagetorch.transforms.commit.commit_plan``). The report and the plan cost that, not one tensor per equation:
     Adam's first step measured 7% over both before. The report's peak is the plan's and the allocator's, to
     the byte (the bias corrections' ``beta ** step`` wraps each beta as a 0-dim tensor: 12 B, unplanned
     before, were the foreach steps' peak), the workspace in its category, the state made in the optimizer's."""

@@ -184,9 +184,9 @@ def test_without_the_factory_promotion_the_shifted_write_is_refused(monkeypatch)
 
 
 def test_without_cutting_a_keyword_mask_the_chunk_fails(monkeypatch):
-    from stagetorch.interpreters import batching
+    from stagetorch.interpreters import batch_rules
 
-    monkeypatch.setattr(batching, "_argument", lambda eqn, i: eqn.args[i] if i < len(eqn.args) else None)
+    monkeypatch.setattr(batch_rules, "_argument", lambda eqn, i: eqn.args[i] if i < len(eqn.args) else None)
     stagetorch.clear_caches()
     with pytest.raises(RuntimeError):
         run_chunked(shifted_decoder, Tiny().double(), batch_of())

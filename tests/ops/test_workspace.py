@@ -1,7 +1,7 @@
 """Workspace rules (the registry's ``workspace`` slot) against the allocator: what each kernel allocates inside
 itself beyond its outputs, for the op alone (tests/support/memtrack.op_workspace), over several shapes.
 
-The CPU formulas were measured on torch 2.13's CPU build (stagetorch/ops/conv.py, recurrent.py, attention.py,
+The CPU formulas were measured on torch 2.13's CPU build (stagetorch/ops/conv.py and kernels/onednn_conv.py, recurrent.py, attention.py,
 norms.py). Where a formula is a fit or a bound rather than the kernel's own arithmetic, the tolerance says so.
 """
 
@@ -22,14 +22,14 @@ from memtrack import op_workspace
 
 import stagetorch
 from stagetorch.interpreters.memory import Layouts, effect, peak_bytes, workspace
-from stagetorch.ops import conv as conv_rules
+from stagetorch.ops.kernels import onednn_conv
 
-# The oneDNN convolution rules follow the kernels oneDNN runs at the CPU's ISA (stagetorch/ops/conv.py, _ISAS):
+# The oneDNN convolution rules follow the kernels oneDNN runs at the CPU's ISA (stagetorch/ops/kernels/onednn_conv.py, ISAS):
 # AVX-512 (jit_avx512_common, brgemm, blocks of 16 channels) and AVX2 (jit_avx2, jit_avx2_1x1, brgemm and gemm,
 # blocks of 8). On AVX2 the brgemm kernels' block of channels (8-32, picked by an efficiency estimate) is bounded,
 # not replayed: where a test claims the allocator's bytes on AVX-512, it claims "never under, within" the
 # bound's slack on AVX2. test_onednn_convolutions_capped_at_avx2_are_never_under runs the AVX2 rules on any CPU.
-AVX2 = conv_rules._onednn_isa() == "avx2"
+AVX2 = onednn_conv.onednn_isa() == "avx2"
 
 
 aten = torch.ops.aten
@@ -199,7 +199,7 @@ def test_onednn_strided_input_gradient_is_the_allocators(case, threads, layout):
                 assert abs(rule - measured) <= 0.02 * measured + 256, (mask, measured, rule)
 
 
-# oneDNN's weight gradient, one case per kernel it picks (stagetorch/ops/conv.py, _weight_gradient_kernel):
+# oneDNN's weight gradient, one case per kernel it picks (stagetorch/ops/kernels/onednn_conv.py, _weight_gradient_kernel):
 # (batch, channels in, size, channels out, kernel, groups, padding, dims, stride). gemm: 3-d layers of 4-8 input
 # channels padded in depth (the old rule: 45-62% under) and one padded past half its kernel; jit_avx512_common's
 # first-layer kernel (3 input channels); jit_avx2 (4-8 input channels); jit_avx512_common (channels padded to
@@ -376,8 +376,8 @@ import torch
 sys.path.insert(0, {tests!r})
 from memtrack import op_workspace
 from test_workspace import CONVS, INPUT_GRADIENTS, WEIGHT_GRADIENTS, _backward_workspace, _conv, _layer, _rule
-from stagetorch.ops import conv
-assert conv._onednn_isa() == "avx2", conv._onednn_isa()
+from stagetorch.ops.kernels import onednn_conv
+assert onednn_conv.onednn_isa() == "avx2", onednn_conv.onednn_isa()
 aten = torch.ops.aten
 rows = []
 torch.set_num_threads(2)
@@ -434,8 +434,8 @@ def test_onednn_isa_follows_the_cpu_and_the_cap(monkeypatch):
             monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
             if cap is not None:
                 monkeypatch.setenv(name, cap)
-            assert conv_rules._onednn_isa() == isa, (cpu, cap, name)
-            assert conv_rules._block() == (16 if isa == "avx512" else 8)
+            assert onednn_conv.onednn_isa() == isa, (cpu, cap, name)
+            assert onednn_conv.channel_block() == (16 if isa == "avx512" else 8)
 
 
 @pytest.mark.parametrize("case", [(2, 16, 4, 8, 2, 2), (4, 16, 6, 8, 3, 1)], ids=["3d", "2d"])

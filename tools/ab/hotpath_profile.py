@@ -55,7 +55,7 @@ def per_call(f, block: int, blocks: int) -> float:
 
 def _old_install(inputs, grads, executable, traced):
     """Staged.__call__'s gradient install before issue 27 (the tree before it has no install_grads)."""
-    from stagetorch.interpreters.eager import accumulate_grad, grad_to_install
+    from stagetorch.runtime.grads import accumulate_grad, grad_to_install
 
     first = len(inputs) - len(executable.consts) - len(traced.grad_params)
     fed = {i for i in traced.grad_params if inputs[i].grad is None}
