@@ -373,7 +373,7 @@ def test_a_3d_network_of_few_channels_chunked_is_at_its_plan(fraction):
 _CAPPED_CONVS = """
 import json, sys
 import torch
-sys.path.insert(0, {tests!r})
+sys.path[:0] = {tests!r}
 from memtrack import op_workspace
 from test_workspace import CONVS, INPUT_GRADIENTS, WEIGHT_GRADIENTS, _backward_workspace, _conv, _layer, _rule
 from stagetorch.ops.kernels import onednn_conv
@@ -408,7 +408,7 @@ def test_onednn_convolutions_capped_at_avx2_are_never_under():
     kernels' thread splits replayed) within 1.5x. (Within 2% is what the AVX2 tests above claim where the CPU
     runs AVX2 natively, measured there; this capped run was never measured on an AVX-512 machine, whose cache
     geometry some kernels' blocking reads, so here it claims the bound that matters and no byte-exactness.)"""
-    script = _CAPPED_CONVS.format(tests=str(Path(__file__).parents[1] / "support"))
+    script = _CAPPED_CONVS.format(tests=[str(Path(__file__).parent), str(Path(__file__).parents[1] / "support")])
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
@@ -901,7 +901,7 @@ def test_half_precision_matmul_fallback_bound_is_above_the_allocators(case, dtyp
 _CAPPED = """
 import json, sys
 import torch
-sys.path.insert(0, {tests!r})
+sys.path[:0] = {tests!r}
 from memtrack import op_workspace
 from test_workspace import _half_case, _rule
 from stagetorch.ops import linalg
@@ -925,7 +925,7 @@ def test_half_precision_matmul_on_other_isas_is_never_over_the_bound(isa):
     (gemm_bf16_matmul, its float32 result); float16 runs what the cap leaves it. The rule sees the cap, falls
     back to the bound, and is never under the allocator."""
     cases = [c for c in HALF_MATMULS + HALF_MATMULS_LARGE[-1:] if (c[0] or 1) * c[1] * c[2] * c[3] > 4096]
-    script = _CAPPED.format(tests=str(Path(__file__).parents[1] / "support"), cases=cases)
+    script = _CAPPED.format(tests=[str(Path(__file__).parent), str(Path(__file__).parents[1] / "support")], cases=cases)
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa,
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
@@ -1208,7 +1208,7 @@ def test_loss_backward_workspace_is_the_allocators(threads):
 _AT_MALLOC = """
 import ctypes, json, sys
 import torch
-sys.path.insert(0, {tests!r})
+sys.path[:0] = {tests!r}
 from memtrack import op_workspace
 from test_workspace import _conv, _conv_backward, _mkldnn, _rule
 shim = ctypes.CDLL(None)
@@ -1255,7 +1255,7 @@ def test_the_native_input_gradients_columns_are_real_but_unseen_by_the_profiler(
     cases = [(4, 8, 24, 16, 3, 1, 1, 1), (8, 8, 32, 8, 3, 1, 1, 1), (2, 32, 40, 32, 3, 1, 1, 1),
              (4, 16, 24, 8, 3, 1, 2, 1), (4, 8, 24, 16, 1, 0, 1, 1), (1, 32, 24, 8, 1, 0, 1, 1),
              (1, 16, 8, 16, 3, 1, 1, 4), (4, 16, 12, 16, 3, 1, 1, 4), (2, 8, 10, 8, 1, 0, 1, 2)]
-    script = _AT_MALLOC.format(tests=str(Path(__file__).parents[1] / "support"), cases=cases)
+    script = _AT_MALLOC.format(tests=[str(Path(__file__).parent), str(Path(__file__).parents[1] / "support")], cases=cases)
     env = {**os.environ, "LD_PRELOAD": str(shim), "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     rows = json.loads(done.stdout.strip().splitlines()[-1])
