@@ -12,12 +12,10 @@ from stagetorch.planning.planner import _LESSONS
 from stagetorch.staging.recorder import Recorder
 from stagetorch.staging.source import mark_internal
 
-# tests/ mirrors the package, a folder per layer; the helpers every folder uses are in tests/support, imported by
-# module name (``import models``), as are the helpers one test module lends another (``from test_chunking import
-# budget_for``) wherever it sits.
-_TESTS = pathlib.Path(__file__).parent
-for _folder in sorted(p for p in _TESTS.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))):
-    sys.path.insert(0, str(_folder))
+# tests/ mirrors the package, a folder per layer; the helpers the test modules share (``import models``, ``from
+# budgets import budget_for``) are in tests/support, the one folder put on sys.path here (pytest puts each test
+# module's own folder there itself). A test module imports no other test module.
+sys.path.insert(0, str(pathlib.Path(__file__).parent / "support"))
 
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     # `pytest -n N`: each worker takes its share of the cores, so N workers do not each start one OpenMP thread

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_chunking import budget_for
+from budgets import budget_for
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -13,42 +13,14 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from budgets import KernelBatchSizes, budget_for, rel
+from hungry_op import _DEVICE
 from injected import identity_op
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import stagetorch
 
 BATCH = 100
 
-
-class KernelBatchSizes(TorchDispatchMode):
-    """Records the leading dim of the first tensor argument of every ATen call (what the kernels saw)."""
-
-    def __init__(self, ops: tuple = ()):
-        super().__init__()
-        self.ops = ops
-        self.sizes: list[int] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in self.ops:
-            self.sizes.append(args[0].shape[0] if func.overloadpacket is not torch.ops.aten.addmm else args[1].shape[0])
-        return func(*args, **(kwargs or {}))
-
-
-def budget_for(staged: stagetorch.Staged, *args, chunks: int = 3) -> int:
-    """The largest budget (in 3% steps down from the whole batch's peak) that splits into >= ``chunks``."""
-    budget = staged.plan(*args).full_batch_peak_bytes * 2
-    while budget > 1024:
-        staged.memory_budget = budget
-        plan = staged.plan(*args)
-        if len(plan.chunk_sizes) >= chunks:
-            return budget
-        budget = int(budget * 0.97)
-    raise AssertionError("no budget gives enough chunks")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def check(model: nn.Module, step_of, batch: tuple, ops: tuple = (torch.ops.aten.addmm,), out_index=None):
@@ -376,27 +348,6 @@ def test_a_failed_step_leaves_grads_and_buffers_untouched():
 
 
 # -- an out-of-memory error the plan did not foresee, on every path ---------------------------------------------
-
-_DEVICE = {"limit": 10**9, "raised": 0}
-
-
-@torch.library.custom_op("stagetorch_test::scratch_hungry", mutates_args=())
-def scratch_hungry(x: torch.Tensor) -> torch.Tensor:
-    """x * 2 that runs out of memory, as a device would, on more than ``_DEVICE["limit"]`` rows."""
-    if x.shape[0] > _DEVICE["limit"]:
-        _DEVICE["raised"] += 1
-        raise torch.OutOfMemoryError(f"simulated: {x.shape[0]} rows")
-    return x * 2
-
-
-@scratch_hungry.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-scratch_hungry.register_autograd(lambda ctx, grad: grad * 2, setup_context=lambda ctx, inputs, output: None)
-# What a user writes for their own op: its batch rule, from the generic ones.
-stagetorch.ops.register(torch.ops.stagetorch_test.scratch_hungry, batch=stagetorch.ops.pointwise)
 
 
 class HungryMLP(nn.Module):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_chunking import budget_for
+from budgets import budget_for
 
 import stagetorch
 

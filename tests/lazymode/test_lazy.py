@@ -10,38 +10,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_chunking import KernelBatchSizes, budget_for
+from budgets import budget_for
+from lazy_loops import RealKernelBatchSizes, rel, seed_program
 
 import stagetorch
 
 pytestmark = pytest.mark.usefixtures("lazy_mode")
-
-
-class RealKernelBatchSizes(KernelBatchSizes):
-    """Batch sizes the real kernels saw (the recording of an op on lazy tensors runs no kernel)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(isinstance(a, stagetorch.LazyTensor) for a in args):
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def seed_program(model, x, y, **lazy_options):
-    """The seed project's README program with the one line added."""
-    loss_fn = nn.CrossEntropyLoss()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    (x, y) = stagetorch.lazy(x, y, batch=0, **lazy_options)
-    optimizer.zero_grad()
-    out = model(x)
-    loss = loss_fn(out, y)
-    loss.backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    optimizer.step()
-    return loss.item(), grads
 
 
 @pytest.mark.parametrize("chunked", [False, True])

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_chunking import budget_for
+from budgets import budget_for
 
 import stagetorch
 

@@ -15,8 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_lazy import RealKernelBatchSizes
-from test_lazy_replay import batches, mlp
+from lazy_loops import RealKernelBatchSizes, batches, mlp
 
 import stagetorch
 from stagetorch.lazymode import recording

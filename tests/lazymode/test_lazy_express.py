@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_lazy_replay import assert_same_grads, assert_same_loop, batches, mlp
+from lazy_loops import assert_same_grads, assert_same_loop, batches, mlp
 
 import stagetorch
 from stagetorch.errors import ShapeError
@@ -366,8 +366,8 @@ def test_an_express_step_still_chunks_to_its_budget(dispatched, lazy_mode):
     """The seed program, three steps with a budget that forces chunks: steps 2 and 3 replay from the tape
     (no op reaches a lazy tensor), run in chunks (what the real kernels saw), and equal eager."""
     import models
-    from test_chunking import budget_for
-    from test_lazy import RealKernelBatchSizes, rel, seed_program
+    from budgets import budget_for
+    from lazy_loops import RealKernelBatchSizes, rel, seed_program
 
     recording._RECORDINGS.clear()
     model, make = models.seed_mlp()
@@ -515,7 +515,7 @@ def test_padded_transformers_stay_on_the_express_replay(name, dispatched, monkey
     no op reaches a lazy tensor and no step leaves the express replay (before: every step left it at the
     first attention, and after two steps the recording was replayed slowly)."""
     pytest.importorskip("transformers")
-    import test_transformers_zoo as zoo
+    import transformer_zoo as zoo
 
     left = _record_leaves(monkeypatch)
     model = zoo.make_model(name)

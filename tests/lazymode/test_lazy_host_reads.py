@@ -15,8 +15,8 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from test_host_reads import PATTERNS, B, D, LayerDropNet, features, labels_of, seq2seq_step
-from test_jit_state import assert_same_state
+from host_read_steps import PATTERNS, B, D, LayerDropNet, features, labels_of, seq2seq_step
+from staged_state import assert_same_state
 from torch import nn
 
 import stagetorch

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_lazy_replay import assert_same_loop, batches, mlp
+from lazy_loops import assert_same_loop, batches, mlp
 
 import stagetorch
 from stagetorch.devices import budget as devices

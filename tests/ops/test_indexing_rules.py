@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_chunking import budget_for, rel
+from budgets import budget_for, rel
 
 import stagetorch
 from stagetorch import registry

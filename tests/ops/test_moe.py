@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from test_chunking import budget_for, rel
+from budgets import budget_for, rel
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from injected import identity_op
-from test_jit_state import budget_for
+from staged_state import budget_for
 
 import stagetorch
 from stagetorch.planning.chunks import SAFETY_MARGIN

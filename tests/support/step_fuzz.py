@@ -29,10 +29,10 @@ import attrs
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from budgets import budget_for
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
-from test_chunking import budget_for
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 

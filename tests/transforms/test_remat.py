@@ -17,9 +17,9 @@ import remat_models
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from hungry_op import _DEVICE  # importing it registers its op, stagetorch_test::scratch_hungry
 from memtrack import AllocatorPeak
 from remat_models import mlp_chain, step_of
-from test_chunking import _DEVICE  # importing it registers its op, stagetorch_test::scratch_hungry
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 import stagetorch

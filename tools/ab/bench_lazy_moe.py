@@ -27,7 +27,7 @@ import time
 import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
 import test_moe
 import torch
-from test_chunking import budget_for
+from budgets import budget_for
 from test_moe import aux_step_of, batch, with_router_loss
 
 import stagetorch

@@ -19,8 +19,8 @@ import sys
 import time
 
 import _paths  # noqa: F401  (tools/_paths.py: the tree and tests/support on sys.path)
-import test_transformers_zoo as zoo
 import torch
+import transformer_zoo as zoo
 
 import stagetorch
 from stagetorch.lazymode import express

@@ -1,0 +1,38 @@
+"""Budgets that force chunks, and what the kernels saw: the helpers the chunking tests share."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import stagetorch
+
+
+class KernelBatchSizes(TorchDispatchMode):
+    """Records the leading dim of the first tensor argument of every ATen call (what the kernels saw)."""
+
+    def __init__(self, ops: tuple = ()):
+        super().__init__()
+        self.ops = ops
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in self.ops:
+            self.sizes.append(args[0].shape[0] if func.overloadpacket is not torch.ops.aten.addmm else args[1].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+def budget_for(staged: stagetorch.Staged, *args, chunks: int = 3) -> int:
+    """The largest budget (in 3% steps down from the whole batch's peak) that splits into >= ``chunks``."""
+    budget = staged.plan(*args).full_batch_peak_bytes * 2
+    while budget > 1024:
+        staged.memory_budget = budget
+        plan = staged.plan(*args)
+        if len(plan.chunk_sizes) >= chunks:
+            return budget
+        budget = int(budget * 0.97)
+    raise AssertionError("no budget gives enough chunks")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
