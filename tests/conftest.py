@@ -56,7 +56,7 @@ def pytest_generate_tests(metafunc):
 @pytest.fixture
 def lazy_mode(request):
     """Sessions capped at the test's mode, starting from no recording."""
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     with force_mode(request.param) as mode:
         yield mode
 

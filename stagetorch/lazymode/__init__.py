@@ -5,7 +5,7 @@ session's classes are one chain of subclasses in the same order (``docs/lazy.md`
 
 - :mod:`.mode`: how far a session may go (record, slow replay, express), and the switch that forces it.
 - :mod:`.shard`: a step over a ``torch.distributed`` process group: the inputs and flush of a rank.
-- :mod:`.tensor`: the :class:`LazyTensor`, and what it asks of its session (``_SessionBase``).
+- :mod:`.tensor`: the :class:`LazyTensor`, and what it asks of its session (``SessionBase``).
 - :mod:`.autograd_graph`: reading an autograd graph without running it.
 - :mod:`.draws`: random ops that take their numbers at their call, in eager's order (:class:`stagetorch.transforms.rng.SetRngState` before each).
 - :mod:`.recording`: ATen calls staged on fake tensors, kept per input signature (``RecordingSteps``).

@@ -13,7 +13,7 @@ import torch
 from .tensor import LazyTensor
 
 
-def _autograd_graph(roots: list[torch.Tensor]) -> tuple[list[torch.Tensor], tuple, list]:
+def autograd_graph(roots: list[torch.Tensor]) -> tuple[list[torch.Tensor], tuple, list]:
     """The leaf tensors a backward from ``roots`` accumulates into (its graph's AccumulateGrad nodes), the
     graph's node types in a fixed walk order, and the nodes in that order."""
     leaves, kinds, nodes, seen, stack = [], [], [], set(), [t.grad_fn for t in reversed(roots)]
@@ -32,10 +32,10 @@ def _autograd_graph(roots: list[torch.Tensor]) -> tuple[list[torch.Tensor], tupl
 
 _SAVED_ATTRS: dict[type, list[str]] = {}
 
-class _Unreadable(Exception):
+class Unreadable(Exception):
     """A saved value autograd cannot hand out without running an op on a lazy tensor."""
 
-def _saved_state(nodes: list, only: list[tuple[int, str]] | None = None) -> tuple[tuple, dict]:
+def saved_state(nodes: list, only: list[tuple[int, str]] | None = None) -> tuple[tuple, dict]:
     """What the graph's nodes saved for their backward formulas: a summary to compare, ((node index in walk
     order, attribute, value) with each Python value, the variable of each lazy tensor and the metadata of
     each real tensor), and the real tensors by (node index, attribute). Read before the engine runs: it
@@ -53,7 +53,7 @@ def _saved_state(nodes: list, only: list[tuple[int, str]] | None = None) -> tupl
         try:
             x = getattr(nodes[i], name)
         except Exception:  # not readable (released, or a saved value that needs an op): compare its absence
-            summary.append((i, name, _Unreadable))
+            summary.append((i, name, Unreadable))
             continue
         if isinstance(x, torch.Tensor):
             if type(x) is not LazyTensor:
@@ -65,7 +65,7 @@ def _saved_state(nodes: list, only: list[tuple[int, str]] | None = None) -> tupl
             summary.append((i, name, x))
     return tuple(summary), real
 
-def _is_lazy_summary(value: Any) -> bool:
+def is_lazy_summary(value: Any) -> bool:
     """A saved attribute that is one lazy tensor (a list of tensors is always compared whole)."""
     return type(value) is tuple and len(value) == 2 and isinstance(value[0], str) and value[0] == "lazy"
 
@@ -79,4 +79,4 @@ def _summary(t: torch.Tensor) -> tuple:
         return (*meta, t.item())
     return meta
 
-_PYTHON_FUNCTION_NODE = torch.autograd.function.BackwardCFunction
+PYTHON_FUNCTION_NODE = torch.autograd.function.BackwardCFunction

@@ -1,7 +1,7 @@
 """``loss.backward()`` on lazy tensors: autograd runs the backward ops through ``__torch_dispatch__``
 (recorded or replayed), then a flush turns the lazy gradients into real ones. A replayed step whose
 backward runs over the same graph into the same leaves, with no hooks, skips the autograd engine: its
-steps are the recorded ones (:class:`~.recording._Backward`).
+steps are the recorded ones (:class:`~.recording.Backward`).
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import torch
 
 from ..ir import Var
 from ..staging.source import is_user_code, user_frame
-from .autograd_graph import _PYTHON_FUNCTION_NODE, _autograd_graph, _is_lazy_summary
+from .autograd_graph import PYTHON_FUNCTION_NODE, autograd_graph, is_lazy_summary
 from .express import ExpressReplay
 from .mode import Mode
-from .recording import _BACKWARD, _Backward, _Step
-from .tape import _Call
-from .tensor import LazyTensor, _unshadow
+from .recording import BACKWARD, Backward, Step
+from .tape import Call
+from .tensor import LazyTensor, unshadow
 
 _ENGINE_RUN = torch.autograd.graph._engine_run_backward.__code__
 _STDLIB = sysconfig.get_paths()["stdlib"]
@@ -63,7 +63,7 @@ class BackwardSkip(ExpressReplay):
                 return
             self.leave_express()
         if self.shadowed:
-            args, kwargs = _unshadow(args), _unshadow(kwargs)
+            args, kwargs = unshadow(args), unshadow(kwargs)
             roots = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
         tape, tape_from = self.tape, self.step_count
         self.tape = None  # taped below, once the backward's steps are known
@@ -73,7 +73,7 @@ class BackwardSkip(ExpressReplay):
                 "retain_graph=True in the first backward() if you need to backward through it again."
             )
         with torch._C.DisableTorchFunctionSubclass():
-            leaves, kinds, nodes = _autograd_graph(roots)
+            leaves, kinds, nodes = autograd_graph(roots)
         # A failed backward leaves each .grad as it was (autograd may have stored a lazy gradient there).
         before = [(leaf, leaf.grad) for leaf in leaves if type(leaf) is not LazyTensor]
         try:
@@ -99,7 +99,7 @@ class BackwardSkip(ExpressReplay):
                 and not getattr(leaf, "_post_accumulate_grad_hooks", None)
                 for leaf in leaves
             )
-            and not any(issubclass(kind, _PYTHON_FUNCTION_NODE) for kind in kinds)
+            and not any(issubclass(kind, PYTHON_FUNCTION_NODE) for kind in kinds)
         )
         key = (loss._var, kinds)
         remark = None  # the replayed marker to bring up to date if the engine replays its steps as recorded
@@ -110,8 +110,8 @@ class BackwardSkip(ExpressReplay):
         if self.mode is not Mode.RECORD:
             steps = self.recording.steps
             step = steps[self.cursor] if self.cursor < len(steps) else None
-            if step is not None and step.func is _BACKWARD:
-                mark: _Backward = step.out
+            if step is not None and step.func is BACKWARD:
+                mark: Backward = step.out
                 if (
                     skippable and mark.key == key and len(mark.leaves) == len(leaves)
                     and all(r() is leaf for r, leaf in zip(mark.leaves, leaves))
@@ -151,7 +151,7 @@ class BackwardSkip(ExpressReplay):
             span = self.recording.steps[start[0] :]
             mark = self._backward_mark(key, leaves, span, start[1], start[2], saved, call_site)
             if mark is not None:
-                self.recording.steps.insert(start[0], _Step(_BACKWARD, (), [], mark, False, False))
+                self.recording.steps.insert(start[0], Step(BACKWARD, (), [], mark, False, False))
                 marked = start[0]
         elif plain and remark is not None and self.mode is not Mode.RECORD:
             # Replayed through the engine, step by step as recorded (another model of the same shapes, a
@@ -159,12 +159,12 @@ class BackwardSkip(ExpressReplay):
             span = self.recording.steps[remark + 1 : self.cursor]
             mark = self._backward_mark(key, leaves, span, start[1], start[2], saved, call_site)
             if mark is not None:
-                self.recording.steps[remark] = _Step(_BACKWARD, (), [], mark, False, False)
+                self.recording.steps[remark] = Step(BACKWARD, (), [], mark, False, False)
                 marked = remark
         if marked >= 0:
             self._tape_backward(tape, tape_from, marked, loss, leaves, nodes)
         elif tape is not None:
-            tape.append(_Call(_BACKWARD, (), False, tape_from, 0, 0, express=False))
+            tape.append(Call(BACKWARD, (), False, tape_from, 0, 0, express=False))
         # The real tensors autograd saved, read to mark the backward (the Python numbers an op wrapped as 0-dim
         # tensors: `0.5 * x`), are dropped before the flush: the engine freed them, and no plan counts them.
         saved = None
@@ -184,7 +184,7 @@ class BackwardSkip(ExpressReplay):
         for t in stranded:
             t.grad = None
         roots = [stranded[i]._shadow for i in grads]
-        more = [t for t in _autograd_graph(roots)[0] if not any(t is u for u in leaves)]
+        more = [t for t in autograd_graph(roots)[0] if not any(t is u for u in leaves)]
         if roots:
             retain = bool(kwargs.get("retain_graph") or kwargs.get("create_graph"))
             torch.autograd.backward(roots, list(grads.values()), retain_graph=retain)
@@ -192,8 +192,8 @@ class BackwardSkip(ExpressReplay):
 
     def _backward_mark(
         self, key: tuple, leaves: list, span: list, n_eqns: int, bound: dict, saved: tuple, call_site: tuple | None
-    ) -> _Backward | None:
-        if not span or not all(s.recorded and s.func is not _BACKWARD for s in span):
+    ) -> Backward | None:
+        if not span or not all(s.recorded and s.func is not BACKWARD for s in span):
             return None
         # Backward formulas run in C++: the user's frame of each of their calls is the backward() call. A
         # call from anywhere else is Python code the engine ran (a hook on a real tensor or node, which
@@ -227,10 +227,10 @@ class BackwardSkip(ExpressReplay):
             derived.append((v, source, t.shape, t.stride(), t.storage_offset()))
         # A saved lazy tensor is an input or output of a recorded step, fixed by the forward's match; the rest
         # (numbers, real tensors) is what a replay reads again and compares.
-        checked = tuple(entry for entry in summary if not _is_lazy_summary(entry[2]))
+        checked = tuple(entry for entry in summary if not is_lazy_summary(entry[2]))
         weak = [weakref.ref(leaf) for leaf in leaves]
         needs = (needs & bound.keys()) | {d[1] for d in derived if type(d[1]) is Var}
-        return _Backward(key, weak, grads, len(span), self.eqn_count - n_eqns, needs, derived, checked)
+        return Backward(key, weak, grads, len(span), self.eqn_count - n_eqns, needs, derived, checked)
 
     def _derive(self, derived: list[tuple], real: dict[tuple[int, str], torch.Tensor]) -> dict[Var, torch.Tensor]:
         """The constants a skipped backward reads that the forward did not bind, made as the engine would:

@@ -17,23 +17,23 @@ import torch
 
 from ..ir import Var
 from ..utils.tree import flat_call, flatten, map_leaves, unflat_call
-from .autograd_graph import _PYTHON_FUNCTION_NODE, _autograd_graph, _Unreadable
+from .autograd_graph import PYTHON_FUNCTION_NODE, Unreadable, autograd_graph
 from .mode import Mode
-from .recording import _BACKWARD, _CONCRETE, _Backward, _meta
+from .recording import BACKWARD, CONCRETE, Backward, tensor_meta
 from .replay import SlowReplay
 from .tape import (
-    _MAX_LEAVES,
-    _Call,
-    _Graph,
-    _in_custom_function,
-    _only_args,
-    _out_spec,
-    _Real,
-    _refuse_stranded,
-    _source,
-    _view,
+    MAX_LEAVES,
+    Call,
+    Graph,
+    Real,
+    as_view,
+    constant_source,
+    in_custom_function,
+    only_args,
+    out_spec,
+    refuse_stranded,
 )
-from .tensor import LazyTensor, _lazy_tensor, _unshadow
+from .tensor import LazyTensor, lazy_tensor, unshadow
 
 # Functions written in C++: what they make inside a call they make anew, from their arguments alone (a
 # Python function could hand back a tensor it keeps, whose value changes from one step to the next).
@@ -66,12 +66,12 @@ def _version(x: Any) -> int | None:
     return x._version
 
 
-def _a_real_write(steps: list, call: _Call, leaves: list, out: Any, written: list[bool]) -> bool:
+def _a_real_write(steps: list, call: Call, leaves: list, out: Any, written: list[bool]) -> bool:
     """Whether a call is a write into real tensors that the express replay can run again for real: one
     step, run for real (not a value read), that changed real arguments in place and returned one of them
     or nothing, with no tensor that requires grad among its arguments (no autograd graph is made or
     needed: ``torch.zeros(E).scatter_add_(0, experts, mask)`` of a router's token counts)."""
-    if len(steps) != 1 or steps[0].recorded or steps[0].func in _CONCRETE or call.neqns or not any(written):
+    if len(steps) != 1 or steps[0].recorded or steps[0].func in CONCRETE or call.neqns or not any(written):
         return False
     if any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
         return False
@@ -87,9 +87,9 @@ class ExpressReplay(SlowReplay):
         (through autograd and ``__torch_dispatch__``), taping it if this session tapes."""
         if self.shadowed:
             owners = {id(t._shadow): t for t in flat_call(args, kwargs) if type(t) is LazyTensor and t._shadow is not None}
-            args, kwargs = _unshadow(args), _unshadow(kwargs)
+            args, kwargs = unshadow(args), unshadow(kwargs)
             if func is torch.autograd.grad:
-                _refuse_stranded(args, kwargs)
+                refuse_stranded(args, kwargs)
             if owners:
                 # A call that hands back its argument (in place, ``contiguous``) hands back the user's tensor.
                 with torch._C.DisableTorchFunctionSubclass():
@@ -117,8 +117,8 @@ class ExpressReplay(SlowReplay):
                 self.tape = None  # the express replay stops at this call: the rest need not be taped
         return out
 
-    def _tape_key(self, func: Any, leaves: list, first: int, tape: list) -> _Call:
-        if _in_custom_function():
+    def _tape_key(self, func: Any, leaves: list, first: int, tape: list) -> Call:
+        if in_custom_function():
             self.recording.express = False
         # A call is not replayed express under autocast or inference mode, nor after steps made outside any
         # taped call (``first`` not where the tape ends: an engine run by a hook, say).
@@ -134,38 +134,38 @@ class ExpressReplay(SlowReplay):
             elif isinstance(x, torch.Tensor):
                 slot = self.slot_ids.get(id(x))
                 if slot is not None:
-                    key.append(_Real(None, slot, True))
+                    key.append(Real(None, slot, True))
                     continue
                 slot = self._slot(x)
                 graph = None
                 if x.requires_grad and x.grad_fn is not None:
                     graph = self._tape_graph(x)
                     express = express and graph is not None
-                key.append(_Real(_meta(x), slot, False, graph))
+                key.append(Real(tensor_meta(x), slot, False, graph))
             else:
                 key.append(x)
-        return _Call(func, tuple(key), torch.is_grad_enabled(), first, 0, 0, express=express, slots_before=slots_before)
+        return Call(func, tuple(key), torch.is_grad_enabled(), first, 0, 0, express=express, slots_before=slots_before)
 
     def _slot(self, x: torch.Tensor) -> int:
         slot = self.slot_ids[id(x)] = len(self.slots)
         self.slots.append(x)
         return slot
 
-    def _tape_graph(self, x: torch.Tensor) -> _Graph | None:
+    def _tape_graph(self, x: torch.Tensor) -> Graph | None:
         """The graph behind a real argument with one, its leaves given slots; None where it runs Python
         (an autograd.Function), which only the engine can run."""
-        leaves, kinds, nodes = _autograd_graph([x])
-        if any(issubclass(kind, _PYTHON_FUNCTION_NODE) for kind in kinds):
+        leaves, kinds, nodes = autograd_graph([x])
+        if any(issubclass(kind, PYTHON_FUNCTION_NODE) for kind in kinds):
             return None
         self.graph_nodes[self.slot_ids[id(x)]] = nodes
         spec = []
         for leaf in leaves:
             slot = self.slot_ids.get(id(leaf))
-            spec.append((self._slot(leaf), False, _meta(leaf)) if slot is None else (slot, True, None))
-        return _Graph(kinds, self._saved_state(nodes)[0], tuple(spec))
+            spec.append((self._slot(leaf), False, tensor_meta(leaf)) if slot is None else (slot, True, None))
+        return Graph(kinds, self._saved_state(nodes)[0], tuple(spec))
 
     def _tape_result(
-        self, call: _Call, leaves: list, n_eqns: int, n_consts: int, out: Any, written: list[bool]
+        self, call: Call, leaves: list, n_eqns: int, n_consts: int, out: Any, written: list[bool]
     ) -> None:
         call.nsteps = self.step_count - call.first
         call.neqns = self.eqn_count - n_eqns
@@ -173,13 +173,13 @@ class ExpressReplay(SlowReplay):
         steps = self.recording.steps[call.first : call.first + call.nsteps]
         if _a_real_write(steps, call, leaves, out, written):
             call.write = True
-        elif not all(st.recorded and st.func is not _BACKWARD for st in steps):
+        elif not all(st.recorded and st.func is not BACKWARD for st in steps):
             call.express = False  # an op that ran for real (read a value)
         for i, (x, k) in enumerate(zip(leaves, call.key)):
             if type(x) is LazyTensor and x._var is not k:
                 call.mutated.append((i, x._var))
         for var, t in list(self.consts.items())[n_consts:]:
-            source = _source(t, leaves)
+            source = constant_source(t, leaves)
             if source is not None:
                 call.consts.append((var, *source))
             elif _made_from_python_values(call.func, t, leaves):
@@ -191,7 +191,7 @@ class ExpressReplay(SlowReplay):
         call.rereads = list(dict.fromkeys(v for st in steps for _, v in st.consts if v is not None and v not in new))
         bound = {i for _, i, _ in call.consts}
         for i, (x, k) in enumerate(zip(leaves, call.key)):
-            if type(k) is _Real and i not in bound and x.ndim == 0:
+            if type(k) is Real and i not in bound and x.ndim == 0:
                 # Read as a number by torch (an index) rather than by an op: its value is part of the call
                 # (compared where reading it is cheap; elsewhere the call is not replayed express).
                 if x.device.type == "cpu":
@@ -202,15 +202,15 @@ class ExpressReplay(SlowReplay):
             call.out = None
             return
         try:
-            call.out = _out_spec(out, leaves, self)
-        except _Unreadable:
+            call.out = out_spec(out, leaves, self)
+        except Unreadable:
             call.express = False
-        if not steps and (call.func is torch.Tensor.requires_grad_ or not _only_args(call.out)):
+        if not steps and (call.func is torch.Tensor.requires_grad_ or not only_args(call.out)):
             # No op: only a call that hands back its own arguments (``x.to(x.dtype)``, ``x.contiguous()``) is
             # reproduced; anything else changed what the tape cannot see (autograd state, a new alias).
             call.express = False
 
-    def _express_write(self, call: _Call, args: tuple, kwargs: dict) -> Any:
+    def _express_write(self, call: Call, args: tuple, kwargs: dict) -> Any:
         """A taped write into real tensors (``call.write``), matched by its guard: what the step recorded
         before it runs first (only what it reads, where no pending equation reads what it writes), then the
         call runs for real on the values, as it did when taped (no autograd: nothing in it requires grad)."""
@@ -229,7 +229,7 @@ class ExpressReplay(SlowReplay):
         self.guards = ()
         recording = self.recording
         recording.left += 1
-        if recording.left >= _MAX_LEAVES:  # every step leaves it (at a call the tape cannot replay, say)
+        if recording.left >= MAX_LEAVES:  # every step leaves it (at a call the tape cannot replay, say)
             recording.express = False
         calls = recording.tape[: self.tape_pos]
         self.cursor = self.end = 0
@@ -243,7 +243,7 @@ class ExpressReplay(SlowReplay):
             t = ref()
             if t is None:
                 x = self.values[var]
-                t = _lazy_tensor(x.shape, x.stride(), x.dtype, x.device, var, self)
+                t = lazy_tensor(x.shape, x.stride(), x.dtype, x.device, var, self)
             t._var = var  # an in-place call replayed on it moved it on: it is replayed again
             shadow_of[var] = t
             self.alive[var] = weakref.ref(t)
@@ -259,7 +259,7 @@ class ExpressReplay(SlowReplay):
             if call.write:  # it ran for real when replayed: its step is not run again
                 self.cursor += call.nsteps
                 continue
-            flat = [shadow_of[k] if type(k) is Var else self.slots[k.slot] if type(k) is _Real else k for k in call.key]
+            flat = [shadow_of[k] if type(k) is Var else self.slots[k.slot] if type(k) is Real else k for k in call.key]
             args, kwargs = unflat_call(flat)
             # Express calls were taped with autocast off; the leave may come inside a user's autocast region.
             with torch.set_grad_enabled(call.grad), torch._C.DisableTorchFunctionSubclass(), torch._C._DisableAutocast():
@@ -277,7 +277,7 @@ class ExpressReplay(SlowReplay):
 
     def _express_backward(self, args: tuple, kwargs: dict, roots: list) -> bool:
         """``loss.backward()`` in an express replay, as the tape's backward: no autograd graph exists, so
-        it runs the recorded backward steps (the _Backward marker's) and accumulates into the leaves. The
+        it runs the recorded backward steps (the Backward marker's) and accumulates into the leaves. The
         match and what follows it are generated per taped backward (:func:`_compile_backward`), as the
         forward calls' guards are."""
         tape = self.recording.tape
@@ -295,12 +295,12 @@ class ExpressReplay(SlowReplay):
     def _tape_backward(
         self, tape: list | None, first: int, marked: int, loss: LazyTensor, leaves: list, nodes: list
     ) -> None:
-        """Tape a backward that has a _Backward marker at step ``marked``; the express replay can run it
+        """Tape a backward that has a Backward marker at step ``marked``; the express replay can run it
         when the marker's constants all derive from the forward's and its leaves are real arguments the
         calls took."""
         if tape is None:
             return
-        mark: _Backward = self.recording.steps[marked].out
+        mark: Backward = self.recording.steps[marked].out
         slots = [self.slot_ids.get(id(leaf)) for leaf in leaves]
         # A constant the backward derives from what a node saved must come from the graph of a real
         # argument, which the express replay walks: (slot of the argument, node index in its walk, attribute).
@@ -311,8 +311,8 @@ class ExpressReplay(SlowReplay):
             and all(type(src) is Var or src[0] is not None for src in sources)
             and all(i is not None and self.slots[i] is leaf for i, leaf in zip(slots, leaves))
         )
-        tape.append(_Call(
-            _BACKWARD, (loss._var,), False, first, 1 + mark.nsteps, mark.neqns, mark=marked, leaves=slots,
+        tape.append(Call(
+            BACKWARD, (loss._var,), False, first, 1 + mark.nsteps, mark.neqns, mark=marked, leaves=slots,
             express=express, consts=sources,
         ))
         if express:
@@ -322,7 +322,7 @@ class ExpressReplay(SlowReplay):
 _BACKWARDS = itertools.count()
 
 
-def _compile_backward(call: _Call, mark: _Backward) -> Any:
+def _compile_backward(call: Call, mark: Backward) -> Any:
     """The express replay's ``loss.backward()`` for the taped backward ``call`` (its marker ``mark``) as
     straight-line Python: the match (the loss is the taped one, no arguments, each leaf with no hook and a
     ``.grad`` that is None or a dense tensor, which AccumulateGrad adds into), then the constants the
@@ -389,4 +389,4 @@ def _node_const(session: Any, source: tuple, view: tuple) -> torch.Tensor:
         base = getattr(session.graph_nodes[slot][i], name)
     shape, stride, offset = view
     same = base.shape == shape and base.stride() == stride and base.storage_offset() == offset
-    return base if same else _view(base, view)
+    return base if same else as_view(base, view)

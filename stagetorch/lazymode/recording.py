@@ -24,15 +24,15 @@ from ..staging.source import user_frame
 from ..transforms import rng
 from ..utils import caches
 from ..utils.tree import map_leaves
-from .autograd_graph import _saved_state
+from .autograd_graph import saved_state
 from .draws import COUNTED_BY_VALUES, draw_on_stand_ins, draws_from_default
 from .mode import Mode
-from .tensor import LazyTensor, _lazy_tensor, _real, _SessionBase
+from .tensor import LazyTensor, SessionBase, lazy_tensor, real_value
 
 _aten = torch.ops.aten
 
 @attrs.define(eq=False)
-class _Out:
+class Out:
     """A lazy result of a recorded call: its variable and the metadata its LazyTensor is made with."""
 
     var: Var
@@ -42,10 +42,10 @@ class _Out:
     device: torch.device
 
 @attrs.define(eq=False)
-class _Step:
+class Step:
     """One call that reached lazy tensors: the op, its flattened arguments and its result. ``recorded`` steps
     became an equation; the others (``item``, data-dependent shapes) ran for real on evaluated inputs.
-    ``key`` is :func:`_key` of the call when it was recorded."""
+    ``key`` is :func:`replay_key` of the call when it was recorded."""
 
     func: Any
     key: tuple
@@ -58,10 +58,10 @@ class _Step:
 
     def __attrs_post_init__(self) -> None:
         self.types = tuple(map(type, self.key))
-        self.single = type(self.out) is _Out
+        self.single = type(self.out) is Out
 
 @attrs.define(eq=False)
-class _Backward:
+class Backward:
     """A ``loss.backward()`` in a recording, with what a replay needs to skip the autograd engine: the
     autograd graph it ran over (node types, leaf tensors), the recorded steps it produced, the gradients
     it left in each leaf's ``.grad``, and the constants those steps read. What the graph's nodes saved is
@@ -86,7 +86,7 @@ class _Backward:
         """The (node index, attribute) pairs ``saved`` covers: what a replay reads again."""
         return [(i, name) for i, name, _ in self.saved]
 
-_BACKWARD = torch.Tensor.backward  # the func of a _Step that marks a backward (its out: a _Backward)
+BACKWARD = torch.Tensor.backward  # the func of a Step that marks a backward (its out: a Backward)
 
 @attrs.define(eq=False)
 class _Recording:
@@ -95,18 +95,18 @@ class _Recording:
 
     inputs: list[Var]
     eqns: list[Eqn]
-    steps: list[_Step] = attrs.field(factory=list)
+    steps: list[Step] = attrs.field(factory=list)
     # (first, end) -> (the values those equations produce, their inputs from outside);
     # (first, end, outputs) -> the Executable of that flush.
     flushes: dict[tuple, Any] = attrs.field(factory=dict)
-    # The torch-level calls that made ``steps`` (tape._Call), for the express replay; None until a session
+    # The torch-level calls that made ``steps`` (tape.Call), for the express replay; None until a session
     # taped them.
     tape: list | None = None
     # False once a call ran inside a Python autograd.Function's forward: apply() builds its graph from the
     # lazy tensors it takes, below any torch function, so they must have theirs (no express replay).
     express: bool = True
     # Sessions in a row that left the express replay (their calls were replayed twice, express then slow);
-    # at _MAX_LEAVES the express replay is turned off for this recording. A backward replayed express resets it.
+    # at MAX_LEAVES the express replay is turned off for this recording. A backward replayed express resets it.
     left: int = 0
     # (the tape, a guard per call of it) for the express replay's first check in LazyTensor.__torch_function__
     # (tape.express_guards); made again for another tape.
@@ -121,18 +121,18 @@ class _Recording:
 
 # The latest recording per input signature: the step loop of a training script records once. The oldest
 # signatures are forgotten first.
-_RECORDINGS: dict[tuple, _Recording] = {}
-caches.on_clear(_RECORDINGS.clear)
+RECORDINGS: dict[tuple, _Recording] = {}
+caches.on_clear(RECORDINGS.clear)
 
 _MAX_RECORDINGS = 32
 
-def _meta(t: torch.Tensor) -> tuple:
+def tensor_meta(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device, t.requires_grad
 
-def _key(leaves: list) -> tuple:
+def replay_key(leaves: list) -> tuple:
     """What a replay compares: the variable of each lazy tensor, the metadata of each real one, values."""
     return tuple([
-        x._var if type(x) is LazyTensor else _meta(x) if isinstance(x, torch.Tensor) else x for x in leaves
+        x._var if type(x) is LazyTensor else tensor_meta(x) if isinstance(x, torch.Tensor) else x for x in leaves
     ])
 
 def _is_inplace(func: Any) -> bool:
@@ -140,7 +140,7 @@ def _is_inplace(func: Any) -> bool:
     return bool(returns) and returns[0].alias_info is not None and returns[0].alias_info.is_write
 
 # Ops that need a value: evaluate the inputs, then run the op on real tensors.
-_CONCRETE = {_aten._local_scalar_dense.default, _aten.item.default}
+CONCRETE = {_aten._local_scalar_dense.default, _aten.item.default}
 
 _FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
 
@@ -176,7 +176,7 @@ def _writes_real(func: Any, args: tuple, kwargs: dict) -> bool:
     return False
 
 
-class RecordingSteps(_SessionBase):
+class RecordingSteps(SessionBase):
     """Recording: each op on lazy tensors staged on fake tensors by the tracer's recorder, into the session's
     recording; and how far the session is in it."""
 
@@ -260,10 +260,10 @@ class RecordingSteps(_SessionBase):
             self.expect = ({device: rng.generator_state(device) for device in devices}, True)
         self.eqns = self.recorder.eqns
         recording = _Recording([], self.eqns)
-        _RECORDINGS.pop(self.key, None)
-        _RECORDINGS[self.key] = recording
-        while len(_RECORDINGS) > _MAX_RECORDINGS:
-            del _RECORDINGS[next(iter(_RECORDINGS))]
+        RECORDINGS.pop(self.key, None)
+        RECORDINGS[self.key] = recording
+        while len(RECORDINGS) > _MAX_RECORDINGS:
+            del RECORDINGS[next(iter(RECORDINGS))]
         return recording
 
     def _add_input(self, i: int, real: torch.Tensor) -> tuple[Var, torch.Tensor]:
@@ -285,7 +285,7 @@ class RecordingSteps(_SessionBase):
         # A write into a real tensor runs now, but not the engine's accumulation into a real .grad: nobody can
         # read that before backward() returns, and its flush runs it.
         if (
-            func in _CONCRETE or func.overloadpacket in COUNTED_BY_VALUES
+            func in CONCRETE or func.overloadpacket in COUNTED_BY_VALUES
             or (_writes_real(func, args, kwargs) and torch._C._current_autograd_node() is None)
         ):
             return self._run_real(func, args, kwargs, leaves)
@@ -328,10 +328,10 @@ class RecordingSteps(_SessionBase):
         rec = self.recorder
         out = self._record_call(func, map_leaves(args, torch.Tensor, self._unwrap), map_leaves(kwargs, torch.Tensor, self._unwrap))
         self.draws_due()
-        out_spec = map_leaves(out, torch.Tensor, lambda f: _Out(rec.var(f), f.shape, f.stride(), f.dtype, f.fake_device))
+        out_spec = map_leaves(out, torch.Tensor, lambda f: Out(rec.var(f), f.shape, f.stride(), f.dtype, f.fake_device))
         inplace = _is_inplace(func)
         consts = self._consts_in(leaves)
-        self.recording.steps.append(_Step(func, _key(leaves), consts, out_spec, True, inplace))
+        self.recording.steps.append(Step(func, replay_key(leaves), consts, out_spec, True, inplace))
         versions = self.versions
         for i, var in consts:  # a constant bound before the last flush is bound again, as it is now
             if var is not None and var not in versions:
@@ -358,10 +358,10 @@ class RecordingSteps(_SessionBase):
 
     def _run_real(self, func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
         if self.mode is Mode.RECORD:
-            self.recording.steps.append(_Step(func, _key(leaves), self._consts_in(leaves), None, False, False))
-        if func not in _CONCRETE:
+            self.recording.steps.append(Step(func, replay_key(leaves), self._consts_in(leaves), None, False, False))
+        if func not in CONCRETE:
             self._flush_before_write({id(t) for t in _written(func, args, kwargs)}, args, kwargs)
-        return func(*map_leaves(args, torch.Tensor, _real), **map_leaves(kwargs, torch.Tensor, _real))
+        return func(*map_leaves(args, torch.Tensor, real_value), **map_leaves(kwargs, torch.Tensor, real_value))
 
     def _flush_before_write(self, written: set[int], args: tuple, kwargs: dict) -> None:
         """Before a write into real tensors (ids ``written``; or a data-dependent shape): everything recorded
@@ -387,7 +387,7 @@ class RecordingSteps(_SessionBase):
 
     def _wrap_fake(self, fake: torch.Tensor) -> LazyTensor:
         var = self.recorder.var(fake)
-        out = _lazy_tensor(fake.shape, fake.stride(), fake.dtype, fake.fake_device, var, self, fake)
+        out = lazy_tensor(fake.shape, fake.stride(), fake.dtype, fake.fake_device, var, self, fake)
         self.alive[var] = weakref.ref(out)
         return out
 
@@ -396,10 +396,10 @@ class RecordingSteps(_SessionBase):
         return t._fake if type(t) is LazyTensor else t
 
     def _saved_state(self, nodes: list, only: list | None = None) -> tuple[tuple, dict]:
-        """:func:`~.autograd_graph._saved_state` of ``nodes``: autograd unpacking a saved lazy tensor calls
+        """:func:`~.autograd_graph.saved_state` of ``nodes``: autograd unpacking a saved lazy tensor calls
         ``detach`` on it, which :meth:`call` answers with an alias while ``reading_saved``, not a step."""
         self.reading_saved = True
         try:
-            return _saved_state(nodes, only)
+            return saved_state(nodes, only)
         finally:
             self.reading_saved = False

@@ -14,10 +14,10 @@ import torch
 
 from ..ir import Var
 from ..utils.tree import flatten, map_leaves
-from .autograd_graph import _Unreadable
+from .autograd_graph import Unreadable
 from .mode import Mode
-from .recording import _BACKWARD, RecordingSteps, _key, _Out, _Step
-from .tensor import LazyTensor, _lazy_tensor, _real
+from .recording import BACKWARD, Out, RecordingSteps, Step, replay_key
+from .tensor import LazyTensor, lazy_tensor, real_value
 
 _aten = torch.ops.aten
 
@@ -30,11 +30,11 @@ class SlowReplay(RecordingSteps):
         if self.reading_saved:
             # Autograd unpacking a saved lazy output detaches it: an alias of the same value, not a step.
             if func is not _aten.detach.default:
-                raise _Unreadable
+                raise Unreadable
             t = args[0]
-            return _lazy_tensor(t.shape, t.stride(), t.dtype, t.device, t._var, self, t._fake)
+            return lazy_tensor(t.shape, t.stride(), t.dtype, t.device, t._var, self, t._fake)
         if func.namespace == "prim":
-            return func(*map_leaves(args, torch.Tensor, _real), **map_leaves(kwargs, torch.Tensor, _real))
+            return func(*map_leaves(args, torch.Tensor, real_value), **map_leaves(kwargs, torch.Tensor, real_value))
         if self.mode is not Mode.RECORD:
             step = self._match(func, leaves)
             if step is not None:
@@ -42,14 +42,14 @@ class SlowReplay(RecordingSteps):
             self._diverge()
         return self._record_or_run(func, args, kwargs, leaves)
 
-    def _match(self, func: Any, leaves: list) -> _Step | None:
+    def _match(self, func: Any, leaves: list) -> Step | None:
         steps = self.recording.steps
         if self.cursor >= len(steps):
             return None
         step = steps[self.cursor]
         if step.func is not func:
             return None
-        key = _key(leaves)
+        key = replay_key(leaves)
         if key != step.key or tuple(map(type, key)) != step.types:
             return None
         for i, var in step.consts:
@@ -65,7 +65,7 @@ class SlowReplay(RecordingSteps):
                 self.versions[var] = leaves[i]._version
         return step
 
-    def _replay(self, step: _Step, args: tuple, kwargs: dict) -> Any:
+    def _replay(self, step: Step, args: tuple, kwargs: dict) -> Any:
         self.cursor += 1
         if not step.recorded:
             return self._run_real(step.func, args, kwargs, [])
@@ -83,10 +83,10 @@ class SlowReplay(RecordingSteps):
             return target
         if step.single:
             return self._wrap_out(step.out)
-        return map_leaves(step.out, _Out, self._wrap_out)
+        return map_leaves(step.out, Out, self._wrap_out)
 
-    def _wrap_out(self, o: _Out) -> LazyTensor:
-        out = _lazy_tensor(o.shape, o.stride, o.dtype, o.device, o.var, self)
+    def _wrap_out(self, o: Out) -> LazyTensor:
+        out = lazy_tensor(o.shape, o.stride, o.dtype, o.device, o.var, self)
         self.alive[o.var] = weakref.ref(out)
         return out
 
@@ -102,7 +102,7 @@ class SlowReplay(RecordingSteps):
         # that real tensors' ops made meanwhile (an expert weight's transpose), so the engine may order the
         # backward otherwise than in a session that never was express: each such recording diverges at the
         # next session's backward, and that one's at the next express session's. Counted, the express
-        # replay is turned off after _MAX_LEAVES, and the steps replay (unpadded one-line Mixtral with its
+        # replay is turned off after MAX_LEAVES, and the steps replay (unpadded one-line Mixtral with its
         # router loss recorded every step: ~20x its jit step).
         self.recording.left, self.recording.express = old.left, old.express
         self.recording.interleaved = old.interleaved
@@ -116,7 +116,7 @@ class SlowReplay(RecordingSteps):
         self.consts, self.versions = {}, {}
         eqns = iter(old.eqns)
         for step in replayed:
-            if step.func is _BACKWARD:  # a skipped backward's marker; its steps follow it
+            if step.func is BACKWARD:  # a skipped backward's marker; its steps follow it
                 continue
             if step.recorded:
                 eqn = next(eqns)
@@ -130,8 +130,8 @@ class SlowReplay(RecordingSteps):
                     self.consts[new_of[eqn.outvars[0]]] = consts[eqn.args[0]]
             step_consts = [(i, v if v is None else rec.const_vars[id(consts[v])]) for i, v in step.consts]
             key = tuple(new_of[x] if type(x) is Var else x for x in step.key)
-            out_spec = map_leaves(step.out, _Out, lambda o: attrs.evolve(o, var=new_of[o.var]))
-            self.recording.steps.append(_Step(step.func, key, step_consts, out_spec, step.recorded, step.inplace))
+            out_spec = map_leaves(step.out, Out, lambda o: attrs.evolve(o, var=new_of[o.var]))
+            self.recording.steps.append(Step(step.func, key, step_consts, out_spec, step.recorded, step.inplace))
         for var, ref in self.alive.items():
             t = ref()
             if t is not None:

@@ -31,10 +31,10 @@ from . import mode as _mode
 from . import shard
 from .backward import BackwardSkip
 from .mode import Mode
-from .recording import _RECORDINGS
+from .recording import RECORDINGS
 from .shard import LazyShard
-from .tape import _Call, _contiguous, express_guards
-from .tensor import LazyTensor, _lazy_tensor, _make_subclass
+from .tape import Call, express_guards, has_contiguous_strides
+from .tensor import LazyTensor, lazy_tensor, make_subclass
 
 __all__ = ["lazy"]
 
@@ -131,7 +131,7 @@ class _Session(BackwardSkip):
     Above that, a session replaying a taped recording starts *express* (in ``LazyTensor.__torch_function__``):
     calls are matched against the tape and not run until one is not the tape's next (:meth:`leave_express`).
 
-    Its layers, each a subclass of the one below: ``tensor._SessionBase`` (what a lazy tensor asks of it),
+    Its layers, each a subclass of the one below: ``tensor.SessionBase`` (what a lazy tensor asks of it),
     ``recording.RecordingSteps``, ``replay.SlowReplay``, ``express.ExpressReplay``, ``backward.BackwardSkip``,
     and this class (its state, the flush). A layer calls down, or up only through a method declared below.
     """
@@ -146,8 +146,8 @@ class _Session(BackwardSkip):
     freed: frozenset[Var] = frozenset()  # losses whose backward ran (the engine would have freed their graph)
     reading_saved = False  # reading what autograd saved: calls are not steps
     recorder: Recorder | None = None
-    # Express replay (see _Call): the torch-level calls this session tapes, or replays without running them.
-    tape: list[_Call] | None = None  # the tape this session appends to
+    # Express replay (see Call): the torch-level calls this session tapes, or replays without running them.
+    tape: list[Call] | None = None  # the tape this session appends to
     tape_pos = 0  # the next call of the tape to replay
     shadowed = False  # the lazy tensors the express replay made have shadows: calls take those instead
 
@@ -161,7 +161,7 @@ class _Session(BackwardSkip):
         # With a process group the lazy tensors stand for the global batch; the real values are the shard's.
         self.shard = shard
         metas = self.metas = (
-            [(t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors]  # _meta, inline
+            [(t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors]  # tensor_meta, inline
             if shard is None else shard.metas(tensors, batch)
         )
         # The key: grad mode tells a training step from an evaluation step on batches of the same shape (a
@@ -183,7 +183,7 @@ class _Session(BackwardSkip):
         self.slot_ids: dict[int, int] = {}
         self.graph_nodes: dict[int, list] = {}  # slot of a real argument with a graph -> its nodes, walked
         limit = _mode._cap  # cap(), inline
-        replaying = _RECORDINGS.get(self.key) if limit >= _REPLAY else None
+        replaying = RECORDINGS.get(self.key) if limit >= _REPLAY else None
         # Inputs that require grad have an autograd graph the tape cannot reproduce: never express.
         # The express replay makes lazy tensors from the real inputs' metadata, a shard's not the global batch's.
         taping = limit >= _EXPRESS and shard is None
@@ -216,7 +216,7 @@ class _Session(BackwardSkip):
         self.input_refs = refs
         if replaying is not None:
             # A replayed step's hot path, where each call saved is measurable: the inputs' variables and batch
-            # labels are the recording's, the same each step; _lazy_tensor inline.
+            # labels are the recording's, the same each step; lazy_tensor inline.
             labels = replaying.flushes.get(_INPUT_LABELS)
             if labels is None:
                 labels = _input_labels(replaying, batch, metas)
@@ -224,7 +224,7 @@ class _Session(BackwardSkip):
             for t, var, (shape, stride, dtype, device, requires_grad), plain in zip(tensors, inputs, metas, contiguous):
                 if plain is _PLAIN:  # contiguous, on the host, no grad: the constructor's defaults (parsed faster)
                     values[var] = t
-                    lazy_t = _make_subclass(LazyTensor, shape, dtype=dtype)
+                    lazy_t = make_subclass(LazyTensor, shape, dtype=dtype)
                     lazy_t._var, lazy_t._session, lazy_t._express, lazy_t._fake, lazy_t._shadow = var, self, False, None, None
                     alive[var] = ref = weakref.ref(lazy_t)
                     refs.append(ref)
@@ -232,9 +232,9 @@ class _Session(BackwardSkip):
                     continue
                 values[var] = t.detach() if requires_grad else t  # the value, without its autograd graph
                 if plain:  # (contiguous strides: what the constructor makes without them, parsed faster)
-                    lazy_t = _make_subclass(LazyTensor, shape, dtype=dtype, device=device, requires_grad=requires_grad)
+                    lazy_t = make_subclass(LazyTensor, shape, dtype=dtype, device=device, requires_grad=requires_grad)
                 else:
-                    lazy_t = _make_subclass(LazyTensor, shape, strides=stride, dtype=dtype, device=device, requires_grad=requires_grad)
+                    lazy_t = make_subclass(LazyTensor, shape, strides=stride, dtype=dtype, device=device, requires_grad=requires_grad)
                 lazy_t._fake, lazy_t._var, lazy_t._session, lazy_t._express, lazy_t._shadow = None, var, self, False, None
                 alive[var] = ref = weakref.ref(lazy_t)
                 refs.append(ref)
@@ -246,7 +246,7 @@ class _Session(BackwardSkip):
             var, fake = self._add_input(i, real)
             values[var] = real
             batched[var] = Batched(batch % len(shape))
-            lazy_t = _lazy_tensor(shape, stride, dtype, device, var, self, fake, requires_grad)
+            lazy_t = lazy_tensor(shape, stride, dtype, device, var, self, fake, requires_grad)
             alive[var] = ref = weakref.ref(lazy_t)
             refs.append(ref)
             lazies.append(lazy_t)
@@ -717,7 +717,7 @@ def _input_labels(recording: Any, batch: int, metas: list) -> tuple[MappingProxy
     if labels is None:
         labels = recording.flushes[_INPUT_LABELS] = (
             MappingProxyType({var: Batched(batch % len(m[0])) for var, m in zip(recording.inputs, metas)}),
-            [_PLAIN if _contiguous(m[0], m[1]) and m[3].type == "cpu" and not m[4] else _contiguous(m[0], m[1]) for m in metas],
+            [_PLAIN if has_contiguous_strides(m[0], m[1]) and m[3].type == "cpu" and not m[4] else has_contiguous_strides(m[0], m[1]) for m in metas],
         )
     return labels
 

@@ -1,4 +1,4 @@
-"""The express tape: the torch-level calls a session made (:class:`_Call`), and the guards that match a
+"""The express tape: the torch-level calls a session made (:class:`Call`), and the guards that match a
 later step's calls against them (:func:`_compile_guard`: generated straight-line Python).
 """
 
@@ -16,15 +16,15 @@ import torch
 
 from ..ir import Var
 from ..utils.tree import flatten
-from .autograd_graph import _autograd_graph, _Unreadable
-from .recording import _BACKWARD, RecordingSteps, _meta
-from .tensor import _MISS, _NO_KWARGS, LazyTensor, _make_subclass
+from .autograd_graph import Unreadable, autograd_graph
+from .recording import BACKWARD, RecordingSteps, tensor_meta
+from .tensor import MISS, NO_KWARGS, LazyTensor, make_subclass
 
-_MAX_LEAVES = 2
+MAX_LEAVES = 2
 _CPU = torch.device("cpu")
 
 @attrs.define(eq=False, frozen=True)
-class _Real:
+class Real:
     """A real tensor argument in a taped call: the ``slot``-th real tensor the session's calls took. A new
     one is compared by metadata (and bound to the slot), a ``same`` one by identity with the slot. A 0-d
     tensor the call read as a Python number (``out[:, t]``: no op reads it later) is compared by ``value``."""
@@ -32,11 +32,11 @@ class _Real:
     meta: tuple | None
     slot: int
     same: bool
-    graph: _Graph | None = None  # a non-leaf that requires grad (``pos[:, :n]``): its autograd graph
+    graph: Graph | None = None  # a non-leaf that requires grad (``pos[:, :n]``): its autograd graph
     value: Any = None  # the number a 0-d tensor stood for, or None
 
 @attrs.define(eq=False, frozen=True)
-class _Graph:
+class Graph:
     """The autograd graph behind a real tensor argument computed from parameters outside the lazy tensors
     (a slice or lookup of a positional embedding): the node types in walk order, what they saved (as
     :func:`_saved_state` summarises it), and for each leaf its slot and whether an earlier argument took it.
@@ -71,11 +71,11 @@ class _Seq:
     items: tuple
 
 @attrs.define(eq=False)
-class _Call:
+class Call:
     """One call of a torch function (``F.linear``, ``Tensor.__add__``, ``loss.backward``) on lazy tensors,
     as seen above autograd: what the express replay compares and what it reproduces without running the
     call. ``key`` is :func:`flat_call` of the arguments with each lazy tensor replaced by its variable and
-    each real tensor by a :class:`_Real`; ``grad`` the grad mode. The call made the recording's steps
+    each real tensor by a :class:`Real`; ``grad`` the grad mode. The call made the recording's steps
     ``[first, first + nsteps)`` and ``neqns`` equations, bound ``consts`` (variable, leaf index, and the
     view of that leaf's storage or None for the leaf itself), moved the lazy arguments at ``mutated``
     (leaf index, new variable) to new values in place, and returned ``out`` (a _New, an _Arg, None, or a
@@ -83,7 +83,7 @@ class _Call:
     tensor, version): the 0-d tensors a C++ function creates (CPU ``scaled_dot_product_attention`` turns a
     boolean mask into ``where(mask, 0, -inf)``), bound again as they are. A call ``express`` cannot reproduce (it ran a kernel for real, read a value, ran Python
     autograd code...) stops the express replay there. A backward is ``func`` Tensor.backward with ``key``
-    (the loss variable,), ``mark`` the index of its _Backward step and ``leaves`` the slots of its leaves."""
+    (the loss variable,), ``mark`` the index of its Backward step and ``leaves`` the slots of its leaves."""
 
     func: Any
     key: tuple
@@ -124,13 +124,13 @@ class _Views:
         hit = self.entries.get(j)
         if hit is not None and hit[0]() is base and hit[1] == base.data_ptr():
             return hit[2]
-        t = _view(base, view)
+        t = as_view(base, view)
         self.entries[j] = (weakref.ref(base, lambda _, j=j: self.entries.pop(j, None)), base.data_ptr(), t)
         return t
 
 _APPLY = torch.autograd.Function.apply.__func__.__code__
 
-def _in_custom_function() -> bool:
+def in_custom_function() -> bool:
     """Whether the call runs inside a Python ``autograd.Function``'s forward: its backward is the
     Function's, which only the autograd engine runs, so the calls inside it cannot be replayed alone."""
     frame = sys._getframe(2)
@@ -140,7 +140,7 @@ def _in_custom_function() -> bool:
         frame = frame.f_back
     return False
 
-def _source(t: torch.Tensor, leaves: list) -> tuple[int, tuple | None] | None:
+def constant_source(t: torch.Tensor, leaves: list) -> tuple[int, tuple | None] | None:
     """How a constant a call bound derives from its real arguments: (leaf index, None) for an argument
     itself, (leaf index, (shape, stride, offset)) for a view of one's storage; None otherwise."""
     for i, x in enumerate(leaves):
@@ -158,28 +158,28 @@ def _source(t: torch.Tensor, leaves: list) -> tuple[int, tuple | None] | None:
         pass
     return None
 
-def _view(x: torch.Tensor, view: tuple) -> torch.Tensor:
+def as_view(x: torch.Tensor, view: tuple) -> torch.Tensor:
     shape, stride, offset = view
     return x.detach().as_strided(shape, stride, offset)
 
-def _out_spec(out: Any, leaves: list, session: RecordingSteps) -> Any:
+def out_spec(out: Any, leaves: list, session: RecordingSteps) -> Any:
     if type(out) is LazyTensor:
         for i, x in enumerate(leaves):
             if x is out:
                 return _Arg(i)
         if out._session is not session:
-            raise _Unreadable
+            raise Unreadable
         with torch._C.DisableTorchFunctionSubclass():
             return _New(out._var, out.shape, out.stride(), out.dtype, out.device, out.requires_grad)
     if out is None:
         return None
     if isinstance(out, (tuple, list)):
-        return _Seq(type(out), tuple(_out_spec(x, leaves, session) for x in out))
-    raise _Unreadable  # a real tensor or a Python value
+        return _Seq(type(out), tuple(out_spec(x, leaves, session) for x in out))
+    raise Unreadable  # a real tensor or a Python value
 
-def _only_args(spec: Any) -> bool:
+def only_args(spec: Any) -> bool:
     if type(spec) is _Seq:
-        return bool(spec.items) and all(_only_args(x) for x in spec.items)
+        return bool(spec.items) and all(only_args(x) for x in spec.items)
     return type(spec) is _Arg
 
 def _map_out(spec: Any, leaves: list, session: RecordingSteps) -> Any:
@@ -196,7 +196,7 @@ def _map_out(spec: Any, leaves: list, session: RecordingSteps) -> Any:
 
 def _express_out(session: RecordingSteps, o: _New) -> LazyTensor:
     """A lazy tensor the express replay made for a taped result: no autograd graph behind it."""
-    t = _make_subclass(LazyTensor, o.shape, strides=o.stride, dtype=o.dtype, device=o.device, requires_grad=o.requires_grad)
+    t = make_subclass(LazyTensor, o.shape, strides=o.stride, dtype=o.dtype, device=o.device, requires_grad=o.requires_grad)
     t._fake, t._var, t._session, t._express, t._shadow = None, o.var, session, True, None  # (its slots)
     session.alive[o.var] = weakref.ref(t)
     return t
@@ -205,13 +205,13 @@ _GUARDS = itertools.count()
 
 def _never(session: Any, func: Any, args: tuple, kwargs: dict | None) -> Any:
     """The guard of a call the express replay does not replay (a backward, a call not express)."""
-    return _MISS
+    return MISS
 
 
 _TENSOR_BACKWARD = torch.Tensor.backward
 
 
-def _backward_guard(call: _Call) -> Callable:
+def _backward_guard(call: Call) -> Callable:
     """The guard of a taped backward: ``loss.backward()`` runs its generated backward
     (``express._compile_backward``, made at the first replay through the full path) without torch's call
     going through ``__torch_function__``'s dispatch first. Anything else, or a backward not generated yet
@@ -219,11 +219,11 @@ def _backward_guard(call: _Call) -> Callable:
 
     def guard(session: Any, func: Any, args: tuple, kwargs: dict | None) -> Any:
         if func is not _TENSOR_BACKWARD or not args:
-            return _MISS
+            return MISS
         run = call.backward
         if run is None or run.mark is not session.recording.steps[call.mark].out:
-            return _MISS
-        return None if run(session, args, kwargs or _NO_KWARGS, [args[0]]) else _MISS
+            return MISS
+        return None if run(session, args, kwargs or NO_KWARGS, [args[0]]) else MISS
 
     return guard
 
@@ -235,7 +235,7 @@ def express_guards(recording: Any, tape: list) -> list:
     guards = recording.guards
     if guards is None or guards[0] is not tape:
         made = [
-            (call.guard or call.compile_guard()) if call.express and call.mark < 0 and call.func is not _BACKWARD
+            (call.guard or call.compile_guard()) if call.express and call.mark < 0 and call.func is not BACKWARD
             else _backward_guard(call) if call.express and call.mark >= 0
             else _never
             for call in tape
@@ -244,15 +244,15 @@ def express_guards(recording: Any, tape: list) -> list:
     return guards[1]
 
 
-def _compile_guard(call: _Call) -> Callable:
+def _compile_guard(call: Call) -> Callable:
     """The taped call's match as straight-line Python, as dynamo compiles its guards: the function, grad
     mode and autocast (off) as taped, each argument unpacked (nested lists and tuples too) and compared with
     the taped one in place; then the constants bound, the lazy results made, and the session moved on.
-    ``guard(session, func, args, kwargs)`` returns the result, or _MISS."""
+    ``guard(session, func, args, kwargs)`` returns the result, or MISS."""
     key = call.key
     env: dict[str, Any] = {
-        "_MISS": _MISS, "LazyTensor": LazyTensor, "Tensor": torch.Tensor, "_weakref": weakref.ref,
-        "_make": _make_subclass, "_map_out": _map_out, "call": call, "views": call.views, "view_entries": call.views.entries,
+        "MISS": MISS, "LazyTensor": LazyTensor, "Tensor": torch.Tensor, "_weakref": weakref.ref,
+        "_make": make_subclass, "_map_out": _map_out, "call": call, "views": call.views, "view_entries": call.views.entries,
         "_graph_ok": _graph_ok, "_grad_enabled": torch.is_grad_enabled, "_any_autocast": torch._C._is_any_autocast_enabled,
     }
 
@@ -265,13 +265,13 @@ def _compile_guard(call: _Call) -> Callable:
     func = const(call.func)
     # The real tensors the call takes anew, bound to slots once every check passed: locals, or a list where
     # an argument's autograd graph adds its leaves (_graph_ok).
-    graphs = any(type(k) is _Real and k.graph is not None for k in key)
+    graphs = any(type(k) is Real and k.graph is not None for k in key)
     new: list[str] = []
     lines = [
         "def guard(session, func, args, kwargs):",
-        f"    if func is not {func} and func != {func}: return _MISS",
-        f"    if _grad_enabled() is not {call.grad!r} or _any_autocast(): return _MISS",
-        f"    slots = session.slots\n    if len(slots) != {base}: return _MISS" + ("\n    new = []" if graphs else ""),
+        f"    if func is not {func} and func != {func}: return MISS",
+        f"    if _grad_enabled() is not {call.grad!r} or _any_autocast(): return MISS",
+        f"    slots = session.slots\n    if len(slots) != {base}: return MISS" + ("\n    new = []" if graphs else ""),
     ]
     pos = 1  # the next element of the key
 
@@ -283,60 +283,60 @@ def _compile_guard(call: _Call) -> Callable:
         lines.append(f"    {x} = {source}")
         kind = type(k)
         if kind is tuple:  # a nested list or tuple: (type, length), then its items
-            lines.append(f"    if type({x}) is not {const(k[0])} or len({x}) != {k[1]}: return _MISS")
+            lines.append(f"    if type({x}) is not {const(k[0])} or len({x}) != {k[1]}: return MISS")
             for j in range(k[1]):
                 take(f"{x}[{j}]")
         elif kind is Var:
             lines.append(
                 f"    if type({x}) is not LazyTensor or {x}._var is not {const(k)} or {x}._session is not session"
-                f" or {x}._shadow is not None: return _MISS"
+                f" or {x}._shadow is not None: return MISS"
             )
-        elif kind is _Real:
-            lines.append(f"    if type({x}) is LazyTensor or not isinstance({x}, Tensor): return _MISS")
+        elif kind is Real:
+            lines.append(f"    if type({x}) is LazyTensor or not isinstance({x}, Tensor): return MISS")
             if k.same:
                 other = f"slots[{k.slot}]" if k.slot < base else f"new[{k.slot - base}]" if graphs else new[k.slot - base]
-                lines.append(f"    if {x} is not {other}: return _MISS")
+                lines.append(f"    if {x} is not {other}: return MISS")
             else:
                 shape, stride, dtype, device, requires_grad = k.meta
                 # (On the host, is_cpu says it without making a torch.device to compare.)
                 other_device = f"not {x}.is_cpu" if device == _CPU else f"{x}.device != {const(device)}"
                 lines.append(
                     f"    if {x}.shape != {const(shape)} or {x}.dtype is not {const(dtype)} or {x}.stride() != {stride!r}"
-                    f" or {other_device} or {x}.requires_grad is not {requires_grad!r}: return _MISS"
+                    f" or {other_device} or {x}.requires_grad is not {requires_grad!r}: return MISS"
                 )
                 if graphs:
                     lines.append(f"    new.append({x})")
                 else:
                     new.append(x)
                 if k.graph is not None:
-                    lines.append(f"    if not _graph_ok(session, {x}, {const(k.graph)}, new, {base}, {k.slot}): return _MISS")
+                    lines.append(f"    if not _graph_ok(session, {x}, {const(k.graph)}, new, {base}, {k.slot}): return MISS")
                 elif requires_grad:  # a leaf (a parameter)
-                    lines.append(f"    if {x}.grad_fn is not None: return _MISS")
+                    lines.append(f"    if {x}.grad_fn is not None: return MISS")
             if k.value is not None:
-                lines.append(f"    if {x}.item() != {const(k.value)}: return _MISS")
+                lines.append(f"    if {x}.item() != {const(k.value)}: return MISS")
         elif k is None or kind is bool:
-            lines.append(f"    if {x} is not {k!r}: return _MISS")
+            lines.append(f"    if {x} is not {k!r}: return MISS")
         else:
-            lines.append(f"    if type({x}) is not {const(kind)} or {x} != {const(k)}: return _MISS")
+            lines.append(f"    if type({x}) is not {const(kind)} or {x} != {const(k)}: return MISS")
 
     nargs = key[0]
-    lines.append(f"    if len(args) != {nargs}: return _MISS")
+    lines.append(f"    if len(args) != {nargs}: return MISS")
     for i in range(nargs):
         take(f"args[{i}]")
     names = key[pos] if pos < len(key) else ()
     pos += 1
     if names:
-        lines.append(f"    if kwargs is None or len(kwargs) != {len(names)}: return _MISS")
+        lines.append(f"    if kwargs is None or len(kwargs) != {len(names)}: return MISS")
     else:
-        lines.append("    if kwargs: return _MISS")
+        lines.append("    if kwargs: return MISS")
     for name in names:
-        take(f"kwargs.get({name!r}, _MISS)")
+        take(f"kwargs.get({name!r}, MISS)")
     if graphs:
         lines.append("    if new: slots.extend(new)")
     elif new:
         lines.append(f"    slots.extend(({', '.join(new)},))")
     for _, t, version in call.made:  # never handed out; a change in place would be a bug, not a new value
-        lines.append(f"    if {const(t)}._version != {version}: return _MISS")
+        lines.append(f"    if {const(t)}._version != {version}: return MISS")
     if call.consts or call.rereads or call.made:
         lines.append("    consts = session.consts\n    versions = session.versions")
     for var in map(const, call.rereads):  # bound before the last flush: bound again, as it is now
@@ -365,7 +365,7 @@ def _compile_guard(call: _Call) -> Callable:
         lines.append("    return session._express_write(call, args, kwargs)")
     elif type(out) is _New:
         # Contiguous strides are what the constructor makes without them (parsing them cost ~15% of it).
-        strides = "" if _contiguous(out.shape, out.stride) else f" strides={out.stride!r},"
+        strides = "" if has_contiguous_strides(out.shape, out.stride) else f" strides={out.stride!r},"
         # The host and no grad are the constructor's defaults (whatever torch.set_default_device says): not passed.
         device = "" if out.device == _CPU else f", device={const(out.device)}"
         grad = ", requires_grad=True" if out.requires_grad else ""
@@ -385,15 +385,15 @@ def _compile_guard(call: _Call) -> Callable:
     exec(compile(source, filename, "exec"), env)  # noqa: S102 - code generated from the tape
     return env["guard"]
 
-def _contiguous(shape: Any, stride: Any) -> bool:
+def has_contiguous_strides(shape: Any, stride: Any) -> bool:
     """Whether ``stride`` is what ``_make_wrapper_subclass`` makes for ``shape`` when given no strides."""
     return tuple(torch.empty(shape, device="meta").stride()) == tuple(stride)
 
-def _graph_ok(session: RecordingSteps, x: torch.Tensor, graph: _Graph, new: list, base: int, slot: int) -> bool:
+def _graph_ok(session: RecordingSteps, x: torch.Tensor, graph: Graph, new: list, base: int, slot: int) -> bool:
     """Whether the autograd graph behind real argument ``x`` is the taped one (node types, saved values,
     leaves: the same tensor where the tape had one, the same metadata where it took a new one). Its new
     leaves are appended to ``new``, the slots the guard is about to take."""
-    leaves, kinds, nodes = _autograd_graph([x])
+    leaves, kinds, nodes = autograd_graph([x])
     if kinds != graph.kinds or len(leaves) != len(graph.leaves) or session._saved_state(nodes)[0] != graph.saved:
         return False
     slots = session.slots
@@ -401,18 +401,18 @@ def _graph_ok(session: RecordingSteps, x: torch.Tensor, graph: _Graph, new: list
         if same:
             if (slots[s] if s < base else new[s - base]) is not leaf:
                 return False
-        elif s != base + len(new) or _meta(leaf) != meta or leaf.grad_fn is not None:
+        elif s != base + len(new) or tensor_meta(leaf) != meta or leaf.grad_fn is not None:
             return False
         else:
             new.append(leaf)
     session.graph_nodes[slot] = nodes
     return True
 
-def _refuse_stranded(args: tuple, kwargs: dict) -> None:
+def refuse_stranded(args: tuple, kwargs: dict) -> None:
     outputs = kwargs.get("outputs", args[0] if args else ())
     roots = [t for t in flatten(outputs) if isinstance(t, torch.Tensor)]
     with torch._C.DisableTorchFunctionSubclass():
-        if any(type(t) is LazyTensor and t._express for t in _autograd_graph(roots)[0]):
+        if any(type(t) is LazyTensor and t._express for t in autograd_graph(roots)[0]):
             raise NotImplementedError(
                 "stagetorch.lazy: torch.autograd.grad over a torch.autograd.Function that this step called "
                 "and the step stagetorch recorded did not: call loss.backward() instead, or apply the Function "

@@ -4,7 +4,7 @@
 autograd: metadata is answered from the tensor itself, a value read evaluates it, and every other call goes
 to the session (matched against the express tape first, when the session replays one).
 ``__torch_dispatch__`` sees the ATen calls below autograd and hands them to the session to record or replay.
-This module knows nothing of how a session records, replays or runs: :class:`_SessionBase` declares what a
+This module knows nothing of how a session records, replays or runs: :class:`SessionBase` declares what a
 lazy tensor asks of its session, and the layers above implement it (``session._Session`` is all of them).
 """
 
@@ -24,19 +24,19 @@ from .mode import Mode
 __all__ = ["LazyTensor"]
 
 
-_make_subclass = torch.Tensor._make_wrapper_subclass
+make_subclass = torch.Tensor._make_wrapper_subclass
 _EXPRESS = Mode.EXPRESS  # a module global: read on every call of an express step
 
-_MISS = object()  # the call is not the tape's next one
+MISS = object()  # the call is not the tape's next one
 
-_NO_KWARGS: dict = {}  # never written
+NO_KWARGS: dict = {}  # never written
 
 _grad_enabled = torch.is_grad_enabled
 
 _any_autocast = torch._C._is_any_autocast_enabled
 
 
-class _SessionBase:
+class SessionBase:
     """What a lazy tensor asks of its session: the bottom of the session's layers. Each layer above is a
     subclass of the one below (recording, the slow replay, the express replay, backward, the session) and
     overrides the methods declared here; a lower layer reaches a higher one only through them."""
@@ -80,7 +80,7 @@ class _SessionBase:
         raise NotImplementedError
 
 
-def _session_of(args: tuple, kwargs: dict) -> _SessionBase | None:
+def _session_of(args: tuple, kwargs: dict) -> SessionBase | None:
     for x in args:
         if type(x) is LazyTensor:
             return x._session
@@ -128,12 +128,12 @@ _SPECIAL = {
 class LazyTensor(torch.Tensor):
     """A ``torch.Tensor`` whose operations are recorded, not run, until a value is needed."""
 
-    # Slots, each set where a lazy tensor is made (_lazy_tensor; inline in session.py and the express guards):
+    # Slots, each set where a lazy tensor is made (lazy_tensor; inline in session.py and the express guards):
     # a step makes a handful, and attributes in a __dict__ cost its allocation each time (~0.4 us a tensor).
     __slots__ = ("_fake", "_var", "_session", "_express", "_shadow")
     _fake: torch.Tensor | None  # its fake tensor while recording
     _var: Var
-    _session: _SessionBase
+    _session: SessionBase
     _express: bool  # made by the express replay: no autograd graph behind it
     _shadow: LazyTensor | None  # once the session left the express replay: the same value with one
 
@@ -161,10 +161,10 @@ class LazyTensor(torch.Tensor):
                 pos = session.tape_pos
                 if pos < len(guards) and not session.ran_all:
                     out = guards[pos](session, func, args, kwargs)
-                    if out is not _MISS:
+                    if out is not MISS:
                         return out
         kind = _SPECIAL.get(func)
-        kwargs = kwargs or _NO_KWARGS
+        kwargs = kwargs or NO_KWARGS
         if kind is None or kind == "batch_norm":
             first = args[0] if args else None
             session = first._session if type(first) is LazyTensor else _session_of(args, kwargs)
@@ -182,7 +182,7 @@ class LazyTensor(torch.Tensor):
                             and call.grad is _grad_enabled() and not _any_autocast()
                         ):
                             out = (call.guard or call.compile_guard())(session, func, args, kwargs)
-                            if out is not _MISS:
+                            if out is not MISS:
                                 return out  # (a batch_norm's guard counted the batch)
                 mixed = _one_session(args, kwargs)
                 if mixed is not None:
@@ -194,7 +194,7 @@ class LazyTensor(torch.Tensor):
                 return session.torch_call(func, args, kwargs)
         elif kind == "meta":
             if args and type(args[0]) is LazyTensor and args[0]._shadow is not None:
-                args = _unshadow(args)  # autograd state (requires_grad) is the shadow's
+                args = unshadow(args)  # autograd state (requires_grad) is the shadow's
         elif kind == "backward":
             roots = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
             lazies = [t for t in roots if type(t) is LazyTensor]
@@ -205,7 +205,7 @@ class LazyTensor(torch.Tensor):
                 session.backward(func, args, kwargs, roots)
                 return None
         elif kind == "read":
-            return func(*map_leaves(args, torch.Tensor, _real), **kwargs)
+            return func(*map_leaves(args, torch.Tensor, real_value), **kwargs)
         else:  # the user reaches into autograd (a hook, a grad_fn): backward must run through the engine
             for t in flat_call(args, kwargs):
                 if type(t) is LazyTensor:
@@ -214,7 +214,7 @@ class LazyTensor(torch.Tensor):
                     if t._session.mode is _EXPRESS:
                         t._session.leave_express()  # the autograd graph is needed
                     t._session.hooked = True
-            args, kwargs = _unshadow(args), _unshadow(kwargs)
+            args, kwargs = unshadow(args), unshadow(kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -254,16 +254,16 @@ def _one_session(args: tuple, kwargs: dict, leaves: list | None = None) -> tuple
     return map_leaves(args, LazyTensor, real), map_leaves(kwargs, LazyTensor, real)
 
 
-def _lazy_tensor(
-    shape: Any, stride: Any, dtype: torch.dtype, device: torch.device, var: Var, session: _SessionBase,
+def lazy_tensor(
+    shape: Any, stride: Any, dtype: torch.dtype, device: torch.device, var: Var, session: SessionBase,
     fake: torch.Tensor | None = None, requires_grad: bool = False,
 ) -> LazyTensor:
     """A LazyTensor standing for ``var`` of ``session`` (``fake``: its fake tensor while recording)."""
-    out = _make_subclass(LazyTensor, shape, strides=stride, dtype=dtype, device=device, requires_grad=requires_grad)
+    out = make_subclass(LazyTensor, shape, strides=stride, dtype=dtype, device=device, requires_grad=requires_grad)
     out._fake, out._var, out._session, out._express, out._shadow = fake, var, session, False, None
     return out
 
-def _real(t: Any) -> Any:
+def real_value(t: Any) -> Any:
     return t.value() if isinstance(t, LazyTensor) else t
 
 
@@ -284,6 +284,6 @@ def _held(t: LazyTensor, name: str) -> torch.Tensor:
 
 HELD[LazyTensor] = _held
 
-def _unshadow(tree: Any) -> Any:
+def unshadow(tree: Any) -> Any:
     """``tree`` with each lazy tensor the express replay made replaced by its shadow."""
     return map_leaves(tree, LazyTensor, lambda t: t if t._shadow is None else t._shadow)

@@ -53,7 +53,7 @@ def _real(v):
 
 
 def assert_same(step, budget=None, **kwargs):
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     got, params, _ = run(step, True, budget, **kwargs)
     expected, expected_params, _ = run(step, False, **kwargs)
     for i, (a, b) in enumerate(zip(got, expected)):
@@ -131,7 +131,7 @@ def test_indexing_by_a_zero_dim_tensor_whose_value_changes(budget):
 
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_a_parameter_changed_in_place_before_backward_raises_with_state_untouched(budget):
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = mlp()
     for i, (x, y) in enumerate(batches(STEPS, batch=BATCH)):
         x, y = stagetorch.lazy(x, y, batch=0, memory_budget=budget)
@@ -168,7 +168,7 @@ def test_a_parameter_read_again_after_a_flush_and_changed_before_its_op_raises(b
     """A value read runs the first forward; a second forward reads the same parameters again, and one is
     changed in place before that forward ran: it raises, as it does for the first forward (it computed with
     the new value: the parameter was bound before the flush and its version not taken again)."""
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = mlp()
     for x, y in batches(STEPS, batch=BATCH):
         x, y = stagetorch.lazy(x, y, batch=0, memory_budget=budget)
@@ -199,7 +199,7 @@ def test_a_running_total_across_steps(budget):
 def test_outputs_of_a_second_loop_read_after_it(budget):
     """A second model of the same shapes replays the first loop's recording; outputs kept from its steps
     and read after the loop."""
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     for seed in (0, 3):
         model = mlp(seed)
         reference = copy.deepcopy(model)
@@ -241,7 +241,7 @@ def test_a_failed_step_leaves_parameters_grads_and_buffers(grads_before):
     """BatchNorm in training mode couples the batch: a budget that forces chunks raises BatchCouplingError.
     The parameters, their .grad (absent, or a real one) and the buffers are as before the step; a step with
     enough memory then equals eager."""
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = _bn_model()
     reference = copy.deepcopy(model)
     for i, (x, y) in enumerate(batches(STEPS, batch=BATCH)):
@@ -278,7 +278,7 @@ def test_a_failed_step_leaves_parameters_grads_and_buffers(grads_before):
 def test_the_same_shapes_and_budget_always_give_the_same_plan(caplog):
     import models
 
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
     outcomes = []

@@ -27,7 +27,7 @@ def plain_step(i, model, x, y):
 
 
 def test_a_repeated_step_runs_no_op_and_builds_no_graph(dispatched, lazy_mode):
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = mlp()
     reference = copy.deepcopy(model)
     counts = []
@@ -100,7 +100,7 @@ def test_batchnorm_and_dropout_replay_once_per_step():
         return nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
 
     assert_same_loop(plain_step, n=4, model_fn=model_fn)
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = model_fn()
     reference = copy.deepcopy(model)
     for x, _ in batches(4):
@@ -161,13 +161,13 @@ def test_an_autograd_function_in_every_step_turns_the_express_replay_off(lazy_mo
         return F.cross_entropy(model[2](_Reverse.apply(model[1](model[0](x)))), y)
 
     assert_same_loop(step, n=3)
-    (recorded_once,) = recording._RECORDINGS.values()
+    (recorded_once,) = recording.RECORDINGS.values()
     assert not recorded_once.express or lazy_mode is not Mode.EXPRESS  # only an express step turns it off
 
 
 @pytest.mark.lazy_modes("express")
 def test_autograd_grad_over_an_unrecorded_function_is_refused():
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = mlp()
     for i, (x, y) in enumerate(batches(2)):
         h = model[1](model[0](stagetorch.lazy(x, batch=0)))
@@ -202,7 +202,7 @@ def test_a_parameter_given_new_storage_is_read_from_its_new_storage():
                 model[2].weight.data = torch.randn(16, 3, generator=torch.Generator().manual_seed(i)).t()  # another stride
         return F.cross_entropy(model(x), y)
 
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     torch.manual_seed(5)
     assert_same_loop(step, n=5)
 
@@ -262,7 +262,7 @@ def test_a_real_argument_with_an_autograd_graph(scales, express, dispatched, laz
 
 
 def test_results_keep_their_kind_and_aliases():
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     for x, _ in batches(3):
         a = stagetorch.lazy(x, batch=0)
         assert a.contiguous() is a
@@ -276,7 +276,7 @@ def test_results_keep_their_kind_and_aliases():
 
 @pytest.mark.lazy_modes("express")
 def test_an_op_below_the_torch_function_is_refused():
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = mlp()
     for i, (x, _) in enumerate(batches(2)):
         h = model[0](stagetorch.lazy(x, batch=0))
@@ -310,7 +310,7 @@ def test_autocast_and_grad_mode_are_part_of_what_repeats():
 
 def test_gradient_accumulation_replays_and_adds_into_grad(dispatched, lazy_mode):
     """Several micro-batches, one optimizer step: the express backward adds into the real .grad."""
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = mlp()
     reference = copy.deepcopy(model)
     counts = []
@@ -326,7 +326,7 @@ def test_gradient_accumulation_replays_and_adds_into_grad(dispatched, lazy_mode)
 
 
 def test_a_second_backward_after_an_express_backward_raises(lazy_mode):
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = mlp()
     for x, y in batches(2):
         loss = F.cross_entropy(model(stagetorch.lazy(x, batch=0)), y)
@@ -339,7 +339,7 @@ def test_a_second_backward_after_an_express_backward_raises(lazy_mode):
 def test_a_call_that_returns_its_argument_stays_on_the_tape(dispatched, lazy_mode):
     """``x.to(x.dtype)`` runs no op and hands back its argument: replayed (as is ``loss.detach()``, an op).
     A call that changes autograd state without an op (``requires_grad_``) is not."""
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = mlp()
     counts = []
     for x, y in batches(3):
@@ -355,7 +355,7 @@ def test_a_call_that_returns_its_argument_stays_on_the_tape(dispatched, lazy_mod
     if lazy_mode is Mode.EXPRESS:
         assert counts[0] > 0 and counts[1:] == [0, 0], counts
     assert loss._session.mode is lazy_mode
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     for x, _ in batches(2):
         a = stagetorch.lazy(x, batch=0).clone()
         assert a.requires_grad_() is a and a.requires_grad
@@ -369,7 +369,7 @@ def test_an_express_step_still_chunks_to_its_budget(dispatched, lazy_mode):
     from budgets import budget_for
     from lazy_loops import RealKernelBatchSizes, rel, seed_program
 
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model, make = models.seed_mlp()
     x, y = make(1000)
     budget = budget_for(stagetorch.jit(models.train_step(copy.deepcopy(model))), x, y)
@@ -396,7 +396,7 @@ def test_an_express_step_still_chunks_to_its_budget(dispatched, lazy_mode):
 def test_nested_and_keyword_arguments_replay(dispatched, lazy_mode):
     """Lists of tensors (``torch.cat``), keyword arguments and Python values are part of the taped call;
     another value (here a dim, a scale) is another call."""
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = mlp()
     reference = copy.deepcopy(model)
     counts = []
@@ -430,7 +430,7 @@ def test_models_replay_express_and_equal_eager(name, dispatched, lazy_mode):
     else:
         model, make = models.cnn("batch") if name == "cnn_batchnorm" else getattr(models, name)()
         step = lambda m, x, y: (lambda out: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)))(m(x))  # noqa: E731
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     reference = copy.deepcopy(model)
     batches_ = [make(6) for _ in range(4)]
     counts, results = [], []
@@ -462,7 +462,7 @@ def test_models_replay_express_and_equal_eager(name, dispatched, lazy_mode):
 def test_a_positional_lookup_replays_with_its_saved_indices(dispatched, lazy_mode):
     """``h + pos(positions)``: a real embedding lookup of a parameter. Its backward reads the indices the
     lookup saved; the express backward takes them from this step's graph (new positions each step)."""
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = mlp()
     pos = nn.Embedding(40, 16)
     reference, reference_pos = copy.deepcopy(model), copy.deepcopy(pos)
@@ -569,7 +569,7 @@ def test_constants_a_call_makes_itself(cosine, dispatched, lazy_mode):
     """Constants a taped call makes itself replay express only where their value is the call's Python
     arguments': SDPA's own 0-d tensors and ``torch.where``'s number do; a 0-d norm of a parameter (cosine
     similarity) does not, and the steps still equal eager's as the parameter trains."""
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     torch.manual_seed(0)
     model = _Masked(cosine)
     reference = copy.deepcopy(model)

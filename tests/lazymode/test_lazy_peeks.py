@@ -59,7 +59,7 @@ def test_peeks_in_a_row_start_from_the_one_before(budget, lazy_mode, monkeypatch
         return run(self, inputs, plan, **kwargs)
 
     monkeypatch.setattr(Executable, "run", counted)
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     torch.manual_seed(0)
     model = Routed(4).double()
     reference = copy.deepcopy(model)

@@ -27,7 +27,7 @@ def plain_step(i, model, x, y):
 
 def test_repeated_steps_replay_without_recording_and_equal_eager(recorded, dispatched, lazy_mode):
     assert_same_loop(plain_step, n=5)
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     recorded.clear()
     dispatched.clear()
     model = mlp()
@@ -139,7 +139,7 @@ def test_freezing_a_layer_between_steps():
 
 
 def test_gradients_accumulated_across_steps_without_zero_grad():
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = mlp()
     reference = copy.deepcopy(model)
     for x, y in batches(3):
@@ -150,7 +150,7 @@ def test_gradients_accumulated_across_steps_without_zero_grad():
 
 @pytest.mark.parametrize("how", ["method", "function"])
 def test_autograd_backward_function_is_intercepted(how):
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = mlp()
     reference = copy.deepcopy(model)
     for x, y in batches(3):
@@ -172,7 +172,7 @@ def test_batchnorm_statistics_update_once_per_replayed_step():
     def step(i, model, x, y):
         return F.cross_entropy(model(x), y)
 
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = make()
     reference = copy.deepcopy(model)
     data = batches(4)
@@ -186,7 +186,7 @@ def test_batchnorm_statistics_update_once_per_replayed_step():
 def test_tensors_of_two_sessions_never_mix_even_when_both_replay():
     """A call on lazy tensors of two sessions records in the newer one; the older one's tensors are read as
     the real values they are in eager."""
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     a, b = torch.randn(4, 3), torch.randn(4, 3)
     x = stagetorch.lazy(a)
     assert torch.equal((x + x).value(), a + a)
@@ -197,14 +197,14 @@ def test_tensors_of_two_sessions_never_mix_even_when_both_replay():
 
 
 def test_recordings_are_bounded():
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     for n in range(1, recording._MAX_RECORDINGS + 10):
         (stagetorch.lazy(torch.randn(n, 2)) * 2).value()
-    assert len(recording._RECORDINGS) == recording._MAX_RECORDINGS
+    assert len(recording.RECORDINGS) == recording._MAX_RECORDINGS
 
 
 def test_a_second_backward_through_a_replayed_graph_raises_as_in_eager():
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = mlp()
     for x, y in batches(2):
         loss = F.cross_entropy(model(stagetorch.lazy(x, batch=0)), y)
@@ -217,7 +217,7 @@ def test_a_second_backward_through_a_replayed_graph_raises_as_in_eager():
 def test_a_new_model_of_the_same_shapes_replays_from_its_first_step(dispatched, lazy_mode):
     """The express replay binds real tensors (parameters) by position, as the slow replay does, and takes
     the backward's leaves from them: another model's first step replays without reaching any op."""
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     counts = []
     for model in (mlp(), mlp(seed=3)):
         reference = copy.deepcopy(model)
@@ -251,7 +251,7 @@ def test_a_model_that_diverges_after_a_flush_still_chunks(monkeypatch, lazy_mode
     through the value read, whose flush makes the hidden states (per example), and diverges after it. The
     flush after the divergence still reads the hidden states per example, cut to each chunk: it chunks and
     equals eager. (It used to take them as one shared value, whole, and raise OutOfMemoryError.)"""
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     chunks = []
     run = Executable.run
 
@@ -283,7 +283,7 @@ def test_a_tensor_changed_in_place_before_a_divergence_still_raises(lazy_mode):
     """A step that replays a recording and then differs from it records the replayed calls again (leaving
     the express replay first, in that mode): a real tensor a pending call read, changed in place since, still
     raises ModifiedInputError rather than be read with its new value."""
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     w = torch.randn(4, 3)
     for act, write in ((torch.relu, False), (torch.sigmoid, True)):
         h = stagetorch.lazy(torch.randn(4, 3)) * w
@@ -300,7 +300,7 @@ def test_a_loss_whose_backward_ran_refuses_a_second_one_after_a_divergence(lazy_
     """A replayed backward that skipped the engine left the graph in place; after the step differs from its
     recording, a second backward of the same loss still raises as eager's does (it ran the engine again,
     adding the gradients twice)."""
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = nn.Linear(3, 2)
     for diverge in (False, True):
         x = stagetorch.lazy(torch.randn(4, 3))
@@ -314,7 +314,7 @@ def test_a_loss_whose_backward_ran_refuses_a_second_one_after_a_divergence(lazy_
 
 
 def test_retain_graph_and_autograd_grad_run_through_the_engine():
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = mlp()
     reference = copy.deepcopy(model)
     for x, y in batches(3):
@@ -333,7 +333,7 @@ def test_retain_graph_and_autograd_grad_run_through_the_engine():
 
 
 def test_backward_twice_into_real_grads_that_already_hold_values():
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = nn.Linear(5, 3)
     reference = copy.deepcopy(model)
     x = torch.randn(4, 5)
@@ -352,7 +352,7 @@ def test_backward_twice_into_real_grads_that_already_hold_values():
 
 
 def test_training_and_evaluation_steps_on_the_same_shapes_each_replay(recorded, lazy_mode):
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = mlp()
     reference = copy.deepcopy(model)
     counts = []
@@ -377,7 +377,7 @@ def test_a_finished_step_frees_its_values_without_waiting_for_the_garbage_collec
     import gc
     import weakref
 
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = mlp()
     gc.disable()
     try:

@@ -23,7 +23,7 @@ def test_a_flush_keeps_what_each_step_keeps_alive():
     """The backward's flush is found by the values it must keep: a hidden state held past backward() on
     some steps and not on others is an output of the flush exactly on the steps that hold it (a flush
     looked up by its equations alone would give the steps that hold it none, or keep it on every step)."""
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = mlp()
     reference = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

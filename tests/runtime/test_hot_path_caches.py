@@ -30,7 +30,7 @@ def test_an_express_backward_skips_the_full_path_and_equals_eager(monkeypatch):
     """``loss.backward()`` of an express step runs the taped backward from its guard, without the session's
     backward (the full path, patched here to count); a backward with arguments the tape did not see
     (``retain_graph=True``) is refused by that guard and takes the full path. Gradients equal eager's."""
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model, reference = _mlp(), _mlp()
     calls = []
     full = backward.BackwardSkip.backward
@@ -52,7 +52,7 @@ def test_a_plan_is_reused_for_the_same_budget_and_made_again_after_a_cap():
     """``Planner.plan_call`` hands back its last plan for the same budget and held bytes, with no planning;
     what changes plans (a chunk cap learned from a run that ran out of memory) makes it plan again, and the
     next steps run in chunks under the cap with eager's gradients."""
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model, reference = _mlp(), _mlp()
     x, y = _batch(0)
     lx = stagetorch.lazy(x, batch=0)
@@ -79,7 +79,7 @@ def test_lazy_tensors_are_on_the_host_under_another_default_device():
     """Lazy tensors of host inputs are made without ``device=`` (the constructor's default, the host):
     under ``torch.device("meta")`` as the default device they, and those the express replay makes, are still
     on the host, with eager's values."""
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model, reference = _mlp(), _mlp()
     for i in range(4):
         x, y = _batch(i)

@@ -418,6 +418,6 @@ def test_clear_caches_forgets_lazy_recordings():
     model, make = models.seed_mlp()
     x, y = stagetorch.lazy(*make(4), batch=0)
     torch.nn.functional.cross_entropy(model(x), y).backward()
-    assert recording._RECORDINGS
+    assert recording.RECORDINGS
     stagetorch.clear_caches()
-    assert not recording._RECORDINGS
+    assert not recording.RECORDINGS

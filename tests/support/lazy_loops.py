@@ -40,7 +40,7 @@ def run_loop(model, data, step, one_line, **lazy_options):
 
 
 def assert_same_loop(step, n=4, model_fn=mlp, **lazy_options):
-    recording._RECORDINGS.clear()
+    recording.RECORDINGS.clear()
     model = model_fn()
     reference = copy.deepcopy(model)
     data = batches(n)

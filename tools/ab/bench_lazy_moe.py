@@ -34,7 +34,7 @@ import stagetorch
 import stagetorch.devices.budget
 from stagetorch.errors import StagingError
 from stagetorch.lazymode import express, session
-from stagetorch.lazymode.recording import _RECORDINGS
+from stagetorch.lazymode.recording import RECORDINGS
 from stagetorch.lazymode.session import _Session
 from stagetorch.runtime.executable import Executable
 
@@ -99,13 +99,13 @@ def main(steps: int = 30, name: str = "mixtral", padded: str = "padded", layers:
     def apart(label, fn):
         def run():
             recordings = kept.setdefault(label, {})
-            _RECORDINGS.clear()
-            _RECORDINGS.update(recordings)
+            RECORDINGS.clear()
+            RECORDINGS.update(recordings)
             try:
                 fn()
             finally:
                 recordings.clear()
-                recordings.update(_RECORDINGS)
+                recordings.update(RECORDINGS)
 
         return run
 

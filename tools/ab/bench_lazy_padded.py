@@ -24,7 +24,7 @@ import transformer_zoo as zoo
 
 import stagetorch
 from stagetorch.lazymode import express
-from stagetorch.lazymode.recording import _RECORDINGS
+from stagetorch.lazymode.recording import RECORDINGS
 
 _made = express._made_from_python_values
 
@@ -35,15 +35,15 @@ def _step(label: str, model, optimizer, batch: dict, kept: dict) -> None:
         model(**batch).loss.backward()
     else:
         recordings = kept.setdefault(label, {})  # each lazy variant's recordings, apart (kept per input signature)
-        _RECORDINGS.clear()
-        _RECORDINGS.update(recordings)
+        RECORDINGS.clear()
+        RECORDINGS.update(recordings)
         express._made_from_python_values = _made if label == "lazy" else (lambda *a: False)
         try:
             model(**dict(zip(batch, stagetorch.lazy(*batch.values(), batch=0)))).loss.backward()
         finally:
             express._made_from_python_values = _made
             recordings.clear()
-            recordings.update(_RECORDINGS)
+            recordings.update(RECORDINGS)
     optimizer.step()
 
 

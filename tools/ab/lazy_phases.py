@@ -45,7 +45,7 @@ def main(batch: int) -> None:
     _Session.flush = timed("lazy: flush (incl. the program)", _Session.flush)
     _Session.backward = timed("lazy: backward (incl. flush)", _Session.backward)
     # The slow path's walk (the express replay walks only real arguments' graphs, in its guards).
-    backward._autograd_graph = timed("lazy: walking the autograd graph", backward._autograd_graph)
+    backward.autograd_graph = timed("lazy: walking the autograd graph", backward.autograd_graph)
     make_lazy = timed("lazy: stagetorch.lazy(x, y)", stagetorch.lazy)
 
     def lazy_step():
