@@ -208,7 +208,7 @@ def test_a_step_it_cannot_stage_names_the_call_and_leaves_the_run_as_before_it()
         trainer.fit(staged, data)
     message = str(e.value)
     assert "LastBatchReadsAValue.training_step" in message
-    assert re.search(r"test_integration_lightning\.py:\d+", message)  # the class's line and the failing line
+    assert re.search(r"integrations/test_lightning\.py:\d+", message)  # the class's line and the failing line
     assert "What to do" in message and "as they were before this step" in message
     assert trainer.global_step == 2
     assert _worst(staged, two_steps) == 0 and _worst(staged, plain) < 1e-9
@@ -316,13 +316,13 @@ class HFModule(L.LightningModule):
 
 
 def _hf(name: str) -> HFModule:
-    transformers_tests = pytest.importorskip("test_integration_transformers")
+    transformers_tests = pytest.importorskip("trainer_models")
     torch.manual_seed(0)
     return HFModule(transformers_tests.MODELS[name][0]().double())
 
 
 def _padded(kind: str) -> DataLoader:
-    transformers_tests = pytest.importorskip("test_integration_transformers")
+    transformers_tests = pytest.importorskip("trainer_models")
     rows = transformers_tests.padded_dataset(kind)
     return DataLoader(rows + rows[::-1], batch_size=8)  # 5 batches of 8
 
@@ -347,7 +347,7 @@ def test_transformers_models_on_padded_batches_equal_a_plain_lightning_run(name,
         # it, runs in 3 chunks: planned on a probe run stopped after one step.
         probe = _fit(_hf(name), data, StagedStrategy(), steps=1).strategy
         batch = next(iter(data))
-        transformers_tests = pytest.importorskip("test_integration_transformers")
+        transformers_tests = pytest.importorskip("trainer_models")
         strategy = StagedStrategy(memory_budget=transformers_tests.budget_for_chunks(probe, lambda: probe.plan(batch), 3))
     trainer = _fit(staged, data, strategy, steps=3, callbacks=[plans])
     assert trainer.global_step == 3 and len(plans.chunks) == 3
