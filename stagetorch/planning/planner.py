@@ -47,7 +47,9 @@ from ..utils import caches, collector
 from .chunks import SAFETY_MARGIN, Plan, _base, chunked_peak, plan_chunks
 from .cut import Cut, cut_floor, find_cut, plan_cut
 from .multipass import Passes, PassesPlan, find_passes, passes_floor, plan_passes
-from .remat_search import Recompute, chunk_frontier, frontier, plan_joint
+from .remat_frontier import chunk_frontier, frontier
+from .remat_search import plan_joint
+from .remat_simulator import Recompute
 from .reserved import fit_reserved, on_cuda
 
 __all__ = ["Planner", "held_beside", "recall", "remember", "COPIES"]
@@ -276,7 +278,7 @@ class Planner:
         return error
 
     def frontier(self) -> list[Recompute]:
-        """The recompute sets the joint planner chooses among (see :func:`stagetorch.planning.remat_search.frontier`)."""
+        """The recompute sets the joint planner chooses among (see :func:`stagetorch.planning.remat_frontier.frontier`)."""
         if self._points is None:
             self._points = frontier(self.graph)
         return self._points
@@ -284,7 +286,7 @@ class Planner:
     def chunk_frontier(self, n: int, usable: int | None = None) -> list[tuple[Recompute, int, int]]:
         """Recompute sets chosen for chunks of ``n`` examples, each with the peak of a chunked run's first
         chunk predicted by its chunk's graph, and a bound on a later chunk's
-        (:func:`stagetorch.planning.remat_search.chunk_frontier`); with ``usable``, also its sets just above those
+        (:func:`stagetorch.planning.remat_frontier.chunk_frontier`); with ``usable``, also its sets just above those
         bytes repaired so that a later chunk's bound fits them."""
         key = (n, usable)
         if key not in self._chunk_points:
@@ -497,7 +499,7 @@ def recall(planner: Planner) -> None:
 def _owns_its_inputs(graph: Graph) -> bool:
     """Whether every input lives in storage the graph itself names. A lazy flush can read a view of a value
     an earlier flush made, whose base is not in the graph: the recomputation planner numbers only the
-    graph's own vars (``remat_planning._Simulator``), so such a flush is only chunked."""
+    graph's own vars (:class:`~stagetorch.planning.remat_simulator.Simulator`), so such a flush is only chunked."""
     own = set(graph.vars())
     return all(v.root in own for v in graph.invars)
 

@@ -167,7 +167,10 @@ PACKAGE_LAYERS = {
         "shape_rules": 0, "shapes": 0, "flops": 0, "batching": 0, "eager": 0, "memory": 1, "chunked": 1,
         "__init__": 2,
     },
-    "planning": {"chunks": 0, "cut": 1, "remat_search": 1, "reserved": 1, "multipass": 2, "planner": 3, "__init__": 4},
+    "planning": {
+        "chunks": 0, "remat_simulator": 0, "cut": 1, "remat_frontier": 1, "remat_search": 2, "reserved": 1,
+        "multipass": 2, "planner": 3, "__init__": 4,
+    },
     "parallel": {"data_parallel": 0, "__init__": 1},
     "runtime": {"executable": 0, "staged": 1, "__init__": 2},
     "lazymode": {
