@@ -35,7 +35,8 @@ import remat_models  # noqa: E402
 from memtrack import AllocatorPeak, budget_between, known_to_the_profiler  # noqa: E402
 
 import stagetorch  # noqa: E402
-from stagetorch.planning.chunks import SAFETY_MARGIN, Plan  # noqa: E402
+from stagetorch.planning.budget import SAFETY_MARGIN  # noqa: E402
+from stagetorch.planning.chunks import Plan  # noqa: E402
 from stagetorch.runtime.executable import Executable  # noqa: E402
 
 PATHS = ("whole", "chunked", "recomputing", "lazy", "optimizer inside", "optimizer inside, donate_grads", "accumulating")

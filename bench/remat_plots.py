@@ -30,7 +30,7 @@ from memtrack import AllocatorPeak  # noqa: E402
 import stagetorch  # noqa: E402
 from stagetorch.errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError  # noqa: E402
 from stagetorch.interpreters.memory import peak_bytes  # noqa: E402
-from stagetorch.planning.chunks import SAFETY_MARGIN  # noqa: E402
+from stagetorch.planning.budget import SAFETY_MARGIN  # noqa: E402
 from stagetorch.planning.remat_search import RematPlan  # noqa: E402
 
 OUT = pathlib.Path(__file__).parent.parent / "docs" / "img"

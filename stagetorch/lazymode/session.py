@@ -22,6 +22,7 @@ from ..interpreters.batching import Batched
 from ..interpreters.eager import accumulate_grad
 from ..interpreters.flops import graph_flops
 from ..ir import Eqn, Graph, Var, op_name
+from ..planning import budget as margin
 from ..runtime.executable import Executable
 from ..staging.tracer import Recorder, user_frame
 from ..transforms import rng
@@ -316,8 +317,7 @@ class _Session(BackwardSkip):
         mid-step write of every step cost more than the peek (two writes of a 2-layer Mixtral's router loss,
         ~12 ms each, where its peeks take ~1 ms). Either answer gives the same values: peeking is exact too."""
         budget = max(free_memory(device, self.memory_budget) - executable.restore_bytes, 0)
-        shift = max(budget.bit_length() - 9, 0)
-        key = ("peeks", id(executable), budget >> shift << shift)  # (flushes holds the executable too)
+        key = ("peeks", id(executable), margin.bucket(budget))  # (flushes holds the executable too)
         flushes = self.recording.flushes
         answer = flushes.get(key)
         if answer is None:

@@ -18,11 +18,9 @@ from ..interpreters.chunked import BodyGraph, Split, even_chunks
 from ..interpreters.memory import Lifetimes, peak_bytes, timeline
 from ..ir import Graph, Var
 from ..utils import collector
+from . import budget as margin
 
-__all__ = ["Plan", "plan_chunks", "chunked_peak", "body_peaks", "SAFETY_MARGIN"]
-
-# Fraction of the budget the plan leaves unused: the allocator's rounding and fragmentation live there.
-SAFETY_MARGIN = 0.10
+__all__ = ["Plan", "plan_chunks", "chunked_peak", "body_peaks"]
 
 
 @attrs.frozen
@@ -297,7 +295,7 @@ def plan_chunks(
     ``cap``: the largest chunk to plan (a larger one ran out of memory before); the whole batch is then
     split even when the estimate says it fits.
     """
-    usable = int(budget * (1 - SAFETY_MARGIN))
+    usable = margin.usable(budget)
     cost = _Memo(cost)
     full = cost(graph) if full is None else full
     if (full <= usable and (cap is None or cap >= batch)) or batch == 1:
@@ -350,10 +348,10 @@ def _not_even_one(needs: int, budget: int, subject: str, detail: str) -> OutOfMe
     ``budget``; ``detail`` follows (what the bytes are, or why nothing smaller runs)."""
     error = OutOfMemoryError(
         f"not even one example fits: {subject} needs {format_bytes(needs)} against a budget of {format_bytes(budget)} "
-        f"(less a {SAFETY_MARGIN:.0%} margin){detail}. What to do: raise memory_budget, use a smaller model or lower "
+        f"(less a {margin.margin_words()} margin){detail}. What to do: raise memory_budget, use a smaller model or lower "
         "precision, or move the batch off the device."
     )
-    error.smallest_budget = int(needs / (1 - SAFETY_MARGIN)) + 1
+    error.smallest_budget = margin.smallest_budget(needs)
     return error
 
 

@@ -44,7 +44,8 @@ from ..interpreters.memory import peak_bytes
 from ..ir import Eqn, Graph, Literal, Var, op_name
 from ..transforms.schedule import is_random, writes
 from ..utils.tree import map_leaves
-from .chunks import SAFETY_MARGIN, Plan, _bytes, chunked_peak, plan_chunks
+from . import budget as margin
+from .chunks import Plan, _bytes, chunked_peak, plan_chunks
 
 __all__ = ["Cut", "CutPlan", "find_cut", "plan_cut", "run_cut"]
 
@@ -454,17 +455,17 @@ def plan_cut(cut: Cut, budget: int, full_peak: int, cap: int | None = None, smal
     """The cut's plan within ``budget`` bytes: chunk sizes for both per-example parts. ``smallest``: the
     smallest budget another schedule (recomputation alone) fits in, which an error names when less than the
     cut's. Raises :class:`OutOfMemoryError` saying the smallest budget that runs when none fits."""
-    usable = int(budget * (1 - SAFETY_MARGIN))
+    usable = margin.usable(budget)
     made_before, made_coupled = _results_bytes(cut)
     coupled_peak = peak_bytes(cut.coupled) + made_before
     try:
         if coupled_peak > usable:
             raise OutOfMemoryError("the coupled part does not fit")
         before = plan_chunks(cut.before, lambda: cut.before_split, cut.batch, budget, peak_bytes, cap=cap)
-        held = int((made_before + made_coupled) / (1 - SAFETY_MARGIN))
+        held = margin.covering(made_before + made_coupled)
         after = plan_chunks(cut.after, lambda: cut.after_split, cut.batch, max(budget - held, 0), peak_bytes, cap=cap)
     except OutOfMemoryError:
-        floor = int(cut_floor(cut) / (1 - SAFETY_MARGIN)) + 1
+        floor = margin.smallest_budget(cut_floor(cut))
         best = floor if smallest is None else min(floor, smallest)
         how = "cut where the examples meet, one example per chunk" if best == floor else "recomputing, unchunked"
         error = OutOfMemoryError(

@@ -43,7 +43,8 @@ from ..interpreters.flops import graph_flops
 from ..interpreters.memory import peak_bytes
 from ..ir import Graph, Literal, Var, op_name
 from ..transforms.schedule import writes
-from .chunks import SAFETY_MARGIN, Plan, chunked_peak, plan_chunks
+from . import budget as margin
+from .chunks import Plan, chunked_peak, plan_chunks
 from .cut import _draws, _phase_graph, _stand_in
 
 __all__ = ["Passes", "PassesPlan", "find_passes", "plan_passes", "run_passes"]
@@ -191,7 +192,7 @@ def plan_passes(passes: Passes, budget: int, full_peak: int, cap: int | None = N
             for k, g in enumerate(graphs)
         ]
     except OutOfMemoryError:
-        floor = int(passes_floor(passes) / (1 - SAFETY_MARGIN)) + 1
+        floor = margin.smallest_budget(passes_floor(passes))
         error = OutOfMemoryError(
             f"no schedule fits a budget of {format_bytes(budget)}: {passes.describe()} One example per chunk needs "
             f"{format_bytes(floor)}."

@@ -44,7 +44,8 @@ from ..ir import Graph, Var, op_name
 from ..parallel import data_parallel as distributed
 from ..transforms.batch_norm_sums import as_batch_sums
 from ..utils import caches, collector
-from .chunks import SAFETY_MARGIN, Plan, _base, chunked_peak, plan_chunks
+from . import budget as margin
+from .chunks import Plan, _base, chunked_peak, plan_chunks
 from .cut import Cut, cut_floor, find_cut, plan_cut
 from .multipass import Passes, PassesPlan, find_passes, passes_floor, plan_passes
 from .remat_frontier import chunk_frontier, frontier
@@ -117,7 +118,7 @@ class Planner:
 
     def _fits(self, budget: int) -> bool:
         """The whole graph runs at once within ``budget`` (its margin kept; no smaller chunk learned)."""
-        return self._full_peak <= budget * (1 - SAFETY_MARGIN) and self.cap is None
+        return margin.fits(self._full_peak, budget) and self.cap is None
 
     @collector.paused()  # the planner builds recomputing graphs and chunk graphs: many objects that all stay alive
     def _plan(self, budget: int) -> Plan:
@@ -128,7 +129,7 @@ class Planner:
         fits = self._fits(budget)
         # Chunked plans are kept per budget to about 0.4% (its top 9 bits); so is every plan on CUDA, where the
         # caching allocator's segments can make a whole batch that fits by its tensors not fit.
-        key = -1 if fits and not on_cuda(self.graph) else budget >> max(budget.bit_length() - 9, 0) << max(budget.bit_length() - 9, 0)
+        key = -1 if fits and not on_cuda(self.graph) else margin.bucket(budget)
         if key not in self.plans:
             try:
                 if self.remat and not fits and _owns_its_inputs(self.graph):
@@ -221,7 +222,7 @@ class Planner:
         the whole call would fit in."""
         if self.overlap is None and inputs is not None:
             self.see_inputs(inputs)
-        program_budget = max(budget - held - (self.calibration or 0), 0)
+        program_budget = max(margin.beside(budget, held, self.calibration), 0)
         if self.ceiling is not None:
             program_budget = min(program_budget, self.ceiling)
         called = self._called
@@ -253,10 +254,10 @@ class Planner:
         included) and the schedule it runs, planned here, so that the budget named is one that plans."""
         smallest = coupled.smallest_budget
         if smallest is None:  # no recomputation (remat=False): the whole batch at once is the only schedule
-            smallest = int(peak_bytes(self.graph) / (1 - SAFETY_MARGIN)) + 1 + held
+            smallest = margin.smallest_budget(peak_bytes(self.graph)) + held
         smallest = bytes_ceiling(smallest)
         try:
-            plan = self.plan(max(min(smallest - held - (self.calibration or 0), self.ceiling or smallest), 0))
+            plan = self.plan(max(min(margin.beside(smallest, held, self.calibration), self.ceiling or smallest), 0))
         except StagingError:
             how = ""
         else:
@@ -361,12 +362,11 @@ class Planner:
         ``budget`` less the ``held`` bytes the run keeps beside the program (for the reasons ``why``): chunks,
         and with ``remat`` recomputation where the smallest chunk does not fit (or it is cheaper). **Returns**
         the ``OutOfMemoryError`` that says none fits (every rank must learn it first)."""
-        budget = max(budget - held, 0)
+        budget = max(margin.beside(budget, held), 0)
         # Plans are kept per budget to about 0.4% (its top 9 bits), as plan() keeps them (a plan made for
         # a budget up to 0.4% larger is within this one's safety margin); an error only for its own budget:
         # the smallest budget it names may lie in the same 0.4%, and must plan.
-        shift = max(budget.bit_length() - 9, 0)
-        key = (examples, budget >> shift << shift)
+        key = (examples, margin.bucket(budget))
         plan = self.shard_plans.get((examples, budget, "error")) or self.shard_plans.get(key)
         if plan is None:
 
@@ -440,7 +440,7 @@ class Planner:
         if not self.remat:
             return False
         # A budget whose usable part (the plan's margin kept) ends a byte below the failed program's peak.
-        self.ceiling = int(max(*failed.peak_bytes, failed.phase_peak_bytes) / (1 - SAFETY_MARGIN)) - 1
+        self.ceiling = margin.budget_below(max(*failed.peak_bytes, failed.phase_peak_bytes))
         self.learn(1)
         self.plans.clear()
         self._forget()

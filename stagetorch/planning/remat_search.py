@@ -23,7 +23,8 @@ from ..errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError
 from ..interpreters.flops import graph_calls, graph_flops
 from ..ir import Graph, Var
 from ..transforms.remat import NOT_HELD
-from .chunks import SAFETY_MARGIN, Plan
+from . import budget as margin
+from .chunks import Plan
 from .remat_frontier import BIG, REPAIR_STARTS, frontier, repaired_to
 from .remat_simulator import Recompute, hoisted_of, live_at_peak, point, storage_bytes
 
@@ -106,7 +107,7 @@ def plan_joint(
     when none fits.
     """
     base_flops, base_calls, device = graph_flops(graph), graph_calls(graph), graph.device
-    usable = int(budget * (1 - SAFETY_MARGIN))
+    usable = margin.usable(budget)
     first_error: Exception | None = None
     points = frontier(graph) if points is None else points()
     # A graph that cannot be split (one example, or ops coupling the batch: found when the chunk planner
@@ -195,7 +196,7 @@ def plan_joint(
             pass
         else:
             return RematPlan(**attrs.asdict(plan, recurse=False), recompute=points[least], base_flops=base_flops)
-    smallest = int(floors[least] / (1 - SAFETY_MARGIN)) + 1
+    smallest = margin.smallest_budget(floors[least])
     error = type(first_error)(
         f"{first_error} Recomputing forward values in the backward does not fit either: the smallest budget any "
         f"schedule fits is {format_bytes(bytes_ceiling(smallest))} (recomputing {points[least].dropped} op(s))."

@@ -168,8 +168,8 @@ PACKAGE_LAYERS = {
         "__init__": 2,
     },
     "planning": {
-        "chunks": 0, "remat_simulator": 0, "cut": 1, "remat_frontier": 1, "remat_search": 2, "reserved": 1,
-        "multipass": 2, "planner": 3, "__init__": 4,
+        "budget": 0, "chunks": 1, "remat_simulator": 0, "cut": 2, "remat_frontier": 1, "remat_search": 2, "reserved": 2,
+        "multipass": 3, "planner": 4, "__init__": 5,
     },
     "parallel": {"data_parallel": 0, "__init__": 1},
     "runtime": {"executable": 0, "staged": 1, "__init__": 2},

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 import stagetorch
 from stagetorch.interpreters.memory import peak_bytes, timeline
+from stagetorch.planning.budget import SAFETY_MARGIN
 from stagetorch.planning.chunks import (
-    SAFETY_MARGIN,
     _chunk_peaks,
     _Memo,
     _phase_peak,

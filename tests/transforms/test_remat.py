@@ -29,7 +29,7 @@ from stagetorch.interpreters.flops import eqn_flops, graph_calls, graph_flops
 from stagetorch.interpreters.memory import peak_bytes
 from stagetorch.interpreters.shapes import check
 from stagetorch.ir import Eqn, GraphError, Var, op_name
-from stagetorch.planning.chunks import SAFETY_MARGIN
+from stagetorch.planning.budget import SAFETY_MARGIN
 from stagetorch.planning.remat_frontier import _dynamic_program, frontier
 from stagetorch.planning.remat_search import (
     RematPlan,
