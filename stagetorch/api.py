@@ -258,7 +258,7 @@ def _schedule(staged: Staged, args: tuple, kwargs: dict) -> Schedule:
     makes, what it recomputes, and the live bytes of the program one chunk runs."""
     entry, inputs, _ = staged._stage(args, kwargs)
     executable = entry.executable
-    _, plan = staged._step_plan(entry, inputs)
+    plan = staged._step_plan(entry, inputs)
     budget, held = plan.budget_bytes, plan.held_bytes
     recompute = plan.recompute if isinstance(plan, RematPlan) else None
     graph = executable.graph if recompute is None else recompute.graph

@@ -42,6 +42,9 @@ class Plan:
     # The old .grad the call drops before the program runs (``jit(donate_grads=True)``): neither held nor
     # counted, freed where eager's ``zero_grad()`` frees it.
     donated_bytes: int = 0
+    # The bytes the program was planned in: the call's budget less what it holds beside the program and what
+    # a CUDA run measured beyond its plans (:meth:`~stagetorch.planning.planner.Planner.plan_call` sets it).
+    program_budget_bytes: int | None = None
 
     @property
     def peak(self) -> int:

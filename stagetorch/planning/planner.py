@@ -211,13 +211,13 @@ class Planner:
 
     def plan_call(
         self, budget: int, held: int, why: list[str], inputs: Sequence | None = None, donated: int = 0
-    ) -> tuple[int, Plan]:
+    ) -> Plan:
         """A call's plan: the program planned in the call's ``budget`` less the ``held`` bytes the call holds
         beside it (for the reasons ``why``), which the plan's peak counts. ``inputs``: the call's real inputs
         (parallel to ``graph.invars``), whose shared storage the plan counts once (:meth:`see_inputs`, on the
         first call). ``donated``: bytes of the old ``.grad`` the call drops before the program runs
         (``jit(donate_grads=True)``), which the plan says it leaves out (``Plan.donated_bytes``). **Returns**
-        the program's budget and the plan, which the caller hands to
+        the plan (the program's budget on it: ``Plan.program_budget_bytes``), which the caller hands to
         :meth:`stagetorch.runtime.executable.Executable.run`; an error about the budget says what ``memory_budget``
         the whole call would fit in."""
         if self.overlap is None and inputs is not None:
@@ -229,14 +229,15 @@ class Planner:
         if budget == called[2] and held == called[1] and donated == called[3] and called[0] is not None:
             # The same call as the last (a step loop's flush, its budget read from the same free memory):
             # the same plan, while nothing that makes plans changed (see _forget, which those paths call).
-            return program_budget, called[4]
+            return called[4]
         try:
             plan = self.plan(program_budget)
             last, last_held, last_budget, last_donated, evolved = self._called
             if plan is not last or held != last_held or budget != last_budget or donated != last_donated:
-                evolved = attrs.evolve(plan, held_bytes=held, budget_bytes=budget, donated_bytes=donated)
+                evolved = attrs.evolve(plan, held_bytes=held, budget_bytes=budget, donated_bytes=donated,
+                                       program_budget_bytes=program_budget)
                 self._called = (plan, held, budget, donated, evolved)
-            return program_budget, evolved
+            return evolved
         except BatchStatisticsError as e:
             raise self._below_every_schedule(held_beside(e, held, why), budget, held, why) from None
         except StagingError as e:

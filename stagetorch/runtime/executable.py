@@ -255,7 +255,7 @@ class Executable:
             if not self.planner.shrink(plan):
                 break
             try:
-                plan = self.planner.plan_call(plan.budget_bytes, plan.held_bytes, [], donated=plan.donated_bytes)[1]
+                plan = self.planner.plan_call(plan.budget_bytes, plan.held_bytes, [], donated=plan.donated_bytes)
             except StagingError:  # no smaller plan fits (or the batch cannot be split)
                 break
             log.info("stagetorch: %s: out of memory (%d); trying %s", name, failures, plan)

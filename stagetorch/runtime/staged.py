@@ -313,7 +313,7 @@ class Staged:
             group.check(plan if isinstance(plan, OutOfMemoryError) else None, entry.executable.signature())
             return plan
         entry, inputs, _ = self._stage(args, kwargs)
-        return self._step_plan(entry, inputs)[1]
+        return self._step_plan(entry, inputs)
 
     def _budget(self, executable: Executable, inputs: list = ()) -> int:
         """The step's budget: its ``memory_budget``, else what the device has free; on CUDA no more than what
@@ -358,8 +358,8 @@ class Staged:
         why += [f"the .grad of {len(added)} parameter(s), which the step adds into"] if added else []
         return sum({**copies, **old, **added}.values()), why
 
-    def _step_plan(self, entry: _Entry, inputs: list) -> tuple[int, Plan]:
-        """The budget the program is planned in, and its plan: the step's budget less what the call holds
+    def _step_plan(self, entry: _Entry, inputs: list) -> Plan:
+        """The step's plan (the budget the program is planned in on it): the step's budget less what the call holds
         beside the program (:meth:`_held`), which the plan's peak counts. An error about the budget then
         says what ``memory_budget`` would fit (see :meth:`stagetorch.planning.planner.Planner.plan_call`)."""
         executable = entry.executable
@@ -372,7 +372,7 @@ class Staged:
             return self._call_sharded(args, kwargs)
         entry, inputs, _ = self._stage(args, kwargs)
         executable = entry.executable
-        plan = self._step_plan(entry, inputs)[1]
+        plan = self._step_plan(entry, inputs)
         if self.donate_grads:
             # The old .grad the step replaces without reading it, freed now, as eager frees it at zero_grad():
             # a failed step leaves it None (what it restores needs nothing from it; nor does a retry in
