@@ -22,10 +22,8 @@ from .interpreters.flops import graph_flops
 from .interpreters.memory import MemoryReport, Schedule, peak_bytes, timeline
 from .interpreters.memory import report as costing_report
 from .ir import Aval, Eqn, Graph, Var
+from .planning import plans
 from .planning.chunks import body_peaks
-from .planning.cut import CutPlan
-from .planning.multipass import PassesPlan
-from .planning.remat_search import RematPlan
 from .runtime.executable import Executable
 from .runtime.staged import Staged, _grad_storages, _map_batched
 from .staging.tracer import trace
@@ -260,19 +258,13 @@ def _schedule(staged: Staged, args: tuple, kwargs: dict) -> Schedule:
     executable = entry.executable
     plan = staged._step_plan(entry, inputs)
     budget, held = plan.budget_bytes, plan.held_bytes
-    recompute = plan.recompute if isinstance(plan, RematPlan) else None
+    recompute = plans.recompute_of(plan)
     graph = executable.graph if recompute is None else recompute.graph
-    if isinstance(plan, CutPlan):  # cut where the examples meet: the three programs one after another
-        cut = plan.cut
-        live = [*_live_totals(cut.before_split.body(max(plan.before_sizes)).first), *_live_totals(cut.coupled),
-                *_live_totals(cut.after_split.body(max(plan.chunk_sizes)).first)]
-        return Schedule(budget, plan.peak, plan.chunk_sizes, tuple(cut.recomputed), (), (), (), plan.extra_flops,
-                        graph_flops(graph), [held + b for b in live], (), str(plan))
-    if isinstance(plan, PassesPlan):  # (bnorm) BatchNorm's statistics summed over the chunks: pass after pass
-        sizes = max(plan.chunk_sizes)
-        live = [held + b for split in plan.passes.splits for b in _live_totals(split.body(sizes).first)]
-        return Schedule(budget, plan.peak, plan.chunk_sizes, (), (), (), (), plan.extra_flops, graph_flops(graph),
-                        live, (), str(plan))
+    phases = plans.phase_graphs(plan)
+    if phases is not None:  # cut where the examples meet, or (bnorm) in passes: their programs one after another
+        live = [held + b for g in phases for b in _live_totals(g)]
+        return Schedule(budget, plan.peak, plan.chunk_sizes, plans.recomputed_names(plan), (), (), (),
+                        plan.extra_flops, graph_flops(graph), live, (), str(plan))
     if plan.chunked:
         split = executable.split() if recompute is None else executable.planner.recomputing(graph).split()
         body = split.body(max(plan.chunk_sizes)).rest

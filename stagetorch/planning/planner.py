@@ -45,6 +45,7 @@ from ..parallel import data_parallel as distributed
 from ..transforms.batch_norm_sums import as_batch_sums
 from ..utils import caches, collector
 from . import budget as margin
+from . import plans
 from .chunks import Plan, _base, chunked_peak, plan_chunks
 from .cut import Cut, cut_floor, find_cut, plan_cut
 from .multipass import Passes, PassesPlan, find_passes, passes_floor, plan_passes
@@ -262,7 +263,7 @@ class Planner:
         except StagingError:
             how = ""
         else:
-            how = f", {_schedule_of(plan)}"
+            how = f", {plans.schedule_of(plan)}"
         if held:
             how += f" (with the {format_bytes(held)} this call holds beside the program: {'; '.join(why)})"
         first = str(coupled).split("\n", 1)[0]
@@ -531,17 +532,6 @@ def _statistics_schedule(passes: Passes | bool | None) -> str:
         return (f"so the batch runs in chunks only in {len(passes.splits)} passes over them, one per level of "
                 "those statistics, forward and backward")
     return "so the batch can be neither run in chunks nor cut where its examples meet"
-
-
-def _schedule_of(plan: Plan) -> str:
-    """How ``plan`` runs the step, as an error names it: in passes, recomputing, chunked, or the whole batch."""
-    if isinstance(plan, PassesPlan):
-        return f"in {len(plan.passes.splits)} passes over chunks of {max(plan.chunk_sizes)} example(s)"
-    recompute = getattr(plan, "recompute", None)
-    chunks = f"in {len(plan.chunk_sizes)} chunks" if plan.chunked else "the whole batch at once"
-    if recompute is None:
-        return chunks
-    return f"with recomputation ({recompute.dropped} op(s) recomputed in the backward, {chunks})"
 
 
 def _graph_leaves(inputs: Sequence) -> list[torch.Tensor]:

@@ -20,9 +20,9 @@ from ..interpreters.batching import Batched
 from ..interpreters.eager import _dense, accumulate_grad, install_grads
 from ..ir import Graph
 from ..parallel import data_parallel as distributed
+from ..planning import plans
 from ..planning.chunks import Plan
 from ..planning.planner import COPIES
-from ..planning.remat_search import RematPlan
 from ..staging.guards import MAX_OUTCOMES, Outcomes, StateWalk, flatten_args
 from ..staging.tracer import State, Traced, arg_names, discover, held_values, leaf_names, trace
 from ..utils import caches
@@ -444,7 +444,7 @@ class Staged:
             )
         executable = entry.executable
         group.check(plan if isinstance(plan, OutOfMemoryError) else None, executable.signature())
-        if plan.chunked or isinstance(plan, RematPlan):
+        if plans.worth_a_log_line(plan):
             log.info("stagetorch: %s (rank %d): %s", getattr(self.fn, "__name__", "step"), group.rank, plan)
         outs, grads = executable.run_shard(inputs, plan, offset, group, on_chunk=self._progress(plan))
         for i, g in grads:

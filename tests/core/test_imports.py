@@ -169,7 +169,7 @@ PACKAGE_LAYERS = {
     },
     "planning": {
         "budget": 0, "chunks": 1, "remat_simulator": 0, "cut": 2, "remat_frontier": 1, "remat_search": 2, "reserved": 2,
-        "multipass": 3, "planner": 4, "__init__": 5,
+        "multipass": 3, "plans": 4, "planner": 5, "__init__": 6,
     },
     "parallel": {"data_parallel": 0, "__init__": 1},
     "runtime": {"executable": 0, "staged": 1, "__init__": 2},
