@@ -180,8 +180,7 @@ class Planner:
                 self._cut = why
         if isinstance(self._cut, StagingError):
             error = type(coupled)(f"{coupled}\nIt cannot be cut where its examples meet either: {self._cut}")
-            error.__dict__.update(coupled.__dict__)  # the smallest budget recomputation alone names
-            raise error from None
+            raise error.copy_from(coupled) from None  # with the smallest budget recomputation alone names
         return self._cut or None
 
     # (bnorm, issue 38 item 3) BatchNorm in training in passes over the chunks.
@@ -205,10 +204,8 @@ class Planner:
         try:
             return plan_passes(passes, budget, self._full_peak, self.cap)
         except OutOfMemoryError as below:
-            error = BatchStatisticsError(*coupled.args)
-            error.__dict__.update(coupled.__dict__)
-            error.smallest_budget = min(below.smallest_budget, coupled.smallest_budget or below.smallest_budget)
-            raise error from None
+            smallest = min(below.smallest_budget, coupled.smallest_budget or below.smallest_budget)
+            raise BatchStatisticsError(*coupled.args).copy_from(coupled, smallest_budget=smallest) from None
 
     def plan_call(
         self, budget: int, held: int, why: list[str], inputs: Sequence | None = None, donated: int = 0
@@ -276,9 +273,7 @@ class Planner:
             "the BatchNorm layers in eval mode (model.eval()), or use GroupNorm or LayerNorm, which run in exact "
             "chunks at any budget."
         )
-        error.__dict__.update(coupled.__dict__)
-        error.smallest_budget = smallest
-        return error
+        return error.copy_from(coupled, smallest_budget=smallest)
 
     def frontier(self) -> list[Recompute]:
         """The recompute sets the joint planner chooses among (see :func:`stagetorch.planning.remat_frontier.frontier`)."""
@@ -521,9 +516,8 @@ def held_beside(error: StagingError, held: int, why: list[str]) -> StagingError:
         f"budgets above leave out: the smallest memory_budget this call fits in is "
         f"{format_bytes(bytes_ceiling(error.smallest_budget + held))}."
     )
-    wider.__dict__.update(error.__dict__)  # what else the error says (a chunk-local result: see chunking)
-    wider.smallest_budget = error.smallest_budget + held
-    return wider
+    # What else the error says (a chunk-local result: see chunking), its smallest budget with what is held.
+    return wider.copy_from(error, smallest_budget=error.smallest_budget + held)
 
 
 def _statistics_schedule(passes: Passes | bool | None) -> str:

@@ -203,9 +203,7 @@ def plan_joint(
     )
     # What callers read off the planner's error carries over (``chunk_local_result``: one-line mode then
     # computes only what a mid-step read needs, as it does without recomputation).
-    error.__dict__.update(vars(first_error))
-    error.smallest_budget = smallest
-    raise error from first_error
+    raise error.copy_from(first_error, smallest_budget=smallest) from first_error
 
 
 # How many kept candidates the descent below the frontier drops, at most (one per step; each step simulates
