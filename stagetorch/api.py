@@ -25,7 +25,7 @@ from .ir import Aval, Eqn, Graph, Var
 from .planning import plans
 from .planning.chunks import body_peaks
 from .runtime.executable import Executable
-from .runtime.staged import Staged, _grad_storages, _map_batched
+from .runtime.staged import Staged, grad_storages, map_batched
 from .staging.tracer import trace
 from .transforms.remat import RECOMPUTED, recomputed_eqns
 from .utils import caches
@@ -184,7 +184,7 @@ def memory(
         dropped = [i for i in staged._donated(entry) if inputs[i].grad is not None]
         donated_note = (
             f"The call drops the old .grad of {len(dropped)} parameter(s) "
-            f"({format_bytes(sum(_grad_storages(inputs, dropped).values()))}), which the step replaces or clears "
+            f"({format_bytes(sum(grad_storages(inputs, dropped).values()))}), which the step replaces or clears "
             "without reading it, before its program runs (donate_grads=True): they are not counted." if dropped else ""
         )
 
@@ -307,7 +307,7 @@ def _staged_at(staged: Staged, args: tuple, kwargs: dict, b: int) -> Graph:
             return x.narrow(dim, 0, b)
         return x.repeat_interleave(-(-b // batch), dim=dim).narrow(dim, 0, b)
 
-    new_args, new_kwargs = _map_batched(staged, args, kwargs, resize)
+    new_args, new_kwargs = map_batched(staged, args, kwargs, resize)
     graph = staged.graph(*new_args, **new_kwargs)
     # A slice is a view of the whole batch; cost it as the batch of that size it stands for.
     for v, role in zip(graph.invars, graph.roles):

@@ -20,7 +20,7 @@ from ..ir import Graph, Var
 from ..utils import collector
 from . import budget as margin
 
-__all__ = ["Plan", "plan_chunks", "chunked_peak", "body_peaks"]
+__all__ = ["Plan", "plan_chunks", "chunked_peak", "body_peaks", "bytes_of", "base_bytes"]
 
 
 @attrs.frozen
@@ -68,7 +68,7 @@ class Plan:
         )
 
 
-def _bytes(vars: list[Var]) -> int:
+def bytes_of(vars: list[Var]) -> int:
     """Bytes of the storages ``vars`` live in, each counted once."""
     seen: set[Var] = set()
     total = 0
@@ -80,9 +80,9 @@ def _bytes(vars: list[Var]) -> int:
     return total
 
 
-def _base(split: Split) -> int:
+def base_bytes(split: Split) -> int:
     """Bytes held for the whole chunked run: every graph input and what the shared phase hands on."""
-    return _bytes([*split.graph.invars, *split.shared.outvars]) - split.input_overlap
+    return bytes_of([*split.graph.invars, *split.shared.outvars]) - split.input_overlap
 
 
 def _batch_wide(split: Split, through: str = "body") -> int:
@@ -95,7 +95,7 @@ def _batch_wide(split: Split, through: str = "body") -> int:
         held += split.reduced_for_globals
         if split.global_post.eqns:
             held += [v for v in split.global_post.outvars if isinstance(v, Var)]
-    return _bytes(held)
+    return bytes_of(held)
 
 
 def _own_peak(graph: Graph, cost: Callable[[Graph], int]) -> int:
@@ -118,7 +118,7 @@ def _parts(body: BodyGraph, cost: Callable[[Graph], int]) -> tuple[int, int, int
 
 def _peaks(split: Split, parts: tuple[int, int, int, int]) -> tuple[int, int]:
     first, rest, cat, acc = parts
-    base = _base(split)
+    base = base_bytes(split)
     return base + cat + first, base + cat + acc + rest
 
 
@@ -271,9 +271,9 @@ class _Sizes:
         """Peak of the phases that run once: the shared phase before the chunks, the post phase after them
         (with the accumulators and full results held)."""
         split, cost = self.split, self.cost
-        base = _base(split)
+        base = base_bytes(split)
         cat, acc = self.parts("body", n)[2:]
-        post = cost(split.post) - _bytes(split.post.invars) if split.post.eqns else 0
+        post = cost(split.post) - bytes_of(split.post.invars) if split.post.eqns else 0
         return max(cost(split.shared) - split.input_overlap, base + _batch_wide(split) + cat + acc + max(post, 0))
 
     def chunked_peak(self, n: int) -> int:
@@ -369,8 +369,8 @@ def _too_big(graph: Graph, split: Split, budget: int, cost: Callable[[Graph], in
     first, rest = _chunk_peaks(split, 1, cost)
     phases = _phase_peak(split, 1, cost)
     roles = dict(zip(graph.invars, graph.roles or ["arg"] * len(graph.invars)))
-    params = _bytes([v for v in graph.invars if roles[v] in ("param", "buffer")])
-    inputs = _base(split) - params
+    params = bytes_of([v for v in graph.invars if roles[v] in ("param", "buffer")])
+    inputs = base_bytes(split) - params
     cat, acc = body.held_bytes
     t = timeline(body.rest)
     partial_roots = {x.root for x in body.partials}

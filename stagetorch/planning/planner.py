@@ -46,7 +46,7 @@ from ..transforms.batch_norm_sums import as_batch_sums
 from ..utils import caches, collector
 from . import budget as margin
 from . import plans
-from .chunks import Plan, _base, chunked_peak, plan_chunks
+from .chunks import Plan, base_bytes, chunked_peak, plan_chunks
 from .cut import Cut, cut_floor, find_cut, plan_cut
 from .multipass import Passes, PassesPlan, find_passes, passes_floor, plan_passes
 from .remat_frontier import chunk_frontier, frontier
@@ -293,7 +293,7 @@ class Planner:
             # As planning._peaks: what the run holds for every chunk, beside the chunk's own peak; a later
             # chunk holds the accumulators too, beside an own peak no larger than the first chunk's (which
             # makes the partials that a later one adds into them).
-            beside = _base(split) + body.held_bytes[0] - sum(v.aval.nbytes for v in body.first.invars)
+            beside = base_bytes(split) + body.held_bytes[0] - sum(v.aval.nbytes for v in body.first.invars)
             acc = body.held_bytes[1]
             if n not in self._chunk_frontiers:
                 self._chunk_frontiers[n] = frontier(body.first)

@@ -28,7 +28,7 @@ from ..staging.tracer import State, Traced, arg_names, discover, held_values, le
 from ..utils import caches
 from .executable import Executable
 
-__all__ = ["Staged"]
+__all__ = ["Staged", "grad_storages", "map_batched"]
 
 log = logging.getLogger("stagetorch")
 
@@ -52,7 +52,7 @@ def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
     return t.grad if t.grad is not None else torch.zeros_like(t)
 
 
-def _grad_storages(inputs: list, positions: Sequence[int]) -> dict[int, int]:
+def grad_storages(inputs: list, positions: Sequence[int]) -> dict[int, int]:
     """The bytes of the ``.grad`` storages of ``inputs`` at ``positions``, by storage (each counted once)."""
     out = {}
     for i in positions:
@@ -190,7 +190,7 @@ class Staged:
             traced_args, traced_kwargs = args, kwargs
             if global_batch is not None:
                 batch = global_batch
-                traced_args, traced_kwargs = _map_batched(
+                traced_args, traced_kwargs = map_batched(
                     self, args, kwargs, lambda x, dim: distributed.global_aval(x, dim, global_batch)
                 )
             restore = state.snapshot()
@@ -348,11 +348,11 @@ class Staged:
         if self.donate_grads:
             dropped = set(self._donated(entry))
             replaced = tuple(i for i in replaced if i not in dropped)
-        old = _grad_storages(inputs, replaced)
+        old = grad_storages(inputs, replaced)
         if entry.added is None:
             fed = {*traced.grad_params, *traced.assign_grads, *traced.clear_grads}
             entry.added = [i for i, _ in executable.graph.grads if i not in fed]
-        added = _grad_storages(inputs, entry.added)
+        added = grad_storages(inputs, entry.added)
         why = [COPIES.format(len(copies))] if copies else []
         why += [f"the old .grad of {len(old)} parameter(s), which the step replaces"] if old else []
         why += [f"the .grad of {len(added)} parameter(s), which the step adds into"] if added else []
@@ -364,7 +364,7 @@ class Staged:
         says what ``memory_budget`` would fit (see :meth:`stagetorch.planning.planner.Planner.plan_call`)."""
         executable = entry.executable
         held, why = self._held(entry, inputs)
-        donated = sum(_grad_storages(inputs, self._donated(entry)).values()) if self.donate_grads else 0
+        donated = sum(grad_storages(inputs, self._donated(entry)).values()) if self.donate_grads else 0
         return executable.planner.plan_call(self._budget(executable, inputs), held, why, inputs, donated)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -404,7 +404,7 @@ class Staged:
         # The program is the global batch's, staged on stand-ins laid out as the shard (dense, in the order
         # of its strides: channels-last stays channels-last, with no copy); the shard runs on what it cuts.
         # A shard with gaps or overlaps (a strided view) runs on a contiguous copy, as the stand-in is.
-        args, kwargs = _map_batched(self, args, kwargs, lambda x, dim: x if _dense(x) else x.contiguous())
+        args, kwargs = map_batched(self, args, kwargs, lambda x, dim: x if _dense(x) else x.contiguous())
         entry, inputs, _ = self._stage(args, kwargs, global_batch=sum(sizes))
         plan = entry.executable.shard_plan(local, self._budget(entry.executable, inputs))
         return entry, inputs, plan, sum(sizes[: group.rank])
@@ -470,7 +470,7 @@ _STAGED: weakref.WeakSet[Staged] = weakref.WeakSet()
 caches.on_clear(lambda: [s._cache.clear() for s in list(_STAGED)])
 
 
-def _map_batched(staged: Any, args: tuple, kwargs: dict, f: Callable[[torch.Tensor, int], Any]) -> tuple[tuple, dict]:
+def map_batched(staged: Any, args: tuple, kwargs: dict, f: Callable[[torch.Tensor, int], Any]) -> tuple[tuple, dict]:
     """The arguments with every batched tensor ``x`` replaced by ``f(x, its batch dim)``."""
     leaves_info, _ = staged._batch_leaves(args, kwargs, allow_empty=True)
     it = iter(leaves_info)
