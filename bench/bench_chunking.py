@@ -23,7 +23,8 @@ import torch
 import stagetorch
 from stagetorch.interpreters.chunked import run_chunked
 from stagetorch.interpreters.memory import peak_bytes as cost
-from stagetorch.planning.chunks import SAFETY_MARGIN, _chunk_peaks
+from stagetorch.planning.budget import SAFETY_MARGIN
+from stagetorch.planning.chunks import _chunk_peaks
 
 BATCH = 256
 FRACTIONS = (0.35, 0.5, 0.7)

@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 import stagetorch
 from stagetorch.interpreters.flops import eqn_flops, graph_flops
 from stagetorch.interpreters.memory import peak_bytes
-from stagetorch.planning.chunks import SAFETY_MARGIN
+from stagetorch.planning.budget import SAFETY_MARGIN
 from stagetorch.planning.remat_search import RematPlan, frontier, predicted_cost
 
 MiB = 2**20

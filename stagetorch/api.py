@@ -22,12 +22,10 @@ from .interpreters.flops import graph_flops
 from .interpreters.memory import MemoryReport, Schedule, peak_bytes, timeline
 from .interpreters.memory import report as costing_report
 from .ir import Aval, Eqn, Graph, Var
+from .planning import plans
 from .planning.chunks import body_peaks
-from .planning.cut import CutPlan
-from .planning.multipass import PassesPlan
-from .planning.remat_search import RematPlan
 from .runtime.executable import Executable
-from .runtime.staged import Staged, _grad_storages, _map_batched
+from .runtime.staged import Staged, grad_storages, map_batched
 from .staging.tracer import trace
 from .transforms.remat import RECOMPUTED, recomputed_eqns
 from .utils import caches
@@ -186,7 +184,7 @@ def memory(
         dropped = [i for i in staged._donated(entry) if inputs[i].grad is not None]
         donated_note = (
             f"The call drops the old .grad of {len(dropped)} parameter(s) "
-            f"({format_bytes(sum(_grad_storages(inputs, dropped).values()))}), which the step replaces or clears "
+            f"({format_bytes(sum(grad_storages(inputs, dropped).values()))}), which the step replaces or clears "
             "without reading it, before its program runs (donate_grads=True): they are not counted." if dropped else ""
         )
 
@@ -258,21 +256,15 @@ def _schedule(staged: Staged, args: tuple, kwargs: dict) -> Schedule:
     makes, what it recomputes, and the live bytes of the program one chunk runs."""
     entry, inputs, _ = staged._stage(args, kwargs)
     executable = entry.executable
-    _, plan = staged._step_plan(entry, inputs)
+    plan = staged._step_plan(entry, inputs)
     budget, held = plan.budget_bytes, plan.held_bytes
-    recompute = plan.recompute if isinstance(plan, RematPlan) else None
+    recompute = plans.recompute_of(plan)
     graph = executable.graph if recompute is None else recompute.graph
-    if isinstance(plan, CutPlan):  # cut where the examples meet: the three programs one after another
-        cut = plan.cut
-        live = [*_live_totals(cut.before_split.body(max(plan.before_sizes)).first), *_live_totals(cut.coupled),
-                *_live_totals(cut.after_split.body(max(plan.chunk_sizes)).first)]
-        return Schedule(budget, plan.peak, plan.chunk_sizes, tuple(cut.recomputed), (), (), (), plan.extra_flops,
-                        graph_flops(graph), [held + b for b in live], (), str(plan))
-    if isinstance(plan, PassesPlan):  # (bnorm) BatchNorm's statistics summed over the chunks: pass after pass
-        sizes = max(plan.chunk_sizes)
-        live = [held + b for split in plan.passes.splits for b in _live_totals(split.body(sizes).first)]
-        return Schedule(budget, plan.peak, plan.chunk_sizes, (), (), (), (), plan.extra_flops, graph_flops(graph),
-                        live, (), str(plan))
+    phases = plans.phase_graphs(plan)
+    if phases is not None:  # cut where the examples meet, or (bnorm) in passes: their programs one after another
+        live = [held + b for g in phases for b in _live_totals(g)]
+        return Schedule(budget, plan.peak, plan.chunk_sizes, plans.recomputed_names(plan), (), (), (),
+                        plan.extra_flops, graph_flops(graph), live, (), str(plan))
     if plan.chunked:
         split = executable.split() if recompute is None else executable.planner.recomputing(graph).split()
         body = split.body(max(plan.chunk_sizes)).rest
@@ -315,7 +307,7 @@ def _staged_at(staged: Staged, args: tuple, kwargs: dict, b: int) -> Graph:
             return x.narrow(dim, 0, b)
         return x.repeat_interleave(-(-b // batch), dim=dim).narrow(dim, 0, b)
 
-    new_args, new_kwargs = _map_batched(staged, args, kwargs, resize)
+    new_args, new_kwargs = map_batched(staged, args, kwargs, resize)
     graph = staged.graph(*new_args, **new_kwargs)
     # A slice is a view of the whole batch; cost it as the batch of that size it stands for.
     for v, role in zip(graph.invars, graph.roles):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 __all__ = [
     "StagingError",
     "ShapeError",
@@ -14,6 +16,8 @@ __all__ = [
     "RankMismatchError",
 ]
 
+_E = TypeVar("_E", bound="StagingError")
+
 
 class StagingError(Exception):
     """Base class of every error stagetorch raises on purpose.
@@ -23,6 +27,14 @@ class StagingError(Exception):
     """
 
     smallest_budget: int | None = None
+
+    def copy_from(self: _E, other: BaseException, **changes: Any) -> _E:
+        """This error (one rebuilt from ``other`` with a longer message) saying all that ``other`` says beside
+        its message (its attributes: ``smallest_budget``, ``source``, a chunk-local result), then ``changes``
+        (``smallest_budget=``, say). **Returns** this error, to raise."""
+        self.__dict__.update(vars(other))
+        self.__dict__.update(changes)
+        return self
 
 
 class ShapeError(StagingError, ValueError):

@@ -82,7 +82,7 @@ class BodyGraph:
     # kept as they are (those in storage of their own).
     held_bytes: tuple[int, int] = (0, 0)
     # Per original var the chunk's equations make or read, the chunk's var that stands for it (the joint
-    # planner costs recompute sets on the chunk's graph: stagetorch.planning.remat_search.chunk_frontier).
+    # planner costs recompute sets on the chunk's graph: stagetorch.planning.remat_frontier.chunk_frontier).
     vars: dict[Var, Var] = attrs.field(factory=dict)
     _programs: dict[bool, Program] = attrs.field(factory=dict)
 

@@ -21,6 +21,7 @@ from ..errors import BatchCouplingError, ConcretizationError, ModifiedInputError
 from ..interpreters.batching import Batched
 from ..interpreters.flops import graph_flops
 from ..ir import Eqn, Graph, Var, op_name
+from ..planning import budget as margin
 from ..runtime.executable import Executable
 from ..runtime.grads import accumulate_grad
 from ..staging.recorder import Recorder
@@ -317,8 +318,7 @@ class _Session(BackwardSkip):
         mid-step write of every step cost more than the peek (two writes of a 2-layer Mixtral's router loss,
         ~12 ms each, where its peeks take ~1 ms). Either answer gives the same values: peeking is exact too."""
         budget = max(free_memory(device, self.memory_budget) - executable.restore_bytes, 0)
-        shift = max(budget.bit_length() - 9, 0)
-        key = ("peeks", id(executable), budget >> shift << shift)  # (flushes holds the executable too)
+        key = ("peeks", id(executable), margin.bucket(budget))  # (flushes holds the executable too)
         flushes = self.recording.flushes
         answer = flushes.get(key)
         if answer is None:
@@ -381,7 +381,7 @@ class _Session(BackwardSkip):
             self._check_versions(invars)
         budget = free_memory(device, self.memory_budget, executable.resident_bytes(inputs))
         try:
-            plan = executable.planner.plan_call(budget, *executable.restoring, inputs)[1]
+            plan = executable.planner.plan_call(budget, *executable.restoring, inputs)
         except StagingError:
             if not span.extra:
                 raise
@@ -445,14 +445,14 @@ class _Session(BackwardSkip):
         try:
             with_states = [*inputs, *(state for _, state in states)]
             held, why = drawing.restoring
-            plan = drawing.planner.plan_call(budget, held + set_back, [*why, _SET_BACK], with_states)[1]
+            plan = drawing.planner.plan_call(budget, held + set_back, [*why, _SET_BACK], with_states)
             if len(plan.chunk_sizes) == 1:
                 return drawing.run(with_states, plan, name="lazy")[0], drawing, ("made", id(drawing))
             executable = built[0]
             for d in found:
                 rng.set_generator_state(d, next(state for device, state in states if device == d))
             held, why = built[6]
-            plan = executable.planner.plan_call(budget, held + set_back + saved, [*why, _SET_BACK, _SAVED], inputs)[1]
+            plan = executable.planner.plan_call(budget, held + set_back + saved, [*why, _SET_BACK, _SAVED], inputs)
             return executable.run(inputs, plan, name="lazy")[0], executable, built[8]
         finally:
             for d, state in found.items():
@@ -627,7 +627,7 @@ class _Session(BackwardSkip):
                     if drawn:
                         results, executable, made_key = self._run_drawn(built, span, end, sorted(drawn), inputs, budget)
                     else:
-                        plan = executable.planner.plan_call(budget, held[0], held[1], inputs)[1]
+                        plan = executable.planner.plan_call(budget, held[0], held[1], inputs)
                         results, _ = executable.run(inputs, plan, name="lazy")
                 except StagingError as e:
                     if getattr(e, "chunk_local_result", False):

@@ -26,8 +26,8 @@ from ..errors import OutOfMemoryError, UnsupportedOpError
 from ..interpreters.batching import Batched
 from ..ir import Var
 from ..parallel.data_parallel import ShardGroup, Signature
+from ..planning import plans
 from ..planning.chunks import Plan
-from ..planning.remat_search import RematPlan
 from ..runtime.executable import Executable
 from ..staging.source import user_frame
 
@@ -92,7 +92,7 @@ def run(shard: LazyShard, executable: Executable, inputs: list, budget: int) -> 
     plan = executable.shard_plan(shard.local, budget)
     shard.group.check(plan if isinstance(plan, OutOfMemoryError) else None, executable.signature())
     assert isinstance(plan, Plan)
-    if plan.chunked or isinstance(plan, RematPlan):
+    if plans.worth_a_log_line(plan):
         log.info("stagetorch: lazy (rank %d): %s", shard.group.rank, plan)
     outs = executable.run_shard(inputs, plan, shard.offset, shard.group)[0]
     analysis = executable.split().analysis

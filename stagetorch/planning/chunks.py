@@ -18,11 +18,9 @@ from ..interpreters.chunked import BodyGraph, Split, even_chunks
 from ..interpreters.memory import Lifetimes, peak_bytes, timeline
 from ..ir import Graph, Var
 from ..utils import collector
+from . import budget as margin
 
-__all__ = ["Plan", "plan_chunks", "chunked_peak", "body_peaks", "SAFETY_MARGIN"]
-
-# Fraction of the budget the plan leaves unused: the allocator's rounding and fragmentation live there.
-SAFETY_MARGIN = 0.10
+__all__ = ["Plan", "plan_chunks", "chunked_peak", "body_peaks", "bytes_of", "base_bytes"]
 
 
 @attrs.frozen
@@ -44,6 +42,9 @@ class Plan:
     # The old .grad the call drops before the program runs (``jit(donate_grads=True)``): neither held nor
     # counted, freed where eager's ``zero_grad()`` frees it.
     donated_bytes: int = 0
+    # The bytes the program was planned in: the call's budget less what it holds beside the program and what
+    # a CUDA run measured beyond its plans (:meth:`~stagetorch.planning.planner.Planner.plan_call` sets it).
+    program_budget_bytes: int | None = None
 
     @property
     def peak(self) -> int:
@@ -67,7 +68,7 @@ class Plan:
         )
 
 
-def _bytes(vars: list[Var]) -> int:
+def bytes_of(vars: list[Var]) -> int:
     """Bytes of the storages ``vars`` live in, each counted once."""
     seen: set[Var] = set()
     total = 0
@@ -79,9 +80,9 @@ def _bytes(vars: list[Var]) -> int:
     return total
 
 
-def _base(split: Split) -> int:
+def base_bytes(split: Split) -> int:
     """Bytes held for the whole chunked run: every graph input and what the shared phase hands on."""
-    return _bytes([*split.graph.invars, *split.shared.outvars]) - split.input_overlap
+    return bytes_of([*split.graph.invars, *split.shared.outvars]) - split.input_overlap
 
 
 def _batch_wide(split: Split, through: str = "body") -> int:
@@ -94,7 +95,7 @@ def _batch_wide(split: Split, through: str = "body") -> int:
         held += split.reduced_for_globals
         if split.global_post.eqns:
             held += [v for v in split.global_post.outvars if isinstance(v, Var)]
-    return _bytes(held)
+    return bytes_of(held)
 
 
 def _own_peak(graph: Graph, cost: Callable[[Graph], int]) -> int:
@@ -117,7 +118,7 @@ def _parts(body: BodyGraph, cost: Callable[[Graph], int]) -> tuple[int, int, int
 
 def _peaks(split: Split, parts: tuple[int, int, int, int]) -> tuple[int, int]:
     first, rest, cat, acc = parts
-    base = _base(split)
+    base = base_bytes(split)
     return base + cat + first, base + cat + acc + rest
 
 
@@ -270,9 +271,9 @@ class _Sizes:
         """Peak of the phases that run once: the shared phase before the chunks, the post phase after them
         (with the accumulators and full results held)."""
         split, cost = self.split, self.cost
-        base = _base(split)
+        base = base_bytes(split)
         cat, acc = self.parts("body", n)[2:]
-        post = cost(split.post) - _bytes(split.post.invars) if split.post.eqns else 0
+        post = cost(split.post) - bytes_of(split.post.invars) if split.post.eqns else 0
         return max(cost(split.shared) - split.input_overlap, base + _batch_wide(split) + cat + acc + max(post, 0))
 
     def chunked_peak(self, n: int) -> int:
@@ -297,7 +298,7 @@ def plan_chunks(
     ``cap``: the largest chunk to plan (a larger one ran out of memory before); the whole batch is then
     split even when the estimate says it fits.
     """
-    usable = int(budget * (1 - SAFETY_MARGIN))
+    usable = margin.usable(budget)
     cost = _Memo(cost)
     full = cost(graph) if full is None else full
     if (full <= usable and (cap is None or cap >= batch)) or batch == 1:
@@ -350,10 +351,10 @@ def _not_even_one(needs: int, budget: int, subject: str, detail: str) -> OutOfMe
     ``budget``; ``detail`` follows (what the bytes are, or why nothing smaller runs)."""
     error = OutOfMemoryError(
         f"not even one example fits: {subject} needs {format_bytes(needs)} against a budget of {format_bytes(budget)} "
-        f"(less a {SAFETY_MARGIN:.0%} margin){detail}. What to do: raise memory_budget, use a smaller model or lower "
+        f"(less a {margin.margin_words()} margin){detail}. What to do: raise memory_budget, use a smaller model or lower "
         "precision, or move the batch off the device."
     )
-    error.smallest_budget = int(needs / (1 - SAFETY_MARGIN)) + 1
+    error.smallest_budget = margin.smallest_budget(needs)
     return error
 
 
@@ -368,8 +369,8 @@ def _too_big(graph: Graph, split: Split, budget: int, cost: Callable[[Graph], in
     first, rest = _chunk_peaks(split, 1, cost)
     phases = _phase_peak(split, 1, cost)
     roles = dict(zip(graph.invars, graph.roles or ["arg"] * len(graph.invars)))
-    params = _bytes([v for v in graph.invars if roles[v] in ("param", "buffer")])
-    inputs = _base(split) - params
+    params = bytes_of([v for v in graph.invars if roles[v] in ("param", "buffer")])
+    inputs = base_bytes(split) - params
     cat, acc = body.held_bytes
     t = timeline(body.rest)
     partial_roots = {x.root for x in body.partials}

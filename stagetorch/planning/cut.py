@@ -47,9 +47,10 @@ from ..interpreters.undo import Undo
 from ..ir import Eqn, Graph, Literal, Var, op_name
 from ..transforms.schedule import is_random, writes
 from ..utils.tree import map_leaves
-from .chunks import SAFETY_MARGIN, Plan, _bytes, chunked_peak, plan_chunks
+from . import budget as margin
+from .chunks import Plan, bytes_of, chunked_peak, plan_chunks
 
-__all__ = ["Cut", "CutPlan", "find_cut", "plan_cut", "run_cut"]
+__all__ = ["Cut", "CutPlan", "find_cut", "plan_cut", "run_cut", "draws_random", "phase_graph", "stand_in_for"]
 
 # The phase of an equation: what it reads decides it (see the module docstring).
 SHARED, BEFORE, COUPLED, AFTER = "shared", "before", "coupled", "after"
@@ -130,7 +131,7 @@ class Kept:
 
     def saved_bytes(self, n: int) -> int:
         """Bytes of the saved values for ``n`` examples (each storage once; per-example, so linear in ``n``)."""
-        return -(-_bytes(self.saved) * n // self.batch)
+        return -(-bytes_of(self.saved) * n // self.batch)
 
 
 def _needs_rows(v: Var, batch: int) -> int | None | bool:
@@ -248,7 +249,7 @@ def _refuse(e: Eqn, why: str, fix: str) -> BatchCouplingError:
     )
 
 
-def _phase_graph(
+def phase_graph(
     graph: Graph, take: set[int], carried: dict[Var, Var], outs: list[Var], roles: list[str]
 ) -> tuple[Graph, list[int]]:
     """The equations ``take`` and the ancestors they need (not ``carried``: those are inputs), as a Graph over
@@ -288,7 +289,7 @@ def _phase_graph(
     return Graph(invars, new_eqns, [sub.get(v, v) for v in outs], roles=roles), order
 
 
-def _stand_in(v: Var) -> Var:
+def stand_in_for(v: Var) -> Var:
     """A phase's input for a value an earlier phase made: the whole batch's tensor, contiguous (the chunked
     executor concatenates the chunks' rows into a new tensor)."""
     return Var(v.aval)
@@ -328,17 +329,17 @@ def find_cut(graph: Graph, batched: dict[Var, Batched], batch: int) -> Cut | Non
         v for v in finals if (made_by(v, COUPLED) or made_by(v, SHARED)) and v not in reentry
     )
     after_outs = _unique(v for v in finals if made_by(v, AFTER))
-    before, _ = _phase_graph(graph, set(), {}, before_outs, roles)
-    kept = {v: _stand_in(v) for v in cut_values}
-    coupled, ran_coupled = _phase_graph(graph, idx[COUPLED], kept, coupled_outs, roles + ["arg"] * len(kept))
-    handed = {v: _stand_in(v) for v in reentry}
-    after, ran = _phase_graph(graph, idx[AFTER], handed, after_outs, roles + ["arg"] * len(handed))
+    before, _ = phase_graph(graph, set(), {}, before_outs, roles)
+    kept = {v: stand_in_for(v) for v in cut_values}
+    coupled, ran_coupled = phase_graph(graph, idx[COUPLED], kept, coupled_outs, roles + ["arg"] * len(kept))
+    handed = {v: stand_in_for(v) for v in reentry}
+    after, ran = phase_graph(graph, idx[AFTER], handed, after_outs, roles + ["arg"] * len(handed))
     for i in [*(i for i in ran_coupled if phases[i] in (BEFORE, AFTER)), *(i for i in ran if phases[i] == COUPLED)]:
         raise _refuse(eqns[i], "is needed by two parts of the step that run apart (through an in-place write)",
                       "write out of place here")
     recomputed = [eqns[i] for i in ran if phases[i] == BEFORE]
     for e in recomputed:
-        if _draws(e):
+        if draws_random(e):
             raise _refuse(e, "draws random numbers in the per-example part, which the cut runs twice", "use no dropout "
                           "in the towers of a step whose examples meet (a later version replays the draws)")
     after_batched = dict(batched)
@@ -372,9 +373,9 @@ def _keep(cut: Cut, phases: list[str], after_idx: set[int], ran: list[int], hand
     if not saved:
         return None
     before_outs = cut.results[BEFORE]
-    before, _ = _phase_graph(cut.graph, set(), {}, before_outs + [v for v in saved if v not in before_outs], roles)
-    stand_ins = {v: _stand_in(v) for v in saved}
-    after, ran_kept = _phase_graph(cut.graph, after_idx, {**handed, **stand_ins}, cut.results[AFTER],
+    before, _ = phase_graph(cut.graph, set(), {}, before_outs + [v for v in saved if v not in before_outs], roles)
+    stand_ins = {v: stand_in_for(v) for v in saved}
+    after, ran_kept = phase_graph(cut.graph, after_idx, {**handed, **stand_ins}, cut.results[AFTER],
                                    roles + ["arg"] * (len(handed) + len(stand_ins)))
     if any(phases[i] == BEFORE for i in ran_kept):
         return None  # the after part would still recompute some of the forward
@@ -396,7 +397,7 @@ def _keep(cut: Cut, phases: list[str], after_idx: set[int], ran: list[int], hand
     return kept if set(cut.after_split.body_results) == set(kept.after_split.body_results) else None
 
 
-def _draws(e: Eqn) -> bool:
+def draws_random(e: Eqn) -> bool:
     """``e`` draws random numbers: a random op, unless its dropout probability is 0 (attention kernels are
     tagged random for the dropout they may apply)."""
     if not is_random(e):
@@ -457,17 +458,17 @@ def plan_cut(cut: Cut, budget: int, full_peak: int, cap: int | None = None, smal
     """The cut's plan within ``budget`` bytes: chunk sizes for both per-example parts. ``smallest``: the
     smallest budget another schedule (recomputation alone) fits in, which an error names when less than the
     cut's. Raises :class:`OutOfMemoryError` saying the smallest budget that runs when none fits."""
-    usable = int(budget * (1 - SAFETY_MARGIN))
+    usable = margin.usable(budget)
     made_before, made_coupled = _results_bytes(cut)
     coupled_peak = peak_bytes(cut.coupled) + made_before
     try:
         if coupled_peak > usable:
             raise OutOfMemoryError("the coupled part does not fit")
         before = plan_chunks(cut.before, lambda: cut.before_split, cut.batch, budget, peak_bytes, cap=cap)
-        held = int((made_before + made_coupled) / (1 - SAFETY_MARGIN))
+        held = margin.covering(made_before + made_coupled)
         after = plan_chunks(cut.after, lambda: cut.after_split, cut.batch, max(budget - held, 0), peak_bytes, cap=cap)
     except OutOfMemoryError:
-        floor = int(cut_floor(cut) / (1 - SAFETY_MARGIN)) + 1
+        floor = margin.smallest_budget(cut_floor(cut))
         best = floor if smallest is None else min(floor, smallest)
         how = "cut where the examples meet, one example per chunk" if best == floor else "recomputing, unchunked"
         error = OutOfMemoryError(

@@ -43,8 +43,9 @@ from ..interpreters.memory import peak_bytes
 from ..interpreters.undo import Undo
 from ..ir import Graph, Literal, Var, op_name
 from ..transforms.schedule import writes
-from .chunks import SAFETY_MARGIN, Plan, chunked_peak, plan_chunks
-from .cut import _draws, _phase_graph, _stand_in
+from . import budget as margin
+from .chunks import Plan, chunked_peak, plan_chunks
+from .cut import draws_random, phase_graph, stand_in_for
 
 __all__ = ["Passes", "PassesPlan", "find_passes", "plan_passes", "run_passes"]
 
@@ -133,14 +134,14 @@ def find_passes(graph: Graph, batched: dict[Var, Batched], batch: int) -> Passes
     for k in sorted(set(level.values())):
         made = [v for v in level if level[v] == k]
         lower = dict(stand_ins)
-        g, _ = _phase_graph(graph, set(), lower, made, roles + ["arg"] * len(lower))
+        g, _ = phase_graph(graph, set(), lower, made, roles + ["arg"] * len(lower))
         _check_runs_again(g, {v.root for v in graph.invars})
         levels.append((g, made))
-        stand_ins.update((v, _stand_in(v)) for v in made)
+        stand_ins.update((v, stand_in_for(v)) for v in made)
     inputs = {v.root for v in graph.invars}
     updates = {i for i, e in enumerate(graph.eqns) if any(v.root in inputs for v in writes(e))}
     finals = _unique([v for v in graph.outvars if isinstance(v, Var)] + [v for _, v in graph.grads])
-    final, _ = _phase_graph(graph, updates, stand_ins, finals, roles + ["arg"] * len(stand_ins))
+    final, _ = phase_graph(graph, updates, stand_ins, finals, roles + ["arg"] * len(stand_ins))
     passes = Passes(graph, batched, batch, levels, final, finals)
     passes.splits  # noqa: B018 (each pass analysed now: a pass that cannot be chunked raises here)
     return passes
@@ -150,7 +151,7 @@ def _check_runs_again(g: Graph, inputs: set[Var]) -> None:
     """Raise :class:`BatchCouplingError` where a pass before the last, which the last runs again, draws random
     numbers (the draws are not replayed) or writes the step's inputs (it would write them once per pass)."""
     for e in g.eqns:
-        if _draws(e):
+        if draws_random(e):
             why, fix = "draws random numbers", "use no dropout in a step whose BatchNorm statistics need passes"
         elif any(v.root in inputs for v in writes(e)):
             why, fix = "writes an input of the step in place", "make the update outside the staged function"
@@ -191,7 +192,7 @@ def plan_passes(passes: Passes, budget: int, full_peak: int, cap: int | None = N
             for k, g in enumerate(graphs)
         ]
     except OutOfMemoryError:
-        floor = int(passes_floor(passes) / (1 - SAFETY_MARGIN)) + 1
+        floor = margin.smallest_budget(passes_floor(passes))
         error = OutOfMemoryError(
             f"no schedule fits a budget of {format_bytes(budget)}: {passes.describe()} One example per chunk needs "
             f"{format_bytes(floor)}."

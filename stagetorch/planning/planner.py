@@ -44,10 +44,14 @@ from ..ir import Graph, Var, op_name
 from ..parallel import data_parallel as distributed
 from ..transforms.batch_norm_sums import as_batch_sums
 from ..utils import caches, collector
-from .chunks import SAFETY_MARGIN, Plan, _base, chunked_peak, plan_chunks
+from . import budget as margin
+from . import plans
+from .chunks import Plan, base_bytes, chunked_peak, plan_chunks
 from .cut import Cut, cut_floor, find_cut, plan_cut
 from .multipass import Passes, PassesPlan, find_passes, passes_floor, plan_passes
-from .remat_search import Recompute, chunk_frontier, frontier, plan_joint
+from .remat_frontier import chunk_frontier, frontier
+from .remat_search import plan_joint
+from .remat_simulator import Recompute
 from .reserved import fit_reserved, on_cuda
 
 __all__ = ["Planner", "held_beside", "recall", "remember", "COPIES"]
@@ -115,7 +119,7 @@ class Planner:
 
     def _fits(self, budget: int) -> bool:
         """The whole graph runs at once within ``budget`` (its margin kept; no smaller chunk learned)."""
-        return self._full_peak <= budget * (1 - SAFETY_MARGIN) and self.cap is None
+        return margin.fits(self._full_peak, budget) and self.cap is None
 
     @collector.paused()  # the planner builds recomputing graphs and chunk graphs: many objects that all stay alive
     def _plan(self, budget: int) -> Plan:
@@ -126,7 +130,7 @@ class Planner:
         fits = self._fits(budget)
         # Chunked plans are kept per budget to about 0.4% (its top 9 bits); so is every plan on CUDA, where the
         # caching allocator's segments can make a whole batch that fits by its tensors not fit.
-        key = -1 if fits and not on_cuda(self.graph) else budget >> max(budget.bit_length() - 9, 0) << max(budget.bit_length() - 9, 0)
+        key = -1 if fits and not on_cuda(self.graph) else margin.bucket(budget)
         if key not in self.plans:
             try:
                 if self.remat and not fits and _owns_its_inputs(self.graph):
@@ -176,8 +180,7 @@ class Planner:
                 self._cut = why
         if isinstance(self._cut, StagingError):
             error = type(coupled)(f"{coupled}\nIt cannot be cut where its examples meet either: {self._cut}")
-            error.__dict__.update(coupled.__dict__)  # the smallest budget recomputation alone names
-            raise error from None
+            raise error.copy_from(coupled) from None  # with the smallest budget recomputation alone names
         return self._cut or None
 
     # (bnorm, issue 38 item 3) BatchNorm in training in passes over the chunks.
@@ -201,39 +204,38 @@ class Planner:
         try:
             return plan_passes(passes, budget, self._full_peak, self.cap)
         except OutOfMemoryError as below:
-            error = BatchStatisticsError(*coupled.args)
-            error.__dict__.update(coupled.__dict__)
-            error.smallest_budget = min(below.smallest_budget, coupled.smallest_budget or below.smallest_budget)
-            raise error from None
+            smallest = min(below.smallest_budget, coupled.smallest_budget or below.smallest_budget)
+            raise BatchStatisticsError(*coupled.args).copy_from(coupled, smallest_budget=smallest) from None
 
     def plan_call(
         self, budget: int, held: int, why: list[str], inputs: Sequence | None = None, donated: int = 0
-    ) -> tuple[int, Plan]:
+    ) -> Plan:
         """A call's plan: the program planned in the call's ``budget`` less the ``held`` bytes the call holds
         beside it (for the reasons ``why``), which the plan's peak counts. ``inputs``: the call's real inputs
         (parallel to ``graph.invars``), whose shared storage the plan counts once (:meth:`see_inputs`, on the
         first call). ``donated``: bytes of the old ``.grad`` the call drops before the program runs
         (``jit(donate_grads=True)``), which the plan says it leaves out (``Plan.donated_bytes``). **Returns**
-        the program's budget and the plan, which the caller hands to
+        the plan (the program's budget on it: ``Plan.program_budget_bytes``), which the caller hands to
         :meth:`stagetorch.runtime.executable.Executable.run`; an error about the budget says what ``memory_budget``
         the whole call would fit in."""
         if self.overlap is None and inputs is not None:
             self.see_inputs(inputs)
-        program_budget = max(budget - held - (self.calibration or 0), 0)
+        program_budget = max(margin.beside(budget, held, self.calibration), 0)
         if self.ceiling is not None:
             program_budget = min(program_budget, self.ceiling)
         called = self._called
         if budget == called[2] and held == called[1] and donated == called[3] and called[0] is not None:
             # The same call as the last (a step loop's flush, its budget read from the same free memory):
             # the same plan, while nothing that makes plans changed (see _forget, which those paths call).
-            return program_budget, called[4]
+            return called[4]
         try:
             plan = self.plan(program_budget)
             last, last_held, last_budget, last_donated, evolved = self._called
             if plan is not last or held != last_held or budget != last_budget or donated != last_donated:
-                evolved = attrs.evolve(plan, held_bytes=held, budget_bytes=budget, donated_bytes=donated)
+                evolved = attrs.evolve(plan, held_bytes=held, budget_bytes=budget, donated_bytes=donated,
+                                       program_budget_bytes=program_budget)
                 self._called = (plan, held, budget, donated, evolved)
-            return program_budget, evolved
+            return evolved
         except BatchStatisticsError as e:
             raise self._below_every_schedule(held_beside(e, held, why), budget, held, why) from None
         except StagingError as e:
@@ -251,14 +253,14 @@ class Planner:
         included) and the schedule it runs, planned here, so that the budget named is one that plans."""
         smallest = coupled.smallest_budget
         if smallest is None:  # no recomputation (remat=False): the whole batch at once is the only schedule
-            smallest = int(peak_bytes(self.graph) / (1 - SAFETY_MARGIN)) + 1 + held
+            smallest = margin.smallest_budget(peak_bytes(self.graph)) + held
         smallest = bytes_ceiling(smallest)
         try:
-            plan = self.plan(max(min(smallest - held - (self.calibration or 0), self.ceiling or smallest), 0))
+            plan = self.plan(max(min(margin.beside(smallest, held, self.calibration), self.ceiling or smallest), 0))
         except StagingError:
             how = ""
         else:
-            how = f", {_schedule_of(plan)}"
+            how = f", {plans.schedule_of(plan)}"
         if held:
             how += f" (with the {format_bytes(held)} this call holds beside the program: {'; '.join(why)})"
         first = str(coupled).split("\n", 1)[0]
@@ -271,12 +273,10 @@ class Planner:
             "the BatchNorm layers in eval mode (model.eval()), or use GroupNorm or LayerNorm, which run in exact "
             "chunks at any budget."
         )
-        error.__dict__.update(coupled.__dict__)
-        error.smallest_budget = smallest
-        return error
+        return error.copy_from(coupled, smallest_budget=smallest)
 
     def frontier(self) -> list[Recompute]:
-        """The recompute sets the joint planner chooses among (see :func:`stagetorch.planning.remat_search.frontier`)."""
+        """The recompute sets the joint planner chooses among (see :func:`stagetorch.planning.remat_frontier.frontier`)."""
         if self._points is None:
             self._points = frontier(self.graph)
         return self._points
@@ -284,7 +284,7 @@ class Planner:
     def chunk_frontier(self, n: int, usable: int | None = None) -> list[tuple[Recompute, int, int]]:
         """Recompute sets chosen for chunks of ``n`` examples, each with the peak of a chunked run's first
         chunk predicted by its chunk's graph, and a bound on a later chunk's
-        (:func:`stagetorch.planning.remat_search.chunk_frontier`); with ``usable``, also its sets just above those
+        (:func:`stagetorch.planning.remat_frontier.chunk_frontier`); with ``usable``, also its sets just above those
         bytes repaired so that a later chunk's bound fits them."""
         key = (n, usable)
         if key not in self._chunk_points:
@@ -293,7 +293,7 @@ class Planner:
             # As planning._peaks: what the run holds for every chunk, beside the chunk's own peak; a later
             # chunk holds the accumulators too, beside an own peak no larger than the first chunk's (which
             # makes the partials that a later one adds into them).
-            beside = _base(split) + body.held_bytes[0] - sum(v.aval.nbytes for v in body.first.invars)
+            beside = base_bytes(split) + body.held_bytes[0] - sum(v.aval.nbytes for v in body.first.invars)
             acc = body.held_bytes[1]
             if n not in self._chunk_frontiers:
                 self._chunk_frontiers[n] = frontier(body.first)
@@ -359,12 +359,11 @@ class Planner:
         ``budget`` less the ``held`` bytes the run keeps beside the program (for the reasons ``why``): chunks,
         and with ``remat`` recomputation where the smallest chunk does not fit (or it is cheaper). **Returns**
         the ``OutOfMemoryError`` that says none fits (every rank must learn it first)."""
-        budget = max(budget - held, 0)
+        budget = max(margin.beside(budget, held), 0)
         # Plans are kept per budget to about 0.4% (its top 9 bits), as plan() keeps them (a plan made for
         # a budget up to 0.4% larger is within this one's safety margin); an error only for its own budget:
         # the smallest budget it names may lie in the same 0.4%, and must plan.
-        shift = max(budget.bit_length() - 9, 0)
-        key = (examples, budget >> shift << shift)
+        key = (examples, margin.bucket(budget))
         plan = self.shard_plans.get((examples, budget, "error")) or self.shard_plans.get(key)
         if plan is None:
 
@@ -438,7 +437,7 @@ class Planner:
         if not self.remat:
             return False
         # A budget whose usable part (the plan's margin kept) ends a byte below the failed program's peak.
-        self.ceiling = int(max(*failed.peak_bytes, failed.phase_peak_bytes) / (1 - SAFETY_MARGIN)) - 1
+        self.ceiling = margin.budget_below(max(*failed.peak_bytes, failed.phase_peak_bytes))
         self.learn(1)
         self.plans.clear()
         self._forget()
@@ -497,7 +496,7 @@ def recall(planner: Planner) -> None:
 def _owns_its_inputs(graph: Graph) -> bool:
     """Whether every input lives in storage the graph itself names. A lazy flush can read a view of a value
     an earlier flush made, whose base is not in the graph: the recomputation planner numbers only the
-    graph's own vars (``remat_planning._Simulator``), so such a flush is only chunked."""
+    graph's own vars (:class:`~stagetorch.planning.remat_simulator.Simulator`), so such a flush is only chunked."""
     own = set(graph.vars())
     return all(v.root in own for v in graph.invars)
 
@@ -517,9 +516,8 @@ def held_beside(error: StagingError, held: int, why: list[str]) -> StagingError:
         f"budgets above leave out: the smallest memory_budget this call fits in is "
         f"{format_bytes(bytes_ceiling(error.smallest_budget + held))}."
     )
-    wider.__dict__.update(error.__dict__)  # what else the error says (a chunk-local result: see chunking)
-    wider.smallest_budget = error.smallest_budget + held
-    return wider
+    # What else the error says (a chunk-local result: see chunking), its smallest budget with what is held.
+    return wider.copy_from(error, smallest_budget=error.smallest_budget + held)
 
 
 def _statistics_schedule(passes: Passes | bool | None) -> str:
@@ -528,17 +526,6 @@ def _statistics_schedule(passes: Passes | bool | None) -> str:
         return (f"so the batch runs in chunks only in {len(passes.splits)} passes over them, one per level of "
                 "those statistics, forward and backward")
     return "so the batch can be neither run in chunks nor cut where its examples meet"
-
-
-def _schedule_of(plan: Plan) -> str:
-    """How ``plan`` runs the step, as an error names it: in passes, recomputing, chunked, or the whole batch."""
-    if isinstance(plan, PassesPlan):
-        return f"in {len(plan.passes.splits)} passes over chunks of {max(plan.chunk_sizes)} example(s)"
-    recompute = getattr(plan, "recompute", None)
-    chunks = f"in {len(plan.chunk_sizes)} chunks" if plan.chunked else "the whole batch at once"
-    if recompute is None:
-        return chunks
-    return f"with recomputation ({recompute.dropped} op(s) recomputed in the backward, {chunks})"
 
 
 def _graph_leaves(inputs: Sequence) -> list[torch.Tensor]:

@@ -28,11 +28,9 @@ from ..interpreters.memory import allocated
 from ..interpreters.undo import Undo
 from ..ir import Graph, Var, op_name
 from ..parallel import data_parallel as distributed
+from ..planning import plans
 from ..planning.chunks import Plan
-from ..planning.cut import CutPlan, run_cut
-from ..planning.multipass import PassesPlan, run_passes
 from ..planning.planner import COPIES, Planner, recall, remember
-from ..planning.remat_search import RematPlan
 from ..transforms.schedule import writes
 
 __all__ = ["Executable"]
@@ -203,18 +201,17 @@ class Executable:
         self, inputs: list, plan: Plan, on_chunk: Callable[[int, int], None] | None, name: str
     ) -> tuple[list, list[tuple[int, torch.Tensor]]]:
         """One run of ``plan``; if it fails, the inputs it wrote are restored and the error raised."""
-        if isinstance(plan, RematPlan) and plan.recompute is not None and plan.recompute.graph is not self.graph:
+        recomputing = plans.recompute_graph(plan)
+        if recomputing is not None and recomputing is not self.graph:
             # The recomputing graph runs in the chunks the plan gives (its planner's, at the same budget).
-            return self._for(plan.recompute.graph)._attempt(inputs, plan, on_chunk, name)
-        if isinstance(plan, (CutPlan, PassesPlan)):
+            return self._for(recomputing)._attempt(inputs, plan, on_chunk, name)
+        if plans.runs_apart(plan):
             # A step whose examples meet, cut there (stagetorch.planning.cut), or whose BatchNorm statistics are
             # summed over the chunks in passes (stagetorch.planning.multipass).
             log.info("stagetorch: %s: %s", name, plan)
             undo = Undo(inputs[i] for i in self.mutated)
             try:
-                if isinstance(plan, CutPlan):
-                    return run_cut(plan.cut, inputs, plan, undo)
-                return run_passes(plan.passes, inputs, plan, undo)
+                return plans.run_apart(plan, inputs, undo)
             except BaseException:
                 undo.restore()
                 raise
@@ -256,7 +253,7 @@ class Executable:
             if not self.planner.shrink(plan):
                 break
             try:
-                plan = self.planner.plan_call(plan.budget_bytes, plan.held_bytes, [], donated=plan.donated_bytes)[1]
+                plan = self.planner.plan_call(plan.budget_bytes, plan.held_bytes, [], donated=plan.donated_bytes)
             except StagingError:  # no smaller plan fits (or the batch cannot be split)
                 break
             log.info("stagetorch: %s: out of memory (%d); trying %s", name, failures, plan)
@@ -272,7 +269,7 @@ class Executable:
             log.warning(
                 "stagetorch: %s: out of memory %d time(s) where the plan said the step fits; it ran in chunks "
                 "[%s]%s, and later calls will too", name, failures, "+".join(map(str, plan.chunk_sizes)),
-                " recomputing" if isinstance(plan, RematPlan) and plan.recompute is not None else "",
+                " recomputing" if plans.recomputes(plan) else "",
             )
             return result
         self.planner.teach(before)
@@ -339,7 +336,7 @@ class Executable:
         :func:`stagetorch.parallel.data_parallel.run_shard` does, under ``plan`` (recomputing if it says so). **Returns**
         the outputs and gradients, global; if anything fails, inputs the program updates in place are
         restored first."""
-        recompute = plan.recompute if isinstance(plan, RematPlan) else None
+        recompute = plans.recompute_of(plan)
         split = self.split() if recompute is None else self._for(recompute.graph).split()
         undo = Undo(inputs[i] for i in self.mutated)
         try:

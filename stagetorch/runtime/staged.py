@@ -20,9 +20,9 @@ from ..interpreters.batching import Batched
 from ..interpreters.eager import is_dense
 from ..ir import Graph
 from ..parallel import data_parallel as distributed
+from ..planning import plans
 from ..planning.chunks import Plan
 from ..planning.planner import COPIES
-from ..planning.remat_search import RematPlan
 from ..staging.guards import MAX_OUTCOMES, Outcomes, StateWalk, flatten_args
 from ..staging.state import State, arg_names, discover, held_values
 from ..staging.tracer import Traced, leaf_names, trace
@@ -30,7 +30,7 @@ from ..utils import caches
 from .executable import Executable
 from .grads import accumulate_grad, install_grads
 
-__all__ = ["Staged"]
+__all__ = ["Staged", "grad_storages", "map_batched"]
 
 log = logging.getLogger("stagetorch")
 
@@ -54,7 +54,7 @@ def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
     return t.grad if t.grad is not None else torch.zeros_like(t)
 
 
-def _grad_storages(inputs: list, positions: Sequence[int]) -> dict[int, int]:
+def grad_storages(inputs: list, positions: Sequence[int]) -> dict[int, int]:
     """The bytes of the ``.grad`` storages of ``inputs`` at ``positions``, by storage (each counted once)."""
     out = {}
     for i in positions:
@@ -192,7 +192,7 @@ class Staged:
             traced_args, traced_kwargs = args, kwargs
             if global_batch is not None:
                 batch = global_batch
-                traced_args, traced_kwargs = _map_batched(
+                traced_args, traced_kwargs = map_batched(
                     self, args, kwargs, lambda x, dim: distributed.global_aval(x, dim, global_batch)
                 )
             restore = state.snapshot()
@@ -315,7 +315,7 @@ class Staged:
             group.check(plan if isinstance(plan, OutOfMemoryError) else None, entry.executable.signature())
             return plan
         entry, inputs, _ = self._stage(args, kwargs)
-        return self._step_plan(entry, inputs)[1]
+        return self._step_plan(entry, inputs)
 
     def _budget(self, executable: Executable, inputs: list = ()) -> int:
         """The step's budget: its ``memory_budget``, else what the device has free; on CUDA no more than what
@@ -350,23 +350,23 @@ class Staged:
         if self.donate_grads:
             dropped = set(self._donated(entry))
             replaced = tuple(i for i in replaced if i not in dropped)
-        old = _grad_storages(inputs, replaced)
+        old = grad_storages(inputs, replaced)
         if entry.added is None:
             fed = {*traced.grad_params, *traced.assign_grads, *traced.clear_grads}
             entry.added = [i for i, _ in executable.graph.grads if i not in fed]
-        added = _grad_storages(inputs, entry.added)
+        added = grad_storages(inputs, entry.added)
         why = [COPIES.format(len(copies))] if copies else []
         why += [f"the old .grad of {len(old)} parameter(s), which the step replaces"] if old else []
         why += [f"the .grad of {len(added)} parameter(s), which the step adds into"] if added else []
         return sum({**copies, **old, **added}.values()), why
 
-    def _step_plan(self, entry: _Entry, inputs: list) -> tuple[int, Plan]:
-        """The budget the program is planned in, and its plan: the step's budget less what the call holds
+    def _step_plan(self, entry: _Entry, inputs: list) -> Plan:
+        """The step's plan (the budget the program is planned in on it): the step's budget less what the call holds
         beside the program (:meth:`_held`), which the plan's peak counts. An error about the budget then
         says what ``memory_budget`` would fit (see :meth:`stagetorch.planning.planner.Planner.plan_call`)."""
         executable = entry.executable
         held, why = self._held(entry, inputs)
-        donated = sum(_grad_storages(inputs, self._donated(entry)).values()) if self.donate_grads else 0
+        donated = sum(grad_storages(inputs, self._donated(entry)).values()) if self.donate_grads else 0
         return executable.planner.plan_call(self._budget(executable, inputs), held, why, inputs, donated)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -374,7 +374,7 @@ class Staged:
             return self._call_sharded(args, kwargs)
         entry, inputs, _ = self._stage(args, kwargs)
         executable = entry.executable
-        plan = self._step_plan(entry, inputs)[1]
+        plan = self._step_plan(entry, inputs)
         if self.donate_grads:
             # The old .grad the step replaces without reading it, freed now, as eager frees it at zero_grad():
             # a failed step leaves it None (what it restores needs nothing from it; nor does a retry in
@@ -406,7 +406,7 @@ class Staged:
         # The program is the global batch's, staged on stand-ins laid out as the shard (dense, in the order
         # of its strides: channels-last stays channels-last, with no copy); the shard runs on what it cuts.
         # A shard with gaps or overlaps (a strided view) runs on a contiguous copy, as the stand-in is.
-        args, kwargs = _map_batched(self, args, kwargs, lambda x, dim: x if is_dense(x) else x.contiguous())
+        args, kwargs = map_batched(self, args, kwargs, lambda x, dim: x if is_dense(x) else x.contiguous())
         entry, inputs, _ = self._stage(args, kwargs, global_batch=sum(sizes))
         plan = entry.executable.shard_plan(local, self._budget(entry.executable, inputs))
         return entry, inputs, plan, sum(sizes[: group.rank])
@@ -446,7 +446,7 @@ class Staged:
             )
         executable = entry.executable
         group.check(plan if isinstance(plan, OutOfMemoryError) else None, executable.signature())
-        if plan.chunked or isinstance(plan, RematPlan):
+        if plans.worth_a_log_line(plan):
             log.info("stagetorch: %s (rank %d): %s", getattr(self.fn, "__name__", "step"), group.rank, plan)
         outs, grads = executable.run_shard(inputs, plan, offset, group, on_chunk=self._progress(plan))
         for i, g in grads:
@@ -472,7 +472,7 @@ _STAGED: weakref.WeakSet[Staged] = weakref.WeakSet()
 caches.on_clear(lambda: [s._cache.clear() for s in list(_STAGED)])
 
 
-def _map_batched(staged: Any, args: tuple, kwargs: dict, f: Callable[[torch.Tensor, int], Any]) -> tuple[tuple, dict]:
+def map_batched(staged: Any, args: tuple, kwargs: dict, f: Callable[[torch.Tensor, int], Any]) -> tuple[tuple, dict]:
     """The arguments with every batched tensor ``x`` replaced by ``f(x, its batch dim)``."""
     leaves_info, _ = staged._batch_leaves(args, kwargs, allow_empty=True)
     it = iter(leaves_info)

@@ -135,3 +135,14 @@ def test_op_without_meta_kernel_names_the_op_the_line_and_the_register_call():
         else:
             stagetorch.registry._RULES[geqrf] = before
         stagetorch.clear_caches()  # the registry's slot answers, too
+
+
+def test_an_error_rebuilt_with_a_longer_message_says_what_the_first_said():
+    """``StagingError.copy_from``: the planner's errors rebuilt from another keep its attributes (the smallest
+    budget, BatchNorm's source, a chunk-local result), then the changes given."""
+    first = stagetorch.BatchStatisticsError("coupled")
+    first.smallest_budget, first.source, first.chunk_local_result = 100, "model.py:3", "kept"
+    again = stagetorch.BatchStatisticsError("coupled, and more").copy_from(first, smallest_budget=150)
+    assert (str(again), again.source, again.chunk_local_result, again.smallest_budget) == (
+        "coupled, and more", "model.py:3", "kept", 150)
+    assert first.smallest_budget == 100

@@ -170,7 +170,10 @@ PACKAGE_LAYERS = {
         "shape_rules": 0, "shapes": 0, "flops": 0, "batching": 0, "undo": 0, "batch_rules": 1, "eager": 1, "memory": 1, "chunked": 2,
         "__init__": 3,
     },
-    "planning": {"chunks": 0, "cut": 1, "remat_search": 1, "reserved": 1, "multipass": 2, "planner": 3, "__init__": 4},
+    "planning": {
+        "budget": 0, "chunks": 1, "remat_simulator": 0, "cut": 2, "remat_frontier": 1, "remat_search": 2, "reserved": 2,
+        "multipass": 3, "plans": 4, "planner": 5, "__init__": 6,
+    },
     "parallel": {"data_parallel": 0, "__init__": 1},
     "runtime": {"grads": 0, "executable": 0, "staged": 1, "__init__": 2},
     "lazymode": {

@@ -176,7 +176,7 @@ def test_the_first_run_calibrates_later_plans(cached, reserved_beyond, allocated
     assert len(said) == 1 and f"later plans leave {expected // MiB}.0 MiB more room" in said[0], said
     # The budget the program is planned in is the step's less the calibration.
     budget = 100 * MiB
-    assert planner.plan_call(budget, 0, [])[0] == budget - expected
+    assert planner.plan_call(budget, 0, []).program_budget_bytes == budget - expected
     again = stagetorch.jit(_step(model), memory_budget=1 << 40)
     again.plan(x, y)
     assert again._last_entry.executable.planner.calibration == expected

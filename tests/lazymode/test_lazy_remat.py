@@ -18,7 +18,7 @@ from remat_models import mlp_chain
 import stagetorch
 from stagetorch.devices.budget import parse_bytes
 from stagetorch.errors import OutOfMemoryError
-from stagetorch.planning.chunks import SAFETY_MARGIN
+from stagetorch.planning.budget import SAFETY_MARGIN
 from stagetorch.planning.remat_search import RematPlan
 from stagetorch.runtime.executable import Executable
 from stagetorch.transforms.rng import ReplayRandom

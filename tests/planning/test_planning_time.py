@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 import stagetorch
 from stagetorch.interpreters.memory import peak_bytes, timeline
+from stagetorch.planning.budget import SAFETY_MARGIN
 from stagetorch.planning.chunks import (
-    SAFETY_MARGIN,
     _chunk_peaks,
     _Memo,
     _phase_peak,
@@ -159,7 +159,7 @@ def test_the_chunk_planner_plans_what_it_planned_costing_every_size(name):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_a_chunk_holds_at_least_its_share_of_the_whole_batchs_peak(name):
-    """The joint planner's bound (remat_planning._fewest_chunks): a chunk of n examples of a batch of B holds
+    """The joint planner's bound (remat_search._fewest_chunks): a chunk of n examples of a batch of B holds
     its inputs and its parameters' gradients, and at least n / B of what the whole batch holds beyond them,
     for the graph and its recomputing ones."""
     _, exe, _ = _executable(name, remat="auto")
@@ -220,23 +220,24 @@ def test_a_5000_equation_step_at_batch_64_plans_recomputation_and_chunks():
 
 
 def _descended_simulating_every_drop(p):
-    """remat_planning._descended as it was before it simulated only the drops of candidates live at the peak,
+    """remat_search._descended as it was before it simulated only the drops of candidates live at the peak,
     the largest first: every kept candidate's drop, at every step."""
-    from stagetorch.planning.remat_search import _DESCENT_STEPS, _LOOSE_GAIN, _point, _Simulator
+    from stagetorch.planning.remat_search import _DESCENT_STEPS, _LOOSE_GAIN
+    from stagetorch.planning.remat_simulator import Simulator, point
     from stagetorch.transforms.remat import NOT_HELD
 
     sim = p.sim
     start = p
     if not sim.hoist:
-        hoisted = _point(_Simulator(sim.graph, sim.cands, hoist=True), p.keep, p.transient)
+        hoisted = point(Simulator(sim.graph, sim.cands, hoist=True), p.keep, p.transient)
         if hoisted.peak_bytes < p.peak_bytes:
             p, sim = hoisted, hoisted.sim
-    loose = _point(sim, p.keep, {**dict.fromkeys(sim.cands.recomputable - set(sim.cands.roots), NOT_HELD),
+    loose = point(sim, p.keep, {**dict.fromkeys(sim.cands.recomputable - set(sim.cands.roots), NOT_HELD),
                                  **p.transient})
     if loose.peak_bytes < (1 - _LOOSE_GAIN) * p.peak_bytes:
         p = loose
     for _ in range(_DESCENT_STEPS):
-        moves = [_point(sim, p.keep - {r}, p.transient) for r in sim.cands.roots if r in p.keep]
+        moves = [point(sim, p.keep - {r}, p.transient) for r in sim.cands.roots if r in p.keep]
         best = min(moves, key=lambda q: (q.peak_bytes, q.extra_flops), default=None)
         if best is None or best.peak_bytes >= p.peak_bytes:
             break
@@ -246,7 +247,7 @@ def _descended_simulating_every_drop(p):
 
 @pytest.mark.parametrize("name", ["BART"])
 def test_the_descent_below_the_frontier_simulates_fewer_sets_for_the_same_set(name, monkeypatch):
-    """The descent below the frontier's least peak (remat_planning._descended) simulates only the drops of
+    """The descent below the frontier's least peak (remat_search._descended) simulates only the drops of
     candidates live at the peak, the largest first while one could still lower it most: from the least-peak
     set and the sets near it (where the search below the frontier starts), it finds the set that simulating
     every drop finds, with fewer simulations; and the search below the frontier builds no simulator (every
@@ -255,14 +256,14 @@ def test_the_descent_below_the_frontier_simulates_fewer_sets_for_the_same_set(na
     pytest.importorskip("transformers")
     from transformer_models import model_and_batch, step_of
 
+    from stagetorch.planning.remat_frontier import frontier
     from stagetorch.planning.remat_search import (
         _NEAR,
         _NEAR_STARTS,
         _descended,
         _least_peak,
-        _Simulator,
-        frontier,
     )
+    from stagetorch.planning.remat_simulator import Simulator
 
     model, batch = model_and_batch(name, layers=4, tokens=256)
     staged = stagetorch.jit(step_of(model))
@@ -275,13 +276,13 @@ def test_the_descent_below_the_frontier_simulates_fewer_sets_for_the_same_set(na
     assert len(starts) >= 2
 
     runs = [0]
-    run = _Simulator.run
+    run = Simulator.run
 
     def counted(self, *args, **kwargs):
         runs[0] += 1
         return run(self, *args, **kwargs)
 
-    monkeypatch.setattr(_Simulator, "run", counted)
+    monkeypatch.setattr(Simulator, "run", counted)
     fewer = 0
     for p in starts:
         runs[0] = 0
@@ -299,12 +300,12 @@ def test_the_descent_below_the_frontier_simulates_fewer_sets_for_the_same_set(na
     assert fewer  # the pruning did something
 
     built = [0]
-    init = _Simulator.__init__
+    init = Simulator.__init__
 
     def counted_init(self, *args, **kwargs):
         built[0] += 1
         init(self, *args, **kwargs)
 
-    monkeypatch.setattr(_Simulator, "__init__", counted_init)
+    monkeypatch.setattr(Simulator, "__init__", counted_init)
     assert _least_peak(points, len(graph.eqns)) is not None
     assert built[0] == 0

@@ -141,7 +141,8 @@ def test_the_frontier_holds_sets_hoisted_where_that_lowers_their_peak():
 
     from stagetorch.interpreters.flops import eqn_flops
     from stagetorch.interpreters.memory import peak_bytes
-    from stagetorch.planning.remat_search import _point, _Simulator, frontier
+    from stagetorch.planning.remat_frontier import frontier
+    from stagetorch.planning.remat_simulator import Simulator, point
 
     model, batch = model_and_batch("OPT", layers=8, tokens=256)
     staged = stagetorch.jit(step_of(model))
@@ -149,9 +150,9 @@ def test_the_frontier_holds_sets_hoisted_where_that_lowers_their_peak():
     points = frontier(graph)
     hoisted = [p for p in points if p.sim is not None and p.sim.hoist]
     assert hoisted
-    plain = _Simulator(graph, points[1].cands)
+    plain = Simulator(graph, points[1].cands)
     for p in hoisted:
-        assert _point(plain, p.keep, p.transient).peak_bytes > p.peak_bytes
+        assert point(plain, p.keep, p.transient).peak_bytes > p.peak_bytes
         assert peak_bytes(p.graph) == p.peak_bytes  # the pass recomputes as the simulator costed it
     layers = [f"model.{n}" for n, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
     forward = sum(eqn_flops(e) for e in graph.eqns if not e.source.backward

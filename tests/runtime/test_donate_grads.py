@@ -17,7 +17,7 @@ from injected import identity_op
 from staged_state import budget_for
 
 import stagetorch
-from stagetorch.planning.chunks import SAFETY_MARGIN
+from stagetorch.planning.budget import SAFETY_MARGIN
 
 BATCH = 24
 _FAIL = {"above": 10**9, "error": RuntimeError, "raised": 0}

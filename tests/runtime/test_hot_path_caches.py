@@ -62,10 +62,10 @@ def test_a_plan_is_reused_for_the_same_budget_and_made_again_after_a_cap():
     planner = executable.planner
     held, why = executable.restoring
     budget = 1 << 30
-    first = planner.plan_call(budget, held, why)[1]
-    assert planner.plan_call(budget, held, why)[1] is first and not first.chunked
+    first = planner.plan_call(budget, held, why)
+    assert planner.plan_call(budget, held, why) is first and not first.chunked
     planner.learn(2)
-    capped = planner.plan_call(budget, held, why)[1]
+    capped = planner.plan_call(budget, held, why)
     assert capped is not first and capped.chunked and max(capped.chunk_sizes) <= 2
     model.zero_grad()
     F.cross_entropy(model(stagetorch.lazy(x, batch=0)), y).backward()

@@ -24,7 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import stagetorch
 from stagetorch.interpreters.memory import peak_bytes
-from stagetorch.planning.chunks import SAFETY_MARGIN, _chunk_peaks, _phase_peak
+from stagetorch.planning.budget import SAFETY_MARGIN
+from stagetorch.planning.chunks import _chunk_peaks, _phase_peak
 from stagetorch.runtime.executable import Executable
 
 MODELS = {**models.CLASSIFIERS, "gpt2": models.gpt2}

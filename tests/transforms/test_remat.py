@@ -29,17 +29,15 @@ from stagetorch.interpreters.flops import eqn_flops, graph_calls, graph_flops
 from stagetorch.interpreters.memory import peak_bytes
 from stagetorch.interpreters.shapes import check
 from stagetorch.ir import Eqn, GraphError, Var, op_name
-from stagetorch.planning.chunks import SAFETY_MARGIN
+from stagetorch.planning.budget import SAFETY_MARGIN
+from stagetorch.planning.remat_frontier import _dynamic_program, frontier
 from stagetorch.planning.remat_search import (
     RematPlan,
-    _chain,
-    _dynamic_program,
-    _Simulator,
-    frontier,
     plan_joint,
     predicted_cost,
     step_cost,
 )
+from stagetorch.planning.remat_simulator import Simulator, segment_chain
 from stagetorch.transforms.remat import NOT_HELD, RECOMPUTED, candidates, recomputed_eqns, remat
 from stagetorch.transforms.rng import ReplayRandom, SaveRngState
 from stagetorch.transforms.schedule import dce, has_effect, liveness, writes
@@ -301,7 +299,7 @@ def test_remat_with_inplace_ops_is_exact(case):
     r = check(remat(g, set(), cands))
     recomputed = recomputed_eqns(r)
     assert recomputed and ("aten.relu_" in {op_name(e.prim) for e in recomputed}) == (case == "whole")
-    assert peak_bytes(r) == _Simulator(g, cands).run(frozenset())[0]
+    assert peak_bytes(r) == Simulator(g, cands).run(frozenset())[0]
     (loss, *_), ref = run_graph(g, model, x)
     (loss_r, *_), got = run_graph(r, model, x)
     assert torch.equal(loss_r, loss) and all(torch.equal(a, b) for (_, a), (_, b) in zip(got, ref))
@@ -495,7 +493,7 @@ def test_the_winning_set_is_polished_to_keep_what_fits(case):
     chosen = plan.recompute
     cheapest = min(cost(p.extra_flops, p.extra_calls) for p in frontier(graph) if p.peak_bytes <= usable)
     assert chosen.peak_bytes <= usable and cost(chosen.extra_flops, chosen.extra_calls) < 0.9 * cheapest
-    sim = _Simulator(graph, chosen.cands)
+    sim = Simulator(graph, chosen.cands)
     for r in chosen.cands.roots:
         if r not in chosen.keep:
             peak, flops, _, calls = sim.run(chosen.keep | {r}, {v: s for v, s in chosen.transient.items() if v != r})
@@ -521,7 +519,7 @@ def test_planner_costing_equals_the_memory_interpreter(name):
     }[name]()
     g = stagetorch.make_ir(step_of(model))(x)
     cands = candidates(g)
-    sim = _Simulator(g, cands)
+    sim = Simulator(g, cands)
     rng = random.Random(0)
     keeps = [frozenset(r for r in cands.roots if rng.random() < q) for q in (0.0, 0.2, 0.5, 0.8)]
     # Two levels: dropped values recomputed again for their own segment (random segments).
@@ -560,7 +558,7 @@ def test_the_planner_costs_a_recomputed_sum_added_into_its_dying_operand():
     allocator (tests/end_to_end/test_random_steps.py); here 4 of the 16 keep sets were over-estimated."""
     g = stagetorch.make_ir(step_of(_SumOfSums()))(torch.randn(16, 4))
     cands = candidates(g)
-    sim = _Simulator(g, cands)
+    sim = Simulator(g, cands)
     stolen = 0
     for mask in range(2 ** len(cands.roots)):
         keep = frozenset(r for i, r in enumerate(cands.roots) if mask >> i & 1)
@@ -592,7 +590,7 @@ def test_the_planner_costs_the_commit_of_an_optimizer_stepped_inside():
     staged = stagetorch.jit(step)
     g = staged.graph(x, y)
     cands = candidates(g)
-    sim = _Simulator(g, cands)
+    sim = Simulator(g, cands)
     for mask in range(2 ** len(cands.roots)):
         keep = frozenset(r for i, r in enumerate(cands.roots) if mask >> i & 1)
         assert sim.run(keep)[0] == peak_bytes(remat(g, keep, cands)), sorted(cands.roots.index(v) for v in keep)
@@ -623,7 +621,7 @@ def test_a_node_s_values_are_recomputed_before_its_first_equation():
     for i in bursts:
         j = next(k for k in range(i, len(labels)) if labels[k] != RECOMPUTED)
         assert labels[i - 1] != labels[j] or not labels[j], (i, labels[i - 1])
-    assert peak_bytes(r) == _Simulator(g, cands, hoist=True).run(keep)[0]
+    assert peak_bytes(r) == Simulator(g, cands, hoist=True).run(keep)[0]
 
 
 def test_chain_cut_at_narrow_points_and_the_dynamic_program():
@@ -631,8 +629,8 @@ def test_chain_cut_at_narrow_points_and_the_dynamic_program():
     recomputes nothing that costs when the budget allows it, recomputes where it does not, and gives up below one segment."""
     g = stagetorch.make_ir(step_of(mlp_chain(8, 32)))(torch.randn(2, 64, 32))
     cands = candidates(g)
-    sim = _Simulator(g, cands)
-    segments = _chain(sim)
+    sim = Simulator(g, cands)
+    segments = segment_chain(sim)
     assert len(segments) >= 8 and [r for s in segments for r in s[0]] == list(cands.roots)
     assert all(len(s[1]) <= 1 for s in segments)  # one value crosses each cut
     total = sum(s[2] for s in segments)
@@ -676,7 +674,7 @@ def test_planner_against_exhaustive_search(name):
     g = stagetorch.make_ir(step_of(model))(x)
     cands = candidates(g)
     assert len(cands.roots) <= 14
-    sim = _Simulator(g, cands)
+    sim = Simulator(g, cands)
     every = [sim.run(frozenset(r for i, r in enumerate(cands.roots) if mask >> i & 1))[:2]
              for mask in range(2 ** len(cands.roots))]
     points = frontier(g)

@@ -30,7 +30,7 @@ from memtrack import AllocatorPeak
 import stagetorch
 from stagetorch.errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError
 from stagetorch.interpreters.memory import peak_bytes
-from stagetorch.planning.chunks import SAFETY_MARGIN
+from stagetorch.planning.budget import SAFETY_MARGIN
 from stagetorch.planning.remat_search import RematPlan
 
 OUT = pathlib.Path(__file__).parent.parent / "docs" / "img"

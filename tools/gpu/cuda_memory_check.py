@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from memtrack import AllocatorPeak, budget_between, known_to_the_profiler
 
 import stagetorch
-from stagetorch.planning.chunks import SAFETY_MARGIN, Plan
+from stagetorch.planning.budget import SAFETY_MARGIN
+from stagetorch.planning.chunks import Plan
 from stagetorch.runtime.executable import Executable
 
 PATHS = ("whole", "chunked", "recomputing", "lazy", "optimizer inside", "optimizer inside, donate_grads", "accumulating")

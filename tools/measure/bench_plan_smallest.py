@@ -5,7 +5,7 @@ Planning time at the smallest budget: the search below the frontier's least peak
 Per zoo model (``tests/support/transformer_models.py``, 8 layers x 512 tokens by default, one example, CPU): the
 step staged first (``staged.graph``), then the process's CPU time of asking its smallest budget (a 1 KiB
 budget's ``OutOfMemoryError`` names it: frontier, search below it) and planning at that budget, with the
-simulations it ran (``_Simulator.run`` calls), the simulators it built, and the plan's peak and recomputed
+simulations it ran (``Simulator.run`` calls), the simulators it built, and the plan's peak and recomputed
 FLOPs (equal before and after a change that only makes planning faster).
 
     python tools/measure/bench_plan_smallest.py [--models BART,BERT] [--layers 8] [--tokens 512]
@@ -23,10 +23,10 @@ import torch
 from transformer_models import model_and_batch, smallest_budget, step_of
 
 import stagetorch
-from stagetorch.planning.remat_search import _Simulator
+from stagetorch.planning.remat_simulator import Simulator
 
 COUNTS = {"runs": 0, "built": 0}
-_run, _init = _Simulator.run, _Simulator.__init__
+_run, _init = Simulator.run, Simulator.__init__
 
 
 def _counted_run(self, *args, **kwargs):
@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    _Simulator.run, _Simulator.__init__ = _counted_run, _counted_init
+    Simulator.run, Simulator.__init__ = _counted_run, _counted_init
     for name in args.models.split(","):
         print(measure(name, args.layers, args.tokens), flush=True)
 
