@@ -1,6 +1,11 @@
 """The session: what one ``lazy(...)`` call made (its lazy inputs, the recording it records or replays, the
 real values kept) and its flush, which runs the pending equations through the same
 :class:`~stagetorch.runtime.executable.Executable` that ``jit`` uses. :func:`lazy` starts one.
+
+Why one module of ~950 lines: it is the top of the session's class chain (``SessionBase`` < ... <
+``BackwardSkip`` < ``_Session``), and its methods (the flush, the peeks a host read makes, the draws a flush
+replays) share the session's state and call each other; split across modules they would be mixins calling
+each other's private methods, which the chain's order (tests/core/test_imports.py) exists to prevent.
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ def _traced_logsumexp_is_float() -> bool:
         return True
 
 
-# Memory rules: op -> rule(eqn) -> MemoryEffect (see stagetorch/costing.py)
+# Memory rules: op -> rule(eqn) -> MemoryEffect (see stagetorch/interpreters/memory.py)
 MEMORY: dict = {aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu_memory} if _traced_logsumexp_is_float() else {}
 
 
@@ -141,7 +141,7 @@ BATCH: dict = {
 }
 
 
-# FLOP rules: op -> rule(eqn) -> int (see stagetorch/flops.py)
+# FLOP rules: op -> rule(eqn) -> int (see stagetorch/interpreters/flops.py)
 FLOPS: dict = {
     **{op: flops.attention_rule for op in (
         aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention,
@@ -154,7 +154,7 @@ FLOPS: dict = {
 }
 
 
-# Workspace rules: op -> rule(eqn) -> bytes the kernel allocates inside itself (see stagetorch/costing.py)
+# Workspace rules: op -> rule(eqn) -> bytes the kernel allocates inside itself (see stagetorch/interpreters/memory.py)
 WORKSPACE: dict = {
     aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu_workspace,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_cpu_backward_workspace,

@@ -69,7 +69,7 @@ BATCH: dict = {
 }
 
 
-# FLOP rules: op -> rule(eqn) -> int (see stagetorch/flops.py)
+# FLOP rules: op -> rule(eqn) -> int (see stagetorch/interpreters/flops.py)
 FLOPS: dict = {
     aten.convolution: flops.conv_rule,
     aten.convolution_backward: flops.conv_backward_rule,

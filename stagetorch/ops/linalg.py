@@ -48,7 +48,7 @@ BATCH: dict = {
 }
 
 
-# FLOP rules: op -> rule(eqn) -> int (see stagetorch/flops.py)
+# FLOP rules: op -> rule(eqn) -> int (see stagetorch/interpreters/flops.py)
 FLOPS: dict = {op: flops.matmul_rule for op in (aten.mm, aten.addmm, aten.bmm, aten.baddbmm)}
 
 
@@ -301,7 +301,7 @@ def matmul_workspace(operands: tuple[int, int]):  # noqa: ANN201
     return rule
 
 
-# Workspace rules: op -> rule(eqn, layouts) -> bytes (see stagetorch/costing.py).
+# Workspace rules: op -> rule(eqn, layouts) -> bytes (see stagetorch/interpreters/memory.py).
 WORKSPACE: dict = {
     aten.mm: matmul_workspace((0, 1)),
     aten.bmm: matmul_workspace((0, 1)),

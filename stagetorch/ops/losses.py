@@ -273,7 +273,7 @@ _KEEPS_UNREDUCED = {aten.mse_loss: 2, aten.smooth_l1_loss: 2, aten.binary_cross_
 MEMORY: dict = {op: keeps_unreduced(arg) for op, arg in _KEEPS_UNREDUCED.items()}
 
 
-# Workspace rules: op -> rule(eqn) -> bytes the kernel allocates inside itself (see stagetorch/costing.py).
+# Workspace rules: op -> rule(eqn) -> bytes the kernel allocates inside itself (see stagetorch/interpreters/memory.py).
 WORKSPACE: dict = {
     aten.mse_loss: loss_workspace(2, "structured"),
     aten.smooth_l1_loss: loss_workspace(2, "structured"),

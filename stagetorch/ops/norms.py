@@ -243,7 +243,7 @@ def _reading_layouts(rule):  # noqa: ANN001, ANN202
 
 
 # Workspace rules: op -> rule(eqn[, layouts]) -> bytes the kernel allocates inside itself (see
-# stagetorch/costing.py).
+# stagetorch/interpreters/memory.py).
 WORKSPACE: dict = {
     aten.native_batch_norm: _reading_layouts(lambda e, layouts: batch_norm_workspace(e, 5, layouts)),
     aten._native_batch_norm_legit: _reading_layouts(  # .no_stats has no running statistics

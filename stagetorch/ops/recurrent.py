@@ -233,7 +233,7 @@ def _rnn_flops(x: Var, w_ih: Var, w_hh: Var) -> int:
     return 2 * tokens * (w_ih.aval.numel + w_hh.aval.numel)
 
 
-# FLOP rules: op -> rule(eqn) -> int (see stagetorch/flops.py). The backward does the products twice over:
+# FLOP rules: op -> rule(eqn) -> int (see stagetorch/interpreters/flops.py). The backward does the products twice over:
 # once for the input and state gradients, once for the weight gradients.
 FLOPS: dict = {
     aten.mkldnn_rnn_layer: lambda e: _rnn_flops(*e.args[:3]),

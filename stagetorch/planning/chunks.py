@@ -87,7 +87,7 @@ def base_bytes(split: Split) -> int:
 
 def _batch_wide(split: Split, through: str = "body") -> int:
     """Bytes of the batch-wide values the pre-passes hand on, held from their pass to the end of the run
-    (chunking.run_chunked keeps them): the normaliser pass's (a loss's total weight) from the reduction pass
+    (interpreters.chunked.run_chunked keeps them): the normaliser pass's (a loss's total weight) from the reduction pass
     on, and the reduction pass's (with what the global post phase makes of them) through the body and post.
     A chunk graph reads them as inputs, which its own peak leaves out."""
     held = list(split.globals)

@@ -36,10 +36,8 @@ import torch
 
 from ..devices.budget import format_bytes
 from ..errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError
-from ..interpreters.batching import Batched, LabelFn, analyze
-from ..interpreters.batching import rule_for as _rule_for
-from ..interpreters.chunked import Split, even_chunks, run_chunked
-from ..interpreters.chunked import slice_examples as _cut
+from ..interpreters.batching import Batched, LabelFn, analyze, rule_for
+from ..interpreters.chunked import Split, even_chunks, run_chunked, slice_examples
 from ..interpreters.eager import Program
 from ..interpreters.flops import graph_flops
 from ..interpreters.memory import peak_bytes
@@ -145,7 +143,7 @@ def _needs_rows(v: Var, batch: int) -> int | None | bool:
 
 def _try_rule(e: Eqn, labels: dict[Var, Any], batch: int, makers: dict[Var, Eqn]) -> tuple | None:
     """The output labels of ``e`` by its batch rule, or None when the rule refuses (examples meet there)."""
-    rule = _rule_for(e.prim)
+    rule = rule_for(e.prim)
     if rule is None:
         return None
     try:
@@ -594,7 +592,7 @@ def _last(split: Split, values: Sequence[torch.Tensor], n: int) -> list[torch.Te
     last ``n`` examples: a range's inputs, as :func:`~stagetorch.interpreters.chunked.run_chunked` takes them with ``offset``."""
     labels, spanning, batch = split.analysis.labels, split.analysis.spanning, split.analysis.batch
     return [
-        _cut(x, lab, batch - n, n) if isinstance(lab := labels.get(v), Batched) and v not in spanning else x
+        slice_examples(x, lab, batch - n, n) if isinstance(lab := labels.get(v), Batched) and v not in spanning else x
         for v, x in zip(split.graph.invars, values)
     ]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..interpreters.eager import Undo
+from ..interpreters.undo import Undo
 from ..ir import Graph
 from .chunks import Plan
 from .cut import CutPlan, run_cut

@@ -137,7 +137,7 @@ class Simulator:
                     at.append(self.reads[k].index(index[x]))
             if at:
                 self.add_steals[k] = tuple(at)
-        # An optimizer stepped last is the program's commit (costing.commit_cost), the same tail in every
+        # An optimizer stepped last is the program's commit (interpreters.memory.commit_cost), the same tail in every
         # graph remat builds (it reads no forward value): before its first equation, its workspace is
         # allocated and held to the end, with the tensors a first step keeps (filled at their own equations);
         # its temporaries take no storage of their own. None: no commit.

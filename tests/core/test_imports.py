@@ -329,3 +329,52 @@ def test_the_package_checker_sees_annotations_and_session_calls(tmp_path, monkey
             assert "low" in str(e) and "high" in str(e)
         else:
             raise AssertionError(f"{test.__name__} missed low -> high")
+
+
+def _private_imports(path: pathlib.Path) -> list[str]:
+    """``from .x import _y`` (or ``from stagetorch.x import _y``) in ``path``: a private name of another module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom) or node.module == "__future__":
+            continue
+        if not (node.level or (node.module or "").startswith("stagetorch")):
+            continue
+        for a in node.names:
+            # ``from . import _mode``-style imports of a module are not private names of another module.
+            if a.name.startswith("_") and not a.name.startswith("__"):
+                found.append(f"{_module_name(path)}:{node.lineno}: from {'.' * node.level}{node.module or ''} import {a.name}")
+    return found
+
+
+def test_no_private_name_is_imported_across_modules():
+    """What two modules share is public in the lower one: no module imports another's ``_private`` name."""
+    wrong = [line for p in sorted(PACKAGE.rglob("*.py")) for line in _private_imports(p)]
+    assert not wrong, "private names imported across modules:\n" + "\n".join(wrong)
+
+
+def test_the_private_import_check_can_fail(tmp_path, monkeypatch):
+    fake = tmp_path / "stagetorch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "low.py").write_text("_hidden = 1\n")
+    (fake / "high.py").write_text("from .low import _hidden\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
+    try:
+        test_no_private_name_is_imported_across_modules()
+    except AssertionError as e:
+        assert "high:1: from .low import _hidden" in str(e)
+    else:
+        raise AssertionError("from .low import _hidden went unnoticed")
+
+
+def test_the_architecture_page_draws_the_same_layers():
+    """docs/architecture.md's table of layers is LAYERS: each row's layer number and the folders and modules
+    it names (in backticks) are exactly the table's, and every entry of the table is on the page."""
+    page = (pathlib.Path(__file__).parents[2] / "docs" / "architecture.md").read_text()
+    drawn: dict[str, int] = {}
+    for line in page.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].isdigit():
+            for name in cells[1].split("`")[1::2]:
+                drawn[name] = int(cells[0])
+    assert drawn == LAYERS

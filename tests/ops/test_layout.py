@@ -1,5 +1,5 @@
 """Layout rules: where a meta kernel lays its output out otherwise than the kernel that runs, the trace
-follows the kernel (stagetorch/ops/_layout.py). Each case runs staged and eager: same values, and the
+follows the kernel (stagetorch/ops/layout_rules.py). Each case runs staged and eager: same values, and the
 same strides as eager's outputs, so that a ``view`` the trace records never fails on the real tensor and
 no copy is made that eager PyTorch does not make."""
 

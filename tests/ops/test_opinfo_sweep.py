@@ -103,7 +103,7 @@ class _Calls(TorchDispatchMode):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_traced_strides_are_the_kernels_on_transposed_inputs():
     """Every ATen call of every OpInfo sample, its tensors made column-major: the strides the tracer gives
-    each output (the fake kernel's, corrected by the layout rules of stagetorch/ops/_layout.py) are the
+    each output (the fake kernel's, corrected by the layout rules of stagetorch/ops/layout_rules.py) are the
     real CPU kernel's. A wrong stride makes the trace record a ``view`` that fails on the real tensor (a
     BatchNorm over a transposed activation crashed every staged step that way) or a copy eager does not
     make. In-place calls and random draws are left out (their replay on fake tensors is not the call)."""

@@ -803,7 +803,7 @@ def test_a_custom_op_workspace_is_held_while_it_runs_only():
     assert stagetorch.ops.lookup(torch.ops.stagetorch_test.scratch_heavy.default).workspace is not None
 
 
-# -- oneDNN's half-precision matmul on the CPU (stagetorch/ops/linalg.py, stagetorch/ops/_onednn.py) ---------
+# -- oneDNN's half-precision matmul on the CPU (stagetorch/ops/linalg.py, stagetorch/ops/kernels/onednn_matmul.py) ---------
 # Where the kernel is one the replay of oneDNN's blocking search follows (bfloat16 on AMX-BF16, float16 on
 # AVX512-FP16, oneDNN 3.12), the rule is the allocator's bytes exactly (tools/grids/onednn_matmul_grid.py: a grid of
 # 18,000 products and 3,500 random ones at 1-16 threads). Elsewhere it falls back to a bound from above over
@@ -878,7 +878,7 @@ def test_half_precision_matmul_workspace_is_the_allocators(case, dtype, threads)
 @pytest.mark.parametrize("case", HALF_MATMULS + HALF_MATMULS_LARGE, ids=lambda c: "x".join(map(str, c)))
 def test_half_precision_matmul_fallback_bound_is_above_the_allocators(case, dtype, threads, monkeypatch):
     """Where the search is not replayed (another oneDNN version here; another ISA below), the rule is a bound
-    from above over every blocking oneDNN's searches may choose (stagetorch/ops/_onednn.py's ``bound``): never
+    from above over every blocking oneDNN's searches may choose (stagetorch/ops/kernels/onednn_matmul.py's ``bound``): never
     under the allocator, the large bfloat16 products the fitted bound missed included (a 2048-token Linear
     2048 -> 512: 5,248,128 B, the old bound 2,433,024). Loosest where the AMX macro search may run (bfloat16, A
     plain: its strips may span all of N; 100x a 512-token Linear 768 -> 3072's 119,936 B), else within 12x."""

@@ -10,6 +10,9 @@ against the allocator (docs/history/results-log.md): bfloat16 on AMX (``avx10_1_
 float32). The scores oneDNN compares are float32; they are computed here rounded to float32 at each step, as the
 C++ does, since near ties decide between blockings whose buffers differ by megabytes.
 
+Why one module of ~850 lines: it is one search, replayed as oneDNN writes it (the problem, its blockings, their
+scores and the buffers of the winner); its parts mean nothing apart, and the file reads beside oneDNN's sources.
+
 Plain ints in, bytes out: it knows nothing of the IR, of ATen's dispatch, or of which CPU it runs on (the caller
 passes the cache sizes and says which kernel runs).
 """
