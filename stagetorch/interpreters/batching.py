@@ -40,7 +40,7 @@ __all__ = [
     "Batched", "Reduced", "Global", "Chunked", "Prepass", "BatchAnalysis", "analyze", "coupling", "LabelFn",
     "rule_for",
     # The rule of a pointwise op with none of its own, and the helpers the generic batch rules share.
-    "elementwise", "agree", "arg_vars", "with_chunk_sizes",
+    "elementwise", "agree", "arg_vars", "with_chunk_sizes", "INDEXING",
 ]
 
 
@@ -99,6 +99,12 @@ class Chunked:
     tensor instead, leaving the argument as it was (``zeros(E).scatter_add_(0, ids, w)``, a count over the
     batch: each chunk's partial is made apart and the partials summed). The analysis accepts such a write to
     a shared tensor only where nothing reads that tensor afterwards but through the equation's result.
+    ``whole``: shared operands the rule has decided every chunk reads whole, because no dim of theirs pairs
+    with the examples (a table of class weights looked up by per-example targets, an embedding table, zeros a
+    chunk's share is scattered into, an index of each example's own position that ``call`` maps to the
+    chunk's). An indexing op's rule (:data:`INDEXING`) must say of every shared operand with a dim of the
+    batch's size that the step did not receive either this or ``slice``; the analysis refuses one it leaves
+    unsaid rather than guess.
     """
 
     out: tuple
@@ -106,6 +112,7 @@ class Chunked:
     slice: dict = attrs.field(factory=dict)
     prepass: dict = attrs.field(factory=dict)
     out_of_place: bool = False
+    whole: frozenset = frozenset()
 
 
 class LabelFn:
@@ -162,6 +169,20 @@ _METADATA_ONLY = {
     torch.ops.aten.new_ones, torch.ops.aten.new_zeros, torch.ops.aten.new_empty, torch.ops.aten.new_full,
     torch.ops.aten.new_empty_strided,
 }
+
+
+# Indexing ops, by packet: an operand's pairing with the examples follows from the op's semantics (gather pairs
+# every dim of its index but ``dim`` with the same dim of its source; ``x[idx]`` looks ``x`` up), not from
+# broadcasting, so their rules must declare it for every shared operand of the batch's size the step did not
+# receive (``Chunked.slice`` or ``Chunked.whole``); one left undeclared is refused by name (see _undeclared).
+_aten = torch.ops.aten
+INDEXING = frozenset({
+    _aten.gather, _aten.take_along_dim, _aten.index_select, _aten.index, _aten._unsafe_index, _aten.index_put,
+    _aten.index_put_, _aten._unsafe_index_put, _aten.scatter, _aten.scatter_, _aten.scatter_add, _aten.scatter_add_,
+    _aten.scatter_reduce, _aten.scatter_reduce_, _aten.index_add, _aten.index_add_, _aten.index_copy,
+    _aten.index_copy_, _aten.index_fill, _aten.index_fill_, _aten.take, _aten.embedding, _aten.embedding_bag,
+    _aten._embedding_bag, _aten.embedding_dense_backward,
+})
 
 
 def _packet(prim: Any) -> Any:
@@ -300,6 +321,8 @@ def _analyze(
     prepass: dict[Var, Prepass] = {}
     updated: set[Var] = set()  # written in place after the chunk loop, and what is computed from that
     read_late: set[Var] = set()  # storage (roots) that body or post equations read
+    made_per_chunk: set[Var] = set()  # shared values body equations make: made whole again in every chunk
+    captured = _not_received(graph)
 
     for i, e in enumerate(graph.eqns):
         ins = e.invars
@@ -371,6 +394,11 @@ def _analyze(
                     "updates a tensor shared by the whole batch in place from per-example values",
                     "update it outside the staged function, or run without chunking (a larger memory_budget)",
                 )
+        for v, cut in decision.slice.items():
+            if labels.get(v) is None and v in made_per_chunk:
+                raise _made_in_chunk(e, v, cut, makers, batch)
+        if _packet(e.prim) in INDEXING:
+            _undeclared(graph, e, decision, labels, captured, makers, batch)
         written = {w.root for w in writes(e)}  # (a write's target is promoted or refused above instead)
         span: dict[Var, Batched] = {}
         for v, cut in decision.slice.items() if decision.call is None else ():
@@ -389,11 +417,85 @@ def _analyze(
             if v is None:
                 continue
             labels[v] = lab
+            if lab is None:
+                made_per_chunk.add(v)
             if isinstance(lab, Global):
                 prepass[v] = decision.prepass[j]
         decisions[i] = decision
 
     return BatchAnalysis(graph, batch, labels, phases, decisions, placeholders, needs_global, prepass, dict(spanning))
+
+
+def _not_received(graph: Graph) -> set[Var]:
+    """The values the step did not receive: the graph's inputs other than its arguments (parameters, buffers,
+    tensors it closed over or read from globals, ``torch.tensor(data)``), and every value computed from one."""
+    roles = graph.roles or ["arg"] * len(graph.invars)
+    out = {v for v, role in zip(graph.invars, roles) if role != "arg"}
+    for e in graph.eqns:
+        if any(v in out for v in e.invars):
+            out.update(v for v in e.outvars if v is not None)
+    return out
+
+
+def _described(graph: Graph, v: Var, makers: dict[Var, Eqn]) -> str:
+    """``v`` in the user's words: the input it is, or the input it was computed from."""
+    names = dict(zip(graph.invars, zip(graph.roles or [], graph.names or [])))
+    seen, todo = set(), [v]
+    while todo:
+        x = todo.pop(0)
+        if x in names and names[x][1]:
+            role, name = names[x]
+            return f"{role} {name!r}" if x is v else f"a value of shape {tuple(v.aval.shape)} computed from {role} {name!r}"
+        e = makers.get(x)
+        if e is not None and x not in seen:
+            seen.add(x)
+            todo += list(e.invars)
+    return f"a value of shape {tuple(v.aval.shape)} the step made without its arguments"
+
+
+def _undeclared(
+    graph: Graph, eqn: Eqn, decision: Chunked, labels: dict[Var, Any], captured: set[Var], makers: dict[Var, Eqn],
+    batch: int,
+) -> None:
+    """The safety net of the indexing ops: a shared operand the step did not receive, with a dim of the batch's
+    size, that the rule neither cuts to the chunk nor declares read whole, is refused by name. Whether its rows
+    pair with the examples follows from the op's semantics, which only its rule knows; a guess either way runs
+    and is silently wrong the other way."""
+    extents = {batch} | {lab.extent(batch) for v in eqn.invars if isinstance(lab := labels.get(v), Batched)}
+    extents.discard(1)
+    operands = arg_vars(eqn.args) + [(k, x) for k, x in eqn.kwargs.items() if isinstance(x, Var)]
+    for _, v in operands:
+        if v not in captured or labels.get(v) is not None or v in decision.slice or v in decision.whole:
+            continue
+        dims = [d for d, size in enumerate(v.aval.shape) if size in extents]
+        if not dims:
+            continue
+        raise UnsupportedOpError(
+            f"{op_name(eqn.prim)} at {eqn.source} reads {_described(graph, v, makers)}, which the step did not "
+            f"receive as an argument and which has the batch's size ({v.aval.shape[dims[0]]}) along dim "
+            f"{dims[0]}; the op's batch rule does not say whether those rows pair with the examples (each chunk "
+            f"reads its own) or are looked up whole, so running the batch in chunks could read the wrong rows."
+            f"\nWhat to do: pass it to the staged function as an argument (batched along its batch dim), or run "
+            f"without chunking (a larger memory_budget)."
+        )
+
+
+def _made_in_chunk(eqn: Eqn, v: Var, cut: Any, makers: dict[Var, Eqn], batch: int) -> Exception:
+    """A rule cuts to the chunk a shared value that a body equation makes (the backward of ``t[arange(B), y]``
+    writes each example's own row of ``new_zeros(grad, [B, C])``): made whole again in every chunk, no cut
+    reaches it. A factory is made per chunk at the chunk's size instead (promoted); anything else is refused."""
+    m = makers.get(v)
+    if (
+        m is not None and type(cut) is Batched and _FACTORIES.get(_packet(m.prim)) is not None
+        and v.aval.shape[cut.dim] == cut.extent(batch)
+    ):
+        return _Promote(v, cut)
+    return coupling(
+        eqn,
+        f"reads a value of shape {tuple(v.aval.shape)} that is made whole in every chunk as rows of the examples",
+        "make it from the batched tensors it pairs with (x.new_zeros(x.shape)), or run without chunking (a larger "
+        "memory_budget)",
+    )
 
 
 def _ambiguous(

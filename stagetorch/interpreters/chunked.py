@@ -329,6 +329,7 @@ class Split:
             return mapping[v]
 
         eqns: list[Eqn] = []
+        made: set[Var] = set()  # the values this chunk's equations make
         for i in idx:
             e = self.graph.eqns[i]
             decision = an.decisions[i]
@@ -338,9 +339,12 @@ class Split:
                 if v in batch_wide:  # the pre-pass's value for the whole batch, not this chunk's partial
                     # (cut to the chunk where it has the batch's extent: a normaliser expanded to the batch)
                     return feed(v, decision.slice.get(v))
-                if v in mapping:
+                cut = decision.slice.get(v)
+                # A value fed whole to an earlier equation is still cut here where this rule asks (the batch
+                # analysis refuses a cut of a value the chunk makes itself, or makes it per chunk instead).
+                if v in mapping and (cut is None or v in made or isinstance(labels.get(v), Batched)):
                     return mapping[v]
-                return feed(v, decision.slice.get(v))
+                return feed(v, cut)
 
             # The arguments first: a view's base may be one of them, fed (whole, or cut to the chunk) only now.
             fed: dict[Var, Var] = {}
@@ -368,6 +372,7 @@ class Split:
             for v, nv in zip(e.outvars, outvars):
                 if v is not None:
                     mapping[v] = nv
+                    made.add(v)
             eqns.append(new)
         outs: list[Var] = [mapping[v] for v in results]
         kinds = [(v, _combine_kind(labels.get(v))) for v in results]

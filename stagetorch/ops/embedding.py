@@ -16,7 +16,7 @@ def embedding(eqn: Eqn, label: LabelFn) -> Chunked:
     weight, indices = eqn.args[0], eqn.args[1]
     if label(weight) is not None:
         raise coupling(eqn, "looks up a per-example table", "keep embedding tables shared")
-    return Chunked((label(indices),))
+    return Chunked((label(indices),), whole=frozenset({weight}))  # a table: no dim of it pairs with the examples
 
 
 def embedding_dense_backward(eqn: Eqn, label: LabelFn) -> Chunked:
@@ -28,6 +28,8 @@ def embedding_dense_backward(eqn: Eqn, label: LabelFn) -> Chunked:
     # The gradient's leading dims are the indices' dims: shared indices (token type ids expanded to the batch)
     # are cut to the chunk with it.
     cut = {indices: lab} if lab is not None and label(indices) is None and lab.dim < indices.aval.ndim else {}
+    if lab is not None and label(indices) is None and not cut:
+        raise coupling(eqn, "adds per-example gradients at shared positions that do not line up with them", "batch the indices")
     return Chunked((Reduced("sum"),), slice=cut)
 
 

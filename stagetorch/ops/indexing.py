@@ -9,13 +9,14 @@ indexed or from a dim of the broadcast indices. The batch rule follows the batch
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import torch
 
 from ..errors import BatchCouplingError
-from ..interpreters.batching import Batched, Chunked, LabelFn, Reduced, coupling
+from ..interpreters.batching import Batched, Chunked, LabelFn, Reduced, arg_vars, coupling
 from ..ir import Eqn, Var
 
 aten = torch.ops.aten
@@ -357,12 +358,29 @@ def index_put_(eqn: Eqn, label: LabelFn) -> Chunked:
     return decision
 
 
+def _pairings_declared(rule: Callable[[Eqn, LabelFn], Chunked]) -> Callable[[Eqn, LabelFn], Chunked]:
+    """``rule``, declaring every shared operand it does not cut read whole (``Chunked.whole``). Advanced
+    indexing pairs no dim of ``x`` with the indices (``x[idx]`` looks ``x`` up: each example reads every row
+    it names), only the indices with each other and the values with ``x[indices]``, by broadcasting; each
+    branch of the rules above places every operand by that, cutting the ones that carry the batch."""
+
+    def declared(eqn: Eqn, label: LabelFn) -> Chunked:
+        decision = rule(eqn, label)
+        operands = [v for _, v in arg_vars(eqn.args)] + [v for v in eqn.kwargs.values() if isinstance(v, Var)]
+        shared = {v for v in operands if label(v) is None and v not in decision.slice}
+        return attrs.evolve(decision, whole=decision.whole | shared)
+
+    declared.__doc__ = rule.__doc__
+    declared.__name__ = rule.__name__
+    return declared
+
+
 # index_put by packet: ops/moe.py registers the routing's own use of it on the packet too, after this family,
 # and hands every other use back to this table.
 BATCH: dict = {
-    aten.index.Tensor: index,
-    aten._unsafe_index.Tensor: index,
-    aten.index_put: index_put,
-    aten._unsafe_index_put: index_put,
-    aten.index_put_: index_put_,
+    aten.index.Tensor: _pairings_declared(index),
+    aten._unsafe_index.Tensor: _pairings_declared(index),
+    aten.index_put: _pairings_declared(index_put),
+    aten._unsafe_index_put: _pairings_declared(index_put),
+    aten.index_put_: _pairings_declared(index_put_),
 }

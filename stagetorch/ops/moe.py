@@ -307,7 +307,7 @@ def index(eqn: Eqn, label: LabelFn) -> Chunked:
     li = label(idx)
     rows = attrs.evolve(li, holds=None) if isinstance(li, Routed) else None
     if lx is None and rows is not None:
-        return Chunked((rows,))
+        return Chunked((rows,), whole=frozenset({x}))  # a table looked up by routed ids
     held = _holds(li, idx, "perm")
     if type(lx) is Batched and held is not None and lx.dim == 0 and lx.outer == 1 and li.k == lx.k * held[2]:
         return Chunked((rows,))
@@ -356,7 +356,9 @@ def index_put(eqn: Eqn, label: LabelFn) -> Chunked:
             def call(n: int) -> tuple[Any, tuple, dict]:
                 return _arange_into, (dest, idx, values), {}
 
-            return Chunked((Positions(0, li.k, perm=li.perm, holds=eqn.outvars[0]),), call=call)
+            # (the destination and the positions written are read whole: the call checks the positions)
+            return Chunked((Positions(0, li.k, perm=li.perm, holds=eqn.outvars[0]),), call=call,
+                           whole=frozenset({dest, values}))
         raise coupling(eqn, "writes at routed positions other than the sort's inverse", "write arange at the sort's indices")
     if ld is not None:
         raise coupling(eqn, "adds routed rows into per-example values", "add them into zeros")
@@ -376,7 +378,7 @@ def index_put(eqn: Eqn, label: LabelFn) -> Chunked:
     def call(n: int) -> tuple[Any, tuple, dict]:
         return _scatter_rows, (dest, idx, values, out.extent(n)), {}
 
-    return Chunked((out,), call=call)
+    return Chunked((out,), call=call, whole=frozenset({dest}))  # zeros, made at the chunk's size
 
 
 def _zeros_at(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -428,6 +430,20 @@ def scatter(eqn: Eqn, label: LabelFn) -> Chunked:
     dim %= x.aval.ndim
     if any(lab is not None and lab != li for lab in others):
         raise coupling(eqn, "scatters values batched otherwise than their index", "batch them alike")
+    # A shared source pairs entry by entry with the index on every dim (``out[index[i][j]][j] = src[i][j]``):
+    # its rows along the index's batch dim are the examples', cut to the chunk with the index.
+    cut = {}
+    for v in eqn.args[3:]:
+        if isinstance(v, Var) and label(v) is None:
+            if v.aval.shape[li.dim] != li.extent(label.batch):
+                raise coupling(
+                    eqn,
+                    f"scatters a shared source whose dim {li.dim} ({v.aval.shape[li.dim]} entries) pairs entry by "
+                    f"entry with the index's {li.extent(label.batch)} examples",
+                    "give the source one row per example and pass it to the staged function as an argument "
+                    "(batched), or run without chunking (a larger memory_budget)",
+                )
+            cut[v] = li
     if dim != li.dim:
         if x.aval.shape[li.dim] != li.extent(label.batch):
             raise coupling(eqn, "scatters per-example rows into a tensor without a row per example", "scatter into zeros shaped like the batch")
@@ -435,7 +451,7 @@ def scatter(eqn: Eqn, label: LabelFn) -> Chunked:
         def call(n: int) -> tuple[Any, tuple, dict]:
             return _scatter_rows_of(eqn.prim, li.dim, li.extent(n)), eqn.args, eqn.kwargs
 
-        return Chunked((li,), call=call, slice={x: li})
+        return Chunked((li,), call=call, slice={x: li, **cut})
     if eqn.prim.overloadpacket in (aten.scatter_add, aten.scatter_add_):
         # In place (``zeros(E).scatter_add_(...)``, transformers' load-balancing loss under an attention
         # mask), each chunk would add into the one shared tensor: the chunk's partial is made apart instead.
@@ -444,7 +460,8 @@ def scatter(eqn: Eqn, label: LabelFn) -> Chunked:
         def call(n: int) -> tuple[Any, tuple, dict]:
             return _scatter_into_zeros(aten.scatter_add.default), eqn.args, eqn.kwargs
 
-        return Chunked((Reduced("sum"),), call=call, out_of_place=in_place)
+        # The zeros each chunk's share lands in are read whole (checked zeros when it runs).
+        return Chunked((Reduced("sum"),), call=call, slice=cut, out_of_place=in_place, whole=frozenset({x}))
     raise coupling(eqn, "scatters over the batch dim, where a later example overwrites an earlier one", "use scatter_add")
 
 

@@ -6,24 +6,86 @@ import torch
 
 from ..interpreters import batch_rules, batching, shape_rules
 from ..interpreters.batching import Batched, Chunked, LabelFn, coupling
-from ..ir import Aval, Eqn
+from ..ir import Aval, Eqn, Var
 
 aten = torch.ops.aten
 
 
 # Batch rules for this family's ops (see stagetorch/interpreters/batching.py).
 
-_gather_along = batch_rules.along(1)
+_along_dim_arg = batch_rules.along(1)
 
 
 def _gather(eqn: Eqn, label: LabelFn) -> Chunked:
-    """``gather(input, dim, index)``. With a shared input (class weights looked up by per-example
-    targets) each row of the output reads the input where the same row of the index points: exact per
-    chunk of the index, whatever ``dim`` is."""
-    index = eqn.args[2]
-    if label(eqn.args[0]) is None and (lab := label(index)) is not None:
-        return Chunked((lab,))
-    return _gather_along(eqn, label)
+    """``gather(input, dim, index)``: ``out[i][j] = input[index[i][j]][j]`` (``dim`` 0), every dim of the index
+    but ``dim`` paired entry by entry with the same dim of the input (which may be longer: its extra entries
+    are never read). With a shared input and a per-example index:
+
+    - batched along ``dim`` itself (class weights ``(C,)`` gathered by the targets): the input is a lookup
+      table, read whole by every chunk;
+    - batched along another dim (``PRIOR.gather(1, y[:, None])``, ``PRIOR`` of shape ``(B, C)``): row ``e`` of
+      the index reads row ``e`` of the input, so the input is paired with the examples and cut to each chunk
+      (a tensor the step closed over, or made before the examples met it; one made in each chunk is made
+      per chunk, or refused); an input with more rows than examples is refused by name.
+    """
+    x, index = eqn.args[0], eqn.args[2]
+    dim = eqn.args[1] % max(x.aval.ndim, 1)
+    lab = label(index)
+    if label(x) is None and lab is not None:
+        if lab.dim == dim:
+            return Chunked((lab,), whole=frozenset({x}))
+        extent = lab.extent(label.batch)
+        if x.aval.shape[lab.dim] != extent:
+            raise coupling(
+                eqn,
+                f"reads a shared input whose dim {lab.dim} ({x.aval.shape[lab.dim]} entries) gather pairs entry by "
+                f"entry with the index's {extent} examples",
+                "give that input one row per example and pass it to the staged function as an argument (batched "
+                "along its batch dim), or run without chunking (a larger memory_budget)",
+            )
+        return Chunked((lab,), slice={x: lab})
+    return _along_dim_arg(eqn, label)
+
+
+def _index_select(eqn: Eqn, label: LabelFn) -> Chunked:
+    """``index_select(input, dim, index)``: the index picks whole slices of the input along ``dim``, pairing
+    with no other dim. A shared input looked up by per-example positions is a table (the output's ``dim``
+    holds the examples); a per-example input with a shared index keeps its batch dim (when it is not ``dim``)."""
+    x, index = eqn.args[0], eqn.args[2]
+    dim = eqn.args[1] % max(x.aval.ndim, 1)
+    xl, il = label(x), label(index)
+    if xl is None:
+        return Chunked((Batched(dim, il.k, il.outer),), whole=frozenset({x}))
+    if il is not None:
+        raise coupling(
+            eqn,
+            "selects from per-example values with per-example positions (every example would meet every other "
+            "example's positions)",
+            "select with a shared index, or run without chunking (a larger memory_budget)",
+        )
+    if xl.dim == dim:
+        raise coupling(eqn, "selects along the batch dim", "select examples outside the staged function")
+    return Chunked((xl,), whole=frozenset({index}))
+
+
+def _scatter_along(eqn: Eqn, label: LabelFn) -> Chunked:
+    """``scatter``/``scatter_add``/``scatter_reduce(input, dim, index, src)`` into a per-example input: every dim
+    of the index but ``dim`` is paired entry by entry with the input's and the source's, without broadcasting
+    (a shared index of one row writes the first row of the batch only): a shared index must have a row per
+    example, cut to the chunk with the input (a source with more rows than the index is refused by the
+    generic rule). A shared input is the MoE family's (``ops/moe.py``)."""
+    x, index = eqn.args[0], eqn.args[2]
+    lab = label(x)
+    if lab is not None and isinstance(index, Var) and label(index) is None:
+        rows = index.aval.shape[lab.dim] if index.aval.ndim > lab.dim else 1
+        if rows != lab.extent(label.batch):
+            raise coupling(
+                eqn,
+                f"writes into per-example rows with a shared index of {rows} entries along the batch dim, which "
+                f"scatter pairs entry by entry with the examples",
+                "give the index one row per example (index.expand(...) of a row is one), or run without chunking",
+            )
+    return _along_dim_arg(eqn, label)
 
 
 def _select_backward_label(eqn: Eqn, label: LabelFn) -> Batched:
@@ -109,9 +171,9 @@ BATCH: dict = {
     aten.tril: batch_rules.along(None, last=2),
     aten.triu: batch_rules.along(None, last=2),
     aten.gather: _gather,
-    aten.scatter: batch_rules.along(1),
-    aten.scatter_add: batch_rules.along(1),
-    aten.scatter_reduce: batch_rules.along(1),
-    aten.index_select: batch_rules.along(1),
+    aten.scatter: _scatter_along,
+    aten.scatter_add: _scatter_along,
+    aten.scatter_reduce: _scatter_along,
+    aten.index_select: _index_select,
 }
 
