@@ -18,6 +18,8 @@ from budgets import budget_for, rel
 
 import stagetorch
 from stagetorch import registry
+from stagetorch.errors import BatchCouplingError, UnsupportedOpError
+from stagetorch.interpreters import batching
 
 B, S, H, V = 10, 6, 8, 13
 
@@ -191,3 +193,142 @@ def test_without_cutting_a_keyword_mask_the_chunk_fails(monkeypatch):
     with pytest.raises(RuntimeError):
         run_chunked(shifted_decoder, Tiny().double(), batch_of())
     stagetorch.clear_caches()
+
+
+# -- issue 43: every indexing rule, fed a batch-sized operand the step did not receive ----------------------------
+# A tensor the step closed over (a global here), with a dim of the batch's size, in each operand position of every
+# indexing op with a batch rule: chunked under jit it equals eager, or it is refused by name before anything runs.
+# (The gather rule read such a source whole and ran silently wrong; the net in batching.py refuses any such operand
+# a rule leaves undeclared.)
+
+NB, NC = 23, 5  # prime batch: uneven chunks
+_g = torch.Generator().manual_seed(7)
+CAP = torch.rand(NB, NC, dtype=torch.float64, generator=_g) + 0.5  # rows pair with the examples, or a table
+CAP_IDX = torch.randint(0, NC, (NB, NC), generator=_g)  # per-row positions into NC
+CAP_ROWS = torch.randint(0, NB, (NB,), generator=_g)  # positions into the batch (other examples' rows)
+ARANGE = torch.arange(NB)
+
+# op -> (name, f(h, y) -> per-example or scalar term): ``h`` per example (NB, NC), ``y`` per-example positions.
+CAPTURED_OPERANDS: dict = {
+    torch.ops.aten.gather: [
+        ("source_rows", lambda h, y: CAP.gather(1, y[:, None])[:, 0] * h[:, 0]),
+        ("source_table", lambda h, y: CAP[:, 0].gather(0, y) * h[:, 0]),
+        ("index", lambda h, y: h.gather(1, CAP_IDX)),
+        ("take_along_dim", lambda h, y: torch.take_along_dim(CAP, y[:, None], 1) * h),
+    ],
+    torch.ops.aten.index_select: [
+        ("table", lambda h, y: CAP.index_select(0, y) * h),
+        ("index", lambda h, y: h.index_select(1, CAP_IDX[0])),
+        ("batch_index", lambda h, y: h.index_select(0, CAP_ROWS)),
+    ],
+    torch.ops.aten.index: [
+        ("table_rows", lambda h, y: CAP[y] * h),
+        ("table_columns", lambda h, y: CAP[:, y].sum(0) * h[:, 0]),
+        ("pick", lambda h, y: CAP[ARANGE, y] * h[:, 0]),
+        ("index", lambda h, y: h[ARANGE, CAP_IDX[:, 0]]),
+        ("other_rows", lambda h, y: h[CAP_ROWS]),
+    ],
+    torch.ops.aten.index_put: [
+        ("values", lambda h, y: h.index_put((ARANGE, y), CAP[:, 0])),
+        ("into", lambda h, y: CAP.index_put((ARANGE, y), h[:, 0])),
+        ("accumulate", lambda h, y: torch.zeros(NC, dtype=h.dtype).index_put((y,), CAP[:, 0] * h[:, 0], accumulate=True)),
+    ],
+    torch.ops.aten.scatter: [
+        ("source", lambda h, y: h.scatter(1, y[:, None], CAP[:, :1])),
+        ("index", lambda h, y: h.scatter(1, CAP_IDX[:, :1], h[:, 1:2])),
+        ("into", lambda h, y: CAP.scatter(1, y[:, None], h[:, :1])),
+    ],
+    torch.ops.aten.scatter_add: [
+        ("source", lambda h, y: h.scatter_add(1, y[:, None], CAP[:, :1])),
+        ("counts", lambda h, y: torch.zeros(NC, dtype=h.dtype).scatter_add(0, y, CAP[:, 0]) * h.sum()),
+        ("into", lambda h, y: CAP.scatter_add(1, y[:, None], h[:, :1])),
+    ],
+    torch.ops.aten.scatter_add_: [
+        ("counts_in_place", lambda h, y: torch.zeros(NC, dtype=h.dtype).scatter_add_(0, y, CAP[:, 0] * h[:, 0])),
+        ("source_in_place", lambda h, y: h.clone().scatter_add_(1, y[:, None], CAP[:, :1])),
+    ],
+    torch.ops.aten.scatter_reduce: [
+        ("source", lambda h, y: h.scatter_reduce(1, y[:, None], CAP[:, :1], "amax")),
+    ],
+    torch.ops.aten.embedding: [
+        ("table", lambda h, y: F.embedding(y, CAP) * h),
+        ("table_of_batch_rows", lambda h, y: F.embedding(CAP_ROWS, h)),
+    ],
+}
+_CASES = [(op, name, f) for op, cases in CAPTURED_OPERANDS.items() for name, f in cases]
+
+
+def test_every_indexing_op_with_a_batch_rule_is_fed_a_captured_operand():
+    covered = set(CAPTURED_OPERANDS) | {torch.ops.aten.index_put_, torch.ops.aten._unsafe_index,
+                                         torch.ops.aten._unsafe_index_put, torch.ops.aten.embedding_dense_backward}
+    ruled = {op for op in batching.INDEXING if (rule := registry.lookup(op)) is not None and rule.batch is not None}
+    ruled |= {op.overloadpacket for op, rule in registry.rules().items() if isinstance(op, torch._ops.OpOverload)
+              and op.overloadpacket in batching.INDEXING and rule.batch is not None}
+    assert ruled <= covered, ruled - covered
+
+
+@pytest.mark.parametrize(("op", "name", "term"), _CASES, ids=[f"{op.__name__}-{name}" for op, name, _ in _CASES])
+def test_a_captured_batch_sized_operand_of_an_indexing_op_runs_exactly_or_is_named(op, name, term):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, NC)).double()
+    x = torch.randn(NB, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, NC, (NB,), generator=torch.Generator().manual_seed(2))
+
+    def step_of(m):
+        def step(x, y):
+            h = m(x)
+            loss = (term(h, y) * torch.linspace(0.5, 1.5, NC, dtype=torch.float64)[: 1 if term(h, y).ndim < 2 else NC]).pow(2).mean()
+            loss.backward()
+            return loss
+
+        return step
+
+    eager = copy.deepcopy(model)
+    e_loss = step_of(eager)(x, y)
+    staged_model = copy.deepcopy(model)
+    staged = stagetorch.jit(step_of(staged_model), remat=False)
+    try:
+        budget_for(staged, x, y, chunks=2)
+        loss = staged(x, y)
+    except (BatchCouplingError, UnsupportedOpError) as err:
+        text = str(err)
+        # (the run-time refusal of other examples' rows names neither op nor line yet: issue 43's report)
+        assert "What to do:" in text or "Teach it with one line" in text, text
+        assert all(p.grad is None for p in staged_model.parameters())
+        assert all(torch.equal(p, q) for p, q in zip(staged_model.parameters(), model.parameters()))
+        return
+    assert len(staged.plan(x, y).chunk_sizes) >= 2
+    torch.testing.assert_close(loss, e_loss, rtol=1e-9, atol=1e-12)
+    for p, q in zip(staged_model.parameters(), eager.parameters()):
+        assert rel(p.grad, q.grad) < 1e-9, (name, rel(p.grad, q.grad))
+
+
+def test_a_rule_that_leaves_a_captured_operand_undeclared_is_refused_by_name():
+    """The safety net: a gather rule that answers only for the index (the old rule's lookup-table reading, with
+    no word on the source) is refused, naming the op, the user's line and the tensor, never run."""
+    old = registry.lookup(torch.ops.aten.gather).batch
+
+    def naive(eqn, label):
+        return batching.Chunked((label(eqn.args[2]),))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, NC)).double()
+    x = torch.randn(NB, 8, dtype=torch.float64)
+    y = torch.randint(0, NC, (NB,))
+
+    def step(x, y):
+        loss = -(CAP.gather(1, y[:, None])[:, 0] * F.log_softmax(model(x), 1).gather(1, y[:, None])[:, 0]).mean()
+        loss.backward()
+        return loss
+
+    stagetorch.ops.register(torch.ops.aten.gather, batch=naive)
+    try:
+        staged = stagetorch.jit(step, remat=False)
+        staged.memory_budget = staged.plan(x, y).full_batch_peak_bytes // 2
+        with pytest.raises(UnsupportedOpError) as err:
+            staged(x, y)
+    finally:
+        stagetorch.ops.register(torch.ops.aten.gather, batch=old)
+    text = str(err.value)
+    assert "gather" in text and "test_indexing_rules.py:" in text and "'CAP'" in text and "What to do:" in text, text
+    assert all(p.grad is None for p in model.parameters())
