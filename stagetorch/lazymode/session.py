@@ -547,6 +547,15 @@ class _Session(BackwardSkip):
         end = len(self.eqns) if mode is _RECORD else self.end  # eqn_count, inline
         if end == done:
             return
+        if needed:
+            # A value computed already (an input, a value an earlier flush kept, one a peek computed: read
+            # twice with work pending between, as Longformer's mask is by `.any().item()` then `.nonzero()`)
+            # is not computed again: a peek's program cannot output a value it neither makes nor reads.
+            values = self.values
+            missing = [v for v in needed if v not in values]
+            if not missing:
+                return  # the op reads only values computed already, and no pending call reads what it writes
+            needed = missing
         if self.expect is not None:
             self.check_generator()
         if grads is None:
