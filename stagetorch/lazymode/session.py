@@ -515,7 +515,12 @@ class _Session(BackwardSkip):
             roles = ["arg" if v in labels else "const" for v in invars]
             graph = Graph(invars, self.eqns[self.done : end], list(outs), roles, [""] * len(invars))
             batched = {v: b for v, b in labels.items() if v in invars}
-            executable = Executable(graph, batched, self.batch, remat=self.remat)
+            # A flush whose examples meet (a contrastive loss over in-batch negatives) is cut there, as jit's
+            # step is (planning/cut.py), where nothing else fits; not under a process group, which does not cut.
+            # BatchNorm in training is not run in passes here (planning/multipass.py): not tested in this mode.
+            executable = Executable(
+                graph, batched, self.batch, remat=self.remat, cut_coupled=self.shard is None, passes_coupled=False,
+            )
             device = next((v.aval.device for v in executable.batched), torch.device("cpu"))
             # Outputs in storage the flush made (no view of an input): a gradient there is no parameter's.
             made = set(produced)
