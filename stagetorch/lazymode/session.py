@@ -515,7 +515,12 @@ class _Session(BackwardSkip):
             roles = ["arg" if v in labels else "const" for v in invars]
             graph = Graph(invars, self.eqns[self.done : end], list(outs), roles, [""] * len(invars))
             batched = {v: b for v, b in labels.items() if v in invars}
-            executable = Executable(graph, batched, self.batch, remat=self.remat)
+            # A flush whose examples meet (a contrastive loss over in-batch negatives) is cut there, as jit's
+            # step is (planning/cut.py), where nothing else fits; not under a process group, which does not cut.
+            # BatchNorm in training is not run in passes here (planning/multipass.py): not tested in this mode.
+            executable = Executable(
+                graph, batched, self.batch, remat=self.remat, cut_coupled=self.shard is None, passes_coupled=False,
+            )
             device = next((v.aval.device for v in executable.batched), torch.device("cpu"))
             # Outputs in storage the flush made (no view of an input): a gradient there is no parameter's.
             made = set(produced)
@@ -547,6 +552,15 @@ class _Session(BackwardSkip):
         end = len(self.eqns) if mode is _RECORD else self.end  # eqn_count, inline
         if end == done:
             return
+        if needed:
+            # A value computed already (an input, a value an earlier flush kept, one a peek computed: read
+            # twice with work pending between, as Longformer's mask is by `.any().item()` then `.nonzero()`)
+            # is not computed again: a peek's program cannot output a value it neither makes nor reads.
+            values = self.values
+            missing = [v for v in needed if v not in values]
+            if not missing:
+                return  # the op reads only values computed already, and no pending call reads what it writes
+            needed = missing
         if self.expect is not None:
             self.check_generator()
         if grads is None:

@@ -145,6 +145,18 @@ class LazyTensor(torch.Tensor):
             s.flush([t._var], needed=[t._var])
         return s.values[t._var]
 
+    def settled(self) -> torch.Tensor:
+        """The real tensor of a lazy tensor of an older ``lazy(...)`` call, read by a call of a newer one (a
+        value from a finished step). Its session first runs every call it has pending, whole, never as a
+        peek: a peek leaves its equations pending, to run again later from the values they read, while the
+        call may write into this value in place (SGD's ``buf.mul_(momentum).add_(grad)`` on a momentum
+        buffer made in an earlier step, whose ``mul_`` that session recorded): computed again, the value
+        would lose that write, and the optimizer would step with a stale buffer."""
+        t = self if self._shadow is None else self._shadow
+        s = t._session
+        s.flush([t._var])
+        return s.values[t._var]
+
     def __repr__(self, **kwargs: Any) -> str:
         return repr(self.value())
 
@@ -249,7 +261,7 @@ def _one_session(args: tuple, kwargs: dict, leaves: list | None = None) -> tuple
     newest = max(sessions, key=lambda s: s.serial)
 
     def real(t: LazyTensor) -> torch.Tensor:
-        return t if t._session is newest else t.value()
+        return t if t._session is newest else t.settled()
 
     return map_leaves(args, LazyTensor, real), map_leaves(kwargs, LazyTensor, real)
 

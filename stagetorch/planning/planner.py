@@ -81,6 +81,9 @@ class Planner:
     remat: bool = False
     # Whether a step whose examples meet may be cut there (:mod:`stagetorch.planning.cut`): jit's steps.
     cut_coupled: bool = False
+    # Whether BatchNorm in training may run in passes (:mod:`stagetorch.planning.multipass`); None: as
+    # ``cut_coupled`` (jit's steps). One-line mode cuts but has no passes (untested there).
+    passes_coupled: bool | None = None
     # Bytes the graph counts twice because two of its inputs are views of one storage, less the bytes of the
     # storages its inputs view that it does not count (negative then; known at the first run: see
     # :meth:`see_inputs`).
@@ -143,7 +146,8 @@ class Planner:
             except BatchCouplingError as coupled:
                 # BatchNorm in training, where nothing else fits: its statistics summed over the chunks, in
                 # passes that recompute (remat="auto" only: O(L^2) forward work for L layers).
-                in_passes = isinstance(coupled, BatchStatisticsError) and self.cut_coupled and self.remat
+                passes_ok = self.cut_coupled if self.passes_coupled is None else self.passes_coupled
+                in_passes = isinstance(coupled, BatchStatisticsError) and passes_ok and self.remat
                 passes = self.passes() if in_passes else None
                 if passes is not None:
                     self.plans[key] = self._plan_passes(passes, budget, coupled)

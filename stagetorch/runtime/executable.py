@@ -51,13 +51,16 @@ class Executable:
     def __init__(
         self, graph: Graph, batched: dict[Var, Batched], batch: int, consts: list[torch.Tensor] | None = None,
         *, cap: int | None = None, remat: bool = False, planner: Planner | None = None, cut_coupled: bool = False,
+        passes_coupled: bool | None = None,
     ):
         self.graph = graph
         self.batched = batched
         self.batch = batch
         self.consts = [] if consts is None else consts
         if planner is None:
-            planner = Planner(graph, batched, batch, cap=cap, remat=remat, cut_coupled=cut_coupled)
+            planner = Planner(
+                graph, batched, batch, cap=cap, remat=remat, cut_coupled=cut_coupled, passes_coupled=passes_coupled,
+            )
             recall(planner)  # what an earlier run of this program learned (a step staged or recorded again)
         self.planner = planner
         self._program: Program | None = None

@@ -228,6 +228,52 @@ def test_a_new_call_after_backward_in_a_replayed_step(budget):
     assert_same(step, budget)
 
 
+def _autograd_grad_loop(one_line, budget, log_previous, momentum, n=4):
+    """Gradient logging around ``torch.autograd.grad``: each step clones the previous step's ``.grad`` (a lazy
+    tensor of the step before's session) before ``zero_grad()``, assigns the new gradients to ``.grad`` and
+    steps SGD with momentum (its buffer, made by the first step, is a lazy tensor of that step's session).
+    Returns the losses, the logged gradients and the parameters after each step."""
+    torch.manual_seed(0)
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    seen = []
+    for x, y in batches(n, batch=BATCH):
+        if one_line:
+            x, y = stagetorch.lazy(x, y, batch=0, memory_budget=budget)
+        loss = F.cross_entropy(model(x), y)
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        logged = [p.grad.clone() if log_previous and p.grad is not None else None for p in model.parameters()]
+        optimizer.zero_grad()
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
+        optimizer.step()
+        seen.append((
+            _real(loss), [None if g is None else _real(g) for g in logged], [p.detach().clone() for p in model.parameters()],
+        ))
+    return seen
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+@pytest.mark.parametrize("log_previous", [True, False], ids=["logged", "not-logged"])
+def test_autograd_grad_assigned_to_grad_with_momentum_and_the_previous_grad_logged(log_previous, momentum, budget):
+    """Issue 43: with the previous ``.grad`` cloned (recorded in the older session) and SGD's momentum buffer a
+    lazy tensor of the first step, reading the buffer for ``buf.mul_(momentum).add_(grad)`` peeked at the
+    older session, leaving its ``mul_`` pending; the next step's peek computed it again from the buffer
+    before the real ``add_`` wrote into it, and the parameters drifted from the third step on. A value of
+    an older session read by a newer one's call runs that session's pending work whole first."""
+    recording.RECORDINGS.clear()
+    got = _autograd_grad_loop(True, budget, log_previous, momentum)
+    expected = _autograd_grad_loop(False, None, log_previous, momentum)
+    for i, ((loss, logged, params), (loss0, logged0, params0)) in enumerate(zip(got, expected)):
+        assert type(loss) is torch.Tensor and torch.allclose(loss, loss0, rtol=1e-5, atol=1e-6), i
+        for g, g0 in zip(logged, logged0):
+            assert (g is None) == (g0 is None), i
+            assert g is None or torch.allclose(g, g0, rtol=1e-5, atol=1e-6), i
+        for p, p0 in zip(params, params0):
+            assert torch.allclose(p, p0, rtol=1e-5, atol=1e-6), (i, (p - p0).abs().max())
+
+
 # 5. A failed step leaves nothing behind.
 
 
