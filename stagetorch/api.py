@@ -17,11 +17,12 @@ import torch
 import torch.utils._pytree as pytree
 
 from .devices.budget import format_bytes
+from .errors import StagingError
 from .interpreters import shapes
 from .interpreters.flops import graph_flops
 from .interpreters.memory import MemoryReport, Schedule, peak_bytes, timeline
 from .interpreters.memory import report as costing_report
-from .ir import Aval, Eqn, Graph, Var
+from .ir import Aval, Eqn, Graph, SourceInfo, Var, iter_vars
 from .planning import plans
 from .planning.chunks import body_peaks
 from .runtime.executable import Executable
@@ -194,21 +195,49 @@ def memory(
 
         if not any(b for b, _ in leaves):
             return report(graph, batch, True, "No argument carries a batch.")
+
+        def unprobed(why: str, src: SourceInfo | None = None) -> MemoryReport:
+            # The report jit's own graph gives: the peak at this batch, with no per-example split.
+            where = f" (at {src})" if src is not None else ""
+            note = (f"The per-example split is unknown: {why}{where}, so the step was not staged at other batch "
+                    f"sizes; the peak is that of the program jit runs at batch {batch}, and predict() answers "
+                    "only there.")
+
+            def refuse(b: int) -> int:
+                raise StagingError(
+                    f"stagetorch.memory: the report costs the step at batch {batch} only, not at {b}: {why}{where}."
+                    "\nWhat to do: ask stagetorch.memory(step) with a batch of that size, or pass the batch-sized "
+                    "tensor to the step as an argument (and write its batch size as x.shape[0])."
+                )
+
+            return attrs.evolve(report(graph, batch, False, note, cost_at=refuse), per_example_known=False)
+
+        elsewhere = _batch_from_elsewhere(entry.executable)
+        if elsewhere is not None:
+            return unprobed(*elsewhere)
         sizes = [batch // 2, batch // 4] if batch >= 4 else [2 * batch, 3 * batch, 4 * batch]
         whole = timeline(graph)
         totals = {batch: [sum(row) for row in whole.live]}
-        if 1 not in totals:
-            try:
-                totals[1] = _live_totals(_staged_at(staged, args, kwargs, 1))
-            except ValueError as e:
-                # The step's own code refuses one example, as eager would (BatchNorm in training mode needs
-                # more than one value per channel): the report has no probe there, and checks the line
-                # at three quarters of the batch instead.
-                log.info("stagetorch: memory: %s not staged at one example: %s", getattr(fn, "__name__", "step"), e)
-                sizes = [batch // 2, 3 * batch // 4] if batch >= 4 else sizes
-        for b in sizes:
-            if b not in totals:
-                totals[b] = _live_totals(_staged_at(staged, args, kwargs, b))
+        try:
+            if 1 not in totals:
+                try:
+                    totals[1] = _live_totals(_staged_at(staged, args, kwargs, 1))
+                except ValueError as e:
+                    # The step's own code refuses one example, as eager would (BatchNorm in training mode needs
+                    # more than one value per channel): the report has no probe there, and checks the line
+                    # at three quarters of the batch instead.
+                    log.info("stagetorch: memory: %s not staged at one example: %s", getattr(fn, "__name__", "step"), e)
+                    sizes = [batch // 2, 3 * batch // 4] if batch >= 4 else sizes
+            for b in sizes:
+                if b not in totals:
+                    totals[b] = _live_totals(_staged_at(staged, args, kwargs, b))
+        except (StagingError, RuntimeError, ValueError, IndexError, TypeError) as e:
+            # The step stages at its own batch only (it writes the batch size as a number, ``x.reshape(96, -1)``,
+            # or reads a tensor of that size it does not receive): jit runs it; the report says what it knows.
+            first = str(e).strip().splitlines()[0].rstrip(":") if str(e).strip() else type(e).__name__
+            log.info("stagetorch: memory: %s not staged at another batch: %s", getattr(fn, "__name__", "step"), e)
+            return unprobed(f"the step does not stage at another batch size than {batch} (it may write its batch "
+                            f"size as a number, or read a tensor of that size it does not receive: {first})")
         large, small, check = sorted({batch, *sizes}, reverse=True)[:3]
         checks = [check]
         if whole.lifetimes.ruled or whole.lifetimes.workspaces:
@@ -296,6 +325,40 @@ def _schedule(staged: Staged, args: tuple, kwargs: dict) -> Schedule:
         tuple(r for r in recompute.cands.roots if r in recompute.keep), plan.extra_flops, plan.base_flops, live,
         marks, str(plan),
     )
+
+
+def _batch_from_elsewhere(executable: Executable) -> tuple[str, SourceInfo] | None:
+    """Why the step's peak cannot be staged at other batch sizes by slicing its arguments, and where: a
+    tensor the step does not receive (a global, a buffer, a closed-over tensor; not a parameter, whose size
+    may match the batch's by chance) that the batch analysis pairs with the examples, found back from the
+    values it pairs through the operands of the batch's extent. It keeps the whole batch's size whatever the
+    arguments' (and may even broadcast against one example). None where there is none, or where the step
+    cannot be chunked at all."""
+    try:
+        analysis = executable.split().analysis
+    except StagingError:
+        return None
+    graph = analysis.graph
+    roles = dict(zip(graph.invars, graph.roles or ["arg"] * len(graph.invars)))
+    names = dict(zip(graph.invars, graph.names or [""] * len(graph.invars)))
+    makers = {v: e for e in graph.eqns for v in e.outvars if v is not None}
+    for v, lab in analysis.spanning.items():
+        extent, todo, seen = lab.extent(analysis.batch), [v], set()
+        while todo:
+            w = todo.pop()
+            if w in seen:
+                continue
+            seen.add(w)
+            if roles.get(w, "arg") not in ("arg", "param"):
+                reader = next((e for e in graph.eqns if w in iter_vars((e.args, e.kwargs))), None)
+                what = f"the {'tensor' if roles[w] == 'const' else roles[w]} {names.get(w) or ''}".rstrip()
+                why = (f"the step reads {what} ({w.aval}), which has the batch's size {extent} and is not an "
+                       "argument")
+                return why, reader.source if reader is not None else SourceInfo()
+            e = makers.get(w)
+            if e is not None:  # back through the operands that carry the batch's extent
+                todo.extend(x for x in iter_vars((e.args, e.kwargs)) if extent in x.aval.shape)
+    return None
 
 
 def _staged_at(staged: Staged, args: tuple, kwargs: dict, b: int) -> Graph:

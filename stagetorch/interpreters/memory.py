@@ -518,6 +518,10 @@ class MemoryReport:
     schedule: Schedule | None = None
     # The smallest batch the per-point lines were checked at; None: at every batch.
     lines_from: int | None = None
+    # False where the step could be staged at its own batch only (a batch-sized tensor it does not receive,
+    # its batch size written as a number): ``fixed_bytes`` is then the peak, ``per_example_bytes`` 0, and
+    # ``predict`` answers at ``batch`` only (the note says why).
+    per_example_known: bool = True
 
     def predict(self, batch: int) -> int:
         """The peak for another batch size: exact at a batch that was costed, at any batch when the peak is
@@ -540,10 +544,13 @@ class MemoryReport:
         return int(round(max(a + b * batch for a, b in zip(self.point_fixed, self.point_per_example))))
 
     def __str__(self) -> str:
+        split = (
+            f": fixed {format_bytes(self.fixed_bytes)} + {format_bytes(self.per_example_bytes)} per example"
+            + ("" if self.linear else " (NOT linear in the batch; see note)")
+            if self.per_example_known else " (per-example split unknown; see note)"
+        )
         lines = [
-            f"Peak {format_bytes(self.peak_bytes)} at batch {self.batch}: fixed {format_bytes(self.fixed_bytes)} + "
-            f"{format_bytes(self.per_example_bytes)} per example"
-            + ("" if self.linear else " (NOT linear in the batch; see note)"),
+            f"Peak {format_bytes(self.peak_bytes)} at batch {self.batch}{split}",
             f"Peak at {self.peak_op}  # {self.peak_source}",
         ]
         if self.note:

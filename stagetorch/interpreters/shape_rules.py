@@ -90,7 +90,11 @@ def broadcast(
         operands = [a for a in args[:tensors] if a is not None]
         avals = [a for a in operands if isinstance(a, Aval)]
         if not avals:
-            raise _fail(op, "no tensor operand")
+            # Numbers only (``torch.div(seq_len, window, rounding_mode="trunc")``): torch wraps them and
+            # returns a 0-dim CPU tensor of the promoted dtype.
+            if not any(isinstance(a, (bool, int, float, complex)) for a in operands):
+                raise _fail(op, "no tensor or number operand")
+            return Aval((), result_dtype(*operands, kind=kind), _device())
         if not bool_ok and any(a.dtype == torch.bool for a in avals):
             raise _fail(op, "bool tensors are not supported; convert with .float() or .int() first", *avals)
         return Aval(broadcast_shapes(op, *avals), result_dtype(*operands, kind=kind), _device(*avals))

@@ -94,6 +94,9 @@ class Planner:
     _split: Split | None = None
     # The step cut where its examples meet; False: no cut helps; the error that says why it cannot be cut.
     _cut: Cut | StagingError | bool | None = None
+    # A cut found where the examples meet that needs no less than the whole batch at once (its coupled part is
+    # most of the step): what the error below every schedule names (see _no_cut_helps).
+    _useless_cut: Cut | None = None
     # The step in passes per level of its batch-wide values (BatchNorm in training); False: none helps.
     _passes: Passes | bool | None = None
     _full_peak: int | None = None
@@ -155,6 +158,8 @@ class Planner:
                 # When the analysis raises BatchCouplingError and a cut exists, plan the cut.
                 cut = self.cut(coupled) if self.cut_coupled else None
                 if cut is None:
+                    if self.cut_coupled and self._useless_cut is not None:
+                        raise self._no_cut_helps(coupled, self._useless_cut, budget) from None
                     raise
                 self.plans[key] = plan_cut(cut, budget, self._full_peak, self.cap, coupled.smallest_budget)
         return self.plans[key]
@@ -180,12 +185,31 @@ class Planner:
                 found = find_cut(self.graph, self.batched, self.batch)
                 useful = found is not None and cut_floor(found) < peak_bytes(self.graph) - (self.overlap or 0)
                 self._cut = found if useful else False
+                self._useless_cut = found if not useful else None
             except StagingError as why:
                 self._cut = why
         if isinstance(self._cut, StagingError):
             error = type(coupled)(f"{coupled}\nIt cannot be cut where its examples meet either: {self._cut}")
             raise error.copy_from(coupled) from None  # with the smallest budget recomputation alone names
         return self._cut or None
+
+    def _no_cut_helps(self, coupled: BatchCouplingError, cut: Cut, budget: int) -> OutOfMemoryError:
+        """Below the whole batch's peak, where the examples meet and cutting the step there needs no less
+        (``cut``, not useful): the budget is what is wrong, and the error names the smallest that runs, as the
+        cut's own error does (issue 43), with where the examples meet."""
+        whole = margin.smallest_budget(self._full_peak)
+        floor = margin.smallest_budget(cut_floor(cut))
+        best = min(whole, floor, coupled.smallest_budget or whole)
+        how = ("the whole batch at once" if best == whole else
+               "cut where the examples meet, one example per chunk" if best == floor else "recomputing, unchunked")
+        first = str(coupled).split("\n", 1)[0]
+        error = OutOfMemoryError(
+            f"no schedule fits a budget of {format_bytes(budget)}: {first} {cut.describe()} Cut there, one example "
+            f"per chunk needs {format_bytes(floor)} in all, no less than the whole batch at once "
+            f"({format_bytes(whole)}). The smallest budget that runs this step is {format_bytes(best)} ({how}). "
+            "What to do: raise memory_budget to at least that, or use a smaller batch."
+        )
+        return error.copy_from(coupled, smallest_budget=best)
 
     # (bnorm, issue 38 item 3) BatchNorm in training in passes over the chunks.
     def passes(self) -> Passes | None:

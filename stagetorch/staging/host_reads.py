@@ -1,5 +1,6 @@
 """Host reads: the values a step reads on the host (``.item()``, ``if mask.any():``, ``nonzero``, ``x[mask]``,
-``torch.unique``) that depend only on its integer arguments, on constants and on the default generators.
+``torch.unique``) that depend only on its arguments and constants that need no gradient (of any dtype) and on
+the default generators.
 
 Such a value is the same whatever the parameters are, so it can be computed for real when the step is
 called, before its staged program runs: the tracer notes, as it stages, which values are *host-known*
@@ -37,9 +38,10 @@ __all__ = ["HostRead", "HostTrace", "HostProgram", "is_seed", "mask_positions"]
 
 
 def is_seed(t: torch.Tensor) -> bool:
-    """Whether an argument is host-known: an integer or boolean tensor that needs no gradient (token ids,
-    labels, attention masks, lengths)."""
-    return not (t.is_floating_point() or t.is_complex() or t.requires_grad)
+    """Whether an argument is host-known: a tensor that needs no gradient, whatever its dtype (token ids,
+    labels, lengths, attention masks of ints, bools or floats, the inputs themselves): the call has its value
+    before the program runs, and the parameters do not change it."""
+    return not t.requires_grad
 
 
 @attrs.define(eq=False)

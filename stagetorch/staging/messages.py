@@ -47,16 +47,18 @@ def concretization_message(func: Any, src: SourceInfo) -> str:
     )
 
 
-def host_read_message(func: Any, src: SourceInfo) -> str:
+def host_read_message(func: Any, src: SourceInfo, depends_on: str = "the parameters or on activations") -> str:
+    """``depends_on``: what the value read follows from that the call does not know before its program runs
+    (the parameters it was computed from, an argument that requires grad)."""
     return (
-        f"{op_name(func)} at {src} reads a tensor's value on the host, and that value depends on the parameters "
-        f"or on activations:{code_line(src)}\nstagetorch.jit computes on the host only values that follow from "
-        "the step's integer arguments (labels, masks, lengths), constants and random draws; a value computed from "
-        "the model's outputs is known only when the staged program runs. What to do: make the decision outside "
-        "the staged step (return the loss and test it after the call, e.g. for early stopping), or pass the "
-        "Python value that steers it as a static argument (stagetorch.jit(fn, static_argnums=...)); select with "
-        "torch.where(cond, a, b) instead of `if`; keep shapes fixed with a mask (loss * mask) instead of x[mask]; "
-        "or use stagetorch.lazy(...), which evaluates such reads eagerly."
+        f"{op_name(func)} at {src} reads a tensor's value on the host, and that value depends on {depends_on}:"
+        f"{code_line(src)}\nstagetorch.jit computes on the host only values that follow from the step's arguments "
+        "and constants that need no gradient (labels, masks, lengths, inputs, of any dtype) and random draws; a "
+        "value computed from the model's parameters or outputs is known only when the staged program runs. What "
+        "to do: make the decision outside the staged step (return the loss and test it after the call, e.g. for "
+        "early stopping), or pass the Python value that steers it as a static argument (stagetorch.jit(fn, "
+        "static_argnums=...)); select with torch.where(cond, a, b) instead of `if`; keep shapes fixed with a mask "
+        "(loss * mask) instead of x[mask]; or use stagetorch.lazy(...), which evaluates such reads eagerly."
     )
 
 

@@ -252,7 +252,58 @@ class Recorder:
             outvars = tuple(self.var(t) if isinstance(t, torch.Tensor) else None for t in flatten(out))
             host.shaped(Eqn(func, in_args, in_kwargs, outvars, src), real, src)
             return out
-        raise ConcretizationError(host_read_message(func, src))
+        depends_on = self._depends_on([v for v in ins if not host.is_known([v])])
+        known = [v for v in ins if host.is_known([v])]
+        if known and (names := _operand_names(func, in_args, in_kwargs)):
+            # An op whose output's shape follows from some of its operands' values (CTC's from its lengths):
+            # those are known at call time, but the op cannot run on the host without the others.
+            unknown = [names[v] for v in ins if v in names and v not in known]
+            depends_on = (
+                f"{depends_on} through its operand(s) {', '.join(unknown)} (its operand(s) "
+                f"{', '.join(names[v] for v in known if v in names)} are known at call time, but stagetorch has no "
+                "rule that sizes its output from them alone)"
+            )
+        raise ConcretizationError(host_read_message(func, src, depends_on))
+
+    def _depends_on(self, needed: list[Var]) -> str:
+        """What values ``needed`` follow from that the host does not know: the inputs they were computed from
+        (through their makers and every write into their storage) that are not host-known, by role and name;
+        and draws from a generator of their own."""
+        host = self.host
+        assert host is not None
+        inputs = dict(zip(self.invars, zip(self.roles, self.names)))
+        by_root: dict[Var, list[Eqn]] = {}
+        for e in self.eqns:
+            for v in e.outvars:
+                if v is not None:
+                    by_root.setdefault(v.root, []).append(e)
+        found: dict[str, list[Var]] = {}
+        draws: list[str] = []
+        seen: set[Var] = set()
+        todo = [v for v in needed if not host.is_known([v])]
+        while todo:
+            root = todo.pop().root
+            if root in seen:
+                continue
+            seen.add(root)
+            if root in inputs and not host.is_known([root]):
+                found.setdefault(inputs[root][0], []).append(root)
+            for e in by_root.get(root, ()):
+                if not e.invars and torch.Tag.nondeterministic_seeded in getattr(e.prim, "tags", ()):
+                    draws.append(str(e.source))
+                todo.extend(v for v in e.invars if not host.is_known([v]) or v.root in host.tainted)
+        kinds = {"param": "parameter", "arg": "argument", "buffer": "buffer", "const": "tensor captured by the step"}
+        order = {v: i for i, v in enumerate(self.invars)}
+        parts = []
+        for role in sorted(found, key=lambda r: min(order[v] for v in found[r])):
+            names = [inputs[v][1] for v in sorted(found[role], key=order.__getitem__)]
+            kind = kinds.get(role, role)
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            parts.append(f"the {kind}s {shown}" if len(names) > 1 else f"the {kind} {shown}")
+            if role in ("arg", "const"):
+                parts[-1] += " (which requires grad)" if len(names) == 1 else " (which require grad)"
+        parts += [f"a draw from a generator of its own at {d}" for d in dict.fromkeys(draws)]
+        return " and on ".join(parts) if parts else "the parameters or on activations"
 
     @staticmethod
     def _dispatch(func: Any, args: tuple, kwargs: dict, src: SourceInfo, mode: FakeTensorMode) -> Any:
@@ -277,6 +328,19 @@ class Recorder:
             if "fake" in str(e).lower() and ("impl" in str(e).lower() or "kernel" in str(e).lower()):
                 raise UnsupportedOpError(unsupported_message(func, src, str(e))) from e
             raise ShapeError(shape_message(func, args, kwargs, src, _rule_says(func, args, kwargs) or e)) from e
+
+
+def _operand_names(func: Any, args: tuple, kwargs: dict) -> dict[Var, str]:
+    """The schema's name of each tensor operand of ``func`` (``log_probs``, ``input_lengths``)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return {}
+    names: dict[Var, str] = {}
+    for i, a in enumerate(schema.arguments):
+        x = args[i] if i < len(args) else kwargs.get(a.name)
+        for v in iter_vars(x):
+            names.setdefault(v, a.name)
+    return names
 
 
 def _relayout(func: Any, args: tuple, kwargs: dict, out: Any, mode: FakeTensorMode) -> Any:

@@ -249,3 +249,21 @@ def test_eval_shape_reports_the_rules_account_of_a_refusal(fn, args, match):
         fn(*args)
     with pytest.raises(stagetorch.ShapeError, match=match):
         stagetorch.eval_shape(fn)(*args)
+
+
+@pytest.mark.parametrize(
+    "func, args, kwargs",
+    [
+        (aten.div.Tensor_mode, (8, 3), {"rounding_mode": "trunc"}),
+        (aten.div.Tensor, (7, 2), {}),
+        (aten.mul.Tensor, (8, 2), {}),
+        (aten.add.Tensor, (8, 1.5), {}),
+        (aten.add.Tensor, (True, False), {}),
+    ],
+    ids=str,
+)
+def test_numbers_only_give_the_0_dim_result_torch_gives(func, args, kwargs):
+    """Issue 43: torch dispatches ``torch.div(8, 3)`` with both operands numbers; the rule gives torch's 0-dim
+    result, promoted as torch promotes, rather than refusing a call with no tensor."""
+    real = func(*args, **kwargs)
+    assert slot(func, "shape")(*args, **kwargs) == Aval.of(real)

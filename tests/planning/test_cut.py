@@ -291,3 +291,57 @@ def test_kept_chunk_equals_eager_over_optimizer_steps(fraction):
         eager_opt.step()
         staged_opt.step()
     assert_params_equal(staged_model, eager_model)
+
+
+def small_towers_clip(towers: nn.ModuleList):
+    """CLIP's symmetric loss over towers so small that the batch's logits are most of the step: cutting where
+    the examples meet needs no less than the whole batch at once."""
+
+    def step(images, texts):
+        a, b = towers[0](images), towers[1](texts)
+        logits = a @ b.T
+        target = torch.arange(a.shape[0])
+        loss = (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+        loss.backward()
+        return loss
+
+    return step
+
+
+@pytest.mark.parametrize("remat", [False, "auto"])
+def test_below_the_whole_batch_where_no_cut_helps_names_the_smallest_budget(remat):
+    """Issue 43: this raised BatchCouplingError advising to "keep the batch on the same dimension of every
+    per-example operand"; it is the budget that is too small, and the error names the smallest that runs (as
+    the cut's own error does), which then trains as eager does."""
+
+    def towers():
+        torch.manual_seed(0)
+        return nn.ModuleList([nn.Linear(6, 4), nn.Linear(5, 4)]).double()
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(128, 6, generator=g, dtype=torch.float64), torch.randn(128, 5, generator=g, dtype=torch.float64))
+            for _ in range(3)]
+    staged_towers, eager_towers = towers(), towers()
+    staged = stagetorch.jit(small_towers_clip(staged_towers), remat=remat)
+    whole = staged.plan(*data[0]).full_batch_peak_bytes
+    staged.memory_budget = whole // 2
+    with pytest.raises(stagetorch.OutOfMemoryError) as info:
+        staged.plan(*data[0])
+    msg = str(info.value)
+    assert "smallest budget that runs this step is" in msg and "test_cut.py:" in msg and "What to do:" in msg
+    assert "same dimension" not in msg
+    smallest = info.value.smallest_budget
+    assert whole // 2 < smallest
+    staged.memory_budget = smallest  # the budget it names runs, as eager does
+    eager_step = small_towers_clip(eager_towers)
+    opts = [torch.optim.SGD(t.parameters(), lr=0.1, momentum=0.9) for t in (staged_towers, eager_towers)]
+    for args in data:
+        for o in opts:
+            o.zero_grad()
+        torch.testing.assert_close(staged(*args), eager_step(*args), rtol=1e-12, atol=1e-12)
+        for o in opts:
+            o.step()
+    assert_params_equal(staged_towers, eager_towers)
+    staged.memory_budget = smallest * 99 // 100  # and nothing below it does
+    with pytest.raises(stagetorch.OutOfMemoryError):
+        staged.plan(*data[0])

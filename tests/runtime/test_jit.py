@@ -421,3 +421,29 @@ def test_clear_caches_forgets_lazy_recordings():
     assert recording.RECORDINGS
     stagetorch.clear_caches()
     assert not recording.RECORDINGS
+
+
+def test_ops_on_numbers_only_stage_and_train_as_eager():
+    """Issue 43: ``torch.div(seq_len, window, rounding_mode="trunc")`` on two Python ints (transformers'
+    Longformer), ``torch.mul`` / ``torch.add`` of two numbers: a 0-dim tensor of torch's promoted dtype, its
+    value read on the host for a view, the step trained in chunks against eager."""
+    from budgets import train_chunked_against_eager
+
+    B, S, H, W = 12, 8, 6, 4
+
+    def step_of(model):
+        def step(x, y):
+            seq_len = x.shape[1]
+            chunks = torch.div(seq_len, W, rounding_mode="trunc")
+            scale = torch.mul(seq_len, 2) + torch.add(W, 0.5) + torch.div(seq_len, 3)
+            assert (chunks.dtype, scale.dtype) == (torch.int64, torch.float32)
+            h = model(x).view(x.shape[0], int(chunks), W, H).mean(2)
+            loss = F.cross_entropy(h.flatten(1) / scale, y)
+            loss.backward()
+            return loss
+
+        return step
+
+    torch.manual_seed(0)
+    batches = [(torch.randn(B, S, H, dtype=torch.float64), torch.randint(0, 2 * H, (B,))) for _ in range(3)]
+    train_chunked_against_eager(step_of, nn.Linear(H, H).double(), batches)

@@ -167,8 +167,9 @@ def test_host_read_of_an_activation_stays_a_concretization_error_naming_the_line
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_float_input_is_not_read_on_the_host():
-    """A float argument is data the program computes on: a read of it is refused, as before."""
+def test_float_input_that_requires_grad_is_not_read_on_the_host_and_the_error_names_it():
+    """A float argument that needs no gradient is known at call time (the ``float-*`` patterns above, issue
+    43); one that requires grad is not, and the refusal names it rather than "the parameters"."""
     model = mlp()
 
     def step(x):
@@ -176,8 +177,24 @@ def test_float_input_is_not_read_on_the_host():
             x = x * 2
         return model(x).sum()
 
-    with pytest.raises(stagetorch.ConcretizationError, match="depends on the parameters or on activations"):
-        stagetorch.jit(step)(features(0, B, D))
+    with pytest.raises(stagetorch.ConcretizationError, match=r"depends on the argument x \(which requires grad\):"):
+        stagetorch.jit(step)(features(0, B, D).requires_grad_())
+
+
+def test_a_read_of_an_activation_names_the_parameters_it_depends_on():
+    model = mlp()
+
+    def step(x, mask):
+        h = model(x) * mask[:, None]
+        if (h == 0).any():  # the activation: not known at call time
+            h = h + 1
+        return h.sum()
+
+    with pytest.raises(stagetorch.ConcretizationError) as err:
+        stagetorch.jit(step)(features(0, B, D), torch.ones(B))
+    msg = str(err.value)
+    assert "depends on the parameters model.0.weight, model.0.bias, model.2.weight and 1 more:" in msg, msg
+    assert "mask" not in msg.splitlines()[0] and "What to do:" in msg
 
 
 # -- index_put with per-example values -------------------------------------------------------------------------
@@ -284,3 +301,26 @@ def test_transformers_layerdrop_in_training_equals_eager_with_the_same_seed(make
     alone."""
     run_against_eager(seq2seq_step, lambda: make_model(0.1 if chunks == 1 else 0.0), seq2seq_batch, chunks=chunks,
                       steps=3 if chunks == 1 else 2, seeds=10)
+
+
+def test_ctc_with_length_tensors_is_refused_naming_what_is_known_and_what_is_not():
+    """Issue 43: CTC with tensor lengths. Its output's shape follows from its lengths, which are known at call
+    time, but stagetorch has no rule that sizes it (its fake kernel has a data-dependent shape), and the op
+    cannot run on the host without the log-probabilities: refused, naming which operand depends on what."""
+    torch.manual_seed(0)
+    model = nn.Linear(5, 6)
+
+    def step(x, targets, input_lengths, target_lengths):
+        log_probs = F.log_softmax(model(x), -1).transpose(0, 1)
+        loss = F.ctc_loss(log_probs, targets, input_lengths, target_lengths)
+        loss.backward()
+        return loss
+
+    args = (torch.randn(3, 12, 5), torch.randint(1, 6, (3, 4)), torch.tensor([12, 10, 9]), torch.tensor([4, 2, 3]))
+    step(*args)  # eager runs it
+    with pytest.raises(stagetorch.ConcretizationError) as err:
+        stagetorch.jit(step)(*args)
+    msg = str(err.value)
+    assert "aten._ctc_loss" in msg and "test_host_reads.py:" in msg and "What to do:" in msg
+    assert "depends on the parameters model.weight, model.bias through its operand(s) log_probs" in msg, msg
+    assert "targets, input_lengths, target_lengths are known at call time" in msg

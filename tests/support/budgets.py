@@ -36,3 +36,27 @@ def budget_for(staged: stagetorch.Staged, *args, chunks: int = 3) -> int:
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def train_chunked_against_eager(step_of, model: torch.nn.Module, batches, *, chunks: int = 3, tol: float = 1e-12):
+    """``step_of(model)`` (a step that calls ``backward``) trained under ``jit`` with a budget forcing at least
+    ``chunks`` chunks, beside eager on a copy, SGD with momentum stepping outside the call, one step per batch:
+    the losses and the parameters after every step agree within ``tol``. Returns the staged step."""
+    import copy
+
+    reference = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference))
+    staged = stagetorch.jit(step_of(model))
+    eager = step_of(reference)
+    for batch in batches:
+        budget_for(staged, *batch, chunks=chunks)
+        assert len(staged.plan(*batch).chunk_sizes) >= chunks
+        losses = []
+        for o, run in ((opt, staged), (ref_opt, eager)):
+            o.zero_grad()
+            losses.append(run(*batch))
+            o.step()
+        assert rel(losses[0].detach(), losses[1].detach()) < tol
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert rel(p.detach(), q.detach()) < tol, name
+    return staged

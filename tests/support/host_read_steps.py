@@ -133,6 +133,35 @@ def mask_of(k: int) -> torch.Tensor:
     return mask
 
 
+def float_count_step(model: nn.Module) -> Callable:
+    def step(x, weights):
+        n = int(weights.sum().item())  # a float mask's count: known at call time, as an int mask's is
+        loss = (F.cross_entropy(model(x), weights.long() * 0, reduction="none") * weights).sum() / max(n, 1)
+        loss.backward()
+        return loss
+
+    return step
+
+
+def float_input_step(model: nn.Module) -> Callable:
+    def step(x, labels):
+        if x.sum() > 0:  # a float argument that needs no gradient: known at call time
+            x = x * 2
+        loss = F.cross_entropy(model(x), labels.clamp(min=0))
+        loss.backward()
+        return loss
+
+    return step
+
+
+def float_mask_of(k: int) -> torch.Tensor:
+    return mask_of(k).float()
+
+
+def float_weights_of(k: int) -> torch.Tensor:
+    return (torch.rand(B, generator=torch.Generator().manual_seed(k)) > 0.2 + 0.1 * k).float()
+
+
 PATTERNS = {
     "item-count": (count_step, mlp, lambda k: (features(k, B, D), labels_of(k))),
     "any-mask": (any_step, mlp, lambda k: (features(k, B, T, D), mask_of(k))),
@@ -141,6 +170,10 @@ PATTERNS = {
     "nonzero-gather": (nonzero_step, mlp, lambda k: (features(k, B, D), labels_of(k))),
     "bool-mask": (mask_step, mlp, lambda k: (features(k, B, D), labels_of(k))),
     "layerdrop": (layerdrop_step, LayerDropNet, lambda k: (features(k, B, D), labels_of(k))),
+    # issue 43: the same reads of float arguments (a float attention mask, float weights, the input itself)
+    "float-any-mask": (any_step, mlp, lambda k: (features(k, B, T, D), float_mask_of(k))),
+    "float-item-count": (float_count_step, mlp, lambda k: (features(k, B, D), float_weights_of(k))),
+    "float-input": (float_input_step, mlp, lambda k: (features(k, B, D) - 0.1 * (k % 2 * 2 - 1), labels_of(k))),
 }
 
 
