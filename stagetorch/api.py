@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, overload
 
 import attrs
 import torch
@@ -73,6 +73,36 @@ def clear_caches() -> None:
     caches.clear_all()
 
 
+@overload
+def jit(
+    fn: Callable,
+    *,
+    batch_dim: int = 0,
+    batch_argnums: Sequence[int] | None = None,
+    static_argnums: Sequence[int] = (),
+    memory_budget: int | str | None = None,
+    progress: bool = False,
+    process_group: Any = None,
+    remat: str | bool = "auto",
+    donate_grads: bool = False,
+) -> Staged: ...
+
+
+@overload
+def jit(
+    fn: None = None,
+    *,
+    batch_dim: int = 0,
+    batch_argnums: Sequence[int] | None = None,
+    static_argnums: Sequence[int] = (),
+    memory_budget: int | str | None = None,
+    progress: bool = False,
+    process_group: Any = None,
+    remat: str | bool = "auto",
+    donate_grads: bool = False,
+) -> Callable[[Callable], Staged]: ...
+
+
 def jit(
     fn: Callable | None = None,
     *,
@@ -84,7 +114,7 @@ def jit(
     process_group: Any = None,
     remat: str | bool = "auto",
     donate_grads: bool = False,
-) -> Any:
+) -> Staged | Callable[[Callable], Staged]:
     """Stage ``fn`` once per input signature and run the staged program.
 
     Usable bare (``@stagetorch.jit``) or with options (``@stagetorch.jit(memory_budget="2GiB")``).
@@ -118,7 +148,28 @@ def jit(
       other ``.grad`` exactly as they were. Gradient accumulation (a step that adds into ``.grad``) is not
       affected. See "What a failed step leaves" in the chunking docs.
 
-    **Returns** a :class:`Staged` callable.
+    **Returns** a :class:`Staged` callable (with ``fn`` left out, a decorator that makes one). Its
+    ``.plan(*args)`` says how a call with those arguments would run (chunks, predicted peak, why) without
+    running it; the ``stagetorch`` logger logs the plan of each new program at INFO.
+
+    **Raises** (on the call, not here): :class:`ShapeError` (shapes that do not match, at the user's line),
+    :class:`ConcretizationError` (Python control flow on a value that depends on the parameters),
+    :class:`UnsupportedOpError` (an op stagetorch cannot stage or chunk exactly), :class:`BatchCouplingError`
+    (examples meet where the batch must be split), :class:`OutOfMemoryError` (no plan fits ``memory_budget``;
+    it names the smallest that does). A step that raises leaves parameters, buffers and ``.grad`` as they were.
+
+    **Example**
+
+    ```python
+    @stagetorch.jit(memory_budget="2GiB")
+    def train_step(x, y):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    print(train_step.plan(x, y))   # how it will run
+    loss = train_step(x, y)        # model's .grad as one full-batch step would leave it
+    ```
     """
     options = dict(
         batch_dim=batch_dim,

@@ -16,7 +16,7 @@ import sys
 import weakref
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -861,10 +861,24 @@ def _per_example_outputs(executable: Executable) -> dict[Var, Batched]:
     return {v: labels[v] for v in executable.graph.outvars if isinstance(labels.get(v), Batched)}
 
 
+@overload
+def lazy(
+    tensor: torch.Tensor, /, *, batch: int = 0, memory_budget: int | str | None = None, process_group: Any = None,
+    remat: str | bool = "auto",
+) -> LazyTensor: ...
+
+
+@overload
+def lazy(
+    first: torch.Tensor, second: torch.Tensor, /, *tensors: torch.Tensor, batch: int = 0,
+    memory_budget: int | str | None = None, process_group: Any = None, remat: str | bool = "auto",
+) -> tuple[LazyTensor, ...]: ...
+
+
 def lazy(
     *tensors: torch.Tensor, batch: int = 0, memory_budget: int | str | None = None, process_group: Any = None,
     remat: str | bool = "auto",
-) -> Any:
+) -> LazyTensor | tuple[LazyTensor, ...]:
     """Make ``tensors`` lazy: the rest of the script runs unchanged, staged and chunked to fit.
 
     **Arguments**
@@ -881,7 +895,19 @@ def lazy(
       backward, chosen with the chunk size as ``jit`` chooses them (bit for bit the same result); ``False``
       only chunks.
 
-    **Returns** one :class:`LazyTensor`, or a tuple of them.
+    **Returns** one :class:`LazyTensor`, or a tuple of them (one per tensor).
+
+    **Raises** ``ValueError`` for no tensors, an empty batch, or tensors whose batch sizes differ; then, as
+    the script runs, the errors ``jit`` raises (:class:`OutOfMemoryError` naming the smallest budget, ...).
+
+    **Example**
+
+    ```python
+    x, y = stagetorch.lazy(x, y, batch=0, memory_budget="2GiB")
+    loss = torch.nn.functional.cross_entropy(model(x), y)   # the rest of the script unchanged
+    loss.backward()
+    optimizer.step()
+    ```
     """
     if remat not in ("auto", False):
         raise ValueError(f"stagetorch.lazy: remat must be \"auto\" or False, not {remat!r}")
