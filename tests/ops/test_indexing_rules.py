@@ -283,6 +283,11 @@ CAPTURED_OPERANDS: dict = {
     torch.ops.aten.index_copy_: [
         ("source_in_place", lambda h, y: h.clone().index_copy_(1, CAP_IDX[0, :1], CAP[:, :1])),
     ],
+    torch.ops.aten._embedding_bag: [
+        ("table_and_offsets", lambda h, y: F.embedding_bag(y, CAP, ARANGE) * h),
+        ("weights", lambda h, y: F.embedding_bag(y, CAP, ARANGE, mode="sum", per_sample_weights=CAP[:, 0]) * h),
+        ("batch_rows", lambda h, y: F.embedding_bag(CAP_ROWS, h, ARANGE)),
+    ],
     torch.ops.aten.take: [
         ("table", lambda h, y: CAP.take(y * NC + 1) * h[:, 0]),
         ("batch_positions", lambda h, y: h.take(CAP_ROWS)),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from budgets import train_chunked_against_eager
+from budgets import budget_for, train_chunked_against_eager
 from torch import nn
 
 import stagetorch
@@ -122,6 +122,26 @@ def _multi_margin(model, x, y):
     return F.multi_margin_loss(h, target) + F.multi_margin_loss(h, target, p=2, margin=0.5, weight=w, reduction="sum")
 
 
+class _Bags(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.mean = nn.EmbeddingBag(20, 32, mode="mean")
+        self.sum = nn.EmbeddingBag(20, 32, mode="sum")
+        self.max = nn.EmbeddingBag(20, 32, mode="max")
+
+
+def _embedding_bag(model, x, y):
+    ids = (x.abs() * 9).long() % 20  # each example's own bag of D indices
+    h = model.lin(x)
+    w = torch.sigmoid(x)  # per-sample weights (sum mode)
+    pairs = ids.view(B, 2, 3).flatten(1)  # the same indices, two bags of 3 per example
+    bags = model.mean(ids) + model.sum(ids, per_sample_weights=w) + model.max(ids)
+    two = model.sum(pairs.view(-1), torch.arange(0, B * D, 3), per_sample_weights=w.flatten()).view(B, 2, 32)
+    outer = bags[:, :, None] * bags[:, None, :]  # activations large enough for the budget to force chunks
+    return (outer.tanh().mean((1, 2)) + h.sum(1) * bags.mean(1) + two.pow(2).sum((1, 2)) - y).pow(2).mean()
+
+
 CASES = {
     "repeat": _repeat,
     "take": _take,
@@ -135,7 +155,10 @@ CASES = {
     "cumprod_backward": _cumprod,
     "searchsorted": _searchsorted,
     "multi_margin_loss": _multi_margin,
+    "embedding_bag": _embedding_bag,
 }
+
+MODELS = {"embedding_bag": _Bags}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -151,7 +174,8 @@ def test_trains_in_chunks_as_eager(name):
         return step
 
     torch.manual_seed(0)
-    train_chunked_against_eager(step_of, nn.Linear(D, D).double(), _batches(_xy))
+    model = MODELS.get(name, lambda: nn.Linear(D, D))().double()
+    train_chunked_against_eager(step_of, model, _batches(_xy))
 
 
 def _refused(fn, *args):
@@ -172,6 +196,28 @@ def test_index_ops_along_the_batch_dim_are_refused_by_name():
         "index_add": lambda x: x.index_add(0, rows, torch.ones(2, D, dtype=x.dtype)).sum(),
         "index_copy": lambda x: x.index_copy(0, rows, torch.ones(2, D, dtype=x.dtype)).sum(),
         "take": lambda x: x.take(torch.tensor([0, 7, 20])).sum(),
+        "repeat": lambda x: x.repeat(2, 1).sum(),
+        "_cdist_forward": lambda x: torch.cdist(x.t(), torch.ones(3, B, dtype=x.dtype)).sum(),
+        "multi_margin_loss": lambda x: F.multi_margin_loss(x.t(), torch.zeros(D, dtype=torch.long)),
     }.items():
         msg = _refused(fn, x)
         assert f"aten.{name}" in msg and "would change the result" in msg and "What to do" in msg, msg
+
+
+def test_embedding_bags_of_unequal_sizes_are_refused_when_they_run():
+    """Offsets that are not each example's own equal bags: no chunk can tell its bags, refused by name."""
+    bag = nn.EmbeddingBag(20, 32, mode="sum").double()
+
+    def step(ids):
+        offsets = torch.tensor([0, 1] + [3 * i for i in range(1, B - 1)])  # bag 0 of 1 index, bag 1 of 2
+        out = bag(ids.view(-1), offsets)
+        loss = (out[:, :, None] * out[:, None, :]).tanh().sum()
+        loss.backward()
+        return loss
+
+    ids = torch.randint(0, 20, (B, 3))
+    staged = stagetorch.jit(step)
+    budget_for(staged, ids)
+    with pytest.raises(stagetorch.BatchCouplingError, match="embedding bag's offsets are not equal bags"):
+        staged(ids)
+    assert bag.weight.grad is None
