@@ -55,10 +55,12 @@ def _own_offsets(offsets: torch.Tensor, size: int, bags: int, last: int) -> torc
     return offsets[: bags + last]
 
 
-def _bag_chunk(prim: Any, size: int, per_row: int, last: int) -> Callable[..., Any]:
+def _bag_chunk(prim: Any, size: int, last: int, at: int = 2) -> Callable[..., Any]:
+    """``prim`` on a chunk, its offsets (argument ``at``, the indices just before them) the chunk's own."""
+
     def run(*args: Any, **kwargs: Any) -> Any:
         args = list(args)
-        args[2] = _own_offsets(args[2], size, args[1].shape[0] // size, last)
+        args[at] = _own_offsets(args[at], size, args[at - 1].shape[0] // size, last)
         return prim(*args, **kwargs)
 
     run.__name__ = f"{getattr(prim, '__name__', 'embedding_bag')}_of_own_bags"
@@ -119,7 +121,7 @@ def embedding_bag(eqn: Eqn, label: LabelFn) -> Chunked:
             raise coupling(eqn, "returns a value whose batch dim stagetorch cannot place", "run without chunking")
 
     def call(n: int) -> tuple[Any, tuple, dict]:
-        return _bag_chunk(eqn.prim, size, per_row, last), eqn.args, eqn.kwargs
+        return _bag_chunk(eqn.prim, size, last), eqn.args, eqn.kwargs
 
     return Chunked(tuple(out), call=call, slice=cut, whole=frozenset({weight, offsets}))
 
@@ -141,9 +143,28 @@ def embedding_bag_backward(eqn: Eqn, label: LabelFn) -> Chunked:
             raise coupling(eqn, "reads per-bag values shared by the whole batch", "run without chunking")
 
     def call(n: int) -> tuple[Any, tuple, dict]:
-        return _bag_chunk(eqn.prim, size, per_row, last), eqn.args, eqn.kwargs
+        return _bag_chunk(eqn.prim, size, last), eqn.args, eqn.kwargs
 
     return Chunked((Reduced("sum"),), call=call, slice=cut, whole=frozenset({offsets}))
+
+
+def embedding_bag_weights_backward(eqn: Eqn, label: LabelFn) -> Chunked:
+    """``_embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode,
+    padding_idx)``: the gradient of each index's weight, per example as its index (the chunk's own offsets)."""
+    indices, offsets = eqn.args[2], eqn.args[3]
+    if label(eqn.args[1]) is not None:
+        raise coupling(eqn, "looks up a per-example table", "keep embedding tables shared")
+    bags = eqn.args[0].aval.shape[0]
+    last = int(offsets.aval.shape[0] - 1 == bags)
+    li, per_row, size = _bags(eqn, label, indices, offsets, last)
+    for v in (eqn.args[0], eqn.args[4]):
+        if isinstance(v, Var) and label(v) is None and v.aval.ndim and v.aval.numel:
+            raise coupling(eqn, "reads per-bag values shared by the whole batch", "run without chunking")
+
+    def call(n: int) -> tuple[Any, tuple, dict]:
+        return _bag_chunk(eqn.prim, size, last, at=3), eqn.args, eqn.kwargs
+
+    return Chunked((li,), call=call, whole=frozenset({eqn.args[1], offsets}))
 
 
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
@@ -162,5 +183,6 @@ BATCH: dict = {
     aten._embedding_bag: embedding_bag,
     aten._embedding_bag_forward_only: embedding_bag,
     aten._embedding_bag_backward: embedding_bag_backward,
+    aten._embedding_bag_per_sample_weights_backward: embedding_bag_weights_backward,
 }
 

@@ -249,10 +249,10 @@ def multi_margin(*, backward: bool) -> Callable[[Eqn, LabelFn], Chunked]:
         weight = eqn.args[shift + 4] if len(eqn.args) > shift + 4 else eqn.kwargs.get("weight")
         reduction = eqn.args[reduction_arg] if len(eqn.args) > reduction_arg else eqn.kwargs.get("reduction", _MEAN)
         lx, lt = label(x), label(target)
-        lab = lx or lt
         grad = eqn.args[0] if backward else None
+        lab = lx or lt or (label(grad) if grad is not None else None)
         if (
-            x.aval.ndim != 2 or lab.dim != 0 or (lx is not None and lt is not None and lx != lt)
+            lab is None or x.aval.ndim != 2 or lab.dim != 0 or (lx is not None and lt is not None and lx != lt)
             or (isinstance(weight, Var) and label(weight) is not None)
             or (reduction != _NONE and grad is not None and label(grad) is not None)
         ):

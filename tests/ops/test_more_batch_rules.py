@@ -134,7 +134,7 @@ class _Bags(nn.Module):
 def _embedding_bag(model, x, y):
     ids = (x.abs() * 9).long() % 20  # each example's own bag of D indices
     h = model.lin(x)
-    w = torch.sigmoid(x)  # per-sample weights (sum mode)
+    w = torch.sigmoid(h)  # per-sample weights (sum mode), trained through
     pairs = ids.view(B, 2, 3).flatten(1)  # the same indices, two bags of 3 per example
     bags = model.mean(ids) + model.sum(ids, per_sample_weights=w) + model.max(ids)
     two = model.sum(pairs.view(-1), torch.arange(0, B * D, 3), per_sample_weights=w.flatten()).view(B, 2, 32)
