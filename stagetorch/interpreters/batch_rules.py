@@ -113,24 +113,37 @@ def _argument(eqn: Eqn, i: int) -> Any:
     return eqn.kwargs.get(schema.arguments[i].name)
 
 
-def contraction(spec: str, *, bias: bool = False) -> Callable[[Eqn, LabelFn], Chunked]:
+def contraction(
+    spec: str, *, bias: bool = False, positions: Sequence[int] | None = None, mixes: str = ""
+) -> Callable[[Eqn, LabelFn], Chunked]:
     """Matmul-like ops from an einsum spec (``"ij,jk->ik"``): a batch letter kept in the output stays
     per-example; one summed over becomes a per-chunk partial of a sum (a weight gradient).
 
     With ``bias=True`` the first argument is added to the product (``addmm``): it broadcasts against the
-    output, so its dims take the output's trailing letters; it must not meet a partial sum.
+    output, so its dims take the output's trailing letters; it must not meet a partial sum. ``positions``: the
+    argument positions of the spec's operands (default: the first ones). ``mixes``: letters the op combines
+    otherwise than by a sum of terms (the features of a distance under its root): the batch there is refused.
     """
     ins, out_spec = spec.split("->")
     in_specs = ins.split(",")
 
     def rule(eqn: Eqn, label: LabelFn) -> Chunked:
-        operands = list(eqn.args[1 : 1 + len(in_specs)] if bias else eqn.args[: len(in_specs)])
+        if positions is not None:
+            operands = [eqn.args[i] for i in positions]
+        else:
+            operands = list(eqn.args[1 : 1 + len(in_specs)] if bias else eqn.args[: len(in_specs)])
         specs = list(in_specs)
         if bias and isinstance(eqn.args[0], Var):
             operands.append(eqn.args[0])
             specs.append(out_spec[len(out_spec) - eqn.args[0].aval.ndim :])
         letters = [(s[lab.dim], lab.moved(0)) for v, s in zip(operands, specs) if (lab := label(v)) is not None]
         letter, lab = agree(eqn, letters)
+        if letter in mixes:
+            raise coupling(
+                eqn,
+                "combines entries along the batch dim otherwise than by a sum (the features of a distance)",
+                "keep the batch on a dim the op does not combine along, or run without chunking",
+            )
         extent = lab.extent(label.batch)
         cut = {}
         for v, s in zip(operands, specs):

@@ -375,6 +375,49 @@ def _pairings_declared(rule: Callable[[Eqn, LabelFn], Chunked]) -> Callable[[Eqn
     return declared
 
 
+def take(eqn: Eqn, label: LabelFn) -> Chunked:
+    """``x.take(index)``: ``x`` read as one flat sequence at the index's positions, the output shaped like the
+    index. Per-example positions into a shared ``x`` (a table, a weight) are a lookup: ``x`` is read whole and
+    the output carries the index's batch. The flat positions of a per-example ``x`` run across the examples, so
+    no chunk can place them."""
+    x, index = eqn.args[0], eqn.args[1]
+    if label(x) is not None:
+        raise coupling(
+            eqn,
+            "reads a per-example tensor at flat positions, which run across the examples",
+            "take along a non-batch dim (x.take_along_dim(idx, dim=1), x.gather(1, idx)), or run without chunking",
+        )
+    return Chunked((label(index),), whole=frozenset({x}))
+
+
+def put(eqn: Eqn, label: LabelFn) -> Chunked:
+    """``x.put(index, source, accumulate)`` (the backward of :func:`take`: ``zeros_like(x).put_(index, grad,
+    True)``): per-example positions and values added into a shared tensor of zeros, each chunk's share made
+    apart and the shares summed (in place too, where nothing reads the zeros but through the result). Into a
+    per-example ``x``, or without ``accumulate``, the flat positions cross the examples: refused."""
+    x, index, source = eqn.args[0], eqn.args[1], eqn.args[2]
+    accumulate = bool(eqn.args[3] if len(eqn.args) > 3 else eqn.kwargs.get("accumulate", False))
+    li, ls = label(index), label(source)
+    if label(x) is not None or not accumulate or not _is_zeros(label, x) or li is None or ls not in (None, li):
+        raise coupling(
+            eqn,
+            "writes at flat positions, which run across the examples",
+            "accumulate per-example values into zeros (zeros.put_(idx, v, accumulate=True)), or run without chunking",
+        )
+    cut = {}
+    if ls is None:
+        if source.aval.shape != index.aval.shape:
+            raise coupling(eqn, "puts shared values that do not pair with the positions", "batch them alike")
+        cut[source] = li
+    in_place = eqn.prim.overloadpacket is aten.put_
+
+    def call(n: int) -> tuple[Any, tuple, dict]:
+        return aten.put.default, eqn.args, eqn.kwargs
+
+    return Chunked((Reduced("sum"),), call=call if in_place else None, slice=cut, out_of_place=in_place,
+                   whole=frozenset({x}))
+
+
 # index_put by packet: ops/moe.py registers the routing's own use of it on the packet too, after this family,
 # and hands every other use back to this table.
 BATCH: dict = {
@@ -383,4 +426,7 @@ BATCH: dict = {
     aten.index_put: _pairings_declared(index_put),
     aten._unsafe_index_put: _pairings_declared(index_put),
     aten.index_put_: _pairings_declared(index_put_),
+    aten.take: take,
+    aten.put: put,
+    aten.put_: put,
 }

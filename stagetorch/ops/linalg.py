@@ -26,8 +26,33 @@ SHAPE: dict = {
 }
 
 
+def _cdist(backward: bool):
+    """``_cdist_forward(x1, x2, p, mode)`` (``[..., P, M]`` against ``[..., R, M]`` -> ``[..., P, R]``) and
+    ``_cdist_backward(grad, x1, x2, p, cdist)`` (-> ``[..., P, M]``) as contractions: rows of ``x1`` against
+    rows of ``x2`` (a batch there stays per-example in the output), leading dims broadcast; the features ``m``
+    combine under a root (refused as the batch dim). The backward sums over the rows of ``x2``: a partial sum
+    when they are the examples (the gradient of a shared ``x1`` against per-example rows of ``x2``)."""
+    letters = "abcdefgh"
+
+    def rule(eqn: Eqn, label: Any) -> Any:
+        out_ndim = eqn.outvars[0].aval.ndim
+        lead = letters[: out_ndim - 2]
+        positions = (0, 1, 2, 4) if backward else (0, 1)
+        bases = ("pr", "pm", "rm", "pr") if backward else ("pm", "rm")
+        specs = [
+            lead[len(lead) - (eqn.args[i].aval.ndim - 2):] + base if eqn.args[i].aval.ndim > 2 else base
+            for i, base in zip(positions, bases)
+        ]
+        spec = ",".join(specs) + "->" + lead + ("pm" if backward else "pr")
+        return batch_rules.contraction(spec, positions=positions, mixes="" if backward else "m")(eqn, label)
+
+    return rule
+
+
 # Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/interpreters/batching.py)
 BATCH: dict = {
+    aten._cdist_forward: _cdist(backward=False),
+    aten._cdist_backward: _cdist(backward=True),
     aten.mm: batch_rules.contraction("ij,jk->ik"),
     aten.bmm: batch_rules.contraction("bij,bjk->bik"),
     aten.addmm: batch_rules.contraction("ij,jk->ik", bias=True),

@@ -12,7 +12,7 @@ from ..errors import ShapeError
 from ..interpreters import shape_rules
 from ..interpreters.batching import Chunked, Global, LabelFn, Prepass, Reduced, coupling, elementwise
 from ..interpreters.memory import MemoryEffect
-from ..ir import Aval, Eqn, op_name
+from ..ir import Aval, Eqn, Var, op_name
 from ..registry import slot
 from .reductions import mean_bytes, partials_bytes
 
@@ -237,6 +237,49 @@ def nll_loss_backward_batch_rule(eqn: Eqn, label: LabelFn) -> Chunked:
     return Chunked((lab,), slice=cut)
 
 
+def multi_margin(*, backward: bool) -> Callable[[Eqn, LabelFn], Chunked]:
+    """``multi_margin_loss(x, target, p, margin, weight, reduction)`` and its backward (``grad`` first): each row
+    of ``x`` ``[N, C]`` against its own target, the class weights ``[C]`` looked up by it (read whole); ``mean``
+    is over the ``N`` rows, run on a chunk as its ``sum`` divided by the whole batch's ``N``."""
+    shift = 1 if backward else 0
+    reduction_arg = 5 + shift
+
+    def rule(eqn: Eqn, label: LabelFn) -> Chunked:
+        x, target = eqn.args[shift], eqn.args[shift + 1]
+        weight = eqn.args[shift + 4] if len(eqn.args) > shift + 4 else eqn.kwargs.get("weight")
+        reduction = eqn.args[reduction_arg] if len(eqn.args) > reduction_arg else eqn.kwargs.get("reduction", _MEAN)
+        lx, lt = label(x), label(target)
+        grad = eqn.args[0] if backward else None
+        lab = lx or lt or (label(grad) if grad is not None else None)
+        if (
+            lab is None or x.aval.ndim != 2 or lab.dim != 0 or (lx is not None and lt is not None and lx != lt)
+            or (isinstance(weight, Var) and label(weight) is not None)
+            or (reduction != _NONE and grad is not None and label(grad) is not None)
+        ):
+            raise coupling(eqn, "is per-example along the rows of a 2-D input only", "batch input and target on dim 0")
+        if reduction == _NONE and grad is not None and label(grad) not in (None, lab):
+            raise coupling(eqn, "pairs a gradient batched otherwise than its input", "batch them alike")
+        cut = {v: lab for v in (x, target, grad) if isinstance(v, Var) and label(v) is None and v.aval.ndim}
+        if any(v.aval.shape[0] != lab.extent(label.batch) for v in cut):
+            raise coupling(eqn, "pairs a shared operand without a row per example with the examples", "batch it")
+        whole = frozenset({weight}) if isinstance(weight, Var) else frozenset()
+        if reduction == _NONE:
+            return Chunked((lab,), slice=cut, whole=whole)
+        rows = x.aval.shape[0]
+
+        def call(n: int) -> tuple[Any, tuple, dict]:
+            args, kwargs = list(eqn.args), dict(eqn.kwargs)
+            if len(args) > reduction_arg:
+                args[reduction_arg] = _SUM
+            else:
+                kwargs["reduction"] = _SUM
+            return (eqn.prim if reduction == _SUM else _divided(eqn.prim, rows)), tuple(args), kwargs
+
+        return Chunked((lab if backward else Reduced("sum"),), call=call, slice=cut, whole=whole)
+
+    return rule
+
+
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
     aten.nll_loss_forward: nll_loss_forward,
@@ -265,6 +308,8 @@ BATCH: dict = {
     aten.binary_cross_entropy_with_logits: reduction_loss(reduction_arg=4),
     aten.soft_margin_loss: reduction_loss(reduction_arg=2),
     aten.soft_margin_loss_backward: reduction_loss(reduction_arg=3, backward=True),
+    aten.multi_margin_loss: multi_margin(backward=False),
+    aten.multi_margin_loss_backward: multi_margin(backward=True),
 }
 
 

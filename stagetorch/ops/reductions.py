@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..interpreters import batch_rules, shape_rules
-from ..ir import Eqn
+from ..interpreters import batch_rules, batching, shape_rules
+from ..interpreters.batching import Chunked, LabelFn, coupling
+from ..ir import Eqn, Var
 
 aten = torch.ops.aten
 
@@ -48,8 +49,30 @@ SHAPE: dict = {
 }
 
 
+def searchsorted(eqn: Eqn, label: LabelFn) -> Chunked:
+    """``searchsorted(sorted_sequence, values, ..., sorter=)``: each row of values is searched in the matching
+    row of the sequence (the last dim is searched; leading dims pair entry by entry), or every value in one 1-D
+    sequence. A shared 1-D sequence (bucket edges) is read whole; a shared N-D one with the batch's extent pairs
+    with the examples and is cut with its sorter; a batch along the searched dim is refused."""
+    seq, values = eqn.args[0], eqn.args[1]
+    sorter = eqn.kwargs.get("sorter", eqn.args[5] if len(eqn.args) > 5 else None)
+    ls, lv = label(seq), label(values)
+    if seq.aval.ndim == 1:
+        if ls is not None:
+            raise coupling(eqn, "searches a sequence along the batch dim", "search a sequence shared by the examples")
+        return Chunked((lv,), whole=frozenset(v for v in (seq, sorter) if isinstance(v, Var)))
+    lab = batching.agree(eqn, [lab for lab in (ls, lv) if lab is not None])
+    if lab.dim >= seq.aval.ndim - 1:
+        raise coupling(eqn, "searches along the batch dim", "keep the batch on a leading dim")
+    cut = {v: lab for v in (seq, values, sorter) if isinstance(v, Var) and label(v) is None}
+    if any(v.aval.shape[lab.dim] != lab.extent(label.batch) for v in cut):
+        raise coupling(eqn, "pairs a shared sequence without a row per example with the examples", "batch it")
+    return Chunked((lab,), slice=cut)
+
+
 # Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/interpreters/batching.py)
 BATCH: dict = {
+    aten.searchsorted.Tensor: searchsorted,
     aten.sum.dim_IntList: batch_rules.reduction("sum"),
     aten.sum.default: batch_rules.reduction("sum", dims_arg=None, keepdim_arg=None),
     aten.mean.dim: batch_rules.mean_reduction(),

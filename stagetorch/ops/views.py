@@ -117,6 +117,109 @@ def constant_pad_nd(eqn: Eqn, label: LabelFn) -> Chunked:
     return Chunked((lab,))
 
 
+def repeat(eqn: Eqn, label: LabelFn) -> Chunked:
+    """``x.repeat(*repeats)``: tiles each dim ``repeats[d]`` times (new leading dims first). Per-example where the
+    batch dim is repeated once; tiling the batch dim itself lays the examples out again after each other."""
+    x, repeats = eqn.args[0], list(eqn.args[1])
+    lab = label(x)
+    out_dim = lab.dim + len(repeats) - x.aval.ndim
+    if repeats[out_dim] != 1:
+        raise coupling(
+            eqn,
+            "tiles the batch dim (the whole batch again after itself)",
+            "repeat along a non-batch dim (x[:, None].repeat(1, n, ...)), or repeat_interleave the examples outside "
+            "the staged function",
+        )
+    return Chunked((lab.moved(out_dim),))
+
+
+def _diagonal_dims(eqn: Eqn, ndim: int, first: int) -> tuple[int, int]:
+    dim1 = eqn.args[first + 1] if len(eqn.args) > first + 1 else eqn.kwargs.get("dim1", 0)
+    dim2 = eqn.args[first + 2] if len(eqn.args) > first + 2 else eqn.kwargs.get("dim2", 1)
+    return dim1 % ndim, dim2 % ndim
+
+
+def diagonal(eqn: Eqn, label: LabelFn) -> Chunked:
+    """``x.diagonal(offset, dim1, dim2)``: the two dims go, their diagonal is appended last; per-example on
+    any other dim."""
+    x = eqn.args[0]
+    lab = label(x)
+    dims = _diagonal_dims(eqn, x.aval.ndim, 1)
+    if lab.dim in dims:
+        raise coupling(eqn, "takes a diagonal across the batch dim", "take the diagonal of dims other than the batch's")
+    return Chunked((lab.moved(lab.dim - sum(d < lab.dim for d in dims)),))
+
+
+def _diagonal_backward_label(eqn: Eqn, label: LabelFn) -> Batched:
+    grad, sizes = eqn.args[0], eqn.args[1]
+    lab = label(grad)
+    dims = _diagonal_dims(eqn, len(sizes), 2)
+    kept = [d for d in range(len(sizes)) if d not in dims]
+    if lab.dim >= len(kept):
+        raise coupling(eqn, "is the gradient of a diagonal across the batch dim", "take the diagonal of other dims")
+    return lab.moved(kept[lab.dim])
+
+
+diagonal_backward = batch_rules.batch_size_list(1, _diagonal_backward_label)
+
+
+def unfold(eqn: Eqn, label: LabelFn) -> Chunked:
+    """``x.unfold(dim, size, step)``: windows along ``dim`` (their entries appended as a last dim); per-example
+    along any other dim."""
+    x = eqn.args[0]
+    lab = label(x)
+    if lab.dim == eqn.args[1] % max(x.aval.ndim, 1):
+        raise coupling(eqn, "takes windows along the batch dim", "unfold a dim other than the batch's")
+    return Chunked((lab,))
+
+
+def _unfold_backward_label(eqn: Eqn, label: LabelFn) -> Batched:
+    grad, sizes = eqn.args[0], eqn.args[1]
+    lab = label(grad)
+    if lab.dim in (eqn.args[2] % max(len(sizes), 1), grad.aval.ndim - 1):
+        raise coupling(eqn, "is the gradient of windows along the batch dim", "unfold a dim other than the batch's")
+    return lab
+
+
+unfold_backward = batch_rules.batch_size_list(1, _unfold_backward_label)
+
+
+def index_along(eqn: Eqn, label: LabelFn) -> Chunked:
+    """``index_fill``/``index_copy``/``index_add(x, dim, index, source)``: the index names positions along
+    ``dim`` alone (no dim of it pairs with the examples: read whole); ``x`` and ``source`` have equal sizes on
+    every other dim, so they pair entry by entry there, the batch dim included: a shared one with the batch's
+    extent is cut to the chunk (a ``new_zeros`` of the whole batch, as the backward of ``index_select`` adds
+    into, is made per chunk). Along the batch dim the index names examples, which a chunk cannot place."""
+    x, index = eqn.args[0], eqn.args[2]
+    dim = eqn.args[1] % max(x.aval.ndim, 1)
+    rest = [v for v in eqn.args[3:] if isinstance(v, Var)]
+    source = rest[0] if rest and rest[0].aval.ndim == x.aval.ndim and x.aval.ndim > 0 else None
+    if label(index) is not None:
+        raise coupling(
+            eqn,
+            "writes at per-example positions along a dim every example shares",
+            "use scatter/scatter_add with an index of one row per example, or run without chunking",
+        )
+    placed = [lab for v in (x, source) if v is not None and (lab := label(v)) is not None]
+    if not placed or any(label(v) is not None for v in rest if v is not source):
+        raise coupling(eqn, "fills with a per-example value", "fill with a shared value, or use torch.where")
+    lab = batching.agree(eqn, placed)
+    if lab.dim == dim:
+        raise coupling(
+            eqn,
+            f"indexes dim {dim}, the batch dim, whose positions are the examples' (each chunk holds others)",
+            "select examples with a mask over the batch (torch.where(mask[:, None], value, x)), index a non-batch "
+            "dim, or run without chunking (a larger memory_budget)",
+        )
+    cut = {}
+    for v in (x, source):
+        if v is not None and label(v) is None:
+            if v.aval.shape[lab.dim] != lab.extent(label.batch):
+                raise coupling(eqn, "pairs a shared operand without a row per example with the examples", "batch it")
+            cut[v] = lab
+    return Chunked((lab,), slice=cut, whole=frozenset({index, *(v for v in rest if v is not source)}))
+
+
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
     aten.view: shape_rules.view,
@@ -175,5 +278,18 @@ BATCH: dict = {
     aten.scatter_add: _scatter_along,
     aten.scatter_reduce: _scatter_along,
     aten.index_select: _index_select,
+    aten.scatter_: _scatter_along,
+    aten.scatter_add_: _scatter_along,
+    aten.scatter_reduce_: _scatter_along,
+    aten.repeat: repeat,
+    aten.diagonal: diagonal,
+    aten.diagonal_copy: diagonal,
+    aten.diagonal_backward: diagonal_backward,
+    aten.unfold: unfold,
+    aten.unfold_copy: unfold,
+    aten.unfold_backward: unfold_backward,
+    **{op: index_along for op in (
+        aten.index_fill, aten.index_fill_, aten.index_copy, aten.index_copy_, aten.index_add, aten.index_add_,
+    )},
 }
 

@@ -254,6 +254,44 @@ CAPTURED_OPERANDS: dict = {
         ("table", lambda h, y: F.embedding(y, CAP) * h),
         ("table_of_batch_rows", lambda h, y: F.embedding(CAP_ROWS, h)),
     ],
+    torch.ops.aten.scatter_: [
+        ("source_in_place", lambda h, y: h.clone().scatter_(1, y[:, None], CAP[:, :1])),
+    ],
+    torch.ops.aten.scatter_reduce_: [
+        ("source_in_place", lambda h, y: h.clone().scatter_reduce_(1, y[:, None], CAP[:, :1], "amax")),
+    ],
+    torch.ops.aten.index_fill: [
+        ("index", lambda h, y: h.index_fill(1, CAP_ROWS % NC, 0.5)),
+        ("batch_rows", lambda h, y: h.index_fill(0, CAP_ROWS, 0.0)),
+    ],
+    torch.ops.aten.index_fill_: [
+        ("index_in_place", lambda h, y: h.clone().index_fill_(1, CAP_ROWS % NC, 0.5)),
+    ],
+    torch.ops.aten.index_add: [
+        ("source", lambda h, y: h.index_add(1, CAP_IDX[0, :1], CAP[:, :1])),
+        ("into", lambda h, y: CAP.index_add(1, CAP_IDX[0, :1], h[:, :1])),
+        ("index", lambda h, y: h.index_add(1, CAP_ROWS % NC, h[:, :1].expand(-1, NB))),
+        ("batch_rows", lambda h, y: h.index_add(0, CAP_ROWS, CAP)),
+    ],
+    torch.ops.aten.index_add_: [
+        ("source_in_place", lambda h, y: h.clone().index_add_(1, CAP_IDX[0, :1], CAP[:, :1])),
+    ],
+    torch.ops.aten.index_copy: [
+        ("source", lambda h, y: h.index_copy(1, CAP_IDX[0, :1], CAP[:, :1])),
+        ("into", lambda h, y: CAP.index_copy(1, CAP_IDX[0, :1], h[:, :1])),
+    ],
+    torch.ops.aten.index_copy_: [
+        ("source_in_place", lambda h, y: h.clone().index_copy_(1, CAP_IDX[0, :1], CAP[:, :1])),
+    ],
+    torch.ops.aten._embedding_bag: [
+        ("table_and_offsets", lambda h, y: F.embedding_bag(y, CAP, ARANGE) * h),
+        ("weights", lambda h, y: F.embedding_bag(y, CAP, ARANGE, mode="sum", per_sample_weights=CAP[:, 0]) * h),
+        ("batch_rows", lambda h, y: F.embedding_bag(CAP_ROWS, h, ARANGE)),
+    ],
+    torch.ops.aten.take: [
+        ("table", lambda h, y: CAP.take(y * NC + 1) * h[:, 0]),
+        ("batch_positions", lambda h, y: h.take(CAP_ROWS)),
+    ],
 }
 _CASES = [(op, name, f) for op, cases in CAPTURED_OPERANDS.items() for name, f in cases]
 
