@@ -18,7 +18,7 @@ from budgets import budget_for, rel
 
 import stagetorch
 from stagetorch import registry
-from stagetorch.errors import BatchCouplingError, UnsupportedOpError
+from stagetorch.errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError
 from stagetorch.interpreters import batching
 
 B, S, H, V = 10, 6, 8, 13
@@ -328,9 +328,11 @@ def test_a_captured_batch_sized_operand_of_an_indexing_op_runs_exactly_or_is_nam
     try:
         budget_for(staged, x, y, chunks=2)
         loss = staged(x, y)
-    except (BatchCouplingError, UnsupportedOpError) as err:
+    except (BatchCouplingError, UnsupportedOpError, OutOfMemoryError) as err:
         text = str(err)
-        # (the run-time refusal of other examples' rows names neither op nor line yet: issue 43's report)
+        # An OutOfMemoryError here is the planner's word that no chunked schedule can run the step (the examples
+        # meet at the op) and that the whole batch needs more than the budget: it names the op, its line and the
+        # smallest budget. (The run-time refusal of other examples' rows names neither op nor line yet: issue 43's report)
         assert "What to do:" in text or "Teach it with one line" in text, text
         assert all(p.grad is None for p in staged_model.parameters())
         assert all(torch.equal(p, q) for p, q in zip(staged_model.parameters(), model.parameters()))
