@@ -5,13 +5,28 @@ analysis can only refuse them. Written out, each is per-example work and a few p
 examples, which the analysis labels as reductions and the passes of :mod:`stagetorch.planning.multipass` compute
 over the chunks:
 
-- forward: ``s1 = sum(x - k)``, ``s2 = sum((x - k)^2)`` per channel (``k``: the running mean before the
-  step, a shift that keeps ``s2 / n - (s1 / n)^2`` well conditioned once the running mean is near the batch
-  mean; 0 without running statistics), the mean and ``1 / sqrt(var + eps)`` from them, the normalised
-  output; the running statistics updated in place as the kernel does (unbiased variance for
-  ``running_var``);
+- forward: per example and channel, the mean over the spatial dims and the sum of squares about it (in the
+  input's dtype; per-example work); over the batch, in float64 from those ``[batch, channels]`` values, the
+  sums of the examples' means shifted by ``k`` (the running mean before the step; 0 without running
+  statistics), of their squares, and of the examples' sums of squares; the mean and ``1 / sqrt(var + eps)``
+  from them, then the normalised output; the running statistics updated in place as the kernel does
+  (unbiased variance for ``running_var``);
 - backward: ``sum(g)`` and ``sum(g * xhat)`` per channel, which are the bias's and the weight's gradients,
   and the input's gradient from them.
+
+Numerics (issue 43). ``var = s2 / n - (s1 / n)^2`` cancels when the shift is far from the batch mean (early
+training, a fresh ``running_mean`` of zeros): summed in float32 over ``(x - k)^2``, a 4-block CNN's ``.grad``
+was 77x further from float64 than eager float32's (``tests/planning/test_bn_numerics.py``). Each example's
+spatial statistics are now about its own mean, which is well conditioned, and only the between-example part,
+``[batch, channels]`` values, is summed and combined in float64, where the cancellation costs nothing (eager's
+CPU kernel accumulates in double too): as accurate as eager float32 on every seed and depth measured. Chosen
+over the alternatives: a float64 ``sum(dtype=...)`` of the activation copies it to float64 inside the kernel (on
+CPU, ``self.to(dtype)``: measured with ``AllocatorPeak``, twice the activation's bytes, unseen by the sum's
+memory rule), and an explicit float64 activation would cost the same in the plan; a Chan merge of per-chunk
+(count, mean, M2) needs a combiner other than a sum in the reductions; a better shift from an earlier pass costs
+a pass per layer. Here the per-example work allocates what the old sums did (an activation-sized centred value
+and its square), plus float64 vectors of ``[batch, channels]``, all traced, so the plan stays exact. The
+backward's two sums stay in the input's dtype (no cancellation measured there).
 
 Each replacement is traced from a small function (:func:`_forward`, :func:`_backward`) by the tracer itself,
 so its equations carry the shape, memory and batch rules of any traced op. This module knows the IR and the
@@ -47,16 +62,34 @@ def _channel_view(x: torch.Tensor) -> list[int]:
     return [1, -1] + [1] * (x.ndim - 2)
 
 
+def _wide(t):  # noqa: ANN001, ANN202
+    return t if t.dtype == torch.float64 else t.to(torch.float64)
+
+
 def _forward(x, weight, bias, running_mean, running_var, momentum, eps):  # noqa: ANN001, ANN202
-    dims = [0, *range(2, x.ndim)]
     n = x.numel() // x.shape[1]
     shape = _channel_view(x)
-    shifted = x if running_mean is None else x - running_mean.view(shape)
-    s1, s2 = shifted.sum(dims), (shifted * shifted).sum(dims)
+    spatial = list(range(2, x.ndim))
+    if spatial:
+        # Per example and channel (per-example work): the mean over the spatial dims and the sum of squares
+        # about it, in x's dtype, each shifted by its own mean (well conditioned).
+        per_example = x.numel() // (x.shape[0] * x.shape[1])
+        example_mean = x.mean(spatial)
+        centred = x - example_mean.view(*example_mean.shape, *[1] * len(spatial))
+        within = _wide((centred * centred).sum(spatial)).sum(0)
+    else:
+        per_example, example_mean, within = 1, x, None
+    # Over the batch (the reductions), in float64 from [batch, channels] values: the between-example
+    # part cancels when the running mean is far from the batch mean, harmlessly in float64.
+    d = _wide(example_mean) if running_mean is None else _wide(example_mean) - _wide(running_mean)
+    s1, s2 = d.sum(0) * per_example, (d * d).sum(0) * per_example
+    if within is not None:
+        s2 = s2 + within
     shifted_mean = s1 / n
-    var = s2 / n - shifted_mean * shifted_mean
-    mean = shifted_mean if running_mean is None else shifted_mean + running_mean
-    invstd = torch.rsqrt(var + eps)
+    var64 = s2 / n - shifted_mean * shifted_mean
+    mean = (shifted_mean if running_mean is None else shifted_mean + _wide(running_mean)).to(x.dtype)
+    var = var64.to(x.dtype)
+    invstd = torch.rsqrt(var64 + eps).to(x.dtype)
     out = (x - mean.view(shape)) * invstd.view(shape)
     if weight is not None:
         out = out * weight.view(shape)
