@@ -31,6 +31,21 @@ def nll_loss_forward(x: Aval, target: Aval, weight: Aval | None, reduction: int,
 _NONE, _MEAN, _SUM = 0, 1, 2  # at::Reduction
 
 
+def _as_chunk_sum(eqn: Eqn, reduction_arg: int, reduction: int, count: int) -> Callable[[int], tuple[Any, tuple, dict]]:
+    """A chunk's call of a reduced loss: its ``reduction`` set to ``sum``, and a ``mean`` divided by the whole
+    batch's ``count`` (exact: the chunks' sums add up to the batch's)."""
+
+    def call(n: int) -> tuple[Any, tuple, dict]:
+        args, kwargs = list(eqn.args), dict(eqn.kwargs)
+        if len(args) > reduction_arg:
+            args[reduction_arg] = _SUM
+        else:
+            kwargs["reduction"] = _SUM
+        return (eqn.prim if reduction == _SUM else _divided(eqn.prim, count)), tuple(args), kwargs
+
+    return call
+
+
 def reduction_loss(*, reduction_arg: int, backward: bool = False) -> Callable[[Eqn, LabelFn], Chunked]:
     """Losses with a ``reduction`` argument (mse, smooth_l1, huber, bce...), forward or backward.
 
@@ -44,17 +59,7 @@ def reduction_loss(*, reduction_arg: int, backward: bool = False) -> Callable[[E
         if reduction == _NONE:
             return inner
         x = eqn.args[1] if backward else eqn.args[0]
-        count = x.aval.numel
-
-        def call(n: int) -> tuple[Any, tuple, dict]:
-            args, kwargs = list(eqn.args), dict(eqn.kwargs)
-            if len(args) > reduction_arg:
-                args[reduction_arg] = _SUM
-            else:
-                kwargs["reduction"] = _SUM
-            if reduction == _SUM:
-                return eqn.prim, tuple(args), kwargs
-            return _divided(eqn.prim, count), tuple(args), kwargs
+        call = _as_chunk_sum(eqn, reduction_arg, reduction, x.aval.numel)
 
         if backward:
             return Chunked((lab,), call=call, slice=inner.slice)
@@ -265,15 +270,7 @@ def multi_margin(*, backward: bool) -> Callable[[Eqn, LabelFn], Chunked]:
         whole = frozenset({weight}) if isinstance(weight, Var) else frozenset()
         if reduction == _NONE:
             return Chunked((lab,), slice=cut, whole=whole)
-        rows = x.aval.shape[0]
-
-        def call(n: int) -> tuple[Any, tuple, dict]:
-            args, kwargs = list(eqn.args), dict(eqn.kwargs)
-            if len(args) > reduction_arg:
-                args[reduction_arg] = _SUM
-            else:
-                kwargs["reduction"] = _SUM
-            return (eqn.prim if reduction == _SUM else _divided(eqn.prim, rows)), tuple(args), kwargs
+        call = _as_chunk_sum(eqn, reduction_arg, reduction, x.aval.shape[0])
 
         return Chunked((lab if backward else Reduced("sum"),), call=call, slice=cut, whole=whole)
 
