@@ -374,8 +374,8 @@ def _analyze(
         if rule is None:
             raise UnsupportedOpError(
                 f"{op_name(e.prim)} at {e.source} reads a per-example value, and stagetorch has no batch rule "
-                f"for it, so it cannot tell whether running it on a chunk of the batch is exact.\nTeach it with "
-                f"one line, e.g. for an op that treats each example independently along dim 0: "
+                f"for it, so it cannot tell whether running it on a chunk of the batch is exact.\nWhat to do: "
+                f"teach it with one line, e.g. for an op that treats each example independently along dim 0: "
                 f"stagetorch.ops.register(torch.ops.{op_name(_packet(e.prim))}, "
                 f"batch=stagetorch.ops.per_example()), or run without chunking (a larger memory_budget)."
             )

@@ -54,7 +54,7 @@ def meta_eval(prim: Any, args: tuple, kwargs: dict) -> list[Aval | None]:
         packet = op_name(getattr(prim, "overloadpacket", prim))
         raise UnsupportedOpError(
             f"{op_name(prim)} has no meta kernel and stagetorch has no shape rule for it, so the shapes of its "
-            f"outputs cannot be known without running it.\nTeach it with one call: "
+            f"outputs cannot be known without running it.\nWhat to do: teach it with one call: "
             f"stagetorch.ops.register(torch.ops.{packet}, shape=rule), where rule(*args, **kwargs) takes the "
             f"arguments with a stagetorch.Aval for each tensor and returns the output Aval (or a tuple of them)."
         ) from e

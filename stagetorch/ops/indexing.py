@@ -17,7 +17,7 @@ import torch
 
 from ..errors import BatchCouplingError
 from ..interpreters.batching import Batched, Chunked, LabelFn, Reduced, arg_vars, coupling
-from ..ir import Eqn, Var
+from ..ir import Eqn, Var, op_name
 
 aten = torch.ops.aten
 
@@ -53,16 +53,17 @@ def _no_masks(eqn: Eqn, indices: list) -> None:
         )
 
 
-def _local_indices(indices: list, dim: int, at: int, n: int, reads: str) -> list:
+def _local_indices(indices: list, dim: int, at: int, n: int, reads: str, where: str) -> list:
     """``indices`` for a chunk of ``n`` examples, where ``indices[dim]`` must hold each example's own position
-    along broadcast dim ``at`` (``arange(B)`` there): it becomes ``arange(n)``, the chunk's own rows."""
+    along broadcast dim ``at`` (``arange(B)`` there): it becomes ``arange(n)``, the chunk's own rows. ``where``:
+    the op and the user's line, which a refusal names (the values are known only when the chunk runs)."""
     full = indices[dim]
     shape = [1] * full.ndim
     shape[at] = full.shape[at]
     own = torch.arange(full.shape[at], device=full.device, dtype=full.dtype).view(shape)
     if not torch.equal(full, own.expand_as(full)):
         raise BatchCouplingError(
-            f"An advanced index into the batch dim {reads} rows other than each example's own (a shuffle, a "
+            f"{where}: an advanced index into the batch dim {reads} rows other than each example's own (a shuffle, a "
             "gather of other examples), so running the batch in chunks would change the result.\nWhat to do: "
             "reorder examples outside the staged function, or run without chunking (a larger memory_budget)."
         )
@@ -71,9 +72,9 @@ def _local_indices(indices: list, dim: int, at: int, n: int, reads: str) -> list
     return local
 
 
-def _own_batch_rows(x: torch.Tensor, indices: list, dim: int, at: int) -> torch.Tensor:
+def _own_batch_rows(x: torch.Tensor, indices: list, dim: int, at: int, where: str) -> torch.Tensor:
     """``x[indices]`` on a chunk, ``indices[dim]`` selecting each example's own row (see :func:`_local_indices`)."""
-    return torch.ops.aten.index.Tensor(x, _local_indices(indices, dim, at, x.shape[dim], "selects"))
+    return torch.ops.aten.index.Tensor(x, _local_indices(indices, dim, at, x.shape[dim], "selects", where))
 
 
 def index(eqn: Eqn, label: LabelFn) -> Chunked:
@@ -141,7 +142,7 @@ def index(eqn: Eqn, label: LabelFn) -> Chunked:
     dim = xl.dim
 
     def call(n: int) -> tuple[Any, tuple, dict]:
-        return _own_batch_rows, (x, indices, dim, at), {}
+        return _own_batch_rows, (x, indices, dim, at), {"where": f"{op_name(eqn.prim)} at {eqn.source}"}
 
     return Chunked((Batched(first + at),), call=call, slice=cut)
 
@@ -170,9 +171,11 @@ def _is_zeros(label: LabelFn, x: Var) -> bool:
     return maker is not None and maker.prim.overloadpacket in _ZEROS
 
 
-def _own_batch_rows_put(x: torch.Tensor, indices: list, values: torch.Tensor, accumulate: bool, dim: int, at: int):
+def _own_batch_rows_put(
+    x: torch.Tensor, indices: list, values: torch.Tensor, accumulate: bool, dim: int, at: int, where: str
+) -> torch.Tensor:
     """``x.index_put(indices, values, accumulate)`` on a chunk, ``indices[dim]`` writing each example's own row."""
-    local = _local_indices(indices, dim, at, x.shape[dim], "writes")
+    local = _local_indices(indices, dim, at, x.shape[dim], "writes", where)
     return torch.ops.aten.index_put.default(x, local, values, accumulate)
 
 
@@ -326,7 +329,7 @@ def index_put(eqn: Eqn, label: LabelFn) -> Chunked:
         cut.update(_cut_shared(eqn, [(0, values)], label, first + at, result_ndim, extent, 1, 1))
 
     def call(n: int) -> tuple[Any, tuple, dict]:
-        return _own_batch_rows_put, (x, indices, values, accumulate, dim, at), {}
+        return _own_batch_rows_put, (x, indices, values, accumulate, dim, at), {"where": f"{op_name(eqn.prim)} at {eqn.source}"}
 
     return Chunked((Batched(dim),), call=call, slice=cut)
 

@@ -66,7 +66,7 @@ def unsupported_message(func: Any, src: SourceInfo, detail: str = "") -> str:
     name = op_name(func)
     return (
         f"{name} at {src} has no fake (meta) kernel, so stagetorch cannot infer its output shape."
-        f"{code_line(src)}\nTeach it with one line: stagetorch.ops.register(torch.ops.{name}, "
+        f"{code_line(src)}\nWhat to do: teach it with one line: stagetorch.ops.register(torch.ops.{name}, "
         "shape=lambda *args, **kwargs: stagetorch.Aval(shape, dtype, device)), or give the op a fake impl "
         "with torch.library.register_fake." + (f"\n({detail.splitlines()[0]})" if detail else "")
     )
