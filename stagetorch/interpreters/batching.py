@@ -342,6 +342,25 @@ def _analyze(
             # An in-place write to storage the chunks have read (AdamW's weight decay ``p.mul_(1 - lr * wd)``,
             # which needs no gradient): run once before the chunks, the chunks would read the written value.
             late = [w for w in writes(e) if w.root in read_late]
+        if not batched and not late and any(v in made_per_chunk for v in ins):
+            # A value no example owns but the body makes (``x.new_ones(B, C)``: made from an argument's
+            # metadata in every chunk) has no whole-batch copy before the chunk loop: what reads it is made in
+            # every chunk too, the same in each. A write it makes into anything else would repeat per chunk.
+            if any(w not in made_per_chunk and w.root not in made_per_chunk for w in writes(e)):
+                raise coupling(
+                    e,
+                    "writes a tensor shared by the whole batch from a value every chunk makes again",
+                    "compute that value outside the staged function, or run without chunking (a larger "
+                    "memory_budget)",
+                )
+            phases.append("body")
+            read_late.update(v.root for v in ins)
+            decisions[i] = Chunked(tuple(None for _ in e.outvars))
+            for v in e.outvars:
+                if v is not None:
+                    labels[v] = None
+                    made_per_chunk.add(v)
+            continue
         if not batched:
             phase = "post" if late else "shared"
             if late:

@@ -547,3 +547,58 @@ def test_small_changes_in_free_memory_do_not_replan(monkeypatch):
         staged.memory_budget = budget
         staged(x, y)
     assert len(costed) == 1  # the whole graph, once; every budget fits, so no chunked planning
+
+
+def _made_in_every_chunk(kind: str, batch: int, classes: int):
+    """A value no example owns, made in the body from an argument's metadata (``x.new_ones``), then read by
+    equations with no per-example input (issue 43: the shared phase read it before any chunk made it, and the
+    planner looped or raised ``KeyError``)."""
+
+    def step_of(model: nn.Module):
+        def step(x, y):
+            logits = model(x)
+            w = x.new_ones(batch, classes) * 2
+            if kind == "cumsum_summed":
+                w = w.cumsum(0).sum()
+            elif kind == "cumsum":
+                w = w.cumsum(0)
+            loss = (w * logits).pow(2).mean() + F.cross_entropy(logits, y)
+            loss.backward()
+            return loss
+
+        return step
+
+    return step_of
+
+
+@pytest.mark.parametrize("kind", ["cumsum_summed", "scaled", "cumsum"])
+def test_a_value_every_chunk_makes_again_is_read_in_the_body_or_refused_by_name(kind):
+    """Read as a whole-batch scalar, such a value runs in exact chunks (three SGD steps against eager); read
+    as rows paired with the examples, it is refused by name, leaving the model as it was."""
+    batch, classes = 23, 5
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, classes)).double()
+    x = torch.randn(batch, 8, dtype=torch.float64)
+    y = torch.randint(0, classes, (batch,))
+    eager, staged_model = copy.deepcopy(base), copy.deepcopy(base)
+    step_of = _made_in_every_chunk(kind, batch, classes)
+    staged = stagetorch.jit(step_of(staged_model), remat=False)
+    if kind != "cumsum_summed":
+        with pytest.raises(stagetorch.BatchCouplingError, match=r"(?s)aten.mul.Tensor at interpreters/test_chunking.py:\d+ .*What to do"):
+            budget_for(staged, x, y, chunks=3)  # (the plan for a budget of chunks refuses)
+            staged(x, y)
+        assert all(p.grad is None for p in staged_model.parameters())
+        return
+    budget_for(staged, x, y, chunks=3)
+    assert len(staged.plan(x, y).chunk_sizes) >= 3
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (eager, staged_model)]
+    for _ in range(3):
+        for opt in opts:
+            opt.zero_grad()
+        e_loss = step_of(eager)(x, y)
+        loss = staged(x, y)
+        torch.testing.assert_close(loss, e_loss, rtol=1e-12, atol=1e-12)
+        for p, q in zip(staged_model.parameters(), eager.parameters()):
+            assert rel(p.grad, q.grad) < 1e-9
+        for opt in opts:
+            opt.step()
