@@ -17,7 +17,7 @@ from ..errors import ShapeError
 from ..interpreters import batch_rules, flops
 from ..ir import Aval, Eqn
 from . import layout_rules
-from .kernels import onednn_conv
+from .kernels import cuda_conv, onednn_conv
 
 aten = torch.ops.aten
 
@@ -266,6 +266,8 @@ def _transposed(e: Eqn, backward: bool) -> bool:
 
 def convolution_workspace(e: Eqn, layouts: Any = None) -> int:
     out, x, w, stride, padding, dilation, transposed, groups, _ = _geometry(e, backward=False)
+    if x.device.type == "cuda":
+        return cuda_conv.forward_workspace(x, out)
     if x.device.type != "cpu":
         return 0
     mkldnn = _uses_mkldnn(x, w, stride, dilation, transposed, groups)
@@ -299,6 +301,8 @@ def _unknown(v: Any) -> None:
 
 def convolution_backward_workspace(e: Eqn, layouts: Any = None) -> int:
     grad, x, w, stride, padding, dilation, transposed, groups, mask = _geometry(e, backward=True)
+    if x.device.type == "cuda":
+        return cuda_conv.backward_workspace(grad, x)
     if x.device.type != "cpu":
         return 0
     mkldnn = _uses_mkldnn(x, w, stride, dilation, transposed, groups)

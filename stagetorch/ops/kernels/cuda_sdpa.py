@@ -1,0 +1,274 @@
+"""Which kernel ``scaled_dot_product_attention`` runs on a CUDA device, and the bytes each one allocates.
+
+PyTorch picks the kernel at run time (``select_sdp_backend`` in ``aten/src/ATen/native/transformers/cuda/
+sdp_utils.cpp``): it walks a priority order (flash, memory-efficient, math; cuDNN first where it is preferred)
+and takes the first backend whose constraints the call meets. The backends differ by a lot in memory: flash and
+memory-efficient attention keep only the output and a float32 logsumexp per query row for the backward pass,
+while the math fallback materialises the (batch, heads, L, S) scores, their softmax (saved for the backward pass)
+and, for grouped-query attention, copies of the keys and values expanded to every query head.
+
+On a CPU-only build, fake CUDA tensors never reach that choice: ``_fused_sdp_choice`` has no CUDA kernel there,
+so ``F.scaled_dot_product_attention`` always decomposes into the math path. :func:`sdpa_dispatch` (a
+``TorchFunctionMode``) makes the choice as a GPU of the given compute capability would and calls the chosen
+kernel's ATen op, so that a staged graph records ``_scaled_dot_product_flash_attention`` /
+``_scaled_dot_product_efficient_attention`` / ``_scaled_dot_product_cudnn_attention`` where the GPU would run them,
+and the math decomposition only where the GPU falls back to it.
+
+The rules are those of torch 2.11-2.13 for dense (not nested) inputs, written from the constraints' meaning:
+
+- flash: fp16/bf16 (fp16 only below sm80), sm80 and newer, no ``attn_mask``, q, k and v of one head dim
+  <= 256, ``is_causal`` only with L == S, GQA accepted (query heads a multiple of key heads); on sm86/sm89 a
+  head dim in (192, 224] (or (224, 256] with dropout) is refused when an input requires grad.
+- memory-efficient: fp32, fp16 and bf16 from sm80 (fp32 and fp16 below), sm50 and newer, head dims divisible
+  by the GEMM alignment (fp32: 4 on sm80+, 1 below; fp16/bf16: 8 on sm80+ ...) and q, k of one head dim; an
+  ``attn_mask`` accepted. Grouped-query attention: refused in torch 2.11 (as the H200 measured: a Llama-style
+  model in fp32 took the math path); PyTorch's main branch accepts it (``efficient_gqa=True``).
+- cuDNN: fp16/bf16, sm80 and newer, head dims multiples of 8 and <= 128 (256 on sm90 with a new cuDNN), dropout a
+  multiple of 1/16, S > 1. Tried first only where it is preferred (``prefer_cudnn``: sm90/sm100 with cuDNN newer
+  than 9.15 in recent builds); otherwise the default order puts it after math, which always runs, so it is
+  never chosen.
+- math: everything else.
+
+Plain values in, names and bytes out: nothing here runs a kernel except :func:`sdpa_dispatch`, on whatever
+tensors it is given (fake ones, when staging).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "CudaProps", "SdpaCall", "select_backend", "forward_bytes", "backward_workspace", "sdpa_dispatch",
+    "FLASH", "EFFICIENT", "CUDNN", "MATH",
+]
+
+FLASH, EFFICIENT, CUDNN, MATH = "flash", "efficient", "cudnn", "math"
+
+
+class CudaProps(NamedTuple):
+    """What of a CUDA device and build changes the choice: the compute capability, whether cuDNN attention is
+    tried first (``prefer_cudnn``), whether memory-efficient attention takes grouped-query attention
+    (``efficient_gqa``: False for torch 2.11, as measured), the cuDNN version (``90100`` = 9.1.0)."""
+
+    capability: tuple[int, int] = (9, 0)
+    prefer_cudnn: bool = False
+    efficient_gqa: bool = False
+    cudnn_version: int = 91002
+
+
+class SdpaCall(NamedTuple):
+    """One call's shapes and flags: q (B, Hq, L, E), k (B, Hk, S, E), v (B, Hk, S, Ev)."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    length: int
+    source: int
+    head_dim: int
+    value_dim: int
+    dtype: torch.dtype
+    has_mask: bool = False
+    is_causal: bool = False
+    dropout_p: float = 0.0
+    enable_gqa: bool = False
+    requires_grad: bool = False
+
+    @classmethod
+    def of(cls, q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
+           enable_gqa: bool = False, requires_grad: bool | None = None) -> SdpaCall:
+        """The call of 4-d tensors (or Avals) ``q, k, v``."""
+        grad = requires_grad
+        if grad is None:
+            grad = any(getattr(t, "requires_grad", False) for t in (q, k, v))
+        return cls(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3], q.dtype,
+                   attn_mask is not None, bool(is_causal), float(dropout_p), bool(enable_gqa), bool(grad))
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _heads_ok(c: SdpaCall, gqa: bool) -> bool:
+    """Equal head counts, or (a backend that takes grouped-query attention, ``enable_gqa`` given) query heads a
+    multiple of key heads."""
+    if c.heads == c.kv_heads:
+        return True
+    return gqa and c.enable_gqa and c.kv_heads > 0 and c.heads % c.kv_heads == 0
+
+
+def _gemm_alignment(c: SdpaCall, props: CudaProps) -> int:
+    """The head-dim alignment memory-efficient attention's GEMMs need (``minimum_gemm_alignment``)."""
+    major = props.capability[0]
+    half = c.dtype in _HALF
+    tensor_cores = major >= 8 or (major >= 7 and half)
+    align = 4 if major >= 8 else 1
+    if tensor_cores:
+        align = max(align, 128 // (16 if half else 32))
+    return align
+
+
+def _can_flash(c: SdpaCall, props: CudaProps) -> bool:
+    cap = props.capability
+    if c.has_mask or not (8, 0) <= cap <= (12, 1):
+        return False
+    if not (c.head_dim == c.value_dim and c.head_dim <= 256):
+        return False
+    if c.requires_grad and ((8, 6) <= cap <= (8, 9) or (12, 0) <= cap <= (12, 1)):
+        if not (c.head_dim <= 192 or (c.dropout_p == 0.0 and c.head_dim > 224)):
+            return False
+    if c.is_causal and c.length != c.source:
+        return False
+    if c.dtype not in (_HALF if cap[0] >= 8 else (torch.float16,)):
+        return False
+    return _heads_ok(c, gqa=True) and c.length > 0 and c.source > 0
+
+
+def _can_efficient(c: SdpaCall, props: CudaProps) -> bool:
+    cap = props.capability
+    if not (5, 0) <= cap <= (12, 1):
+        return False
+    align = _gemm_alignment(c, props)
+    if not (c.head_dim % align == 0 and c.value_dim % align == 0 and c.head_dim > 0 and c.value_dim > 0):
+        return False
+    if not _heads_ok(c, gqa=props.efficient_gqa) or c.length == 0 or c.source == 0:
+        return False
+    allowed = (torch.float16, torch.float32, torch.bfloat16) if cap[0] >= 8 else (torch.float16, torch.float32)
+    return c.dtype in allowed
+
+
+def _can_cudnn(c: SdpaCall, props: CudaProps) -> bool:
+    cap = props.capability
+    if props.cudnn_version < 90000 or not (8, 0) <= cap <= (12, 1):
+        return False
+    if c.dtype not in _HALF or c.dropout_p * 16.0 != math.floor(c.dropout_p * 16.0):
+        return False
+    if c.dropout_p > 0.0 and 91100 < props.cudnn_version < 91400:
+        return False
+    limit = 256 if (cap == (9, 0) or cap[0] == 10) and props.cudnn_version > 92200 else 128
+    if c.head_dim > limit or c.value_dim > limit or c.head_dim % 8 or c.value_dim % 8:
+        return False
+    if c.source == 1 or c.length == 0 or c.source == 0 or (c.dropout_p > 0.0 and c.length == 1):
+        return False
+    return c.heads == c.kv_heads or (c.enable_gqa and c.heads % c.kv_heads == 0)
+
+
+def select_backend(c: SdpaCall, props: CudaProps = CudaProps()) -> str:
+    """The backend a GPU of ``props`` runs ``c`` with: ``"flash"``, ``"efficient"``, ``"cudnn"`` or ``"math"``."""
+    order = (CUDNN, FLASH, EFFICIENT) if props.prefer_cudnn else (FLASH, EFFICIENT, CUDNN)
+    checks = {FLASH: _can_flash, EFFICIENT: _can_efficient, CUDNN: _can_cudnn}
+    for name in order:
+        if name == CUDNN and not props.prefer_cudnn:
+            continue  # the default order (flash, efficient, math) tries cuDNN attention only where it is preferred
+        if checks[name](c, props):
+            return name
+    return MATH
+
+
+def _round(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def forward_bytes(c: SdpaCall, backend: str) -> dict[str, int]:
+    """The tensors the forward call of ``backend`` allocates, by name, in bytes (before the allocator's 512-byte
+    rounding): ``out``; ``logsumexp`` (float32, (B, H, L) for flash, (B, H, L rounded up to 32) for
+    memory-efficient when a gradient is needed, (B, H, L, 1) for cuDNN); ``rng`` (the philox seed and offset);
+    for math the scores, their softmax (kept for the backward pass), the mask's and dropout's copies and the
+    grouped-query copies of k and v (fp16/bf16 inputs are computed in float32 on the math path)."""
+    b, h, hk, L, S, E, Ev = c.batch, c.heads, c.kv_heads, c.length, c.source, c.head_dim, c.value_dim
+    size = c.dtype.itemsize
+    out = b * h * L * Ev * size
+    if backend == FLASH:
+        return {"out": out, "logsumexp": 4 * b * h * L, "rng": 16 + 8}
+    if backend == EFFICIENT:
+        lse = 4 * b * h * _round(L, 32) if c.requires_grad else 0
+        return {"out": out, "logsumexp": lse, "rng": 8 + 8}
+    if backend == CUDNN:
+        lse = 4 * b * h * L if c.requires_grad else 0
+        return {"out": out, "logsumexp": lse, "rng": 8 + 8}
+    acc = 4 if c.dtype in _HALF else size  # the math path upcasts fp16/bf16 to float32
+    scores = b * h * L * S * acc
+    parts = {
+        "scaled_q": b * h * L * E * acc,
+        "scores": scores,
+        "softmax": scores,
+        "out": out,
+    }
+    if c.dtype in _HALF:
+        parts["upcast_qkv"] = b * (h * L * E + hk * S * (E + Ev)) * 4
+        parts["out_f32"] = b * h * L * Ev * 4
+    if c.heads != c.kv_heads:
+        parts["gqa_kv"] = b * h * S * (E + Ev) * acc
+    if c.has_mask or c.is_causal:
+        parts["masked_scores"] = scores
+    if c.dropout_p > 0.0:
+        parts["dropout_mask"] = b * h * L * S
+        parts["dropped"] = scores
+    return parts
+
+
+def backward_workspace(c: SdpaCall, backend: str) -> int:
+    """Scratch the backward kernel of ``backend`` allocates beside its gradients (freed when it returns).
+
+    flash (FlashAttention-2's ``mha_bwd``): a float32 accumulator for dq, (B, L rounded up to 128, H, E rounded up
+    to 32), and the float32 row sums (B, H, L rounded up to 128); with grouped-query attention, dk and dv for every
+    query head before they are summed to the key heads. memory-efficient (an upper bound): its float32 ``delta``
+    (B, H, L) and, for fp16/bf16, a float32 accumulator for dq. cuDNN: the float32 ``delta``. math: none (its
+    backward is the decomposition's own ops)."""
+    b, h, hk, L, S, E, Ev = c.batch, c.heads, c.kv_heads, c.length, c.source, c.head_dim, c.value_dim
+    if backend == FLASH:
+        ws = 4 * b * _round(L, 128) * h * _round(E, 32) + 4 * b * h * _round(L, 128)
+        if h != hk:
+            ws += b * S * h * (E + Ev) * c.dtype.itemsize
+        return ws
+    if backend == EFFICIENT:
+        return 4 * b * h * L + (4 * b * h * L * E if c.dtype != torch.float32 else 0)
+    if backend == CUDNN:
+        return 4 * b * h * L
+    return 0
+
+
+def _bias(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """A boolean mask as the additive float bias the fused kernels take (``convert_boolean_attn_mask``)."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(mask.logical_not(), float("-inf"))
+    return mask
+
+
+class sdpa_dispatch(TorchFunctionMode):
+    """Inside it, ``F.scaled_dot_product_attention`` on CUDA tensors runs the kernel a GPU of ``props`` would
+    choose: the fused backends' ATen ops (whose fake kernels give their outputs), or the math decomposition.
+    ``self.choices`` records each call's backend, in order."""
+
+    def __init__(self, props: CudaProps = CudaProps()):
+        super().__init__()
+        self.props = props
+        self.choices: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        bound = {**dict(zip(names, args)), **kwargs}
+        q, k, v = bound["query"], bound["key"], bound["value"]
+        if q.device.type != "cuda" or q.dim() != 4 or q.is_nested:
+            return func(*args, **kwargs)
+        mask, dropout = bound.get("attn_mask"), float(bound.get("dropout_p", 0.0))
+        causal, scale, gqa = bool(bound.get("is_causal", False)), bound.get("scale"), bool(bound.get("enable_gqa", False))
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        call = SdpaCall.of(q, k, v, mask, dropout, causal, gqa, grad)
+        backend = select_backend(call, self.props)
+        self.choices.append(backend)
+        aten = torch.ops.aten
+        if backend == FLASH:
+            return aten._scaled_dot_product_flash_attention(q, k, v, dropout, causal, False, scale=scale)[0]
+        if backend == EFFICIENT:
+            bias = None if mask is None else _bias(mask, q).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+            return aten._scaled_dot_product_efficient_attention(q, k, v, bias, grad, dropout, causal, scale=scale)[0]
+        if backend == CUDNN:
+            bias = None if mask is None else _bias(mask, q)
+            return aten._scaled_dot_product_cudnn_attention(q, k, v, bias, grad, dropout, causal, False, scale=scale)[0]
+        return func(*args, **kwargs)
