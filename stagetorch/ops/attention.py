@@ -10,6 +10,7 @@ from ..errors import ShapeError
 from ..interpreters import batch_rules, flops, shape_rules
 from ..interpreters.memory import MemoryEffect
 from ..ir import Aval, Eqn
+from .kernels import cuda_sdpa
 
 aten = torch.ops.aten
 
@@ -92,6 +93,24 @@ def sdpa_cpu_backward_workspace(e: Eqn, layouts: Any = None) -> int:
 sdpa_cpu_backward_workspace.reads_layouts = True  # type: ignore[attr-defined]
 
 
+def _arg(e: Eqn, i: int, name: str, default: Any) -> Any:
+    """Argument ``i`` of ``e`` (``name`` when passed by keyword), else ``default``."""
+    return e.args[i] if len(e.args) > i else e.kwargs.get(name, default)
+
+
+def _cuda_backward_workspace(backend: str, dropout_at: int, causal_at: int) -> Any:
+    """The workspace rule of a fused attention backward on a CUDA device (cuda_sdpa.backward_workspace)."""
+
+    def rule(e: Eqn) -> int:
+        q, k, v = (a.aval for a in e.args[1:4])
+        if q.device.type != "cuda":
+            return 0
+        call = cuda_sdpa.backward_call(q, k, v, _arg(e, dropout_at, "dropout_p", 0.0), _arg(e, causal_at, "is_causal", False))
+        return cuda_sdpa.backward_workspace(call, backend)
+
+    return rule
+
+
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
     aten._softmax: shape_rules.softmax("_softmax"),
@@ -158,4 +177,8 @@ FLOPS: dict = {
 WORKSPACE: dict = {
     aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu_workspace,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_cpu_backward_workspace,
+    # CUDA's fused kernels (what a GPU runs, and what cuda_sdpa.sdpa_dispatch records on fake CUDA tensors).
+    aten._scaled_dot_product_flash_attention_backward: _cuda_backward_workspace(cuda_sdpa.FLASH, 10, 11),
+    aten._scaled_dot_product_efficient_attention_backward: _cuda_backward_workspace(cuda_sdpa.EFFICIENT, 9, 11),
+    aten._scaled_dot_product_cudnn_attention_backward: _cuda_backward_workspace(cuda_sdpa.CUDNN, 13, 14),
 }

@@ -42,7 +42,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
-    "CudaProps", "SdpaCall", "select_backend", "forward_bytes", "backward_workspace", "sdpa_dispatch",
+    "CudaProps", "SdpaCall", "select_backend", "forward_bytes", "backward_workspace", "backward_call", "sdpa_dispatch",
     "FLASH", "EFFICIENT", "CUDNN", "MATH",
 ]
 
@@ -213,13 +213,13 @@ def backward_workspace(c: SdpaCall, backend: str) -> int:
     """Scratch the backward kernel of ``backend`` allocates beside its gradients (freed when it returns).
 
     flash (FlashAttention-2's ``mha_bwd``): a float32 accumulator for dq, (B, L rounded up to 128, H, E rounded up
-    to 32), and the float32 row sums (B, H, L rounded up to 128); with grouped-query attention, dk and dv for every
+    to 32; 256 above 192), and the float32 row sums (B, H, L rounded up to 128); with grouped-query attention, dk and dv for every
     query head before they are summed to the key heads. memory-efficient (an upper bound): its float32 ``delta``
     (B, H, L) and, for fp16/bf16, a float32 accumulator for dq. cuDNN: the float32 ``delta``. math: none (its
     backward is the decomposition's own ops)."""
     b, h, hk, L, S, E, Ev = c.batch, c.heads, c.kv_heads, c.length, c.source, c.head_dim, c.value_dim
     if backend == FLASH:
-        ws = 4 * b * _round(L, 128) * h * _round(E, 32) + 4 * b * h * _round(L, 128)
+        ws = 4 * b * _round(L, 128) * h * (_round(E, 32) if E <= 192 else 256) + 4 * b * h * _round(L, 128)
         if h != hk:
             ws += b * S * h * (E + Ev) * c.dtype.itemsize
         return ws
@@ -228,6 +228,18 @@ def backward_workspace(c: SdpaCall, backend: str) -> int:
     if backend == CUDNN:
         return 4 * b * h * L
     return 0
+
+
+def backward_call(q: Any, k: Any, v: Any, dropout_p: float = 0.0, is_causal: bool = False) -> SdpaCall:
+    """The call a fused backward op's q, k, v avals (or tensors) describe (a gradient is being taken)."""
+    return SdpaCall.of(q, k, v, None, dropout_p, is_causal, enable_gqa=q.shape[1] != k.shape[1], requires_grad=True)
+
+
+def _autocast(t: Any, low: torch.dtype) -> Any:
+    """``t`` as autocast's low-precision cast leaves it: floating tensors but float64 in ``low``."""
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 and t.dtype != low:
+        return t.to(low)
+    return t
 
 
 def _bias(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -259,16 +271,23 @@ class sdpa_dispatch(TorchFunctionMode):
         mask, dropout = bound.get("attn_mask"), float(bound.get("dropout_p", 0.0))
         causal, scale, gqa = bool(bound.get("is_causal", False)), bound.get("scale"), bool(bound.get("enable_gqa", False))
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        low = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
         call = SdpaCall.of(q, k, v, mask, dropout, causal, gqa, grad)
+        if low is not None and call.dtype != torch.float64:
+            # CUDA's autocast runs attention in its low dtype: it casts q, k, v (and a float mask) before the
+            # kernel is chosen, and the choice reads the cast dtype (this mode runs ahead of the dispatcher).
+            call = call._replace(dtype=low)
         backend = select_backend(call, self.props)
         self.choices.append(backend)
+        if backend == MATH:
+            return func(*args, **kwargs)  # the decomposition, cast by autocast as on the GPU
+        if low is not None:
+            q, k, v, mask = (_autocast(t, low) for t in (q, k, v, mask))
         aten = torch.ops.aten
         if backend == FLASH:
             return aten._scaled_dot_product_flash_attention(q, k, v, dropout, causal, False, scale=scale)[0]
         if backend == EFFICIENT:
             bias = None if mask is None else _bias(mask, q).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
             return aten._scaled_dot_product_efficient_attention(q, k, v, bias, grad, dropout, causal, scale=scale)[0]
-        if backend == CUDNN:
-            bias = None if mask is None else _bias(mask, q)
-            return aten._scaled_dot_product_cudnn_attention(q, k, v, bias, grad, dropout, causal, False, scale=scale)[0]
-        return func(*args, **kwargs)
+        bias = None if mask is None else _bias(mask, q)
+        return aten._scaled_dot_product_cudnn_attention(q, k, v, bias, grad, dropout, causal, False, scale=scale)[0]

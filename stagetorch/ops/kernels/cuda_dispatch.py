@@ -1,0 +1,51 @@
+"""Staging for a CUDA device on a machine without one: CUDA's dispatch choices on fake CUDA tensors.
+
+PyTorch's ``FakeTensorMode`` makes ``device="cuda"`` fake tensors on a CPU-only build, and most of what a GPU
+does with them is decided by device-independent code that runs on them as it would on the GPU. Two choices are
+not, and :func:`cuda_staging` makes them as the GPU would:
+
+- **Autocast.** ``torch.autocast("cuda", ...)`` turns itself off (with a warning) when
+  ``torch.cuda.amp.common.amp_definitely_not_available()`` says so, which it does on a CPU-only build. The
+  dispatcher's ``AutocastCUDA`` kernels are compiled into every build and are keyed on the tensors' device, so
+  once the context is allowed to switch on, fake CUDA tensors are cast by CUDA's op lists (matmul and
+  convolution in the low dtype, softmax, layer_norm and the losses in float32), not CPU's.
+- **Attention.** ``scaled_dot_product_attention`` picks its kernel in CUDA code a CPU build lacks, so on fake CUDA
+  tensors it always decomposes into the math path; :class:`~stagetorch.ops.kernels.cuda_sdpa.sdpa_dispatch`
+  picks the kernel for the given device.
+
+Nothing here touches a real tensor; outside the context everything is as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from .cuda_sdpa import CudaProps, sdpa_dispatch
+
+__all__ = ["cuda_autocast_allowed", "cuda_staging"]
+
+
+@contextlib.contextmanager
+def cuda_autocast_allowed() -> Iterator[None]:
+    """Inside it, ``torch.autocast("cuda", dtype=...)`` switches on where no GPU is (as on one: bfloat16 is
+    accepted, as PyTorch does on every GPU it runs on, emulated below sm80)."""
+    common = torch.cuda.amp.common
+    saved = common.amp_definitely_not_available, torch.cuda.is_bf16_supported
+    common.amp_definitely_not_available = lambda: False
+    torch.cuda.is_bf16_supported = lambda *args, **kwargs: True
+    try:
+        yield
+    finally:
+        common.amp_definitely_not_available, torch.cuda.is_bf16_supported = saved
+
+
+@contextlib.contextmanager
+def cuda_staging(props: CudaProps = CudaProps()) -> Iterator[sdpa_dispatch]:
+    """Stage under it for a GPU of ``props`` (``CudaProps(capability=(8, 0))`` for an A100): CUDA's autocast and
+    CUDA's attention kernels on fake CUDA tensors. Yields the attention dispatcher (its ``choices`` list the
+    backend of each attention call)."""
+    with cuda_autocast_allowed(), sdpa_dispatch(props) as mode:
+        yield mode
