@@ -8,12 +8,13 @@ engine's device thread being the second) holds one.
 
 - cuBLAS: ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE:COUNT`` pairs, SIZE in KiB, summed), else 32 MiB on sm90
   (Hopper: H100, H200) and 4096 KiB x 2 + 16 KiB x 8 (8,519,680 B) on every other capability.
-- cuBLASLt (the fused bias epilogues of ``addmm``/``linear``): with ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` unset or
-  true it shares the cuBLAS workspace (nothing more); set false, a pool of its own of ``CUBLASLT_WORKSPACE_SIZE``
-  KiB (1024 by default), capped at the cuBLAS size. PyTorch's sources disagree between versions on the unset
-  case; the H200's trace (torch 2.11, GPT-2 124M, whose ``Conv1D`` layers are ``addmm`` with a bias) holds the
-  32 MiB cuBLAS workspace as a segment of its own and no other block that lives to the end of the step but the
-  step's outputs: no separate cuBLASLt workspace.
+- cuBLASLt (the fused bias epilogues of ``addmm``/``linear``): a pool of its own, ``CUBLASLT_WORKSPACE_SIZE`` KiB
+  (1024 by default) capped at the cuBLAS size, allocated right after the cuBLAS one; only
+  ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1`` makes it share cuBLAS's.
+
+The H200's trace of GPT-2 124M (torch 2.11, tests/support/data/cuda-traces) shows both: a 32 MiB block (a segment of
+its own) and a 1 MiB block (in the small pool's 2 MiB segment) allocated one after the other at the first matmul
+and never freed.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def cublas_workspace(capability: tuple[int, int] = (9, 0), env: Mapping[str, str
 def cublaslt_workspace(capability: tuple[int, int] = (9, 0), env: Mapping[str, str] | None = None) -> int:
     """Bytes of the cuBLASLt workspace a stream gets apart from cuBLAS's (0 when the two are unified)."""
     env = os.environ if env is None else env
-    if env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1").strip().lower() not in ("0", "false", "off", "no"):
+    if env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "").strip().lower() in ("1", "true", "on", "yes"):
         return 0
     try:
         kib = int(env.get("CUBLASLT_WORKSPACE_SIZE", "1024"))
