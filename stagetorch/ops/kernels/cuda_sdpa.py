@@ -175,12 +175,18 @@ def forward_bytes(c: SdpaCall, backend: str) -> dict[str, int]:
     """The tensors the forward call of ``backend`` allocates, by name, in bytes (before the allocator's 512-byte
     rounding): ``out``; ``logsumexp`` (float32, (B, H, L) for flash, (B, H, L rounded up to 32) for
     memory-efficient when a gradient is needed, (B, H, L, 1) for cuDNN); ``rng`` (the philox seed and offset);
+    flash pads a head dim that is not a multiple of 8 (copies of q, k, v; the output sliced from a padded one);
     for math the scores, their softmax (kept for the backward pass), the mask's and dropout's copies and the
     grouped-query copies of k and v (fp16/bf16 inputs are computed in float32 on the math path)."""
     b, h, hk, L, S, E, Ev = c.batch, c.heads, c.kv_heads, c.length, c.source, c.head_dim, c.value_dim
     size = c.dtype.itemsize
     out = b * h * L * Ev * size
     if backend == FLASH:
+        if E % 8:
+            # the head dim padded to a multiple of 8 (q, k, v copied), the output a view of the padded one
+            padded = _round(E, 8)
+            return {"out": b * h * L * padded * size, "padded_qkv": b * (h * L + 2 * hk * S) * padded * size,
+                    "logsumexp": 4 * b * h * L, "rng": 16 + 8}
         return {"out": out, "logsumexp": 4 * b * h * L, "rng": 16 + 8}
     if backend == EFFICIENT:
         lse = 4 * b * h * _round(L, 32) if c.requires_grad else 0
