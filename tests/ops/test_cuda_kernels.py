@@ -175,6 +175,15 @@ def test_dispatch_takes_a_boolean_mask_as_the_fused_kernels_bias() -> None:
     assert mode.choices == [EFFICIENT] and out.shape == q.shape
 
 
+def test_efficient_attention_reads_a_bias_padded_to_16() -> None:
+    """A key length not a multiple of 16: the bias is copied padded (the staged graph holds the padded copy)."""
+    q, k, mask = Aval((2, 8, 100, 64), f32, "cuda"), Aval((2, 8, 100, 64), f32, "cuda"), Aval((2, 1, 100, 100), f32, "cuda")
+    with cuda_staging() as mode:
+        graph = stagetorch.make_ir(lambda q, k, m: F.scaled_dot_product_attention(q, k, k, attn_mask=m))(q, k, mask)
+    assert mode.choices == [EFFICIENT]
+    assert any(o.aval.shape == (2, 1, 100, 112) for e in graph.eqns for o in e.outvars if o is not None)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum()
 

@@ -255,6 +255,15 @@ def _bias(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def _aligned(bias: torch.Tensor) -> torch.Tensor:
+    """The bias as memory-efficient attention reads it: its last dim padded to a multiple of 16 (a copy) and
+    sliced back (``preprocess_mask``'s ``pad_bias``)."""
+    extra = -bias.shape[-1] % 16
+    if not extra:
+        return bias
+    return torch.nn.functional.pad(bias, (0, extra)).narrow(-1, 0, bias.shape[-1])
+
+
 class sdpa_dispatch(TorchFunctionMode):
     """Inside it, ``F.scaled_dot_product_attention`` on CUDA tensors runs the kernel a GPU of ``props`` would
     choose: the fused backends' ATen ops (whose fake kernels give their outputs), or the math decomposition.
@@ -293,7 +302,7 @@ class sdpa_dispatch(TorchFunctionMode):
         if backend == FLASH:
             return aten._scaled_dot_product_flash_attention(q, k, v, dropout, causal, False, scale=scale)[0]
         if backend == EFFICIENT:
-            bias = None if mask is None else _bias(mask, q).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+            bias = None if mask is None else _aligned(_bias(mask, q)).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
             return aten._scaled_dot_product_efficient_attention(q, k, v, bias, grad, dropout, causal, scale=scale)[0]
         bias = None if mask is None else _bias(mask, q)
         return aten._scaled_dot_product_cudnn_attention(q, k, v, bias, grad, dropout, causal, False, scale=scale)[0]
