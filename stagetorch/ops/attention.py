@@ -111,6 +111,15 @@ def _cuda_backward_workspace(backend: str, dropout_at: int, causal_at: int) -> A
     return rule
 
 
+def _cuda_efficient_workspace(e: Eqn) -> int:
+    """The output accumulator of CUDA's memory-efficient attention (cuda_sdpa.forward_workspace)."""
+    q, k, v = (a.aval for a in e.args[:3])
+    if q.device.type != "cuda":
+        return 0
+    call = cuda_sdpa.SdpaCall.of(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+    return cuda_sdpa.forward_workspace(call, cuda_sdpa.EFFICIENT)
+
+
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
     aten._softmax: shape_rules.softmax("_softmax"),
@@ -178,6 +187,7 @@ WORKSPACE: dict = {
     aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu_workspace,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_cpu_backward_workspace,
     # CUDA's fused kernels (what a GPU runs, and what cuda_sdpa.sdpa_dispatch records on fake CUDA tensors).
+    aten._scaled_dot_product_efficient_attention: _cuda_efficient_workspace,
     aten._scaled_dot_product_flash_attention_backward: _cuda_backward_workspace(cuda_sdpa.FLASH, 10, 11),
     aten._scaled_dot_product_efficient_attention_backward: _cuda_backward_workspace(cuda_sdpa.EFFICIENT, 9, 11),
     aten._scaled_dot_product_cudnn_attention_backward: _cuda_backward_workspace(cuda_sdpa.CUDNN, 13, 14),

@@ -29,6 +29,7 @@ from stagetorch.ops.kernels.cuda_sdpa import (
     backward_call,
     backward_workspace,
     forward_bytes,
+    forward_workspace,
     sdpa_dispatch,
     select_backend,
 )
@@ -140,6 +141,8 @@ def test_backward_workspace_of_flash_rounds_as_flash_attention_2() -> None:
     assert backward_workspace(call(f32), EFFICIENT) == 4 * 2 * 8 * 128  # delta only: float32 needs no accumulator
     assert backward_workspace(call(), EFFICIENT) == 4 * 2 * 8 * 128 + 4 * 2 * 8 * 128 * 64
     assert backward_workspace(call(), MATH) == 0
+    assert forward_workspace(call(head_dim=256), EFFICIENT) == 4 * 2 * 128 * 8 * 256
+    assert forward_workspace(call(head_dim=256), FLASH) == 0
 
 
 # -- routing fake CUDA tensors to the GPU's kernel --------------------------------------------------------------
@@ -249,6 +252,11 @@ def test_cuda_autocast_casts_fake_cuda_tensors_by_cudas_lists() -> None:
     norm = next(e for e in graph.eqns if e.prim == aten.native_layer_norm.default)
     assert norm.args[0].aval.dtype == f32
     assert not torch.is_autocast_enabled("cuda")  # nothing left switched on
+    # CPU's lists differ: its autocast leaves softmax and layer_norm in bfloat16
+    x, w, t = torch.randn(4, 8), torch.randn(8, 8), torch.zeros(4, dtype=torch.int64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cpu = (x @ w, torch.softmax(x @ w, -1), F.layer_norm(x @ w, (8,)))
+    assert [o.dtype for o in cpu] == [bf16, bf16, bf16]
 
 
 def test_cuda_autocast_is_off_on_a_cpu_build_without_it() -> None:
@@ -301,6 +309,16 @@ def test_fused_backward_workspace_rules(op, backend: str, dropout_at: int, causa
     assert slot(op.default, "workspace")(e) == expected
     if device == "cuda":
         assert expected > 0
+
+
+@pytest.mark.parametrize("dtype,head_dim,expected", [(bf16, 256, 4 * 2 * 100 * 8 * 256), (bf16, 128, 0), (f32, 256, 0)])
+def test_efficient_forward_accumulates_large_head_dims_in_float32(dtype: torch.dtype, head_dim: int, expected: int) -> None:
+    q = var((2, 8, 100, head_dim), dtype)
+    e = Eqn(aten._scaled_dot_product_efficient_attention.default, (q, q, q, None, True), {}, [q])
+    assert slot(aten._scaled_dot_product_efficient_attention.default, "workspace")(e) == expected
+    cpu = var((2, 8, 100, head_dim), dtype, "cpu")
+    e = Eqn(aten._scaled_dot_product_efficient_attention.default, (cpu, cpu, cpu, None, True), {}, [cpu])
+    assert slot(aten._scaled_dot_product_efficient_attention.default, "workspace")(e) == 0
 
 
 def conv_eqn(device: str, backward: bool) -> Eqn:

@@ -42,7 +42,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
-    "CudaProps", "SdpaCall", "select_backend", "forward_bytes", "backward_workspace", "backward_call", "sdpa_dispatch",
+    "CudaProps", "SdpaCall", "select_backend", "forward_bytes", "forward_workspace", "backward_workspace", "backward_call", "sdpa_dispatch",
     "FLASH", "EFFICIENT", "CUDNN", "MATH",
 ]
 
@@ -213,6 +213,16 @@ def forward_bytes(c: SdpaCall, backend: str) -> dict[str, int]:
         parts["dropout_mask"] = b * h * L * S
         parts["dropped"] = scores
     return parts
+
+
+def forward_workspace(c: SdpaCall, backend: str) -> int:
+    """Scratch the forward kernel of ``backend`` allocates beside its outputs. memory-efficient (CUTLASS's
+    kernel): above a head dim of 128 it iterates over the values in blocks and, unless its output is float32,
+    accumulates the output in a float32 buffer (B, L, H, Ev). flash and cuDNN while training: none (flash's
+    split-KV buffers are for inference of a few rows). math: its decomposition's own ops."""
+    if backend == EFFICIENT and max(c.head_dim, c.value_dim) > 128 and c.dtype != torch.float32:
+        return 4 * c.batch * c.length * c.heads * c.value_dim
+    return 0
 
 
 def backward_workspace(c: SdpaCall, backend: str) -> int:
