@@ -82,6 +82,7 @@ CASES = [
     ("cuDNN preferred (sm90, new cuDNN): cuDNN first", call(), CudaProps(prefer_cudnn=True), CUDNN),
     ("cuDNN preferred but dropout not a multiple of 1/16: flash", call(dropout_p=0.1), CudaProps(prefer_cudnn=True), FLASH),
     ("cuDNN preferred, fp32: memory-efficient", call(f32), CudaProps(prefer_cudnn=True), EFFICIENT),
+    ("a last dim not contiguous: no fused kernel", call(last_dim_contiguous=False), SM90, MATH),
 ]
 
 
@@ -159,6 +160,14 @@ def test_dispatch_on_fake_cuda_tensors(dtype: torch.dtype, gqa: bool, expected: 
             out = F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=gqa)
     assert mode.choices == [expected]
     assert out.shape == q.shape and out.dtype == dtype and out.device.type == "cuda"
+
+
+def test_dispatch_reads_strides() -> None:
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 64, 128, device="cuda", dtype=bf16).transpose(-1, -2)  # last-dim stride 128
+        with sdpa_dispatch() as mode:
+            F.scaled_dot_product_attention(q, q, q)
+    assert mode.choices == [MATH]
 
 
 def test_dispatch_leaves_cpu_tensors_alone() -> None:

@@ -76,6 +76,8 @@ class SdpaCall(NamedTuple):
     dropout_p: float = 0.0
     enable_gqa: bool = False
     requires_grad: bool = False
+    # q, k and v each have a last-dim stride of 1 (the fused kernels read rows; flash lets a size-1 dim pass)
+    last_dim_contiguous: bool = True
 
     @classmethod
     def of(cls, q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
@@ -84,8 +86,10 @@ class SdpaCall(NamedTuple):
         grad = requires_grad
         if grad is None:
             grad = any(getattr(t, "requires_grad", False) for t in (q, k, v))
+        strides = [t.stride() for t in (q, k, v) if isinstance(t, torch.Tensor)]
         return cls(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3], q.dtype,
-                   attn_mask is not None, bool(is_causal), float(dropout_p), bool(enable_gqa), bool(grad))
+                   attn_mask is not None, bool(is_causal), float(dropout_p), bool(enable_gqa), bool(grad),
+                   all(st[-1] == 1 for st in strides))
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -123,6 +127,8 @@ def _can_flash(c: SdpaCall, props: CudaProps) -> bool:
         return False
     if c.dtype not in (_HALF if cap[0] >= 8 else (torch.float16,)):
         return False
+    if not c.last_dim_contiguous and not (c.head_dim == 1 and c.value_dim == 1):
+        return False
     return _heads_ok(c, gqa=True) and c.length > 0 and c.source > 0
 
 
@@ -133,7 +139,7 @@ def _can_efficient(c: SdpaCall, props: CudaProps) -> bool:
     align = _gemm_alignment(c, props)
     if not (c.head_dim % align == 0 and c.value_dim % align == 0 and c.head_dim > 0 and c.value_dim > 0):
         return False
-    if not _heads_ok(c, gqa=props.efficient_gqa) or c.length == 0 or c.source == 0:
+    if not c.last_dim_contiguous or not _heads_ok(c, gqa=props.efficient_gqa) or c.length == 0 or c.source == 0:
         return False
     allowed = (torch.float16, torch.float32, torch.bfloat16) if cap[0] >= 8 else (torch.float16, torch.float32)
     return c.dtype in allowed
@@ -150,7 +156,7 @@ def _can_cudnn(c: SdpaCall, props: CudaProps) -> bool:
     limit = 256 if (cap == (9, 0) or cap[0] == 10) and props.cudnn_version > 92200 else 128
     if c.head_dim > limit or c.value_dim > limit or c.head_dim % 8 or c.value_dim % 8:
         return False
-    if c.source == 1 or c.length == 0 or c.source == 0 or (c.dropout_p > 0.0 and c.length == 1):
+    if not c.last_dim_contiguous or c.source == 1 or c.length == 0 or c.source == 0 or (c.dropout_p > 0.0 and c.length == 1):
         return False
     return c.heads == c.kv_heads or (c.enable_gqa and c.heads % c.kv_heads == 0)
 
