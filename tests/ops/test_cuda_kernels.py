@@ -344,6 +344,13 @@ def test_conv_workspace_on_cuda_is_cudnns_bound() -> None:
     assert slot(aten.convolution_backward.default, "workspace")(conv_eqn("cuda", True)) == 2 * fmap + cuda_conv.PER_CALL
 
 
+def test_conv_workspace_cap() -> None:
+    x = Aval((4, 64, 56, 56), f32, "cuda")
+    assert cuda_conv.forward_workspace(x, x, env={"CUDNN_CONV_WSCAP_DBG": "2"}) == 2 * 2**20
+    assert cuda_conv.backward_workspace(x, x, env={"CUDNN_CONV_WSCAP_DBG": "1024"}) == 2 * x.nbytes + cuda_conv.PER_CALL
+    assert cuda_conv.workspace_cap({}) is None
+
+
 def test_conv_workspace_on_cpu_is_not_cudas(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU branch (oneDNN's and the column buffers' replay) does not read the CUDA bound."""
     rules = [(slot(aten.convolution.default, "workspace"), False), (slot(aten.convolution_backward.default, "workspace"), True)]
