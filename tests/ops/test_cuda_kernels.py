@@ -162,6 +162,30 @@ def test_dispatch_on_fake_cuda_tensors(dtype: torch.dtype, gqa: bool, expected: 
     assert out.shape == q.shape and out.dtype == dtype and out.device.type == "cuda"
 
 
+def test_dispatch_follows_sdpa_kernel() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 128, 64, device="cuda", dtype=bf16)
+        with sdpa_dispatch() as mode:
+            with sdpa_kernel([SDPBackend.MATH]):
+                F.scaled_dot_product_attention(q, q, q)
+            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+                F.scaled_dot_product_attention(q, q, q)
+            F.scaled_dot_product_attention(q, q, q)
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), pytest.raises(stagetorch.UnsupportedOpError, match="No available kernel"):
+                F.scaled_dot_product_attention(q.float(), q.float(), q.float())
+    assert mode.choices == [MATH, EFFICIENT, FLASH]
+
+
+def test_select_backend_with_an_order_and_enabled_set() -> None:
+    assert select_backend(call(), SM90, order=(EFFICIENT, FLASH, MATH)) == EFFICIENT
+    assert select_backend(call(), SM90, enabled=frozenset({MATH, EFFICIENT})) == EFFICIENT
+    # cuDNN preferred moves it first only from the default order, as PyTorch sets its order once
+    assert select_backend(call(), CudaProps(prefer_cudnn=True), order=(FLASH, EFFICIENT, MATH, CUDNN)) == CUDNN
+    assert select_backend(call(), CudaProps(prefer_cudnn=True), order=(FLASH, CUDNN, MATH)) == FLASH
+
+
 def test_dispatch_reads_strides() -> None:
     with FakeTensorMode():
         q = torch.empty(2, 8, 64, 128, device="cuda", dtype=bf16).transpose(-1, -2)  # last-dim stride 128

@@ -28,6 +28,11 @@ The rules are those of torch 2.11-2.13 for dense (not nested) inputs, written fr
   than 9.15 in recent builds); otherwise the default order puts it after math, which always runs, so it is
   never chosen.
 - math: everything else.
+- every fused kernel: q, k and v with a last-dim stride of 1.
+
+The dispatcher reads the process's settings as PyTorch does: the backends ``torch.nn.attention.sdpa_kernel`` (or
+``torch.backends.cuda.enable_*_sdp``) leaves enabled, and the priority order (flash, memory-efficient, math, cuDNN
+by default).
 
 Plain values in, names and bytes out: nothing here runs a kernel except :func:`sdpa_dispatch`, on whatever
 tensors it is given (fake ones, when staging).
@@ -41,9 +46,11 @@ from typing import Any, NamedTuple
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ...errors import UnsupportedOpError
+
 __all__ = [
     "CudaProps", "SdpaCall", "select_backend", "forward_bytes", "forward_workspace", "backward_workspace", "backward_call", "sdpa_dispatch",
-    "FLASH", "EFFICIENT", "CUDNN", "MATH",
+    "torch_settings", "DEFAULT_ORDER", "FLASH", "EFFICIENT", "CUDNN", "MATH",
 ]
 
 FLASH, EFFICIENT, CUDNN, MATH = "flash", "efficient", "cudnn", "math"
@@ -161,16 +168,37 @@ def _can_cudnn(c: SdpaCall, props: CudaProps) -> bool:
     return c.heads == c.kv_heads or (c.enable_gqa and c.heads % c.kv_heads == 0)
 
 
-def select_backend(c: SdpaCall, props: CudaProps = CudaProps()) -> str:
-    """The backend a GPU of ``props`` runs ``c`` with: ``"flash"``, ``"efficient"``, ``"cudnn"`` or ``"math"``."""
-    order = (CUDNN, FLASH, EFFICIENT) if props.prefer_cudnn else (FLASH, EFFICIENT, CUDNN)
-    checks = {FLASH: _can_flash, EFFICIENT: _can_efficient, CUDNN: _can_cudnn}
+_BY_ENUM = {0: MATH, 1: FLASH, 2: EFFICIENT, 3: CUDNN}
+DEFAULT_ORDER = (FLASH, EFFICIENT, MATH, CUDNN)
+
+
+def torch_settings() -> tuple[tuple[str, ...], frozenset[str]]:
+    """This process's SDPA priority order and enabled backends (``torch.nn.attention.sdpa_kernel`` and
+    ``torch.backends.cuda.enable_*_sdp`` set them; a CPU build keeps them too)."""
+    order = tuple(_BY_ENUM[i] for i in torch._C._get_sdp_priority_order() if i in _BY_ENUM)
+    cuda = torch.backends.cuda
+    enabled = {name for name, on in ((FLASH, cuda.flash_sdp_enabled()), (EFFICIENT, cuda.mem_efficient_sdp_enabled()),
+                                     (MATH, cuda.math_sdp_enabled()), (CUDNN, cuda.cudnn_sdp_enabled())) if on}
+    return order, frozenset(enabled)
+
+
+def select_backend(c: SdpaCall, props: CudaProps = CudaProps(), order: tuple[str, ...] = DEFAULT_ORDER,
+                   enabled: frozenset[str] = frozenset((FLASH, EFFICIENT, MATH, CUDNN))) -> str:
+    """The backend a GPU of ``props`` runs ``c`` with: ``"flash"``, ``"efficient"``, ``"cudnn"`` or ``"math"``;
+    the first of ``order`` that is ``enabled`` and takes the call (``order`` as PyTorch's default has it, cuDNN
+    moved first where ``props.prefer_cudnn``). None taking it: PyTorch raises ``No available kernel``, and so
+    does this (:class:`~stagetorch.errors.UnsupportedOpError`)."""
+    if props.prefer_cudnn and tuple(order) == DEFAULT_ORDER:
+        order = (CUDNN, FLASH, EFFICIENT, MATH)
+    checks = {FLASH: _can_flash, EFFICIENT: _can_efficient, CUDNN: _can_cudnn, MATH: lambda c, p: True}
     for name in order:
-        if name == CUDNN and not props.prefer_cudnn:
-            continue  # the default order (flash, efficient, math) tries cuDNN attention only where it is preferred
-        if checks[name](c, props):
+        if name in enabled and checks[name](c, props):
             return name
-    return MATH
+    raise UnsupportedOpError(
+        f"scaled_dot_product_attention: no enabled kernel takes this call on a GPU of compute capability "
+        f"{props.capability} ({c}; enabled: {sorted(enabled)}), so PyTorch would raise 'No available kernel'. "
+        "What to do: enable the math backend (torch.nn.attention.sdpa_kernel) or change the call."
+    )
 
 
 def _round(n: int, m: int) -> int:
@@ -308,7 +336,7 @@ class sdpa_dispatch(TorchFunctionMode):
             # CUDA's autocast runs attention in its low dtype: it casts q, k, v (and a float mask) before the
             # kernel is chosen, and the choice reads the cast dtype (this mode runs ahead of the dispatcher).
             call = call._replace(dtype=low)
-        backend = select_backend(call, self.props)
+        backend = select_backend(call, self.props, *torch_settings())
         self.choices.append(backend)
         if backend == MATH:
             return func(*args, **kwargs)  # the decomposition, cast by autocast as on the GPU
