@@ -5,13 +5,15 @@ CNN at 64x3x224x224 and GPT-2 124M at 8x512, fp32, every path, torch 2.11) and t
 GPT-2 124M step at 16x512 (``cuda-traces/``). Each row is re-planned here for the H200 on CPU and must come out
 allocated within 1% (convolutions: 5%) and reserved within 3% of what the GPU measured, never under.
 
-How the step is staged for the GPU here: traced on CPU, then every value's device set to ``cuda``
-(:func:`on_cuda`), so that the CUDA rules apply (the caching allocator's rounding and segments, cuDNN's
-convolution workspaces, cuBLAS's resident workspaces) on CPU's op choices. For these fp32 steps the op choices
-are the GPU's but one: attention, where CPU records its flash kernel and the H200 ran memory-efficient attention
-(the same output and float32 logsumexp for these shapes; see tests/ops/test_cuda_kernels.py). Staging on fake
-CUDA tensors directly is device44's route (``stagetorch.memory(step, device="H200")``); the tests written against
-it are at the end, expected to fail until it lands.
+How the step is staged for the GPU here: traced on CPU fake tensors with CUDA's attention kernel chosen for
+the H200 (``sdpa_dispatch(devices=("cpu",))``: memory-efficient attention for these fp32 steps, its backward
+op included), then every value's device set to ``cuda`` (:func:`on_cuda`), so that the CUDA rules apply (the
+caching allocator's rounding and segments, cuDNN's convolution workspaces, attention's, cuBLAS's resident
+workspaces). For these fp32 steps the op choices are then the GPU's (no autocast). A CPU-only build cannot run
+autograd over fake CUDA tensors (it aborts the process creating a CUDA leaf's gradient accumulator, and
+Python indexing raises), which is why the values are moved after the trace. Staging for a named device is
+device44's route (``stagetorch.memory(step, device="H200")``); the tests written against it are at the end,
+expected to fail until it lands.
 
 Rows of paths whose program at the measured commit (f68f244) is not today's plan are kept as data and
 checked as far as they can be: the recomputing and lazy rows ran a recompute set chosen by the planner of
@@ -37,6 +39,7 @@ from stagetorch.interpreters.batching import Batched
 from stagetorch.interpreters.memory import peak_bytes
 from stagetorch.ir import Aval, Graph, Var
 from stagetorch.ops.kernels import cuda_blas
+from stagetorch.ops.kernels.cuda_sdpa import CudaProps, sdpa_dispatch
 from stagetorch.interpreters.chunked import even_chunks
 from stagetorch.planning.planner import Planner
 from stagetorch.planning.reserved import resident_events, step_events
@@ -111,7 +114,9 @@ def staged_for_h200(model_name: str) -> tuple[Graph, Planner]:
             loss.backward()
             return loss
 
-    graph = on_cuda(stagetorch.make_ir(step)(x, y))
+    # CUDA's attention kernel for the H200 (fp32: memory-efficient), staged on CPU fake tensors with its backward
+    with sdpa_dispatch(CudaProps(capability=H200), devices=("cpu",)):
+        graph = on_cuda(stagetorch.make_ir(step)(x, y))
     args = [v for v, r in zip(graph.invars, graph.roles) if r == "arg"]
     return graph, Planner(graph, {v: Batched(0) for v in args}, x.shape[0], cut_coupled=True)
 
@@ -163,6 +168,15 @@ def test_gpt2_whole_step_on_h200_within_1_percent_never_under(gpt2_step: tuple[G
     graph, planner = gpt2_step
     row = rows("gpt2-124M", "whole")
     check(allocated_like_the_table(graph, planner, (8,)), row["allocated"], 0.01)
+
+
+def test_gpt2_is_staged_with_the_h200s_attention_kernel(gpt2_step: tuple[Graph, Planner]) -> None:
+    """fp32 on an H200: memory-efficient attention, forward and backward, in each of the 12 layers."""
+    graph, _ = gpt2_step
+    ops = [str(e.prim) for e in graph.eqns]
+    assert ops.count("aten._scaled_dot_product_efficient_attention.default") == 12
+    assert ops.count("aten._scaled_dot_product_efficient_attention_backward.default") == 12
+    assert not any("for_cpu" in op for op in ops)
 
 
 def test_gpt2_tensors_alone_are_under_the_allocator(gpt2_step: tuple[Graph, Planner]) -> None:

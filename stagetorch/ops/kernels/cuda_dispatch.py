@@ -43,9 +43,10 @@ def cuda_autocast_allowed() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def cuda_staging(props: CudaProps = CudaProps()) -> Iterator[sdpa_dispatch]:
+def cuda_staging(props: CudaProps = CudaProps(), devices: tuple[str, ...] = ("cuda",)) -> Iterator[sdpa_dispatch]:
     """Stage under it for a GPU of ``props`` (``CudaProps(capability=(8, 0))`` for an A100): CUDA's autocast and
-    CUDA's attention kernels on fake CUDA tensors. Yields the attention dispatcher (its ``choices`` list the
-    backend of each attention call)."""
-    with cuda_autocast_allowed(), sdpa_dispatch(props) as mode:
+    CUDA's attention kernels on fake CUDA tensors (attention also on the ``devices`` given: see
+    :class:`~stagetorch.ops.kernels.cuda_sdpa.sdpa_dispatch`). Yields the attention dispatcher (its ``choices``
+    list the backend of each attention call)."""
+    with cuda_autocast_allowed(), sdpa_dispatch(props, devices) as mode:
         yield mode

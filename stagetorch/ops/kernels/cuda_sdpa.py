@@ -311,11 +311,17 @@ def _aligned(bias: torch.Tensor) -> torch.Tensor:
 class sdpa_dispatch(TorchFunctionMode):
     """Inside it, ``F.scaled_dot_product_attention`` on CUDA tensors runs the kernel a GPU of ``props`` would
     choose: the fused backends' ATen ops (whose fake kernels give their outputs), or the math decomposition.
-    ``self.choices`` records each call's backend, in order."""
+    ``self.choices`` records each call's backend, in order.
 
-    def __init__(self, props: CudaProps = CudaProps()):
+    ``devices``: the tensors' device types taken for the GPU. ``("cpu",)`` stages CUDA's kernels on CPU fake
+    tensors, for a graph that is costed for a GPU once its values are moved there and never run: on a CPU-only
+    build, autograd cannot run a backward pass over fake CUDA tensors (it asks for the device's streams), and
+    over CPU fake tensors the fused kernels' fake implementations and their backward ops trace as on a GPU."""
+
+    def __init__(self, props: CudaProps = CudaProps(), devices: tuple[str, ...] = ("cuda",)):
         super().__init__()
         self.props = props
+        self.devices = tuple(devices)
         self.choices: list[str] = []
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -325,7 +331,7 @@ class sdpa_dispatch(TorchFunctionMode):
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         bound = {**dict(zip(names, args)), **kwargs}
         q, k, v = bound["query"], bound["key"], bound["value"]
-        if q.device.type != "cuda" or q.dim() != 4 or q.is_nested:
+        if q.device.type not in self.devices or q.dim() != 4 or q.is_nested:
             return func(*args, **kwargs)
         mask, dropout = bound.get("attn_mask"), float(bound.get("dropout_p", 0.0))
         causal, scale, gqa = bool(bound.get("is_causal", False)), bound.get("scale"), bool(bound.get("enable_gqa", False))
