@@ -254,6 +254,39 @@ def test_staged_graph_records_the_gpus_kernel_and_costs_its_bytes() -> None:
     assert peak_bytes(cpu) < weights
 
 
+def test_llama_style_training_step_for_an_h200_takes_the_math_path() -> None:
+    """Grouped-query attention in fp32, whole (no padding mask, so transformers passes ``enable_gqa=True``): the
+    H200 ran the math path, materialising the attention weights, where CPU's flash kernel does not (the issue
+    measured the CPU plan ~40% under the H200). Staged on CPU fake tensors with CUDA's choice (its backward too),
+    the plan for the GPU holds the weights and their softmax per layer."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                                      num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512)
+    model = transformers.LlamaForCausalLM(config)
+    model.config._attn_implementation = "sdpa"
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=x, labels=y).loss
+        loss.backward()
+        return loss
+
+    ids = torch.randint(0, 1000, (2, 512))
+    cpu = stagetorch.make_ir(step)(ids, ids)
+    with sdpa_dispatch(SM90, devices=("cpu",)) as mode:
+        gpu = stagetorch.make_ir(step)(ids, ids)
+    assert mode.choices == [MATH, MATH]
+    weights = 2 * 8 * 512 * 512 * 4
+    assert any(o.aval.shape == (2, 8, 512, 512) for e in gpu.eqns for o in e.outvars if o is not None)
+    assert not any(o.aval.shape == (2, 8, 512, 512) for e in cpu.eqns for o in e.outvars if o is not None)
+    assert peak_bytes(gpu) - peak_bytes(cpu) >= 2 * weights  # each layer's softmax kept for the backward pass
+    # in bf16 the same step takes flash on the H200
+    with sdpa_dispatch(SM90, devices=("cpu",)) as mode:
+        model.to(bf16)
+        stagetorch.make_ir(step)(ids, ids)
+    assert mode.choices == [FLASH, FLASH]
+
+
 def test_without_cuda_staging_fake_cuda_attention_decomposes_whatever_the_dtype() -> None:
     """What a CPU-only build does on its own: no CUDA kernel to choose, the math path even in bf16."""
     q = Aval((2, 8, 256, 64), bf16, "cuda")

@@ -344,11 +344,14 @@ class sdpa_dispatch(TorchFunctionMode):
             call = call._replace(dtype=low)
         backend = select_backend(call, self.props, *torch_settings())
         self.choices.append(backend)
-        if backend == MATH:
-            return func(*args, **kwargs)  # the decomposition, cast by autocast as on the GPU
         if low is not None:
             q, k, v, mask = (_autocast(t, low) for t in (q, k, v, mask))
         aten = torch.ops.aten
+        if backend == MATH:
+            # the decomposition the GPU runs (on CPU tensors, F.scaled_dot_product_attention would run CPU's
+            # flash kernel instead), a boolean mask made the additive bias first
+            bias = None if mask is None else _bias(mask, q)
+            return aten._scaled_dot_product_attention_math(q, k, v, bias, dropout, causal, scale=scale, enable_gqa=gqa)[0]
         if backend == FLASH:
             return aten._scaled_dot_product_flash_attention(q, k, v, dropout, causal, False, scale=scale)[0]
         if backend == EFFICIENT:
