@@ -316,7 +316,10 @@ class sdpa_dispatch(TorchFunctionMode):
     ``devices``: the tensors' device types taken for the GPU. ``("cpu",)`` stages CUDA's kernels on CPU fake
     tensors, for a graph that is costed for a GPU once its values are moved there and never run: on a CPU-only
     build, autograd cannot run a backward pass over fake CUDA tensors (it asks for the device's streams), and
-    over CPU fake tensors the fused kernels' fake implementations and their backward ops trace as on a GPU."""
+    over CPU fake tensors the fused kernels' fake implementations and their backward ops trace as on a GPU.
+
+    For staging only: on a real GPU, PyTorch's own choice is the truth (this model of it may differ, e.g. with
+    another cuDNN), and a graph staged with ``devices=("cpu",)`` calls CUDA kernels on CPU tensors if run."""
 
     def __init__(self, props: CudaProps = CudaProps(), devices: tuple[str, ...] = ("cuda",)):
         super().__init__()
