@@ -178,8 +178,15 @@ class Planner:
         plan = chunks(self.cap)
         if not on_cuda(self.graph):
             return plan
-        return fit_reserved(plan, self.graph, self.split, budget, lambda cap: chunks(min(cap, self.cap or cap)),
-                            self.device)
+        fitted = fit_reserved(plan, self.graph, self.split, budget, lambda cap: chunks(min(cap, self.cap or cap)),
+                              self.device)
+        cap = max(fitted.chunk_sizes)
+        if fitted is not plan and (self.cap is None or cap < self.cap):  # capped for its segments, not by a run
+            said = f" Chunks are at most {cap} examples: a larger one ran out of memory in an earlier call."
+            fitted = attrs.evolve(fitted, reason=fitted.reason.replace(
+                said, f" Chunks are at most {cap} examples: the caching allocator's segments for a larger one "
+                "would not fit."))
+        return fitted
 
     def cut(self, coupled: BatchCouplingError) -> Cut | None:
         """The step cut where its examples meet (:mod:`stagetorch.planning.cut`), or None when nothing couples
