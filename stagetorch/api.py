@@ -232,7 +232,7 @@ def memory(
     old ``.grad`` it drops before its program runs (the report's note says how many bytes).
     With a ``device`` (as in :func:`jit`: ``"H100-80GB"``), the step is staged on fake CUDA tensors and the
     report's ``device`` says what that card holds: the predicted max allocated and max reserved bytes, and the
-    largest batch that fits whole, in chunks and recomputing (:class:`~stagetorch.interpreters.memory.DeviceFit`).
+    largest batch that fits whole, in chunks and recomputing (:class:`~stagetorch.runtime.fit.DeviceFit`).
     """
 
     def cost(*args: Any, **kwargs: Any) -> MemoryReport:
