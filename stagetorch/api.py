@@ -26,6 +26,7 @@ from .ir import Aval, Eqn, Graph, SourceInfo, Var, iter_vars
 from .planning import plans
 from .planning.chunks import body_peaks
 from .runtime.executable import Executable
+from .runtime.fit import device_fit
 from .runtime.staged import Staged, grad_storages, map_batched
 from .staging.tracer import trace
 from .transforms.remat import RECOMPUTED, recomputed_eqns
@@ -85,6 +86,7 @@ def jit(
     process_group: Any = None,
     remat: str | bool = "auto",
     donate_grads: bool = False,
+    device: str | Any = None,
 ) -> Staged: ...
 
 
@@ -100,6 +102,7 @@ def jit(
     process_group: Any = None,
     remat: str | bool = "auto",
     donate_grads: bool = False,
+    device: str | Any = None,
 ) -> Callable[[Callable], Staged]: ...
 
 
@@ -114,6 +117,7 @@ def jit(
     process_group: Any = None,
     remat: str | bool = "auto",
     donate_grads: bool = False,
+    device: str | Any = None,
 ) -> Staged | Callable[[Callable], Staged]:
     """Stage ``fn`` once per input signature and run the staged program.
 
@@ -147,6 +151,13 @@ def jit(
       None, as eager's would after its ``zero_grad()``, and parameters, buffers, optimizer state and every
       other ``.grad`` exactly as they were. Gradient accumulation (a step that adds into ``.grad``) is not
       affected. See "What a failed step leaves" in the chunking docs.
+    - ``device``: the CUDA device to plan for: a GPU by name (``"H100-80GB"``, ``"A100-40GB"``, ``"T4"``...: see
+      ``stagetorch.devices.catalog``), ``"cuda"`` for this process's own, or a ``Device``. A named card this
+      process does not run on is planned from any machine: the step is staged on fake CUDA tensors (its
+      arguments, parameters and buffers as fakes of the same shapes and dtypes; a model built on the meta
+      device works) and planned for that card's memory, caching allocator and cuBLAS workspace;
+      ``.plan(*args)`` and ``stagetorch.memory`` answer, and calling it raises ``PlanOnlyDeviceError``. See
+      the "Will it fit?" docs page.
 
     **Returns** a :class:`Staged` callable (with ``fn`` left out, a decorator that makes one). Its
     ``.plan(*args)`` says how a call with those arguments would run (chunks, predicted peak, why) without
@@ -180,6 +191,7 @@ def jit(
         process_group=process_group,
         remat=remat,
         donate_grads=donate_grads,
+        device=device,
     )
     if fn is None:
         return lambda f: Staged(f, **options)
@@ -203,6 +215,7 @@ def memory(
     memory_budget: int | str | None = None,
     remat: str | bool = "auto",
     donate_grads: bool = False,
+    device: str | Any = None,
 ) -> Callable[..., MemoryReport]:
     """Cost ``fn`` before running it: ``stagetorch.memory(fn)(*args, **kwargs) -> MemoryReport``.
 
@@ -217,15 +230,22 @@ def memory(
     plot draws that program's live bytes. When no schedule fits, the error ``jit`` would raise is raised.
     With ``donate_grads=True`` the report costs the step as ``jit(donate_grads=True)`` runs it: without the
     old ``.grad`` it drops before its program runs (the report's note says how many bytes).
+    With a ``device`` (as in :func:`jit`: ``"H100-80GB"``), the step is staged on fake CUDA tensors and the
+    report's ``device`` says what that card holds: the predicted max allocated and max reserved bytes, and the
+    largest batch that fits whole, in chunks and recomputing (:class:`~stagetorch.runtime.fit.DeviceFit`).
     """
 
     def cost(*args: Any, **kwargs: Any) -> MemoryReport:
         staged = Staged(
             fn, batch_dim=batch_dim, batch_argnums=batch_argnums, static_argnums=static_argnums,
-            memory_budget=memory_budget, remat=remat, donate_grads=donate_grads,
+            memory_budget=memory_budget, remat=remat, donate_grads=donate_grads, device=device,
         )
         rep = unbudgeted(staged, args, kwargs)
-        return rep if memory_budget is None else attrs.evolve(rep, schedule=_schedule(staged, args, kwargs))
+        if memory_budget is not None:
+            rep = attrs.evolve(rep, schedule=_schedule(staged, args, kwargs))
+        if staged.device is not None:
+            rep = attrs.evolve(rep, device=device_fit(staged, rep, args, kwargs))
+        return rep
 
     def unbudgeted(staged: Staged, args: tuple, kwargs: dict) -> MemoryReport:
         leaves, batch = staged._batch_leaves(args, kwargs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import sys
 from collections.abc import Callable
 
 import torch
@@ -12,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .api import jit, make_ir, memory
+from .devices.catalog import known_devices
 
 
 def _model() -> nn.Module:
@@ -100,8 +102,92 @@ def main(argv: list[str]) -> int:
     demo.add_argument("--batch", type=int, default=256, help="batch size of the whole-batch run (default: 256)")
     demo.add_argument("--plot", default="stagetorch-memory.png",
                       help="where to write the live-memory plot (default: stagetorch-memory.png)")
+    fit = commands.add_parser(
+        "fit",
+        help="will it fit? plan a step for a GPU by name (H100-80GB, A100-40GB, T4...) from any machine",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=FIT_HELP,
+    )
+    fit.add_argument("target", metavar="FILE.py[:STEP]", help="the Python file and the name of its step (default: step)")
+    fit.add_argument("--device", required=True, help="the GPU to plan for: " + ", ".join(known_devices()))
+    fit.add_argument("--batch", type=int, default=None, help="the batch size, passed to example_args(batch)")
+    fit.add_argument("--budget", default=None, help="bytes the step may use, e.g. 40GiB (default: all the device's "
+                     "usable memory)")
+    fit.add_argument("--expandable-segments", action="store_true",
+                     help="plan for PYTORCH_ALLOC_CONF=expandable_segments:True")
+    fit.add_argument("--no-remat", action="store_true", help="plan chunks only, without recomputation")
     args = parser.parse_args(argv)
+    if args.command == "fit":
+        return fit_main(args)
     results = [run_demo(args.batch, args.plot), run_chunked_demo()]
     ok = all(r["loss_error"] < 1e-5 and r["grad_error"] < 1e-5 for r in results) and results[1]["chunks"] > 1
     print("\nOK: staged and chunked steps equal eager PyTorch." if ok else "\nMISMATCH against eager PyTorch.")
     return 0 if ok else 1
+
+
+FIT_HELP = """Plans a training step for a GPU this machine need not have, and prints what it would hold there.
+
+FILE.py must define the step (a function, by default named `step`; FILE.py:NAME picks another) and
+`example_args(batch=None)`, returning the step's positional arguments as a tuple for a batch of that size
+(None: the file's own default). Build the model at module level; on the meta device it needs no memory:
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+
+    def step(input_ids):
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+
+    def example_args(batch=None):
+        return (torch.randint(0, 32000, (batch or 8, 1024)),)
+
+The step is staged on fake CUDA tensors (nothing runs, no weights are read) and planned for the device's
+memory, caching allocator and cuBLAS workspace. Printed: the predicted max allocated and max reserved at the
+batch, the largest batch that fits whole, recomputing and in chunks, and the plan under --budget. Exit
+status 0 when the step fits the device at that batch (in some plan), 1 when it does not, 2 on a usage error.
+"""
+
+
+def fit_main(args: argparse.Namespace) -> int:
+    """``python -m stagetorch fit FILE.py[:STEP] --device NAME``: see :data:`FIT_HELP`."""
+    import importlib.util
+    import os
+
+    from .api import memory
+    from .devices.catalog import device_named
+    from .errors import StagingError
+
+    path, _, name = args.target.partition(":")
+    name = name or "step"
+    if not os.path.isfile(path):
+        print(f"stagetorch fit: no file {path!r}", file=sys.stderr)
+        return 2
+    try:
+        device = device_named(args.device, "expandable_segments:True" if args.expandable_segments else None)
+    except StagingError as e:
+        print(f"stagetorch fit: {e}", file=sys.stderr)
+        return 2
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.pop(0)
+    step, make_args = getattr(module, name, None), getattr(module, "example_args", None)
+    if not callable(step) or not callable(make_args):
+        missing = [n for n, f in ((name, step), ("example_args", make_args)) if not callable(f)]
+        print(f"stagetorch fit: {path} defines no {' and no '.join(missing)} (see python -m stagetorch fit --help)",
+              file=sys.stderr)
+        return 2
+    step_args = make_args() if args.batch is None else make_args(args.batch)
+    if not isinstance(step_args, tuple):
+        step_args = (step_args,)
+    try:
+        report = memory(step, memory_budget=args.budget, device=device,
+                        remat=False if args.no_remat else "auto")(*step_args)
+    except StagingError as e:
+        print(f"stagetorch fit: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(report.device)
+    plan = report.device.plan
+    return 0 if not isinstance(plan, StagingError) and (plan.reserved_bytes or 0) <= report.device.budget_bytes else 1

@@ -522,6 +522,10 @@ class MemoryReport:
     # its batch size written as a number): ``fixed_bytes`` is then the peak, ``per_example_bytes`` 0, and
     # ``predict`` answers at ``batch`` only (the note says why).
     per_example_known: bool = True
+    # With ``stagetorch.memory(step, device=...)``: what the step holds on that CUDA device, max allocated and
+    # max reserved, and the largest batch that fits it whole, in chunks and recomputing
+    # (:class:`stagetorch.runtime.fit.DeviceFit`).
+    device: Any = None
 
     def predict(self, batch: int) -> int:
         """The peak for another batch size: exact at a batch that was costed, at any batch when the peak is
@@ -562,6 +566,8 @@ class MemoryReport:
             lines += [f"  {k:<{width}}  {format_bytes(v):>10}  {100 * v / max(self.peak_bytes, 1):5.1f}%" for k, v in rows]
         if self.schedule is not None:
             lines.append("\n" + str(self.schedule))
+        if self.device is not None:
+            lines.append("\n" + str(self.device))
         return "\n".join(lines)
 
     def plot(self, path: str) -> str:

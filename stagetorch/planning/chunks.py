@@ -45,6 +45,9 @@ class Plan:
     # The bytes the program was planned in: the call's budget less what it holds beside the program and what
     # a CUDA run measured beyond its plans (:meth:`~stagetorch.planning.planner.Planner.plan_call` sets it).
     program_budget_bytes: int | None = None
+    # On CUDA: what the caching allocator is predicted to reserve for the program as planned, the cuBLAS
+    # workspace included (:func:`~stagetorch.planning.reserved.fit_reserved`); None where not predicted.
+    reserved_bytes: int | None = None
 
     @property
     def peak(self) -> int:

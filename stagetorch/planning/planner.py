@@ -30,6 +30,7 @@ import attrs
 import torch
 
 from ..devices.budget import bytes_ceiling, format_bytes
+from ..devices.catalog import Device
 from ..errors import (
     BatchCouplingError,
     BatchStatisticsError,
@@ -88,6 +89,9 @@ class Planner:
     # storages its inputs view that it does not count (negative then; known at the first run: see
     # :meth:`see_inputs`).
     overlap: int | None = None
+    # The CUDA device the plans are for (a :class:`~stagetorch.devices.catalog.Device`: its allocator settings
+    # and cuBLAS workspace); None: this process's own (the graph's device).
+    device: Device | None = None
     plans: dict[int, Plan] = attrs.field(factory=dict)
     # With a process group: this rank's plan per (shard size, budget), or the error that says none fits.
     shard_plans: dict[tuple, Plan | OutOfMemoryError] = attrs.field(factory=dict)
@@ -174,7 +178,15 @@ class Planner:
         plan = chunks(self.cap)
         if not on_cuda(self.graph):
             return plan
-        return fit_reserved(plan, self.graph, self.split, budget, lambda cap: chunks(min(cap, self.cap or cap)))
+        fitted = fit_reserved(plan, self.graph, self.split, budget, lambda cap: chunks(min(cap, self.cap or cap)),
+                              self.device)
+        cap = max(fitted.chunk_sizes)
+        if fitted is not plan and (self.cap is None or cap < self.cap):  # capped for its segments, not by a run
+            said = f" Chunks are at most {cap} examples: a larger one ran out of memory in an earlier call."
+            fitted = attrs.evolve(fitted, reason=fitted.reason.replace(
+                said, f" Chunks are at most {cap} examples: the caching allocator's segments for a larger one "
+                "would not fit."))
+        return fitted
 
     def cut(self, coupled: BatchCouplingError) -> Cut | None:
         """The step cut where its examples meet (:mod:`stagetorch.planning.cut`), or None when nothing couples
@@ -333,7 +345,8 @@ class Planner:
     def recomputing(self, graph: Graph) -> Planner:
         """The planner of a recomputing graph the joint planner made from this one (same inputs)."""
         if graph not in self._inner:
-            self._inner[graph] = Planner(graph, self.batched, self.batch, cap=self.cap, overlap=self.overlap)
+            self._inner[graph] = Planner(graph, self.batched, self.batch, cap=self.cap, overlap=self.overlap,
+                                         device=self.device)
         return self._inner[graph]
 
     def _split_of(self, graph: Graph) -> Split:
@@ -342,8 +355,8 @@ class Planner:
     def _chunk_plan(self, graph: Graph, budget: int, peak: int | None = None) -> Plan:
         """The chunk plan of ``graph`` (this one, or a recomputing graph made from it, whose whole-batch
         ``peak`` the joint planner may know: its simulation costs it as the memory interpreter does)."""
-        if graph is self.graph:
-            return plan_chunks(self.graph, self.split, self.batch, budget, peak_bytes, self._full_peak, cap=self.cap)
+        if graph is self.graph:  # on CUDA, in chunks whose predicted reserved bytes fit too
+            return self._chunks_within_reserved(budget)
         inner = self.recomputing(graph)
         if peak is not None and inner._full_peak is None:
             inner._full_peak = peak - (self.overlap or 0)

@@ -13,15 +13,16 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ..devices.budget import format_bytes
+from ..devices.catalog import Device, cublas_workspace
 from ..devices.cuda_allocator import AllocatorStats, CachingAllocatorModel, allocator_settings, replay
 from ..interpreters.memory import allocation_events
-from ..ir import Graph, Var
+from ..ir import Graph, Var, op_name
 
 if TYPE_CHECKING:
     from ..interpreters.chunked import Split
     from .chunks import Plan
 
-__all__ = ["step_events", "resident_events", "predict_reserved", "on_cuda", "fit_reserved"]
+__all__ = ["step_events", "resident_events", "predict_reserved", "on_cuda", "fit_reserved", "reserved_of", "uses_cublas", "device_workspace"]
 
 
 def _program(graph: Graph, tag: Any, final: bool, keep: bool) -> tuple[list[tuple], list[tuple]]:
@@ -108,16 +109,58 @@ def on_cuda(graph: Graph) -> bool:
     return any(v.aval.device.type == "cuda" for v in graph.invars)
 
 
-def fit_reserved(plan: Plan, graph: Graph, split: Callable[[], Split], budget: int, replan: Callable[[int], Plan]) -> Plan:
-    """``plan`` if the caching allocator's predicted reserved bytes for it (with this process's
-    :func:`allocator_settings`) fit ``budget`` (the bytes the process may hold: a memory fraction caps
-    reserved, not allocated); else the plan ``replan(cap)`` makes with chunks of at most ``cap``, for the
-    largest ``cap`` that fits. A plan of chunks of one that still does not fit is returned as it is (its
-    allocated peak was planned; nothing smaller runs). The plan's reason says the prediction."""
-    settings = allocator_settings()
+# The ops that run through cuBLAS (or cuBLASLt): a program with one creates a handle and its workspace.
+_CUBLAS_OPS = frozenset({
+    "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.addbmm", "aten.addmv", "aten.mv", "aten.dot",
+    "aten._scaled_mm", "aten._addmm_activation", "aten.linear", "aten.matmul",
+})
+
+
+def uses_cublas(graph: Graph) -> bool:
+    """Whether ``graph`` runs a matmul through cuBLAS, which keeps a workspace from its first call on."""
+    return any(op_name(e.prim).split(".out")[0] in _CUBLAS_OPS for e in graph.eqns)
+
+
+def device_workspace(graph: Graph, device: Device | None) -> int:
+    """The cuBLAS workspace a run of ``graph`` keeps on ``device`` (None: this process's GPU, by its compute
+    capability and ``CUBLAS_WORKSPACE_CONFIG``): none where the graph runs no matmul."""
+    if not uses_cublas(graph):
+        return 0
+    if device is not None:
+        return device.workspace_bytes
+    import torch
+
+    if not torch.cuda.is_available():
+        return cublas_workspace((9, 0))
+    index = graph.device.index if graph.device.index is not None else torch.cuda.current_device()
+    return cublas_workspace(torch.cuda.get_device_capability(index))
+
+
+def reserved_of(plan: Plan, graph: Graph, split: Callable[[], Split], device: Device | None = None) -> AllocatorStats:
+    """What the caching allocator is predicted to hold for ``plan`` of ``graph`` on ``device`` (None: this
+    process's own, with its :func:`allocator_settings`): its allocations and frees, after the graph's
+    inputs and the cuBLAS workspace (:func:`device_workspace`)."""
+    settings = dict(device.allocator) if device is not None else allocator_settings()
+    sizes = plan.chunk_sizes
+    return predict_reserved(graph, sizes, split() if len(sizes) > 1 else None,
+                            workspace=device_workspace(graph, device), **settings)
+
+
+def fit_reserved(
+    plan: Plan, graph: Graph, split: Callable[[], Split], budget: int, replan: Callable[[int], Plan],
+    device: Device | None = None,
+) -> Plan:
+    """``plan`` if the caching allocator's predicted reserved bytes for it (:func:`reserved_of`: on ``device``,
+    or this process's with its :func:`allocator_settings`; the cuBLAS workspace included) fit ``budget``
+    (the bytes the process may hold: a memory fraction caps reserved, not allocated); else the plan
+    ``replan(cap)`` makes with chunks of at most ``cap``, for the largest ``cap`` that fits. A plan of chunks
+    of one that still does not fit is returned as it is (its allocated peak was planned; nothing smaller
+    runs). The plan's reason says the prediction, and ``Plan.reserved_bytes`` holds it."""
     while True:
         sizes = plan.chunk_sizes
-        reserved = predict_reserved(graph, sizes, split() if len(sizes) > 1 else None, **settings).max_reserved
+        reserved = reserved_of(plan, graph, split, device).max_reserved
         if reserved <= budget or max(sizes) == 1:
-            return attrs.evolve(plan, reason=f"{plan.reason} The caching allocator will reserve about {format_bytes(reserved)} for it.")
+            return attrs.evolve(plan, reserved_bytes=reserved, reason=(
+                f"{plan.reason} The caching allocator will reserve about {format_bytes(reserved)} for it"
+                f"{' (the cuBLAS workspace included)' if uses_cublas(graph) else ''}."))
         plan = replan(max(sizes) - 1)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ..devices import budget as devices
+from ..devices.catalog import Device
 from ..errors import OutOfMemoryError, StagingError
 from ..interpreters.batching import Batched
 from ..interpreters.chunked import Split, is_oom, run_chunked
@@ -51,7 +52,7 @@ class Executable:
     def __init__(
         self, graph: Graph, batched: dict[Var, Batched], batch: int, consts: list[torch.Tensor] | None = None,
         *, cap: int | None = None, remat: bool = False, planner: Planner | None = None, cut_coupled: bool = False,
-        passes_coupled: bool | None = None,
+        passes_coupled: bool | None = None, device: Device | None = None,
     ):
         self.graph = graph
         self.batched = batched
@@ -60,6 +61,7 @@ class Executable:
         if planner is None:
             planner = Planner(
                 graph, batched, batch, cap=cap, remat=remat, cut_coupled=cut_coupled, passes_coupled=passes_coupled,
+                device=device,
             )
             recall(planner)  # what an earlier run of this program learned (a step staged or recorded again)
         self.planner = planner

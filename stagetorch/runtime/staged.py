@@ -14,7 +14,8 @@ import attrs
 import torch
 import torch.utils._pytree as pytree
 
-from ..devices.budget import free_memory
+from ..devices.budget import format_bytes, free_memory, parse_bytes
+from ..devices.catalog import Device, PlanOnlyDeviceError, device_named
 from ..errors import OutOfMemoryError, ShapeError, UnsupportedOpError
 from ..interpreters.batching import Batched
 from ..interpreters.eager import is_dense
@@ -120,6 +121,7 @@ class Staged:
         process_group: Any = None,
         remat: str | bool = "auto",
         donate_grads: bool = False,
+        device: str | Device | None = None,
     ):
         if remat not in ("auto", False):
             raise ValueError(f"remat must be \"auto\" or False, not {remat!r}")
@@ -134,6 +136,14 @@ class Staged:
         self.batch_argnums = None if batch_argnums is None else tuple(batch_argnums)
         self.static_argnums = tuple(static_argnums)
         self.memory_budget = memory_budget
+        # The CUDA device the step is planned for (a name of the table, "cuda", or a Device); None: where its
+        # inputs are. A named card this process does not run on is planned on fake CUDA tensors, never run.
+        self.device = None if device is None else device_named(device)
+        if self.device is not None and not self.device.local and process_group is not None:
+            raise ValueError(
+                f"device={self.device.name!r} plans for a card this process does not run on, which a process group "
+                "cannot: plan one rank's shard as a step of its own (stagetorch.memory(step, device=...) on it)."
+            )
         self._cache: dict[tuple, _Entry | Outcomes] = {}
         self._caps: dict[int, int] = {}  # batch size -> the largest chunk that ran after an out-of-memory error
         self._last_key: tuple | None = None
@@ -197,7 +207,8 @@ class Staged:
                 )
             restore = state.snapshot()
             with distributed.staging(state, self.process_group):
-                traced = trace(self.fn, traced_args, traced_kwargs, static_argnums=self.static_argnums, state=state)
+                traced = trace(self.fn, traced_args, traced_kwargs, static_argnums=self.static_argnums, state=state,
+                               device=self._fake_device)
             self._check_unchanged(state, state_key, args, kwargs, restore)
             graph = traced.graph
             arg_vars = [v for v, r in zip(graph.invars, graph.roles) if r == "arg"]
@@ -206,7 +217,7 @@ class Staged:
             entry = _Entry(
                 traced,
                 Executable(graph, batched, batch, traced.consts, cap=self._caps.get(batch), remat=self.remat,
-                           cut_coupled=True),
+                           cut_coupled=True, device=self.device),
             )
             cached = self._add_program(key, cached, entry)
         self._last_key, self._last_entry = key, cached
@@ -317,11 +328,38 @@ class Staged:
         entry, inputs, _ = self._stage(args, kwargs)
         return self._step_plan(entry, inputs)
 
+    @property
+    def _fake_device(self) -> torch.device | None:
+        """Where a step planned for a named card is staged as if it lived (None: where its inputs are)."""
+        return torch.device("cuda") if self.device is not None and not self.device.local else None
+
     def _budget(self, executable: Executable, inputs: list = ()) -> int:
         """The step's budget: its ``memory_budget``, else what the device has free; on CUDA no more than what
         this process can get, with the bytes its ``inputs`` already hold there (see
-        :func:`stagetorch.devices.budget.free_memory`)."""
+        :func:`stagetorch.devices.budget.free_memory`). For a named card: its ``memory_budget``, no more than
+        what the card's caching allocator may reserve (``Device.usable_bytes``), else all of that."""
+        if self._fake_device is not None:
+            usable = self.device.usable_bytes
+            if self.memory_budget is None:
+                return usable
+            asked = parse_bytes(self.memory_budget)
+            if asked > usable and (self.device, asked) not in _SAID_OVER:
+                _SAID_OVER.add((self.device, asked))
+                log.warning("stagetorch: memory_budget=%r is more than %s can hold (%s usable): planned for that.",
+                            self.memory_budget, self.device.name, format_bytes(usable))
+            return min(asked, usable)
         return free_memory(executable.graph.device, self.memory_budget, executable.resident_bytes(inputs))
+
+    def _refuse_to_run(self) -> None:
+        """A step planned for a named card this process does not run on is planned, never run."""
+        if self._fake_device is not None:
+            name = getattr(self.fn, "__name__", "the step")
+            raise PlanOnlyDeviceError(
+                f"{name} is staged for device={self.device.name!r}, a card this process does not run on: it was "
+                "staged on fake CUDA tensors, and can be planned and reported, not run.\nWhat to do: ask "
+                f"{name}.plan(*args) or stagetorch.memory(step, device=...)(*args) for the plan; to run the step, "
+                "stage it without device= (or with device='cuda') on the machine that has the GPU."
+            )
 
     def _donated(self, entry: _Entry) -> list[int]:
         """Positions of the inputs whose ``.grad`` the call drops before the program runs: with
@@ -370,6 +408,7 @@ class Staged:
         return executable.planner.plan_call(self._budget(executable, inputs), held, why, inputs, donated)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._refuse_to_run()
         if self.process_group is not None:
             return self._call_sharded(args, kwargs)
         entry, inputs, _ = self._stage(args, kwargs)
@@ -469,6 +508,7 @@ class Staged:
 
 
 _STAGED: weakref.WeakSet[Staged] = weakref.WeakSet()
+_SAID_OVER: set = set()  # (device, budget) pairs whose budget was said to be more than the named card holds
 caches.on_clear(lambda: [s._cache.clear() for s in list(_STAGED)])
 
 

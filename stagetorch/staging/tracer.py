@@ -41,7 +41,7 @@ from .recorder import Recorder, is_leaf, no_grad_read_warning
 from .source import code_line, is_user_code, source_info
 from .state import State, arg_names, discover, held_values, join_name
 
-__all__ = ["trace", "Traced", "leaf_names"]
+__all__ = ["trace", "Traced", "leaf_names", "staging_device"]
 
 
 class _StagingMode(TorchDispatchMode):
@@ -168,21 +168,62 @@ def trace(
     *,
     static_argnums: Sequence[int] = (),
     state: State | None = None,
+    device: torch.device | None = None,
 ) -> Traced:
     """Stage ``fn(*args, **kwargs)`` into a Graph. Real tensors are left exactly as they were.
 
     An argument given as an :class:`~stagetorch.Aval` stands for a contiguous tensor of that aval.
+    ``device`` (a CUDA device): stage as if every tensor argument, parameter and buffer lived there, whatever
+    device it is on (the host's, ``meta``): see :func:`staging_device`.
     """
     state = discover(fn, args, kwargs) if state is None else state
     try:
-        return _trace(fn, args, kwargs, static_argnums, state, watch=False)
+        return _trace(fn, args, kwargs, static_argnums, state, watch=False, device=device)
     except _ReadsData:
-        return _trace(fn, args, kwargs, static_argnums, state, watch=True)
+        return _trace(fn, args, kwargs, static_argnums, state, watch=True, device=device)
 
 
-def _trace(fn: Callable, args: Sequence, kwargs: dict, static_argnums: Sequence[int], state: State, watch: bool) -> Traced:
-    """One trace; with ``watch``, under :class:`_ReadConstants`."""
+def staging_device(device: torch.device) -> torch.device:
+    """The device a step staged for ``device`` (CUDA) is traced on: ``device`` itself, as fake CUDA tensors,
+    where this torch can run autograd on them (a GPU is present: its device guard); else the host's CPU, whose
+    values the graph then labels ``device`` (:func:`_relabel`). A CPU-only torch has no CUDA device guard,
+    and its autograd aborts the process on the first fake CUDA tensor that requires grad."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return device
+    return torch.device("cpu")
+
+
+def _fake_on(fake_mode: FakeTensorMode, t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """A fake of ``t`` (same shape, strides, dtype, requires_grad) on ``device`` (None: on ``t``'s own)."""
+    if device is None or t.device == device:
+        return fake_mode.from_tensor(t, static_shapes=True)
+    meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta", requires_grad=t.requires_grad)
+    return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, meta, device)
+
+
+def _relabel(graph: Graph, host: torch.device, device: torch.device) -> None:
+    """Label every value ``graph`` holds on ``host`` as living on ``device`` (a step staged for a CUDA
+    device on the host's CPU: see :func:`staging_device`)."""
+    for v in graph.vars():
+        if v.aval.device == host:
+            v.aval = Aval(v.aval.shape, v.aval.dtype, device)
+
+
+def _trace(
+    fn: Callable, args: Sequence, kwargs: dict, static_argnums: Sequence[int], state: State, watch: bool,
+    device: torch.device | None = None,
+) -> Traced:
+    """One trace; with ``watch``, under :class:`_ReadConstants`; with ``device``, every tensor staged as if there."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    on = None if device is None else staging_device(device)
+    made: dict[int, torch.Tensor] = {}  # id(real) -> its fake on ``on`` (a tensor met twice is one fake)
+
+    def fake_of(t: torch.Tensor) -> torch.Tensor:
+        if on is None:
+            return fake_mode.from_tensor(t, static_shapes=True)
+        if id(t) not in made:
+            made[id(t)] = _fake_on(fake_mode, t, on)
+        return made[id(t)]
     rec = Recorder(fake_mode)
     rec.host = HostTrace()
     static = set(static_argnums)
@@ -201,7 +242,7 @@ def _trace(fn: Callable, args: Sequence, kwargs: dict, static_argnums: Sequence[
             )
         if isinstance(leaf, torch.Tensor) and not is_static:
             with fake_mode, no_grad_read_warning():
-                fake = fake_mode.from_tensor(leaf, static_shapes=True)
+                fake = fake_of(leaf)
             rec.host.seed_arg(rec.add_input(fake, "arg", name), n_tensors, leaf)
             n_tensors += 1
             fake_leaves.append(fake)
@@ -224,7 +265,7 @@ def _trace(fn: Callable, args: Sequence, kwargs: dict, static_argnums: Sequence[
     with_grad: list[tuple[int, str, torch.Tensor]] = []
     for role, name, t in state.named_state():
         with fake_mode:
-            fake = fake_mode.from_tensor(t, static_shapes=True)
+            fake = fake_of(t)
         swapped[id(t)] = fake
         if t.requires_grad and t.is_leaf:
             # A hook on a parameter (``p.register_hook(lambda g: g * 3)``) changes the gradient autograd
@@ -242,7 +283,7 @@ def _trace(fn: Callable, args: Sequence, kwargs: dict, static_argnums: Sequence[
     grad_inputs: dict[int, Var] = {}
     for i, name, t in with_grad:
         with fake_mode:
-            fake_grad = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            fake_grad = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=on or t.device)
         grad_inputs[i] = rec.add_input(fake_grad, "grad", f"{name}.grad")
         rec.fakes[i].grad = fake_grad
     for prefix, m in state.modules:
@@ -319,6 +360,8 @@ def _trace(fn: Callable, args: Sequence, kwargs: dict, static_argnums: Sequence[
         [rec.invars[i] for i in keep], eqns, outvars, [rec.roles[i] for i in keep], [rec.names[i] for i in keep],
         [(index[i], g) for i, g in grads], out_tree,
     )
+    if on is not None and on != device:
+        _relabel(graph, on, device)
     return Traced(
         graph, rec.consts,
         grad_params=[index[i] for i, v in grad_inputs.items() if v not in unused],

@@ -44,8 +44,15 @@ METADATA_ONLY = frozenset({
 _DEVICES = ("cpu", "cuda")
 
 
+# CUDA's default generator's state as torch.cuda.get_rng_state() returns it: its seed and Philox offset, 8 bytes
+# each: what a plan for a named GPU counts where this process has none to ask.
+_CUDA_STATE_NBYTES = 16
+
+
 @functools.cache
 def _state_nbytes(kind: str) -> int:
+    if kind == "cuda" and not torch.cuda.is_available():
+        return _CUDA_STATE_NBYTES
     return (torch.cuda.get_rng_state() if kind == "cuda" else torch.get_rng_state()).numel()
 
 

@@ -160,7 +160,7 @@ def test_import_stagetorch_imports_no_optional_extra():
 # method declared below (the session's interface, declared in ``tensor``).
 PACKAGE_LAYERS = {
     "utils": {"caches": 0, "collector": 0, "tree": 0, "__init__": 1},
-    "devices": {"budget": 0, "cuda_allocator": 0, "__init__": 1},
+    "devices": {"budget": 0, "cuda_allocator": 0, "catalog": 1, "__init__": 2},
     "staging": {
         "source": 0, "host_reads": 0, "meta_cache": 0, "grads": 0, "messages": 1, "state": 1,
         "recorder": 2, "guards": 2, "tracer": 3, "__init__": 4,
@@ -175,7 +175,7 @@ PACKAGE_LAYERS = {
         "multipass": 3, "plans": 4, "planner": 5, "__init__": 6,
     },
     "parallel": {"data_parallel": 0, "__init__": 1},
-    "runtime": {"grads": 0, "executable": 0, "staged": 1, "__init__": 2},
+    "runtime": {"grads": 0, "executable": 0, "staged": 1, "fit": 2, "__init__": 3},
     "lazymode": {
         "mode": 0, "shard": 0, "draws": 0,
         "tensor": 1, "autograd_graph": 2, "recording": 3, "tape": 4, "replay": 4, "express": 5, "backward": 6,
