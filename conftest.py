@@ -22,9 +22,30 @@ import tempfile
 import pytest
 from sybil import Sybil
 from sybil.parsers.markdown import ClearNamespaceParser, PythonCodeBlockParser, SkipParser
+from sybil.parsers.markdown.lexers import FencedCodeBlockLexer
 
 ROOT = pathlib.Path(__file__).parent
 
+
+class ScriptParser:
+    """A block fenced as ```` ```python title="train.py" ```` is a script the page runs as a program of its own
+    (under ``torchrun``, say): it is written to that file in the page's working directory, and the page's next
+    (invisible) block runs it and prints what it printed."""
+
+    def __init__(self):
+        self.lexer = FencedCodeBlockLexer(language=r'python title="[\w.-]+\.py"', mapping={"language": "arguments", "source": "source"})
+
+    def __call__(self, document):
+        for region in self.lexer(document):
+            name = str(region.lexemes["arguments"]).split('"')[1]
+            region.parsed = (name, str(region.lexemes["source"]))
+            region.evaluator = self._write
+            yield region
+
+    @staticmethod
+    def _write(example):
+        name, source = example.parsed
+        pathlib.Path(name).write_text(source)
 
 def _setup(namespace):
     import torch
@@ -36,8 +57,11 @@ def _setup(namespace):
     namespace["_docs_tmp"] = tempfile.TemporaryDirectory(prefix="stagetorch-docs-")
     namespace["_docs_threads"] = torch.get_num_threads()
     os.chdir(namespace["_docs_tmp"].name)
-    # tests/support (the seed models some pages name) is importable, as the pages' invisible blocks need.
+    # tests/support (the seed models some pages name) is importable, as the pages' invisible blocks need; a
+    # script a page runs as a program of its own imports this checkout's stagetorch.
     sys.path.insert(0, str(ROOT / "tests" / "support"))
+    namespace["_docs_pythonpath"] = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), namespace["_docs_pythonpath"]]))
 
 
 def _teardown(namespace):
@@ -50,11 +74,16 @@ def _teardown(namespace):
     torch.set_num_threads(namespace["_docs_threads"])
     stagetorch.clear_caches()
     sys.path.remove(str(ROOT / "tests" / "support"))
+    if namespace["_docs_pythonpath"] is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = namespace["_docs_pythonpath"]
 
 
 pytest_collect_file = Sybil(
     parsers=[
         PythonCodeBlockParser(doctest_optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE),
+        ScriptParser(),
         SkipParser(),
         ClearNamespaceParser(),
     ],
