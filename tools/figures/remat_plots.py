@@ -1,10 +1,10 @@
-"""Figures: draws docs/img/remat-*.png, the Recomputation page's plots. Last run: 2026-11-23.
+"""Figures: draws docs/img/remat-*.png, the Recomputation page's plots. Last run: 2026-12-07.
 
 The plots of the Recomputation docs page (docs/remat.md), made from stagetorch's own reports and plans.
 
 - docs/img/remat-resnet.png: the ResNet seed model (BatchNorm: it cannot be chunked) at 0.6x of its peak,
   ``stagetorch.memory(step, memory_budget=...)(x).plot(...)``: the live bytes with and without recomputation.
-- docs/img/remat-mlp.png: the issue's example (24 x (Linear(128,128)+GELU), 2 x 1024 tokens) under 16 MiB:
+- docs/img/remat-mlp.png: the issue's example (24 x (Linear(128,128)+GELU), 2 x 1024 tokens) under 12 MiB:
   chunks of one example and recomputation.
 - docs/img/remat-sweep.png: every seed model from 1.0x down to 0.2x of its no-recompute peak: the plan's
   predicted peak, the peak measured by tests/support/memtrack.py while the step runs, and the extra FLOPs.
@@ -54,7 +54,7 @@ def timelines() -> None:
     report.plot(str(OUT / "remat-resnet.png"))
     print(report.schedule, "\n")
     model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(24)])
-    report = stagetorch.memory(step_of(model), memory_budget="16MiB")(torch.randn(2, 1024, 128))
+    report = stagetorch.memory(step_of(model), memory_budget="12MiB")(torch.randn(2, 1024, 128))
     report.plot(str(OUT / "remat-mlp.png"))
     print(report.schedule, "\n")
 
