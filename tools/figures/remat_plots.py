@@ -33,7 +33,7 @@ from stagetorch.interpreters.memory import peak_bytes
 from stagetorch.planning.budget import SAFETY_MARGIN
 from stagetorch.planning.remat_search import RematPlan
 
-OUT = pathlib.Path(__file__).parent.parent / "docs" / "img"
+OUT = pathlib.Path(__file__).resolve().parents[2] / "docs" / "img"
 FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2)
 
 
