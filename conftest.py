@@ -53,6 +53,7 @@ def _setup(namespace):
     import stagetorch
 
     stagetorch.clear_caches()
+    namespace["REPO"] = ROOT  # the checkout: an invisible block that runs a script of tools/ finds it there
     namespace["_docs_cwd"] = os.getcwd()
     namespace["_docs_tmp"] = tempfile.TemporaryDirectory(prefix="stagetorch-docs-")
     namespace["_docs_threads"] = torch.get_num_threads()

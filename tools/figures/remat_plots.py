@@ -9,7 +9,10 @@ The plots of the Recomputation docs page (docs/remat.md), made from stagetorch's
 - docs/img/remat-sweep.png: every seed model from 1.0x down to 0.2x of its no-recompute peak: the plan's
   predicted peak, the peak measured by tests/support/memtrack.py while the step runs, and the extra FLOPs.
 
-Run: python tools/figures/remat_plots.py   (about a minute on the 2-core CPU VM)
+Run: python tools/figures/remat_plots.py   (a few minutes on the 2-core CPU VM; the sweep measures every step)
+
+The tests of docs/remat.md run timelines() into a temporary folder and check its reports against the page's
+printed schedule; the sweep is drawn only by running this script.
 """
 
 from __future__ import annotations
@@ -46,17 +49,24 @@ def step_of(model: nn.Module):
     return step
 
 
-def timelines() -> None:
+# The budgets of docs/remat.md's examples, whose printed schedules the page shows: its tests run timelines() and
+# compare (so the figures drawn from these reports say what the page says). The ResNet's is 0.6x of its 6.3 MiB
+# peak without recomputation, less the planner's 10% margin.
+RESNET_BUDGET = "4.2MiB"
+MLP_BUDGET = "12MiB"
+
+
+def timelines(out: pathlib.Path = OUT) -> tuple[stagetorch.MemoryReport, stagetorch.MemoryReport]:
+    """Draws remat-resnet.png and remat-mlp.png into ``out``; returns their two reports."""
     torch.manual_seed(0)
     model, x = remat_models.resnet()
-    full = peak_bytes(stagetorch.make_ir(step_of(model))(x))
-    report = stagetorch.memory(step_of(model), memory_budget=math.ceil(0.6 * full / (1 - SAFETY_MARGIN)))(x)
-    report.plot(str(OUT / "remat-resnet.png"))
-    print(report.schedule, "\n")
+    resnet = stagetorch.memory(step_of(model), memory_budget=RESNET_BUDGET)(x)
+    resnet.plot(str(out / "remat-resnet.png"))
+    torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(24)])
-    report = stagetorch.memory(step_of(model), memory_budget="12MiB")(torch.randn(2, 1024, 128))
-    report.plot(str(OUT / "remat-mlp.png"))
-    print(report.schedule, "\n")
+    mlp = stagetorch.memory(step_of(model), memory_budget=MLP_BUDGET)(torch.randn(2, 1024, 128))
+    mlp.plot(str(out / "remat-mlp.png"))
+    return resnet, mlp
 
 
 def sweep() -> None:
@@ -101,7 +111,8 @@ def sweep() -> None:
 
 if __name__ == "__main__":
     OUT.mkdir(exist_ok=True)
-    timelines()
+    for report in timelines():
+        print(report.schedule, "\n")
     sweep()
     for path in sorted(OUT.glob("remat-*.png")):
         print(path, path.stat().st_size, "bytes")
