@@ -114,17 +114,18 @@ else:
             return _Page.from_parent(parent, path=file_path)
 
 
-def pytest_configure(config):
-    # A page's blocks share one namespace, so they must run in one process, in order: under pytest-xdist, each
-    # page's items form one group, and `-n auto`'s default distribution ("load") becomes "loadgroup", which
-    # hands every group to one worker and the other tests out one by one as "load" does.
-    if config.pluginmanager.hasplugin("xdist") and getattr(config.option, "dist", "no") == "load":
-        config.option.dist = "loadgroup"
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist's default distribution ("load"), a page's blocks go to one worker, in order: they share
+    one namespace. Every other test is handed out on its own, as "load" does. (xdist's own "loadgroup" would
+    do it with markers, but it renames the items in a way pytest 9 no longer sees.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
 
+    class PagesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            path = nodeid.split("::", 1)[0]
+            return path if path.endswith(".md") else nodeid
 
-def pytest_collection_modifyitems(config, items):
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        if type(item).__name__ == "SybilItem":
-            item.add_marker(pytest.mark.xdist_group(name=f"docs:{item.path.name}"))
+    return PagesTogether(config, log)
