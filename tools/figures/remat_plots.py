@@ -1,15 +1,18 @@
-"""Figures: draws docs/img/remat-*.png, the Recomputation page's plots. Last run: 2026-11-23.
+"""Figures: draws docs/img/remat-*.png, the Recomputation page's plots. Last run: 2026-12-07.
 
 The plots of the Recomputation docs page (docs/remat.md), made from stagetorch's own reports and plans.
 
 - docs/img/remat-resnet.png: the ResNet seed model (BatchNorm: it cannot be chunked) at 0.6x of its peak,
   ``stagetorch.memory(step, memory_budget=...)(x).plot(...)``: the live bytes with and without recomputation.
-- docs/img/remat-mlp.png: the issue's example (24 x (Linear(128,128)+GELU), 2 x 1024 tokens) under 16 MiB:
+- docs/img/remat-mlp.png: the issue's example (24 x (Linear(128,128)+GELU), 2 x 1024 tokens) under 12 MiB:
   chunks of one example and recomputation.
 - docs/img/remat-sweep.png: every seed model from 1.0x down to 0.2x of its no-recompute peak: the plan's
   predicted peak, the peak measured by tests/support/memtrack.py while the step runs, and the extra FLOPs.
 
-Run: python tools/figures/remat_plots.py   (about a minute on the 2-core CPU VM)
+Run: python tools/figures/remat_plots.py   (a few minutes on the 2-core CPU VM; the sweep measures every step)
+
+The tests of docs/remat.md run timelines() into a temporary folder and check its reports against the page's
+printed schedule; the sweep is drawn only by running this script.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from stagetorch.interpreters.memory import peak_bytes
 from stagetorch.planning.budget import SAFETY_MARGIN
 from stagetorch.planning.remat_search import RematPlan
 
-OUT = pathlib.Path(__file__).parent.parent / "docs" / "img"
+OUT = pathlib.Path(__file__).resolve().parents[2] / "docs" / "img"
 FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2)
 
 
@@ -46,17 +49,24 @@ def step_of(model: nn.Module):
     return step
 
 
-def timelines() -> None:
+# The budgets of docs/remat.md's examples, whose printed schedules the page shows: its tests run timelines() and
+# compare (so the figures drawn from these reports say what the page says). The ResNet's is 0.6x of its 6.3 MiB
+# peak without recomputation, less the planner's 10% margin.
+RESNET_BUDGET = "4.2MiB"
+MLP_BUDGET = "12MiB"
+
+
+def timelines(out: pathlib.Path = OUT) -> tuple[stagetorch.MemoryReport, stagetorch.MemoryReport]:
+    """Draws remat-resnet.png and remat-mlp.png into ``out``; returns their two reports."""
     torch.manual_seed(0)
     model, x = remat_models.resnet()
-    full = peak_bytes(stagetorch.make_ir(step_of(model))(x))
-    report = stagetorch.memory(step_of(model), memory_budget=math.ceil(0.6 * full / (1 - SAFETY_MARGIN)))(x)
-    report.plot(str(OUT / "remat-resnet.png"))
-    print(report.schedule, "\n")
+    resnet = stagetorch.memory(step_of(model), memory_budget=RESNET_BUDGET)(x)
+    resnet.plot(str(out / "remat-resnet.png"))
+    torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(24)])
-    report = stagetorch.memory(step_of(model), memory_budget="16MiB")(torch.randn(2, 1024, 128))
-    report.plot(str(OUT / "remat-mlp.png"))
-    print(report.schedule, "\n")
+    mlp = stagetorch.memory(step_of(model), memory_budget=MLP_BUDGET)(torch.randn(2, 1024, 128))
+    mlp.plot(str(out / "remat-mlp.png"))
+    return resnet, mlp
 
 
 def sweep() -> None:
@@ -101,7 +111,8 @@ def sweep() -> None:
 
 if __name__ == "__main__":
     OUT.mkdir(exist_ok=True)
-    timelines()
+    for report in timelines():
+        print(report.schedule, "\n")
     sweep()
     for path in sorted(OUT.glob("remat-*.png")):
         print(path, path.stat().st_size, "bytes")

@@ -1,0 +1,131 @@
+"""The Python blocks of README.md and docs/*.md run as tests, one pytest item per block (Sybil).
+
+A page's blocks run in order in one namespace, as a reader runs them one after another: a block may use what an
+earlier block of the same page defined. What a page needs but does not show (a model from tests/support, a
+launcher) is in an ``<!-- invisible-code-block: python ... -->`` comment beside the block that uses it; a block
+that cannot run here says why in a ``<!-- skip: next "reason" -->`` comment, which pytest reports as the skip's
+reason. A block that starts with ``>>>`` is a doctest: its printed output is the page's text, checked (ELLIPSIS
+marks what the machine decides, NORMALIZE_WHITESPACE lets a long line wrap).
+
+Each page runs in a fresh temporary working directory (a block that writes ``memory.png`` writes it there) with
+stagetorch's caches cleared, so no page sees another's programs.
+"""
+
+from __future__ import annotations
+
+import doctest
+import os
+import pathlib
+import sys
+import tempfile
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parent
+PAGES = ["README.md", "docs/*.md"]
+
+try:
+    from sybil import Sybil
+    from sybil.parsers.markdown import ClearNamespaceParser, PythonCodeBlockParser, SkipParser
+    from sybil.parsers.markdown.lexers import FencedCodeBlockLexer
+except ImportError:  # an environment without the [dev] extra (CI's oldest-versions leg runs named test files only)
+    Sybil = None
+
+
+class ScriptParser:
+    """A block fenced as ```` ```python title="train.py" ```` is a script the page runs as a program of its own
+    (under ``torchrun``, say): it is written to that file in the page's working directory, and the page's next
+    (invisible) block runs it and prints what it printed."""
+
+    def __init__(self):
+        self.lexer = FencedCodeBlockLexer(language=r'python title="[\w.-]+\.py"', mapping={"language": "arguments", "source": "source"})
+
+    def __call__(self, document):
+        for region in self.lexer(document):
+            name = str(region.lexemes["arguments"]).split('"')[1]
+            region.parsed = (name, str(region.lexemes["source"]))
+            region.evaluator = self._write
+            yield region
+
+    @staticmethod
+    def _write(example):
+        name, source = example.parsed
+        pathlib.Path(name).write_text(source)
+
+def _setup(namespace):
+    import torch
+
+    import stagetorch
+
+    stagetorch.clear_caches()
+    namespace["REPO"] = ROOT  # the checkout: an invisible block that runs a script of tools/ finds it there
+    namespace["_docs_cwd"] = os.getcwd()
+    namespace["_docs_tmp"] = tempfile.TemporaryDirectory(prefix="stagetorch-docs-")
+    namespace["_docs_threads"] = torch.get_num_threads()
+    os.chdir(namespace["_docs_tmp"].name)
+    # tests/support (the seed models some pages name) is importable, as the pages' invisible blocks need; a
+    # script a page runs as a program of its own imports this checkout's stagetorch.
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
+    namespace["_docs_pythonpath"] = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), namespace["_docs_pythonpath"]]))
+
+
+def _teardown(namespace):
+    import torch
+
+    import stagetorch
+
+    os.chdir(namespace["_docs_cwd"])
+    namespace["_docs_tmp"].cleanup()
+    torch.set_num_threads(namespace["_docs_threads"])
+    stagetorch.clear_caches()
+    sys.path.remove(str(ROOT / "tests" / "support"))
+    if namespace["_docs_pythonpath"] is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = namespace["_docs_pythonpath"]
+
+
+if Sybil is not None:
+    pytest_collect_file = Sybil(
+        parsers=[
+            PythonCodeBlockParser(doctest_optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE),
+            ScriptParser(),
+            SkipParser(),
+            ClearNamespaceParser(),
+        ],
+        patterns=PAGES,
+        setup=_setup,
+        teardown=_teardown,
+    ).pytest()
+else:
+
+    class _NoSybil(pytest.Item):
+        def runtest(self):
+            raise ImportError(f"{self.path.name}'s Python blocks run under Sybil, which is not installed: "
+                              'pip install -e ".[dev]" (or "sybil[pytest]")')
+
+    class _Page(pytest.File):
+        def collect(self):
+            yield _NoSybil.from_parent(self, name="blocks")
+
+    def pytest_collect_file(file_path, parent):
+        if any(file_path.match(str(ROOT / pattern)) for pattern in PAGES):
+            return _Page.from_parent(parent, path=file_path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist's default distribution ("load"), a page's blocks go to one worker, in order: they share
+    one namespace. Every other test is handed out on its own, as "load" does. (xdist's own "loadgroup" would
+    do it with markers, but it renames the items in a way pytest 9 no longer sees.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class PagesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            path = nodeid.split("::", 1)[0]
+            return path if path.endswith(".md") else nodeid
+
+    return PagesTogether(config, log)
