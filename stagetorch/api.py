@@ -224,6 +224,8 @@ def memory(
             fn, batch_dim=batch_dim, batch_argnums=batch_argnums, static_argnums=static_argnums,
             memory_budget=memory_budget, remat=remat, donate_grads=donate_grads,
         )
+        # Its probes stage the step at other batch sizes: that is no retrace to warn of (said at DEBUG).
+        staged.restage_log_level = logging.DEBUG
         rep = unbudgeted(staged, args, kwargs)
         return rep if memory_budget is None else attrs.evolve(rep, schedule=_schedule(staged, args, kwargs))
 
@@ -277,7 +279,7 @@ def memory(
                     # The step's own code refuses one example, as eager would (BatchNorm in training mode needs
                     # more than one value per channel): the report has no probe there, and checks the line
                     # at three quarters of the batch instead.
-                    log.info("stagetorch: memory: %s not staged at one example: %s", getattr(fn, "__name__", "step"), e)
+                    log.debug("stagetorch: memory: %s not staged at one example: %s", getattr(fn, "__name__", "step"), e)
                     sizes = [batch // 2, 3 * batch // 4] if batch >= 4 else sizes
             for b in sizes:
                 if b not in totals:
@@ -286,7 +288,7 @@ def memory(
             # The step stages at its own batch only (it writes the batch size as a number, ``x.reshape(96, -1)``,
             # or reads a tensor of that size it does not receive): jit runs it; the report says what it knows.
             first = str(e).strip().splitlines()[0].rstrip(":") if str(e).strip() else type(e).__name__
-            log.info("stagetorch: memory: %s not staged at another batch: %s", getattr(fn, "__name__", "step"), e)
+            log.debug("stagetorch: memory: %s not staged at another batch: %s", getattr(fn, "__name__", "step"), e)
             return unprobed(f"the step does not stage at another batch size than {batch} (it may write its batch "
                             f"size as a number, or read a tensor of that size it does not receive: {first})")
         large, small, check = sorted({batch, *sizes}, reverse=True)[:3]

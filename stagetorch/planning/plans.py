@@ -25,7 +25,7 @@ from .remat_search import RematPlan
 from .remat_simulator import Recompute
 
 __all__ = ["recompute_of", "recompute_graph", "recomputes", "runs_apart", "run_apart", "phase_graphs",
-           "recomputed_names", "worth_a_log_line", "schedule_of"]
+           "recomputed_names", "schedule_of"]
 
 
 def recompute_of(plan: Plan) -> Recompute | None:
@@ -79,13 +79,11 @@ def recomputed_names(plan: Plan) -> tuple[str, ...]:
     return tuple(plan.cut.recomputed) if isinstance(plan, CutPlan) else ()
 
 
-def worth_a_log_line(plan: Plan) -> bool:
-    """Whether a shard's plan is said in the log: it runs in chunks or is a recomputing plan."""
-    return plan.chunked or isinstance(plan, RematPlan)
-
-
 def schedule_of(plan: Plan) -> str:
     """How ``plan`` runs the step, as an error names it: in passes, recomputing, chunked, or the whole batch."""
+    if isinstance(plan, CutPlan):
+        return (f"cut where its examples meet ({len(plan.before_sizes)} chunk(s) up to the cut, the coupled part "
+                f"whole, then {len(plan.chunk_sizes)} chunk(s))")
     if isinstance(plan, PassesPlan):
         return f"in {len(plan.passes.splits)} passes over chunks of {max(plan.chunk_sizes)} example(s)"
     recompute = getattr(plan, "recompute", None)
