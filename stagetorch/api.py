@@ -243,7 +243,7 @@ def memory(
         )
 
         def report(*a: Any, **k: Any) -> MemoryReport:
-            rep = costing_report(*a, **k, held=held, held_note=held_note)
+            rep = costing_report(*a, **{**k, "held": held, "held_note": held_note})
             return attrs.evolve(rep, note=f"{rep.note} {donated_note}".strip()) if donated_note else rep
 
         if not any(b for b, _ in leaves):
@@ -346,7 +346,7 @@ def _schedule(staged: Staged, args: tuple, kwargs: dict) -> Schedule:
     if phases is not None:  # cut where the examples meet, or (bnorm) in passes: their programs one after another
         live = [held + b for g in phases for b in _live_totals(g)]
         return Schedule(budget, plan.peak, plan.chunk_sizes, plans.recomputed_names(plan), (), (), (),
-                        plan.extra_flops, graph_flops(graph), live, (), str(plan))
+                        plans.flops(plan, 0)[0], graph_flops(graph), live, (), str(plan))
     if plan.chunked:
         split = executable.split() if recompute is None else executable.planner.recomputing(graph).split()
         body = split.body(max(plan.chunk_sizes)).rest
@@ -375,7 +375,7 @@ def _schedule(staged: Staged, args: tuple, kwargs: dict) -> Schedule:
     dropped = tuple(r for r in recompute.cands.roots if r not in recompute.keep)
     return Schedule(
         budget, plan.peak, plan.chunk_sizes, recomputed, dropped, tuple(made[r] for r in dropped),
-        tuple(r for r in recompute.cands.roots if r in recompute.keep), plan.extra_flops, plan.base_flops, live,
+        tuple(r for r in recompute.cands.roots if r in recompute.keep), *plans.flops(plan, graph_flops(graph)), live,
         marks, str(plan),
     )
 
