@@ -150,9 +150,14 @@ def jit(
 
     **Returns** a :class:`Staged` callable (with ``fn`` left out, a decorator that makes one). Its
     ``.plan(*args)`` says how a call with those arguments would run (chunks, predicted peak, why) without
-    running it; the ``stagetorch`` logger logs the plan of each new program at INFO.
+    running it. The ``stagetorch`` logger says the plan in one line at INFO on the first call (chunks, predicted
+    peak of the budget, the whole batch's peak), and again only when it changes, saying why (another batch size,
+    another budget, the step staged again, a chunk that ran out of memory); the full plan at DEBUG.
 
-    **Raises** (on the call, not here): :class:`ShapeError` (shapes that do not match, at the user's line),
+    **Raises** (on the call, not here): :class:`BatchShapeError` (a ``ValueError``: ``batch_dim`` out of range
+    for an argument, batched arguments that disagree on the batch size, an empty batch), :class:`NotATensorError`
+    (a ``TypeError``: ``batch_argnums`` names an argument that is not a tensor), :class:`ShapeError` (shapes that
+    do not match, at the user's line),
     :class:`ConcretizationError` (Python control flow on a value that depends on the parameters),
     :class:`UnsupportedOpError` (an op stagetorch cannot stage or chunk exactly), :class:`BatchCouplingError`
     (examples meet where the batch must be split), :class:`OutOfMemoryError` (no plan fits ``memory_budget``;
