@@ -28,6 +28,10 @@ def _bars_on_screen() -> bool:
     return any(not getattr(bar, "disable", False) for bar in list(bars))
 
 
+def _terminals() -> tuple:
+    return sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__
+
+
 def emit(level: int, msg: str, *args: Any) -> None:
     """Log ``msg % args`` on the ``stagetorch`` logger at ``level``, as ``log.log`` would. While a tqdm bar is
     open, a handler that writes to the terminal (a ``StreamHandler`` on ``sys.stdout`` or ``sys.stderr``) gets
@@ -53,7 +57,7 @@ def emit(level: int, msg: str, *args: Any) -> None:
             if record.levelno < handler.level:
                 continue
             stream = getattr(handler, "stream", None)
-            if type(handler) is logging.StreamHandler and stream in (sys.stdout, sys.stderr):
+            if isinstance(handler, logging.StreamHandler) and stream is not None and stream in _terminals():
                 if handler.filter(record):
                     tqdm.write(handler.format(record), file=stream)
             else:
