@@ -4,9 +4,11 @@ from . import ops
 from .api import Staged, clear_caches, eval_shape, jit, make_ir, memory
 from .errors import (
     BatchCouplingError,
+    BatchShapeError,
     BatchStatisticsError,
     ConcretizationError,
     ModifiedInputError,
+    NotATensorError,
     OutOfMemoryError,
     RankMismatchError,
     ShapeError,
@@ -38,6 +40,8 @@ __all__ = [
     "ops",
     "StagingError",
     "ShapeError",
+    "BatchShapeError",
+    "NotATensorError",
     "ConcretizationError",
     "UnsupportedOpError",
     "BatchCouplingError",

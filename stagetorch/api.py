@@ -161,9 +161,14 @@ def jit(
 
     **Returns** a :class:`Staged` callable (with ``fn`` left out, a decorator that makes one). Its
     ``.plan(*args)`` says how a call with those arguments would run (chunks, predicted peak, why) without
-    running it; the ``stagetorch`` logger logs the plan of each new program at INFO.
+    running it. The ``stagetorch`` logger says the plan in one line at INFO on the first call (chunks, predicted
+    peak of the budget, the whole batch's peak), and again only when it changes, saying why (another batch size,
+    another budget, the step staged again, a chunk that ran out of memory); the full plan at DEBUG.
 
-    **Raises** (on the call, not here): :class:`ShapeError` (shapes that do not match, at the user's line),
+    **Raises** (on the call, not here): :class:`BatchShapeError` (a ``ValueError``: ``batch_dim`` out of range
+    for an argument, batched arguments that disagree on the batch size, an empty batch), :class:`NotATensorError`
+    (a ``TypeError``: ``batch_argnums`` names an argument that is not a tensor), :class:`ShapeError` (shapes that
+    do not match, at the user's line),
     :class:`ConcretizationError` (Python control flow on a value that depends on the parameters),
     :class:`UnsupportedOpError` (an op stagetorch cannot stage or chunk exactly), :class:`BatchCouplingError`
     (examples meet where the batch must be split), :class:`OutOfMemoryError` (no plan fits ``memory_budget``;
@@ -240,6 +245,8 @@ def memory(
             fn, batch_dim=batch_dim, batch_argnums=batch_argnums, static_argnums=static_argnums,
             memory_budget=memory_budget, remat=remat, donate_grads=donate_grads, device=device,
         )
+        # Its probes stage the step at other batch sizes: that is no retrace to warn of (said at DEBUG).
+        staged.restage_log_level = logging.DEBUG
         rep = unbudgeted(staged, args, kwargs)
         if memory_budget is not None:
             rep = attrs.evolve(rep, schedule=_schedule(staged, args, kwargs))
@@ -261,7 +268,7 @@ def memory(
         )
 
         def report(*a: Any, **k: Any) -> MemoryReport:
-            rep = costing_report(*a, **k, held=held, held_note=held_note)
+            rep = costing_report(*a, **{**k, "held": held, "held_note": held_note})
             return attrs.evolve(rep, note=f"{rep.note} {donated_note}".strip()) if donated_note else rep
 
         if not any(b for b, _ in leaves):
@@ -297,7 +304,7 @@ def memory(
                     # The step's own code refuses one example, as eager would (BatchNorm in training mode needs
                     # more than one value per channel): the report has no probe there, and checks the line
                     # at three quarters of the batch instead.
-                    log.info("stagetorch: memory: %s not staged at one example: %s", getattr(fn, "__name__", "step"), e)
+                    log.debug("stagetorch: memory: %s not staged at one example: %s", getattr(fn, "__name__", "step"), e)
                     sizes = [batch // 2, 3 * batch // 4] if batch >= 4 else sizes
             for b in sizes:
                 if b not in totals:
@@ -306,7 +313,7 @@ def memory(
             # The step stages at its own batch only (it writes the batch size as a number, ``x.reshape(96, -1)``,
             # or reads a tensor of that size it does not receive): jit runs it; the report says what it knows.
             first = str(e).strip().splitlines()[0].rstrip(":") if str(e).strip() else type(e).__name__
-            log.info("stagetorch: memory: %s not staged at another batch: %s", getattr(fn, "__name__", "step"), e)
+            log.debug("stagetorch: memory: %s not staged at another batch: %s", getattr(fn, "__name__", "step"), e)
             return unprobed(f"the step does not stage at another batch size than {batch} (it may write its batch "
                             f"size as a number, or read a tensor of that size it does not receive: {first})")
         large, small, check = sorted({batch, *sizes}, reverse=True)[:3]
@@ -364,7 +371,7 @@ def _schedule(staged: Staged, args: tuple, kwargs: dict) -> Schedule:
     if phases is not None:  # cut where the examples meet, or (bnorm) in passes: their programs one after another
         live = [held + b for g in phases for b in _live_totals(g)]
         return Schedule(budget, plan.peak, plan.chunk_sizes, plans.recomputed_names(plan), (), (), (),
-                        plan.extra_flops, graph_flops(graph), live, (), str(plan))
+                        plans.flops(plan, 0)[0], graph_flops(graph), live, (), str(plan))
     if plan.chunked:
         split = executable.split() if recompute is None else executable.planner.recomputing(graph).split()
         body = split.body(max(plan.chunk_sizes)).rest
@@ -393,7 +400,7 @@ def _schedule(staged: Staged, args: tuple, kwargs: dict) -> Schedule:
     dropped = tuple(r for r in recompute.cands.roots if r not in recompute.keep)
     return Schedule(
         budget, plan.peak, plan.chunk_sizes, recomputed, dropped, tuple(made[r] for r in dropped),
-        tuple(r for r in recompute.cands.roots if r in recompute.keep), plan.extra_flops, plan.base_flops, live,
+        tuple(r for r in recompute.cands.roots if r in recompute.keep), *plans.flops(plan, graph_flops(graph)), live,
         marks, str(plan),
     )
 

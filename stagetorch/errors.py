@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 __all__ = [
     "StagingError",
     "ShapeError",
+    "BatchShapeError",
+    "NotATensorError",
     "ConcretizationError",
     "UnsupportedOpError",
     "BatchCouplingError",
@@ -41,6 +46,17 @@ class ShapeError(StagingError, ValueError):
     """An op was called with shapes (or dtypes) it cannot take."""
 
 
+class BatchShapeError(ShapeError):
+    """The arguments do not make a batch: the batch dim is out of range for one of them, they disagree on the
+    batch size, or the batch is empty. ``jit`` and ``lazy`` raise it for the same mistakes, each naming its own
+    keyword (``batch_dim=`` and ``batch=``). A ``ValueError`` too."""
+
+
+class NotATensorError(StagingError, TypeError):
+    """A value that must be a tensor is not: an argument of ``stagetorch.lazy``, or one that ``jit``'s
+    ``batch_argnums`` names as carrying the batch. A ``TypeError`` too."""
+
+
 class ConcretizationError(StagingError):
     """The staged function needs a tensor's *value* (``.item()``, ``if x.sum() > 0``, ``x[x > 0]``)."""
 
@@ -71,3 +87,24 @@ class ModifiedInputError(StagingError, RuntimeError):
 class RankMismatchError(StagingError):
     """The ranks of a process group called a staged step with different arguments (structure, dtypes,
     non-batch shapes) or staged different programs, so their collectives would not match."""
+
+
+# The front end that runs now ("jit": jit, memory, the integrations; "lazy": stagetorch.lazy's flushes), for
+# the errors raised deep below it that tell the user which option to change: each names its own keyword.
+_FRONT_END: contextvars.ContextVar[str] = contextvars.ContextVar("stagetorch_front_end", default="jit")
+
+
+@contextlib.contextmanager
+def front_end(name: str) -> Iterator[None]:
+    """Within the block, errors name the keywords of front end ``name`` (``"jit"`` or ``"lazy"``)."""
+    token = _FRONT_END.set(name)
+    try:
+        yield
+    finally:
+        _FRONT_END.reset(token)
+
+
+def batch_keyword() -> str:
+    """The option that sets the batch dim, as the front end running now spells it: ``batch_dim=...`` for
+    ``jit`` (and ``memory``), ``batch=...`` for ``stagetorch.lazy``."""
+    return "stagetorch.lazy(..., batch=...)" if _FRONT_END.get() == "lazy" else "batch_dim=..."

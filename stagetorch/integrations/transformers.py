@@ -130,7 +130,8 @@ class StagedTrainingMixin:
         try:
             if shape not in self.stagetorch_plans:
                 self.stagetorch_plans[shape] = plan = self._staged_step.plan(*step_args)
-                log.info("stagetorch: training step for inputs %s: %s", dict(shape), plan)
+                # (The staged step logs its plan at INFO, once and on each change: this is the detail.)
+                log.debug("stagetorch: training step for inputs %s: %s", dict(shape), plan)
             loss = self._staged_step(*step_args)
         except StagingError as e:
             raise self._named(e, model, "training_step") from e

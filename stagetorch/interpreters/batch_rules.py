@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..errors import batch_keyword
 from ..ir import Eqn, Var
 from .batching import (
     Batched,
@@ -72,7 +73,7 @@ def per_example(
             raise coupling(
                 eqn,
                 f"is per-example along dim {dim} only, but its input is batched along dim {sorted(bdims)}",
-                f"put the batch on dim {dim} of this op's input (batch_dim=...), or run without chunking",
+                f"put the batch on dim {dim} of this op's input ({batch_keyword()}), or run without chunking",
             )
         lab = agree(eqn, placed)
         extent = lab.extent(label.batch)
@@ -452,7 +453,7 @@ def along(
             raise coupling(
                 eqn,
                 f"mixes entries along dim {lab.dim}, the batch dim",
-                "move the batch to a dim the op does not mix along (batch_dim=...), or run without chunking",
+                f"move the batch to a dim the op does not mix along ({batch_keyword()}), or run without chunking",
             )
         kept = False
         if keepdim is not None:

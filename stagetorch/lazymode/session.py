@@ -10,11 +10,12 @@ each other's private methods, which the chain's order (tests/core/test_imports.p
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import sys
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any, overload
 
@@ -22,7 +23,15 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..devices.budget import free_memory
-from ..errors import BatchCouplingError, ConcretizationError, ModifiedInputError, StagingError
+from ..errors import (
+    BatchCouplingError,
+    BatchShapeError,
+    ConcretizationError,
+    ModifiedInputError,
+    NotATensorError,
+    StagingError,
+    front_end,
+)
 from ..interpreters.batching import Batched
 from ..interpreters.flops import graph_flops
 from ..ir import Eqn, Graph, Var, op_name
@@ -122,6 +131,34 @@ def _flush_before_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, 
 
 
 register_optimizer_step_pre_hook(_flush_before_optimizer_step)
+
+
+def _as_lazy(flush: Callable) -> Callable:
+    """``flush``, whose errors name ``lazy``'s keywords (``batch=``, not ``jit``'s ``batch_dim=``); a flush for a
+    value the script reads mid-step (``needed``) that no budget runs names the smallest budget of the part of
+    the step up to that read only, and says so: the rest (the backward) is not recorded yet."""
+
+    @functools.wraps(flush)
+    def flushing(session: Any, targets: list, leaves: Any = (), grads: Any = None, needed: Any = None) -> None:
+        with front_end("lazy"):
+            if not needed:
+                return flush(session, targets, leaves, grads, needed)
+            try:
+                return flush(session, targets, leaves, grads, needed)
+            except StagingError as e:
+                if e.smallest_budget is None:
+                    raise
+                frame = user_frame()
+                where = f" at {frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
+                raise type(e)(
+                    f"{e}\nThe smallest budget named runs only the part of the step up to a value it reads while it runs{where} "
+                    "(a mask check, an .item(), a Python if on a tensor): the rest of the step, its backward "
+                    "included, is not recorded yet and is planned when the script reaches it; it usually needs "
+                    "more. What to do: raise memory_budget past what the whole step needs (stagetorch.memory "
+                    "says it for a function of the step), or read no value mid-step."
+                ).copy_from(e) from e
+
+    return flushing
 
 
 class _Session(BackwardSkip):
@@ -535,6 +572,7 @@ class _Session(BackwardSkip):
             )
         return built
 
+    @_as_lazy
     def flush(
         self, targets: list[Var], leaves: list[torch.Tensor] = (), grads: list | None = None,
         needed: list[Var] | None = None,
@@ -897,7 +935,8 @@ def lazy(
 
     **Returns** one :class:`LazyTensor`, or a tuple of them (one per tensor).
 
-    **Raises** ``ValueError`` for no tensors, an empty batch, or tensors whose batch sizes differ; then, as
+    **Raises** :class:`BatchShapeError` (a ``ValueError``) for no tensors, an empty batch, ``batch`` out of range
+    or tensors whose batch sizes differ, :class:`NotATensorError` (a ``TypeError``) for a value not a tensor; then, as
     the script runs, the errors ``jit`` raises (:class:`OutOfMemoryError` naming the smallest budget, ...).
 
     **Example**
@@ -914,13 +953,13 @@ def lazy(
     if not _dynamo_skips and "torch._dynamo" in sys.modules:
         _skip_under_dynamo()
     if not tensors:
-        raise ValueError("stagetorch.lazy needs at least one tensor")
+        raise BatchShapeError("stagetorch.lazy needs at least one tensor: the batch, as stagetorch.lazy(x, y, batch=0)")
     if process_group is not None:
         sharded = shard.start(tensors, batch, process_group, lambda: _batch_size(tensors, batch))
         return _lazies(_Session(tensors, batch, memory_budget, sharded.batch, sharded, remat == "auto"))
     size = _batch_size(tensors, batch)
     if size == 0:
-        raise ValueError("stagetorch.lazy: the batch is empty")
+        raise BatchShapeError(f"stagetorch.lazy: the batch is empty: argument 0 has 0 examples along batch={batch}")
     session = _Session(tensors, batch, memory_budget, size, remat=remat == "auto")
     out, session.lazies = session.lazies, []  # _lazies, inline
     return out[0] if len(out) == 1 else tuple(out)
@@ -970,16 +1009,25 @@ def _checked_batch_size(tensors: tuple[torch.Tensor, ...], batch: int) -> int:
     size = None
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"stagetorch.lazy: argument {i} is a {type(t).__name__}, not a tensor")
+            raise NotATensorError(
+                f"stagetorch.lazy: argument {i} is a {type(t).__name__}, not a tensor. What to do: pass only the "
+                "batch's tensors to stagetorch.lazy; other values go to the model as they are"
+            )
         ndim = t.ndim
         if not -ndim <= batch < ndim:
-            raise ValueError(f"stagetorch.lazy: batch={batch} is out of range for argument {i} with shape {tuple(t.shape)}")
+            raise BatchShapeError(
+                f"stagetorch.lazy: batch={batch} is out of range for argument {i} with shape {tuple(t.shape)}; "
+                "pass batch=... (the dim of the examples in every tensor)"
+            )
         n = t.shape[batch % ndim]
         if size is None:
             size = n
         elif n != size:
-            sizes = sorted({t.shape[batch % t.ndim] for t in tensors})
-            raise ValueError(f"stagetorch.lazy: the tensors disagree on the batch size along dim {batch}: {sizes}")
+            listed = ", ".join(f"argument {j}: {u.shape[batch % u.ndim]}" for j, u in enumerate(tensors[: i + 1]))
+            raise BatchShapeError(
+                f"stagetorch.lazy: the tensors disagree on the batch size ({listed}); batch={batch}. What to do: pass "
+                "the same number of examples in each, and only per-example tensors"
+            )
     return size
 
 

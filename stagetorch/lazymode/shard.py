@@ -15,7 +15,6 @@ session's inputs and flush look under a process group, not how it records.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,14 +25,12 @@ from ..errors import OutOfMemoryError, UnsupportedOpError
 from ..interpreters.batching import Batched
 from ..ir import Var
 from ..parallel.data_parallel import ShardGroup, Signature
-from ..planning import plans
 from ..planning.chunks import Plan
 from ..runtime.executable import Executable
 from ..staging.source import user_frame
 
 __all__ = ["LazyShard", "start", "run"]
 
-log = logging.getLogger("stagetorch")
 
 
 @attrs.define(eq=False)
@@ -92,8 +89,7 @@ def run(shard: LazyShard, executable: Executable, inputs: list, budget: int) -> 
     plan = executable.shard_plan(shard.local, budget)
     shard.group.check(plan if isinstance(plan, OutOfMemoryError) else None, executable.signature())
     assert isinstance(plan, Plan)
-    if plans.worth_a_log_line(plan):
-        log.info("stagetorch: lazy (rank %d): %s", shard.group.rank, plan)
+    executable.plan_log.say(f"lazy (rank {shard.group.rank})", plan)
     outs = executable.run_shard(inputs, plan, shard.offset, shard.group)[0]
     analysis = executable.split().analysis
     labels = analysis.labels

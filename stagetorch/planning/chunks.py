@@ -10,13 +10,13 @@ from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
-import torch
 
 from ..devices.budget import format_bytes
 from ..errors import BatchCouplingError, OutOfMemoryError, UnsupportedOpError
 from ..interpreters.chunked import BodyGraph, Split, even_chunks
 from ..interpreters.memory import Lifetimes, peak_bytes, timeline
 from ..ir import Graph, Var
+from ..transforms.schedule import draws_random
 from ..utils import collector
 from . import budget as margin
 
@@ -48,6 +48,18 @@ class Plan:
     # On CUDA: what the caching allocator is predicted to reserve for the program as planned, the cuBLAS
     # workspace included (:func:`~stagetorch.planning.reserved.fit_reserved`); None where not predicted.
     reserved_bytes: int | None = None
+    # The staged program's own peak on the whole batch, nothing recomputed (:meth:`~stagetorch.planning.planner.
+    # Planner.plan_call` sets it; ``full_batch_peak_bytes`` is that of the graph this plan runs, which may
+    # recompute): with ``held_bytes``, what :func:`stagetorch.memory` reports as the step's peak.
+    whole_program_bytes: int | None = None
+
+    @property
+    def whole_batch_bytes(self) -> int:
+        """The step's peak on the whole batch at once, nothing recomputed, with what the call holds beside the
+        program: the peak :func:`stagetorch.memory` reports (``whole_program_bytes`` where the planner set it,
+        else ``full_batch_peak_bytes``)."""
+        whole = self.full_batch_peak_bytes if self.whole_program_bytes is None else self.whole_program_bytes
+        return whole + self.held_bytes
 
     @property
     def peak(self) -> int:
@@ -63,8 +75,8 @@ class Plan:
         peak = self.peak
         return (
             f"Plan: batch {self.batch} as {len(self.chunk_sizes)} chunk(s) [{sizes}], predicted peak "
-            f"{format_bytes(peak)} of a {format_bytes(self.budget_bytes)} budget (whole batch at once: "
-            f"{format_bytes(self.full_batch_peak_bytes)}). {self.reason}"
+            f"{format_bytes(peak)} of a {format_bytes(self.budget_bytes)} budget (whole batch at once, nothing "
+            f"recomputed: {format_bytes(self.whole_batch_bytes)}, as stagetorch.memory reports it). {self.reason}"
             + (f" The call holds {format_bytes(self.held_bytes)} beside the program." if self.held_bytes else "")
             + (f" It drops the old .grad the step replaces or clears ({format_bytes(self.donated_bytes)}) before the "
                "program runs (donate_grads=True)." if self.donated_bytes else "")
@@ -336,12 +348,12 @@ def plan_chunks(
     peaks = tuple(sizes_of.chunk_peaks(n)[k > 0] for k, n in enumerate(sizes))
     phases = sizes_of.phase_peak(sizes[0])
     why = (
-        f"The whole batch needs {format_bytes(full)}; fixed {format_bytes(fixed)} + {format_bytes(per_example)} per example allows "
-        f"chunks of up to {largest}."
+        f"The program it runs needs {format_bytes(full)} on the whole batch (without what the call holds beside it); "
+        f"fixed {format_bytes(fixed)} + {format_bytes(per_example)} per example allows chunks of up to {largest}."
     )
     if cap is not None and cap < batch:
         why += f" Chunks are at most {cap} examples: a larger one ran out of memory in an earlier call."
-    if any(torch.Tag.nondeterministic_seeded in getattr(e.prim, "tags", ()) for e in graph.eqns):
+    if any(draws_random(e) for e in graph.eqns):  # (not an attention kernel whose dropout_p is 0)
         why += (
             " Random ops (dropout) draw per chunk: each example's draws have the whole batch's distribution, "
             "not its numbers (docs/chunking.md, Random ops)."

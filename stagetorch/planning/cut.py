@@ -43,7 +43,7 @@ from ..interpreters.flops import graph_flops
 from ..interpreters.memory import peak_bytes
 from ..interpreters.undo import Undo
 from ..ir import Eqn, Graph, Literal, Var, op_name
-from ..transforms.schedule import is_random, writes
+from ..transforms.schedule import draws_random, writes
 from ..utils.tree import map_leaves
 from . import budget as margin
 from .chunks import Plan, bytes_of, chunked_peak, plan_chunks
@@ -393,19 +393,6 @@ def _keep(cut: Cut, phases: list[str], after_idx: set[int], ran: list[int], hand
     if not set(cut.before_split.body_results) <= set(kept.before_split.body_results):
         return None
     return kept if set(cut.after_split.body_results) == set(kept.after_split.body_results) else None
-
-
-def draws_random(e: Eqn) -> bool:
-    """``e`` draws random numbers: a random op, unless its dropout probability is 0 (attention kernels are
-    tagged random for the dropout they may apply)."""
-    if not is_random(e):
-        return False
-    schema = getattr(e.prim, "_schema", None)
-    if schema is None:
-        return True
-    named = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
-    named |= dict(zip((a.name for a in schema.arguments), e.args)) | e.kwargs
-    return named.get("dropout_p", named.get("p")) != 0
 
 
 def _unique(vs: Any) -> list[Var]:

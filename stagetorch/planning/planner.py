@@ -232,7 +232,7 @@ class Planner:
             try:
                 found = find_passes(as_batch_sums(self.graph), self.batched, self.batch)
             except StagingError as why:
-                log.info("stagetorch: BatchNorm's statistics cannot be summed over chunks here: %s", why)
+                log.debug("stagetorch: BatchNorm's statistics cannot be summed over chunks here: %s", why)
                 found = None
             whole = peak_bytes(self.graph) - (self.overlap or 0)
             self._passes = found if found is not None and passes_floor(found) < whole else False
@@ -273,7 +273,7 @@ class Planner:
             last, last_held, last_budget, last_donated, evolved = self._called
             if plan is not last or held != last_held or budget != last_budget or donated != last_donated:
                 evolved = attrs.evolve(plan, held_bytes=held, budget_bytes=budget, donated_bytes=donated,
-                                       program_budget_bytes=program_budget)
+                                       program_budget_bytes=program_budget, whole_program_bytes=self._full_peak)
                 self._called = (plan, held, budget, donated, evolved)
             return evolved
         except BatchStatisticsError as e:

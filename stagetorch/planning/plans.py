@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..interpreters.undo import Undo
-from ..ir import Graph
+from ..ir import Eqn, Graph
 from .chunks import Plan
 from .cut import CutPlan, run_cut
 from .multipass import PassesPlan, run_passes
@@ -25,7 +25,7 @@ from .remat_search import RematPlan
 from .remat_simulator import Recompute
 
 __all__ = ["recompute_of", "recompute_graph", "recomputes", "runs_apart", "run_apart", "phase_graphs",
-           "recomputed_names", "worth_a_log_line", "schedule_of"]
+           "recomputed_names", "schedule_of", "flops"]
 
 
 def recompute_of(plan: Plan) -> Recompute | None:
@@ -74,18 +74,16 @@ def phase_graphs(plan: Plan) -> Sequence[Graph] | None:
     return None
 
 
-def recomputed_names(plan: Plan) -> tuple[str, ...]:
-    """What a plan that :func:`runs_apart` recomputes, by name (the cut's recomputed values; passes: none)."""
+def recomputed_names(plan: Plan) -> tuple[Eqn, ...]:
+    """What a plan that :func:`runs_apart` recomputes: the equations the cut runs again (passes: none)."""
     return tuple(plan.cut.recomputed) if isinstance(plan, CutPlan) else ()
-
-
-def worth_a_log_line(plan: Plan) -> bool:
-    """Whether a shard's plan is said in the log: it runs in chunks or is a recomputing plan."""
-    return plan.chunked or isinstance(plan, RematPlan)
 
 
 def schedule_of(plan: Plan) -> str:
     """How ``plan`` runs the step, as an error names it: in passes, recomputing, chunked, or the whole batch."""
+    if isinstance(plan, CutPlan):
+        return (f"cut where its examples meet ({len(plan.before_sizes)} chunk(s) up to the cut, the coupled part "
+                f"whole, then {len(plan.chunk_sizes)} chunk(s))")
     if isinstance(plan, PassesPlan):
         return f"in {len(plan.passes.splits)} passes over chunks of {max(plan.chunk_sizes)} example(s)"
     recompute = getattr(plan, "recompute", None)
@@ -93,3 +91,13 @@ def schedule_of(plan: Plan) -> str:
     if recompute is None:
         return chunks
     return f"with recomputation ({recompute.dropped} op(s) recomputed in the backward, {chunks})"
+
+
+def flops(plan: Plan, base: int) -> tuple[int, int]:
+    """What ``plan`` costs in FLOPs: (what it runs beyond the step: its recomputation, or what a cut or the passes
+    run again; the step's own), ``base`` for the step's own where the plan does not say it."""
+    if isinstance(plan, RematPlan):
+        return plan.extra_flops, plan.base_flops
+    if isinstance(plan, (CutPlan, PassesPlan)):
+        return plan.extra_flops, base
+    return 0, base

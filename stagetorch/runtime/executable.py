@@ -33,6 +33,7 @@ from ..planning import plans
 from ..planning.chunks import Plan
 from ..planning.planner import COPIES, Planner, recall, remember
 from ..transforms.schedule import writes
+from .plan_log import PlanLog, emit
 
 __all__ = ["Executable"]
 
@@ -74,6 +75,8 @@ class Executable:
         self._signature: distributed.Signature | None = None
         self._resident: int | None = None  # see resident_bytes
         self._on_cuda = devices.device_type(graph.device) == "cuda"  # (its first run calibrates: _calibrated)
+        # Where run() says its plans: once, then only a change (a front end shares one among its programs).
+        self.plan_log = PlanLog()
 
     @property
     def mutated(self) -> list[int]:
@@ -190,6 +193,7 @@ class Executable:
         """
         if self.planner.overlap is None:  # a caller that planned without the inputs: later plans count it
             self.planner.see_inputs(inputs)
+        self.plan_log.say(name, plan)
         if on_chunk is not None:  # a retried step reports only the examples beyond those it reported
             on_chunk = _Progress(on_chunk)
         if self._on_cuda and self.planner.calibration is None:
@@ -213,7 +217,6 @@ class Executable:
         if plans.runs_apart(plan):
             # A step whose examples meet, cut there (stagetorch.planning.cut), or whose BatchNorm statistics are
             # summed over the chunks in passes (stagetorch.planning.multipass).
-            log.info("stagetorch: %s: %s", name, plan)
             undo = Undo(inputs[i] for i in self.mutated)
             try:
                 return plans.run_apart(plan, inputs, undo)
@@ -231,7 +234,6 @@ class Executable:
         undo = Undo(inputs[i] for i in mutated)
         try:
             if plan.chunked:
-                log.info("stagetorch: %s: %s", name, plan)
                 # A chunk that runs out of memory ends the attempt: the next plan is the planner's (_recover).
                 outs, grads, _ = run_chunked(
                     self.split(), inputs, plan.chunk_sizes, on_chunk=on_chunk, undo=undo, retry=False
@@ -261,7 +263,7 @@ class Executable:
                 plan = self.planner.plan_call(plan.budget_bytes, plan.held_bytes, [], donated=plan.donated_bytes)
             except StagingError:  # no smaller plan fits (or the batch cannot be split)
                 break
-            log.info("stagetorch: %s: out of memory (%d); trying %s", name, failures, plan)
+            emit(logging.DEBUG, "stagetorch: %s: out of memory (%d); trying %s", name, failures, plan)
             try:
                 result = self._attempt(inputs, plan, on_chunk, name)
             except Exception as e:
@@ -271,11 +273,13 @@ class Executable:
                 error, failures = e, failures + 1
                 continue
             remember(self.planner)
-            log.warning(
+            emit(
+                logging.WARNING,
                 "stagetorch: %s: out of memory %d time(s) where the plan said the step fits; it ran in chunks "
                 "[%s]%s, and later calls will too", name, failures, "+".join(map(str, plan.chunk_sizes)),
                 " recomputing" if plans.recomputes(plan) else "",
             )
+            self.plan_log.why = "a larger plan ran out of memory"
             return result
         self.planner.teach(before)
         raise error

@@ -16,12 +16,11 @@ import torch.utils._pytree as pytree
 
 from ..devices.budget import format_bytes, free_memory, parse_bytes
 from ..devices.catalog import Device, PlanOnlyDeviceError, device_named
-from ..errors import OutOfMemoryError, ShapeError, UnsupportedOpError
+from ..errors import BatchShapeError, NotATensorError, OutOfMemoryError, ShapeError, UnsupportedOpError
 from ..interpreters.batching import Batched
 from ..interpreters.eager import is_dense
 from ..ir import Graph
 from ..parallel import data_parallel as distributed
-from ..planning import plans
 from ..planning.chunks import Plan
 from ..planning.planner import COPIES
 from ..staging.guards import MAX_OUTCOMES, Outcomes, StateWalk, flatten_args
@@ -30,6 +29,7 @@ from ..staging.tracer import Traced, leaf_names, trace
 from ..utils import caches
 from .executable import Executable
 from .grads import accumulate_grad, install_grads
+from .plan_log import PlanLog
 
 __all__ = ["Staged", "grad_storages", "map_batched"]
 
@@ -149,6 +149,10 @@ class Staged:
         self._last_key: tuple | None = None
         self._last_entry: _Entry | Outcomes | None = None
         self._walk = StateWalk()  # discover and tensors_and_key, made again only when what they read changed
+        # Its plans in the log, all its programs together: one line, then one more only when the plan changes.
+        self.plan_log = PlanLog()
+        # The level of its "staging again" lines (stagetorch.memory's probes at other batch sizes: DEBUG).
+        self.restage_log_level = logging.INFO
         functools.update_wrapper(self, fn)
         _STAGED.add(self)
 
@@ -161,8 +165,9 @@ class Staged:
         if old[4] != new[4]:
             why.append(f"the grad mode (torch.is_grad_enabled() is now {new[4]})")
         name = getattr(self.fn, "__name__", "step")
-        log.info("stagetorch: %s: staging again (%d programs now), as these changed: %s", name, len(self._cache) + 1,
-                 "; ".join(why) or "nothing nameable")
+        log.log(self.restage_log_level, "stagetorch: %s: staging again (%d programs now), as these changed: %s", name,
+                len(self._cache) + 1, "; ".join(why) or "nothing nameable")
+        self.plan_log.why = "the step was staged again, as said above"
         if len(self._cache) + 1 == _MANY_PROGRAMS:
             log.warning(
                 "stagetorch: %s has been staged %d times: a value it reads changes between calls (last: %s). "
@@ -219,6 +224,7 @@ class Staged:
                 Executable(graph, batched, batch, traced.consts, cap=self._caps.get(batch), remat=self.remat,
                            cut_coupled=True, device=self.device),
             )
+            entry.executable.plan_log = self.plan_log
             cached = self._add_program(key, cached, entry)
         self._last_key, self._last_entry = key, cached
         inputs += state_tensors
@@ -278,9 +284,10 @@ class Staged:
         if chosen is not None:
             for i in chosen:
                 if i >= len(args) or not any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(args[i])):
-                    raise TypeError(
+                    raise NotATensorError(
                         f"batch_argnums names argument {i}, which is not a tensor (or pytree of tensors) "
-                        f"in this call of {getattr(self.fn, '__name__', 'the function')}"
+                        f"in this call of {getattr(self.fn, '__name__', 'the function')}. What to do: list in "
+                        "batch_argnums only the arguments that carry the batch"
                     )
         names = _named_args(self.fn, args, kwargs)
         out, sizes = [], []
@@ -293,7 +300,7 @@ class Staged:
                 if is_batched:
                     where = name + pytree.keystr(path)
                     if not -leaf.ndim <= dim < leaf.ndim:
-                        raise ShapeError(
+                        raise BatchShapeError(
                             f"batch_dim={dim} is out of range for argument {where} with shape {tuple(leaf.shape)}; "
                             "pass batch_dim=... or leave this argument out of batch_argnums"
                         )
@@ -302,10 +309,14 @@ class Staged:
                 out.append((is_batched, dim))
         if len({n for _, n in sizes}) > 1:
             listed = ", ".join(f"{w}: {n}" for w, n in sizes)
-            raise ShapeError(f"the batched arguments disagree on the batch size ({listed}); batch_dim={self.batch_dim}")
+            raise BatchShapeError(
+                f"the batched arguments disagree on the batch size ({listed}); batch_dim={self.batch_dim}. What to do: "
+                "pass the same number of examples in each, or leave the arguments that are not per-example out of "
+                "batch_argnums"
+            )
         batch = sizes[0][1] if sizes else 1
         if sizes and batch == 0 and not allow_empty:
-            raise ShapeError(f"the batch is empty: {sizes[0][0]} has 0 examples along batch_dim={self.batch_dim}")
+            raise BatchShapeError(f"the batch is empty: {sizes[0][0]} has 0 examples along batch_dim={self.batch_dim}")
         return out, batch
 
     def graph(self, *args: Any, **kwargs: Any) -> Graph:
@@ -485,8 +496,8 @@ class Staged:
             )
         executable = entry.executable
         group.check(plan if isinstance(plan, OutOfMemoryError) else None, executable.signature())
-        if plans.worth_a_log_line(plan):
-            log.info("stagetorch: %s (rank %d): %s", getattr(self.fn, "__name__", "step"), group.rank, plan)
+        if isinstance(plan, Plan):
+            self.plan_log.say(f"{getattr(self.fn, '__name__', 'step')} (rank {group.rank})", plan)
         outs, grads = executable.run_shard(inputs, plan, offset, group, on_chunk=self._progress(plan))
         for i, g in grads:
             accumulate_grad(inputs[i], g)

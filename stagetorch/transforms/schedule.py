@@ -22,7 +22,7 @@ from ..utils import collector
 from ..utils.tree import map_leaves
 
 __all__ = [
-    "Liveness", "liveness", "scheduled", "steals", "add_into", "take_as", "writes", "is_random", "has_effect", "dce", "AliasRule",
+    "Liveness", "liveness", "scheduled", "steals", "add_into", "take_as", "writes", "is_random", "draws_random", "has_effect", "dce", "AliasRule",
     "ALIASES", "Folded", "fold_partials",
 ]
 
@@ -63,6 +63,19 @@ def is_random(e: Eqn) -> bool:
     """``e`` draws from a random generator: running it again gives other values and moves the generator."""
     tags = getattr(e.prim, "tags", ())
     return torch.Tag.nondeterministic_seeded in tags
+
+
+def draws_random(e: Eqn) -> bool:
+    """``e`` draws random numbers: a random op, unless its dropout probability is 0 (attention kernels are
+    tagged random for the dropout they may apply)."""
+    if not is_random(e):
+        return False
+    schema = getattr(e.prim, "_schema", None)
+    if schema is None:
+        return True
+    named = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    named |= dict(zip((a.name for a in schema.arguments), e.args)) | e.kwargs
+    return named.get("dropout_p", named.get("p")) != 0
 
 
 def has_effect(e: Eqn) -> bool:

@@ -146,3 +146,115 @@ def test_an_error_rebuilt_with_a_longer_message_says_what_the_first_said():
     assert (str(again), again.source, again.chunk_local_result, again.smallest_budget) == (
         "coupled, and more", "model.py:3", "kept", 150)
     assert first.smallest_budget == 100
+
+
+# Errors that agree (issue 46 item 4): jit and lazy raise one class for each mistake with the arguments' batch,
+# each message naming its own front end's keyword (jit's batch_dim=, lazy's batch=).
+
+
+def _jit(x, y, **options):
+    return stagetorch.jit(lambda a, b: (a * b).sum(), **options)(x, y)
+
+
+def _lazy(x, y, batch=0, **options):
+    a, b = stagetorch.lazy(x, y, batch=batch, **options)
+    return float((a * b).sum())
+
+
+_MISTAKES = {
+    # mistake: (x, y, jit's options, lazy's options, error class, what jit's message says, what lazy's says)
+    "batch dim out of range": (torch.ones(4, 3), torch.ones(4, 3), dict(batch_dim=2), dict(batch=2),
+                               stagetorch.BatchShapeError, "batch_dim=2 is out of range", "batch=2 is out of range"),
+    "batch sizes disagree": (torch.ones(4, 3), torch.ones(5, 3), {}, {}, stagetorch.BatchShapeError,
+                             r"disagree on the batch size \(a: 4, b: 5\)", r"disagree on the batch size \(argument 0: 4, "
+                             r"argument 1: 5\)"),
+    "empty batch": (torch.ones(0, 3), torch.ones(0, 3), {}, {}, stagetorch.BatchShapeError, "the batch is empty",
+                    "the batch is empty"),
+    "not a tensor": (torch.ones(4, 3), 3, dict(batch_argnums=(0, 1)), {}, stagetorch.NotATensorError,
+                     "batch_argnums names argument 1, which is not a tensor", "argument 1 is a int, not a tensor"),
+}
+
+
+@pytest.mark.parametrize("front", ["jit", "lazy"])
+@pytest.mark.parametrize("mistake", list(_MISTAKES))
+def test_the_same_mistake_raises_the_same_class_under_jit_and_lazy(mistake, front):
+    x, y, jit_options, lazy_options, error, jit_says, lazy_says = _MISTAKES[mistake]
+    builtin = ValueError if issubclass(error, ValueError) else TypeError
+    with pytest.raises(error, match=jit_says if front == "jit" else lazy_says) as info:
+        _jit(x, y, **jit_options) if front == "jit" else _lazy(x, y, **lazy_options)
+    assert isinstance(info.value, builtin) and isinstance(info.value, stagetorch.StagingError)
+    if front == "lazy":
+        assert "batch_dim" not in str(info.value) and "batch_argnums" not in str(info.value)
+
+
+def test_lazy_without_tensors_raises_batch_shape_error():
+    with pytest.raises(stagetorch.BatchShapeError, match="needs at least one tensor"):
+        stagetorch.lazy()
+
+
+@pytest.mark.parametrize("front", ["jit", "lazy"])
+def test_a_batch_on_the_wrong_dim_names_the_front_ends_own_keyword(front):
+    """A padded BERT batch given with its examples along dim 1 (issue 46's first script): under a budget that
+    needs chunks, jit and lazy raise the same BatchCouplingError from modeling_bert.py, each telling to move the
+    batch with its own keyword."""
+    pytest.importorskip("transformers")
+    from trainer_models import VOCAB, bert_classifier
+
+    model = bert_classifier()
+    ids = torch.randint(0, VOCAB, (8, 12))
+    mask = torch.ones(8, 12, dtype=torch.long)
+    mask[:, 9:] = 0
+    labels = torch.randint(0, 3, (8,))
+
+    def step(i, m):
+        loss = model(input_ids=i, attention_mask=m, labels=labels).loss
+        loss.backward()
+        return loss
+
+    with pytest.raises(stagetorch.BatchCouplingError, match=r"modeling_bert\.py") as info:
+        if front == "jit":
+            stagetorch.jit(step, batch_dim=1, memory_budget="300KiB")(ids, mask)
+        else:
+            step(*stagetorch.lazy(ids, mask, batch=1, memory_budget="300KiB"))
+    message = str(info.value)
+    if front == "jit":
+        assert "(batch_dim=...)" in message, message
+    else:
+        assert "(stagetorch.lazy(..., batch=...))" in message and "batch_dim" not in message, message
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_lazy_says_its_smallest_budget_at_a_mid_step_read_covers_only_the_part_up_to_the_read():
+    """A value read mid-forward (transformers' attention-mask check, here a Python if): the error of a budget too
+    small for it names the smallest budget of the part up to the read, and says so; at that budget the read
+    runs and backward() needs more, which its own error names; at that one the step runs, as eager's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3))
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(32, 16), torch.randint(0, 3, (32,))
+
+    def step(x, y, net):
+        h = net[0](x)
+        if h.abs().sum() > 0:  # a value read while the step runs
+            h = h * 2
+        loss = F.cross_entropy(net[2](net[1](h)), y)
+        loss.backward()
+        return loss
+
+    def lazy_step(budget):
+        return step(*stagetorch.lazy(x, y, batch=0, memory_budget=budget), model)
+
+    with pytest.raises(stagetorch.OutOfMemoryError, match="runs only the part of the step up to a value it reads "
+                       r"while it runs at \S*test_errors.py:\d+") as at_read:
+        lazy_step(64)
+    read_budget = at_read.value.smallest_budget
+    assert read_budget is not None
+    with pytest.raises(stagetorch.OutOfMemoryError) as at_backward:
+        lazy_step(read_budget)  # the read runs now; the backward does not fit
+    assert "up to a value it reads" not in str(at_backward.value)
+    assert at_backward.value.smallest_budget > read_budget
+    model.zero_grad()
+    loss = lazy_step(at_backward.value.smallest_budget)
+    torch.testing.assert_close(loss.detach(), step(x, y, reference).detach(), rtol=1e-6, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)

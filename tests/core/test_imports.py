@@ -175,7 +175,7 @@ PACKAGE_LAYERS = {
         "multipass": 3, "plans": 4, "planner": 5, "__init__": 6,
     },
     "parallel": {"data_parallel": 0, "__init__": 1},
-    "runtime": {"grads": 0, "executable": 0, "staged": 1, "fit": 2, "__init__": 3},
+    "runtime": {"grads": 0, "plan_log": 0, "executable": 1, "staged": 2, "fit": 3, "__init__": 4},
     "lazymode": {
         "mode": 0, "shard": 0, "draws": 0,
         "tensor": 1, "autograd_graph": 2, "recording": 3, "tape": 4, "replay": 4, "express": 5, "backward": 6,
