@@ -14,12 +14,13 @@ import attrs
 import torch
 import torch.utils._pytree as pytree
 
-from ..devices.budget import free_memory
+from ..devices.budget import format_bytes, free_memory
 from ..errors import OutOfMemoryError, ShapeError, UnsupportedOpError
 from ..interpreters.batching import Batched
 from ..interpreters.eager import is_dense
 from ..ir import Graph
 from ..parallel import data_parallel as distributed
+from ..parallel import fsdp
 from ..planning import plans
 from ..planning.chunks import Plan
 from ..planning.planner import COPIES
@@ -139,6 +140,10 @@ class Staged:
         self._last_key: tuple | None = None
         self._last_entry: _Entry | Outcomes | None = None
         self._walk = StateWalk()  # discover and tensors_and_key, made again only when what they read changed
+        # The modules the last staging found (a process group's step looks for FSDP2 units among them before
+        # it stages: their parameters are gathered first), and the last FSDP2 step's bytes by category.
+        self._roots: list | None = None
+        self.fsdp_memory: fsdp.FsdpMemory | None = None
         functools.update_wrapper(self, fn)
         _STAGED.add(self)
 
@@ -311,7 +316,8 @@ class Staged:
         """
         if self.process_group is not None:
             group = distributed.ShardGroup(self.process_group)
-            entry, _, plan, _ = self._shard(group, args, kwargs)
+            with fsdp.gathered(self._modules(args, kwargs), self.process_group) as units:
+                entry, _, plan, _ = self._shard(group, args, kwargs, units)
             group.check(plan if isinstance(plan, OutOfMemoryError) else None, entry.executable.signature())
             return plan
         entry, inputs, _ = self._stage(args, kwargs)
@@ -393,10 +399,17 @@ class Staged:
             opt.state[p][key] = value
         return pytree.tree_unflatten(outs[:n], traced.graph.out_tree)
 
-    def _shard(self, group: distributed.ShardGroup, args: tuple, kwargs: dict) -> tuple:
+    def _modules(self, args: tuple, kwargs: dict) -> list:
+        """The modules the step reads, as the last staging found them (found now on the first call)."""
+        if self._roots is None:
+            self._roots = discover(self.fn, args, kwargs).modules
+        return self._roots
+
+    def _shard(self, group: distributed.ShardGroup, args: tuple, kwargs: dict, units: fsdp.Units | None = None) -> tuple:
         """Stage this rank's shard as part of the global batch and plan it for this rank's budget (two
-        collectives). **Returns** the entry, its real inputs, the plan or the ``OutOfMemoryError`` that
-        says none fits, and the shard's offset in the global batch."""
+        collectives). ``units``: the FSDP2 units, gathered, whose shards the plan holds beside the program.
+        **Returns** the entry, its real inputs, the plan or the ``OutOfMemoryError`` that says none fits,
+        and the shard's offset in the global batch."""
         def describe() -> tuple[int, distributed.Signature]:
             leaves, local = self._batch_leaves(args, kwargs, allow_empty=True)
             return local, self._signature(args, kwargs, leaves)
@@ -407,8 +420,20 @@ class Staged:
         # of its strides: channels-last stays channels-last, with no copy); the shard runs on what it cuts.
         # A shard with gaps or overlaps (a strided view) runs on a contiguous copy, as the stand-in is.
         args, kwargs = map_batched(self, args, kwargs, lambda x, dim: x if is_dense(x) else x.contiguous())
-        entry, inputs, _ = self._stage(args, kwargs, global_batch=sum(sizes))
-        plan = entry.executable.shard_plan(local, self._budget(entry.executable, inputs))
+        entry, inputs, state = self._stage(args, kwargs, global_batch=sum(sizes))
+        self._roots = state.modules
+        executable = entry.executable
+        if units is None:
+            plan = executable.shard_plan(local, self._budget(executable, inputs))
+            return entry, inputs, plan, sum(sizes[: group.rank])
+        # FSDP2: the shards and the reduce-scatter's buffers are held beside the program, whose inputs are
+        # the gathered parameters (and its outputs their unsharded gradients).
+        memory = units.memory([inputs[i] for i, _ in executable.graph.grads])
+        why = [f"FSDP2's shards and reduce-scatter buffers ({format_bytes(memory.beside)})"]
+        plan = executable.shard_plan(local, self._budget(executable, inputs), (memory.beside, why))
+        if not isinstance(plan, OutOfMemoryError):
+            plan = attrs.evolve(plan, held_bytes=plan.held_bytes + memory.beside, reason=f"{plan.reason} {why[0]}.")
+        self.fsdp_memory = memory
         return entry, inputs, plan, sum(sizes[: group.rank])
 
     def _signature(self, args: tuple, kwargs: dict, leaves: list[tuple[bool, int]]) -> distributed.Signature:
@@ -434,7 +459,11 @@ class Staged:
     def _call_sharded(self, args: tuple, kwargs: dict) -> Any:
         """One data-parallel step: this rank's shard of a global batch (see ``stagetorch.parallel.data_parallel``)."""
         group = distributed.ShardGroup(self.process_group)
-        entry, inputs, plan, offset = self._shard(group, args, kwargs)
+        with fsdp.gathered(self._modules(args, kwargs), self.process_group) as units:
+            return self._run_sharded(group, args, kwargs, units)
+
+    def _run_sharded(self, group: distributed.ShardGroup, args: tuple, kwargs: dict, units: fsdp.Units | None) -> Any:
+        entry, inputs, plan, offset = self._shard(group, args, kwargs, units)
         traced = entry.traced
         if traced.state_outs or traced.grad_params or traced.assign_grads or traced.clear_grads:
             # Every rank staged the same program, so every rank raises here: no collective is left waiting.
@@ -448,9 +477,15 @@ class Staged:
         group.check(plan if isinstance(plan, OutOfMemoryError) else None, executable.signature())
         if plans.worth_a_log_line(plan):
             log.info("stagetorch: %s (rank %d): %s", getattr(self.fn, "__name__", "step"), group.rank, plan)
-        outs, grads = executable.run_shard(inputs, plan, offset, group, on_chunk=self._progress(plan))
-        for i, g in grads:
-            accumulate_grad(inputs[i], g)
+        keep = [i for i, _ in executable.graph.grads if units.owns(inputs[i])] if units is not None else ()
+        outs, grads, partial = executable.run_shard(inputs, plan, offset, group, on_chunk=self._progress(plan),
+                                                    keep_partial=keep)
+        # In the order of the inputs, the same on every rank: FSDP2's gradients are reduce-scattered here.
+        for i, g in sorted(grads, key=lambda ig: ig[0]):
+            if units is not None and units.owns(inputs[i]):
+                units.scatter(inputs[i], g, i in partial)
+            else:
+                accumulate_grad(inputs[i], g)
         return pytree.tree_unflatten(outs, executable.graph.out_tree)
 
     def _progress(self, plan: Plan) -> Any:
