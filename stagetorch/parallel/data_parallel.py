@@ -277,11 +277,15 @@ def plan_shard(split: Split, graph: Graph, examples: int, budget: int) -> Plan:
     """Chunk sizes for this rank's ``examples`` within its own ``budget``; raises ``OutOfMemoryError``.
 
     The shard always runs through the split graphs (its counts are the global batch's), so the whole shard
-    at once is costed as one chunk of it. The global batch's inputs are counted as resident, which is
+    at once is costed as one chunk of it. A rank with no examples is planned at a chunk of one's peak (it
+    runs none, and is never refused). The global batch's inputs are counted as resident, which is
     conservative for a rank that holds a small shard.
     """
     if examples == 0:
-        return Plan(0, (0,), (0,), budget, 0, "This rank has no examples: it adds zero to every sum.")
+        # It runs no chunk, but what runs around the chunks (the shared values, the zero accumulators, the
+        # merges): bounded by a chunk of one example's peak, which is what its plan says it may reach.
+        return Plan(0, (0,), (0,), budget, 0, "This rank has no examples: it adds zero to every sum.",
+                    phase_peak_bytes=chunked_peak(split, 1, peak_bytes))
     whole = chunked_peak(split, examples, peak_bytes)
     return plan_chunks(graph, lambda: split, examples, budget, peak_bytes, whole)
 

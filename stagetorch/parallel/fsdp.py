@@ -40,6 +40,9 @@ import torch.distributed as dist
 
 from ..errors import UnsupportedOpError
 
+# torch 2.13 renamed reduce_scatter_tensor (and warns on the old name); torch 2.11 has only that.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 __all__ = ["Units", "unit_class", "find_units", "gathered", "hooks_off", "refuse_sharded", "FsdpMemory"]
 
 
@@ -187,7 +190,7 @@ class Units:
             else:
                 padded = flat.contiguous()
             out = flat.new_empty((per_rank, flat.shape[1]))
-            dist.reduce_scatter_tensor(out, padded, op=dist.ReduceOp.SUM, group=self.group)
+            _reduce_scatter(out, padded, op=dist.ReduceOp.SUM, group=self.group)
             del padded
         else:
             start = dist.get_rank(self.group) * per_rank
