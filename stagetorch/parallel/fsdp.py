@@ -78,8 +78,9 @@ def find_units(roots: Sequence[tuple[str, torch.nn.Module]]) -> list[tuple[str, 
 
 @attrs.frozen
 class FsdpMemory:
-    """A rank's bytes beside the staged program under FSDP2, by category (the plan's ``held_bytes`` holds
-    their sum; the unsharded parameters are the program's inputs, counted in its plan)."""
+    """A rank's bytes under FSDP2 beside what the staged program's plan counts, by category: the plan's
+    ``held_bytes`` holds :attr:`beside`, its ``phase_peak_bytes`` at least :meth:`scatter_peak` (less the
+    held bytes). The unsharded parameters are the program's inputs, counted in its plan."""
 
     sharded_params: int  # this rank's shards (FSDP2's padded storage), alive the whole step
     sharded_grads: int  # the sharded .grad the step adds into (0 when it is None: the step makes it)
@@ -90,8 +91,13 @@ class FsdpMemory:
 
     @property
     def beside(self) -> int:
-        """What the call holds beside the program, as the plan adds it: the shards, and the scatter's buffers."""
-        return self.sharded_params + self.sharded_grads + self.scatter_buffer + self.new_grad_shards
+        """What the call holds beside the program while it runs: the shards (and the sharded .grad it adds into)."""
+        return self.sharded_params + self.sharded_grads
+
+    def scatter_peak(self, resident: int) -> int:
+        """The peak of the reduce-scatter after the program: its ``resident`` inputs (the gathered parameters,
+        the batch), every unsharded gradient, the shards and the new sharded .grad, and one padded buffer."""
+        return resident + self.unsharded_grads + self.beside + self.new_grad_shards + self.scatter_buffer
 
 
 class Units:

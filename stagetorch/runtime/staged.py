@@ -426,13 +426,27 @@ class Staged:
         if units is None:
             plan = executable.shard_plan(local, self._budget(executable, inputs))
             return entry, inputs, plan, sum(sizes[: group.rank])
-        # FSDP2: the shards and the reduce-scatter's buffers are held beside the program, whose inputs are
-        # the gathered parameters (and its outputs their unsharded gradients).
+        # FSDP2: the shards are held beside the program, whose inputs are the gathered parameters and whose
+        # outputs their unsharded gradients; the reduce-scatter after it peaks with all of those at once.
         memory = units.memory([inputs[i] for i, _ in executable.graph.grads])
-        why = [f"FSDP2's shards and reduce-scatter buffers ({format_bytes(memory.beside)})"]
-        plan = executable.shard_plan(local, self._budget(executable, inputs), (memory.beside, why))
+        why = [f"FSDP2's shards ({format_bytes(memory.beside)})"]
+        budget = self._budget(executable, inputs)
+        plan = executable.shard_plan(local, budget, (memory.beside, why))
+        scatter = memory.scatter_peak(executable.resident_bytes(inputs))
         if not isinstance(plan, OutOfMemoryError):
-            plan = attrs.evolve(plan, held_bytes=plan.held_bytes + memory.beside, reason=f"{plan.reason} {why[0]}.")
+            held = plan.held_bytes + memory.beside
+            plan = attrs.evolve(plan, held_bytes=held, phase_peak_bytes=max(plan.phase_peak_bytes, scatter - held),
+                                reason=f"{plan.reason} Beside it: {why[0]}; the reduce-scatter of the gradients "
+                                f"after it peaks at {format_bytes(scatter)}.")
+            if plan.peak > budget:  # what no chunk size changes: the reduce-scatter, or a rank without examples
+                peak = plan.peak
+                plan = OutOfMemoryError(
+                    f"with FSDP2's shards ({format_bytes(memory.beside)}) beside it and the reduce-scatter of the "
+                    f"unsharded gradients after it ({format_bytes(scatter)}), this rank's step peaks at "
+                    f"{format_bytes(peak)} in chunks of {list(plan.chunk_sizes)}, against a budget of "
+                    f"{format_bytes(budget)}.\nWhat to do: raise memory_budget to at least {peak} bytes."
+                )
+                plan.smallest_budget = peak
         self.fsdp_memory = memory
         return entry, inputs, plan, sum(sizes[: group.rank])
 
