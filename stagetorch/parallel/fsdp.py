@@ -88,11 +88,15 @@ class FsdpMemory:
     unsharded_grads: int  # every unit's unsharded gradient, this rank's partial sum: outputs of the program
     scatter_buffer: int  # the largest padded gradient and its reduce-scattered shard, one parameter at a time
     new_grad_shards: int  # the sharded .grad the scatter makes (1/N of the unsharded gradients)
+    # The largest unit's all-gather output (FSDP2 frees it after the copy-out, but gloo's worker thread may
+    # hold it until later: measured alive at the program's peak in some steps, which step varying by run).
+    gather_buffer: int = 0
 
     @property
     def beside(self) -> int:
-        """What the call holds beside the program while it runs: the shards (and the sharded .grad it adds into)."""
-        return self.sharded_params + self.sharded_grads
+        """What the call holds beside the program while it runs: the shards (and the sharded .grad it adds
+        into), and one all-gather buffer."""
+        return self.sharded_params + self.sharded_grads + self.gather_buffer
 
     def scatter_peak(self, resident: int) -> int:
         """The peak of the reduce-scatter after the program: its ``resident`` inputs (the gathered parameters,
@@ -110,6 +114,16 @@ class Units:
         # id(unsharded parameter) -> (its name, the sharded DTensor parameter)
         self.sharded: dict[int, tuple[str, Any]] = {}
         self._gathered = False
+        self.gather_buffer = 0  # the bytes of the largest unit's all-gather output (its padded parameters)
+
+    def _own_parameters(self, unit: torch.nn.Module) -> list[torch.Tensor]:
+        """The parameters of ``unit`` that are its own: under it, not under a unit inside it."""
+        out, todo = [], [unit]
+        while todo:
+            m = todo.pop()
+            out += [p for p in m._parameters.values() if p is not None]
+            todo += [c for c in m._modules.values() if c is not None and not isinstance(c, unit_class())]
+        return out
 
     def _slots(self) -> list[tuple[str, torch.nn.Module, str]]:
         """(where, module, attribute) of every parameter slot under the units, each module once."""
@@ -134,6 +148,12 @@ class Units:
             if isinstance(p, dtensor):
                 self._check(where, p)
             before.append(p)
+        sizes = []
+        for _, unit in self.units:
+            own = {id(p): p for p in self._own_parameters(unit) if isinstance(p, dtensor)}
+            sizes.append(sum(math.ceil(p.shape[0] / self.size) * self.size * (p.numel() // max(p.shape[0], 1))
+                             * p.element_size() for p in own.values() if p.ndim))
+        self.gather_buffer = max(sizes, default=0)
         for _, unit in self.units:
             unit.unshard()
         self._gathered = True
@@ -246,7 +266,7 @@ class Units:
         return FsdpMemory(
             sharded_params=sum(shards.values()), sharded_grads=sum(sharded_grads.values()),
             unsharded_params=sum(unsharded.values()), unsharded_grads=ugrads, scatter_buffer=scatter,
-            new_grad_shards=new_shards,
+            new_grad_shards=new_shards, gather_buffer=self.gather_buffer,
         )
 
 

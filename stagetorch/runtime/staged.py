@@ -429,7 +429,7 @@ class Staged:
         # FSDP2: the shards are held beside the program, whose inputs are the gathered parameters and whose
         # outputs their unsharded gradients; the reduce-scatter after it peaks with all of those at once.
         memory = units.memory([inputs[i] for i, _ in executable.graph.grads])
-        why = [f"FSDP2's shards ({format_bytes(memory.beside)})"]
+        why = [f"FSDP2's shards and one all-gather buffer ({format_bytes(memory.beside)})"]
         budget = self._budget(executable, inputs)
         plan = executable.shard_plan(local, budget, (memory.beside, why))
         scatter = memory.scatter_peak(executable.resident_bytes(inputs))

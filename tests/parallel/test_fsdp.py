@@ -113,7 +113,8 @@ def train(name: str, sizes: list[int], reshard_after_forward: bool) -> dict:
         staged.plan(*mine)
     except stagetorch.errors.OutOfMemoryError as e:
         smallest = e.smallest_budget  # this rank's (None on an empty rank, which fits any budget)
-    staged.memory_budget = unchunked.peak if smallest is None else (smallest + unchunked.peak) // 2
+    # (A rank of one example fits no less than its whole shard: there the smallest budget, its safety margin in.)
+    staged.memory_budget = unchunked.peak if smallest is None else max(smallest, (smallest + unchunked.peak) // 2)
     out = {"losses": [], "ref_losses": [], "peaks": [], "budget": staged.memory_budget,
            "unchunked": unchunked.peak, "unchunked_chunks": unchunked.chunk_sizes}
     plan = staged.plan(*mine)
@@ -154,7 +155,7 @@ def mlp_keep_and_empty_rank(world: int) -> dict:
 
 @case
 def gpt2_reshard(world: int) -> dict:
-    return train("gpt2", [3, 5] if world == 2 else [1, 3, 2, 2], True)
+    return train("gpt2", [3, 5] if world == 2 else [2, 3, 0, 3], True)
 
 
 @case
@@ -251,11 +252,10 @@ def check_exact_and_within(got: dict) -> None:
         assert len(got["chunks"]) > 1 or got["recomputes"], got["chunks"]
     first, last = got["peaks"]
     assert got["planned"] <= got["budget"] and first <= got["budget"] and last <= got["budget"], got
-    # Measured on two ranks: most steps at the plan's peak to 0.3%; on four, 1-2% over; on GPT-2 some steps
-    # (which ones varies from run to run, on either rank) up to 14% over (30-130 KiB, the allocator's own
-    # events, not buffers from malloc; the same GPT-2 without FSDP2 stays within 0.02%): not yet explained.
-    # Under the budget always.
-    assert max(first, last) <= got["planned"] * 1.15, (got["peaks"], got["planned"], got["memory"])
+    # The plan counts one unit's all-gather output, which gloo may keep past the gather (measured alive at the
+    # program's peak in some steps, which ones varying by run): measured 0.64-1.025 of the plan (an empty
+    # rank's plan is a chunk of one's), 1.0004 where that buffer stayed. Under the budget always.
+    assert max(first, last) <= got["planned"] * 1.05, (got["peaks"], got["planned"], got["memory"])
 
 
 @pytest.mark.parametrize("name", ["mlp_reshard", "mlp_keep_and_empty_rank", "gpt2_reshard", "gpt2_keep"])
