@@ -164,21 +164,34 @@ def gpt2_keep(world: int) -> dict:
 
 
 @case
-def without_process_group(world: int) -> dict:
-    """A fully_shard-ed model under jit without process_group=: refused by name, before any collective."""
+def refusals(world: int) -> dict:
+    """Refused by name, on every rank, before anything changes: a fully_shard-ed model under jit without
+    process_group=, and one whose MixedPrecisionPolicy gathers its parameters in another dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     model = shard_model(mlp(), True)
+    mixed = mlp().float()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for layer in mixed:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mp_policy=policy)
+    fully_shard(mixed, mp_policy=policy)
     x, y = mlp_batch(4)
+    out = {}
+    for name, net, kwargs, args in [("no_group", model, {}, (x, y)),
+                                    ("mixed", mixed, {"process_group": dist.group.WORLD}, (x.float(), y))]:
+        def step(x, y, net=net):
+            loss = mlp_loss(net, x, y)
+            loss.backward()
+            return loss
 
-    def step(x, y):
-        loss = mlp_loss(model, x, y)
-        loss.backward()
-        return loss
-
-    try:
-        stagetorch.jit(step)(x, y)
-    except stagetorch.errors.UnsupportedOpError as e:
-        return {"error": str(e)}
-    return {"error": None}
+        try:
+            stagetorch.jit(step, **kwargs)(*args)
+            out[name] = None
+        except stagetorch.errors.UnsupportedOpError as e:
+            out[name] = str(e)
+        out[name + "_untouched"] = all(p.grad is None for p in net.parameters())
+    return out
 
 
 def _worker(rank: int, world: int, store: str, results: mp.Queue, names: list[str]) -> None:
@@ -274,6 +287,8 @@ def test_four_ranks_exact_within_budget(four, name, rank):
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_refused_without_process_group(two, rank):
-    error = result(two, "without_process_group", rank)["error"]
-    assert error is not None and "fully_shard" in error and "process_group=" in error
+def test_refused_by_name(two, rank):
+    got = result(two, "refusals", rank)
+    assert got["no_group"] is not None and "fully_shard" in got["no_group"] and "process_group=" in got["no_group"]
+    assert got["mixed"] is not None and "MixedPrecisionPolicy" in got["mixed"] and "What to do" in got["mixed"]
+    assert got["no_group_untouched"] and got["mixed_untouched"]
