@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -43,6 +43,7 @@ from ..interpreters.memory import peak_bytes
 from ..ir import Aval, Graph, Var
 from ..planning.chunks import Plan, chunked_peak, plan_chunks
 from ..staging.state import State
+from . import fsdp
 
 __all__ = ["ShardGroup", "Signature", "plan_shard", "run_shard", "global_aval", "LaidOutAval", "staging"]
 
@@ -276,11 +277,15 @@ def plan_shard(split: Split, graph: Graph, examples: int, budget: int) -> Plan:
     """Chunk sizes for this rank's ``examples`` within its own ``budget``; raises ``OutOfMemoryError``.
 
     The shard always runs through the split graphs (its counts are the global batch's), so the whole shard
-    at once is costed as one chunk of it. The global batch's inputs are counted as resident, which is
+    at once is costed as one chunk of it. A rank with no examples is planned at a chunk of one's peak (it
+    runs none, and is never refused). The global batch's inputs are counted as resident, which is
     conservative for a rank that holds a small shard.
     """
     if examples == 0:
-        return Plan(0, (0,), (0,), budget, 0, "This rank has no examples: it adds zero to every sum.")
+        # It runs no chunk, but what runs around the chunks (the shared values, the zero accumulators, the
+        # merges): bounded by a chunk of one example's peak, which is what its plan says it may reach.
+        return Plan(0, (0,), (0,), budget, 0, "This rank has no examples: it adds zero to every sum.",
+                    phase_peak_bytes=chunked_peak(split, 1, peak_bytes))
     whole = chunked_peak(split, examples, peak_bytes)
     return plan_chunks(graph, lambda: split, examples, budget, peak_bytes, whole)
 
@@ -294,11 +299,22 @@ def run_shard(
     *,
     on_chunk: Callable[[int, int], None] | None = None,
     undo: Any = None,
-) -> tuple[list, list[tuple[int, torch.Tensor]]]:
+    keep_partial: Collection[int] = (),
+) -> tuple[list, list[tuple[int, torch.Tensor]], set[int]]:
     """Run this rank's examples ``[offset, offset + sum(sizes))`` of the staged global batch in chunks of
-    ``sizes``, merging the reductions with the other ranks'. **Returns** outputs and gradients, global.
-    ``undo``: as :func:`~stagetorch.interpreters.chunked.run_chunked`'s."""
+    ``sizes``, merging the reductions with the other ranks'. ``undo``: as
+    :func:`~stagetorch.interpreters.chunked.run_chunked`'s. ``keep_partial``: input positions whose gradient
+    the caller reduces itself (FSDP2's reduce-scatter): each that is a partial sum of the chunk loop which
+    nothing after the loop reads is left out of the all-reduce.
+
+    **Returns** outputs and gradients, global, and the positions of ``keep_partial`` whose gradient came
+    back as this rank's partial sum (the others were merged, or made after the merge alike on every rank)."""
     merges = 1 + bool(split.globals) + bool(split.reduced_for_globals)
+    kept = {v: i for i, v in split.graph.grads if i in keep_partial} if keep_partial else {}
+    if kept:
+        read_after = {v for e in split.post.eqns for v in e.invars}
+        kept = {v: i for v, i in kept.items() if v not in read_after}
+    partial: set[int] = set()
     done = 0
     merging = False
     # Every rank must lay its partials out in the same order; the executor's follows sets of Vars, whose
@@ -310,12 +326,16 @@ def run_shard(
     def merge(values: dict[Var, torch.Tensor], kinds: dict[Var, str]) -> None:
         nonlocal done, merging
         merging = True
+        if kept and done == merges - 1:  # the chunk loop's merge: FSDP2's gradients stay partial sums
+            partial.update(i for v, i in kept.items() if v in values)
+            values = {v: x for v, x in values.items() if v not in kept}
         group.merge(dict(sorted(values.items(), key=lambda item: position[item[0]])), kinds)
         merging = False
         done += 1
 
     try:
-        return run_chunked(split, inputs, sizes, on_chunk=on_chunk, offset=offset, combine=merge, undo=undo)[:2]
+        outs, grads, _ = run_chunked(split, inputs, sizes, on_chunk=on_chunk, offset=offset, combine=merge, undo=undo)
+        return outs, grads, partial
     except Exception as e:
         # The other ranks wait in the next status exchange: take part with this failure, so that every
         # rank raises now. A failure inside a merge (another rank's, or the collective's) is already shared.
@@ -329,8 +349,12 @@ def run_shard(
 def staging(state: State, process_group: Any) -> Iterator[None]:
     """While tracing: a ``DistributedDataParallel`` wrapper is traced as the module it wraps (its reduction
     is the group's merge) when the step has a process group, and refused otherwise; ``SyncBatchNorm`` in
-    training is refused, since it couples the examples of every rank and chunk."""
+    training is refused, since it couples the examples of every rank and chunk. A ``fully_shard``-ed module
+    (FSDP2) is staged without FSDP2's forward hooks, on the parameters the caller gathered
+    (:func:`stagetorch.parallel.fsdp.gathered`), and refused where they are not."""
     wrappers = []
+    sharded: list[torch.nn.Module] = []  # FSDP2 units, gathered by the caller: staged without their hooks
+    units_of = fsdp.unit_class()
     seen: set[int] = set()
     for name, root in state.modules:
         for sub_name, m in root.named_modules():
@@ -344,6 +368,9 @@ def staging(state: State, process_group: Any) -> Iterator[None]:
                     "global batch, so running it in shards and chunks would change the result.\nWhat to do: use "
                     "GroupNorm or LayerNorm, or put the normalisation layers in eval mode (model.eval())."
                 )
+            if units_of is not None and isinstance(m, units_of):
+                fsdp.refuse_sharded(where, m, process_group)
+                sharded.append(m)
             if isinstance(m, torch.nn.parallel.DistributedDataParallel):
                 if process_group is None:
                     raise UnsupportedOpError(
@@ -357,7 +384,8 @@ def staging(state: State, process_group: Any) -> Iterator[None]:
     for m in wrappers:
         object.__setattr__(m, "forward", m.module)
     try:
-        yield
+        with fsdp.hooks_off(sharded):
+            yield
     finally:
         for m in wrappers:
             object.__delattr__(m, "forward")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import traceback
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -161,12 +161,13 @@ class Executable:
         """The plan a run within ``budget`` bytes follows (the planner's, kept per budget)."""
         return self.planner.plan(budget)
 
-    def shard_plan(self, examples: int, budget: int) -> Plan | OutOfMemoryError:
+    def shard_plan(self, examples: int, budget: int, beside: tuple[int, list[str]] = (0, [])) -> Plan | OutOfMemoryError:
         """This rank's plan for its ``examples`` of the global batch the graph is staged for, within its own
-        ``budget`` less the copies a run makes (``restore_bytes``): see
-        :meth:`~stagetorch.planning.planner.Planner.shard_plan`."""
+        ``budget`` less the copies a run makes (``restore_bytes``) and what the caller holds ``beside`` the
+        program (bytes, why: FSDP2's shards): see :meth:`~stagetorch.planning.planner.Planner.shard_plan`."""
         # run_shard copies what the program writes outside its commit, beside it
-        return self.planner.shard_plan(examples, budget, *self.restoring)
+        held, why = self.restoring
+        return self.planner.shard_plan(examples, budget, held + beside[0], why + beside[1])
 
     def _for(self, graph: Graph) -> Executable:
         """The Executable of a recomputing graph the planner chose (same inputs, that graph's planner)."""
@@ -339,17 +340,19 @@ class Executable:
 
     def run_shard(
         self, inputs: list, plan: Plan, offset: int, group: distributed.ShardGroup,
-        *, on_chunk: Callable[[int, int], None] | None = None,
-    ) -> tuple[list, list[tuple[int, torch.Tensor]]]:
+        *, on_chunk: Callable[[int, int], None] | None = None, keep_partial: Sequence[int] = (),
+    ) -> tuple[list, list[tuple[int, torch.Tensor]], set[int]]:
         """Run this rank's shard (examples ``[offset, offset + plan.batch)`` of the global batch) as
         :func:`stagetorch.parallel.data_parallel.run_shard` does, under ``plan`` (recomputing if it says so). **Returns**
-        the outputs and gradients, global; if anything fails, inputs the program updates in place are
+        the outputs and gradients, global but those of ``keep_partial`` that came back as this rank's partial
+        sums (their positions, the third item); if anything fails, inputs the program updates in place are
         restored first."""
         recompute = plans.recompute_of(plan)
         split = self.split() if recompute is None else self._for(recompute.graph).split()
         undo = Undo(inputs[i] for i in self.mutated)
         try:
-            return distributed.run_shard(split, inputs, plan.chunk_sizes, offset, group, on_chunk=on_chunk, undo=undo)
+            return distributed.run_shard(split, inputs, plan.chunk_sizes, offset, group, on_chunk=on_chunk, undo=undo,
+                                         keep_partial=keep_partial)
         except BaseException:
             undo.restore()
             raise

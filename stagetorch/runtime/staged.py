@@ -21,6 +21,8 @@ from ..interpreters.batching import Batched
 from ..interpreters.eager import is_dense
 from ..ir import Graph
 from ..parallel import data_parallel as distributed
+from ..parallel import fsdp
+from ..planning import plans
 from ..planning.chunks import Plan
 from ..planning.planner import COPIES
 from ..staging.guards import MAX_OUTCOMES, Outcomes, StateWalk, flatten_args
@@ -153,6 +155,10 @@ class Staged:
         self.plan_log = PlanLog()
         # The level of its "staging again" lines (stagetorch.memory's probes at other batch sizes: DEBUG).
         self.restage_log_level = logging.INFO
+        # The modules the last staging found (a process group's step looks for FSDP2 units among them before
+        # it stages: their parameters are gathered first), and the last FSDP2 step's bytes by category.
+        self._roots: list | None = None
+        self.fsdp_memory: fsdp.FsdpMemory | None = None
         functools.update_wrapper(self, fn)
         _STAGED.add(self)
 
@@ -333,7 +339,8 @@ class Staged:
         """
         if self.process_group is not None:
             group = distributed.ShardGroup(self.process_group)
-            entry, _, plan, _ = self._shard(group, args, kwargs)
+            with fsdp.gathered(self._modules(args, kwargs), self.process_group) as units:
+                entry, _, plan, _ = self._shard(group, args, kwargs, units)
             group.check(plan if isinstance(plan, OutOfMemoryError) else None, entry.executable.signature())
             return plan
         entry, inputs, _ = self._stage(args, kwargs)
@@ -443,10 +450,17 @@ class Staged:
             opt.state[p][key] = value
         return pytree.tree_unflatten(outs[:n], traced.graph.out_tree)
 
-    def _shard(self, group: distributed.ShardGroup, args: tuple, kwargs: dict) -> tuple:
+    def _modules(self, args: tuple, kwargs: dict) -> list:
+        """The modules the step reads, as the last staging found them (found now on the first call)."""
+        if self._roots is None:
+            self._roots = discover(self.fn, args, kwargs).modules
+        return self._roots
+
+    def _shard(self, group: distributed.ShardGroup, args: tuple, kwargs: dict, units: fsdp.Units | None = None) -> tuple:
         """Stage this rank's shard as part of the global batch and plan it for this rank's budget (two
-        collectives). **Returns** the entry, its real inputs, the plan or the ``OutOfMemoryError`` that
-        says none fits, and the shard's offset in the global batch."""
+        collectives). ``units``: the FSDP2 units, gathered, whose shards the plan holds beside the program.
+        **Returns** the entry, its real inputs, the plan or the ``OutOfMemoryError`` that says none fits,
+        and the shard's offset in the global batch."""
         def describe() -> tuple[int, distributed.Signature]:
             leaves, local = self._batch_leaves(args, kwargs, allow_empty=True)
             return local, self._signature(args, kwargs, leaves)
@@ -457,8 +471,34 @@ class Staged:
         # of its strides: channels-last stays channels-last, with no copy); the shard runs on what it cuts.
         # A shard with gaps or overlaps (a strided view) runs on a contiguous copy, as the stand-in is.
         args, kwargs = map_batched(self, args, kwargs, lambda x, dim: x if is_dense(x) else x.contiguous())
-        entry, inputs, _ = self._stage(args, kwargs, global_batch=sum(sizes))
-        plan = entry.executable.shard_plan(local, self._budget(entry.executable, inputs))
+        entry, inputs, state = self._stage(args, kwargs, global_batch=sum(sizes))
+        self._roots = state.modules
+        executable = entry.executable
+        if units is None:
+            plan = executable.shard_plan(local, self._budget(executable, inputs))
+            return entry, inputs, plan, sum(sizes[: group.rank])
+        # FSDP2: the shards are held beside the program, whose inputs are the gathered parameters and whose
+        # outputs their unsharded gradients; the reduce-scatter after it peaks with all of those at once.
+        memory = units.memory([inputs[i] for i, _ in executable.graph.grads])
+        why = [f"FSDP2's shards and one all-gather buffer ({format_bytes(memory.beside)})"]
+        budget = self._budget(executable, inputs)
+        plan = executable.shard_plan(local, budget, (memory.beside, why))
+        scatter = memory.scatter_peak(executable.resident_bytes(inputs))
+        if not isinstance(plan, OutOfMemoryError):
+            held = plan.held_bytes + memory.beside
+            plan = attrs.evolve(plan, held_bytes=held, phase_peak_bytes=max(plan.phase_peak_bytes, scatter - held),
+                                reason=f"{plan.reason} Beside it: {why[0]}; the reduce-scatter of the gradients "
+                                f"after it peaks at {format_bytes(scatter)}.")
+            if plan.peak > budget:  # what no chunk size changes: the reduce-scatter, or a rank without examples
+                peak = plan.peak
+                plan = OutOfMemoryError(
+                    f"with FSDP2's shards ({format_bytes(memory.beside)}) beside it and the reduce-scatter of the "
+                    f"unsharded gradients after it ({format_bytes(scatter)}), this rank's step peaks at "
+                    f"{format_bytes(peak)} in chunks of {list(plan.chunk_sizes)}, against a budget of "
+                    f"{format_bytes(budget)}.\nWhat to do: raise memory_budget to at least {peak} bytes."
+                )
+                plan.smallest_budget = peak
+        self.fsdp_memory = memory
         return entry, inputs, plan, sum(sizes[: group.rank])
 
     def _signature(self, args: tuple, kwargs: dict, leaves: list[tuple[bool, int]]) -> distributed.Signature:
@@ -484,7 +524,11 @@ class Staged:
     def _call_sharded(self, args: tuple, kwargs: dict) -> Any:
         """One data-parallel step: this rank's shard of a global batch (see ``stagetorch.parallel.data_parallel``)."""
         group = distributed.ShardGroup(self.process_group)
-        entry, inputs, plan, offset = self._shard(group, args, kwargs)
+        with fsdp.gathered(self._modules(args, kwargs), self.process_group) as units:
+            return self._run_sharded(group, args, kwargs, units)
+
+    def _run_sharded(self, group: distributed.ShardGroup, args: tuple, kwargs: dict, units: fsdp.Units | None) -> Any:
+        entry, inputs, plan, offset = self._shard(group, args, kwargs, units)
         traced = entry.traced
         if traced.state_outs or traced.grad_params or traced.assign_grads or traced.clear_grads:
             # Every rank staged the same program, so every rank raises here: no collective is left waiting.
@@ -498,9 +542,15 @@ class Staged:
         group.check(plan if isinstance(plan, OutOfMemoryError) else None, executable.signature())
         if isinstance(plan, Plan):
             self.plan_log.say(f"{getattr(self.fn, '__name__', 'step')} (rank {group.rank})", plan)
-        outs, grads = executable.run_shard(inputs, plan, offset, group, on_chunk=self._progress(plan))
-        for i, g in grads:
-            accumulate_grad(inputs[i], g)
+        keep = [i for i, _ in executable.graph.grads if units.owns(inputs[i])] if units is not None else ()
+        outs, grads, partial = executable.run_shard(inputs, plan, offset, group, on_chunk=self._progress(plan),
+                                                    keep_partial=keep)
+        # In the order of the inputs, the same on every rank: FSDP2's gradients are reduce-scattered here.
+        for i, g in sorted(grads, key=lambda ig: ig[0]):
+            if units is not None and units.owns(inputs[i]):
+                units.scatter(inputs[i], g, i in partial)
+            else:
+                accumulate_grad(inputs[i], g)
         return pytree.tree_unflatten(outs, executable.graph.out_tree)
 
     def _progress(self, plan: Plan) -> Any:

@@ -174,7 +174,7 @@ PACKAGE_LAYERS = {
         "budget": 0, "chunks": 1, "remat_simulator": 0, "cut": 2, "remat_frontier": 1, "remat_search": 2, "reserved": 2,
         "multipass": 3, "plans": 4, "planner": 5, "__init__": 6,
     },
-    "parallel": {"data_parallel": 0, "__init__": 1},
+    "parallel": {"fsdp": 0, "data_parallel": 1, "__init__": 2},
     "runtime": {"grads": 0, "plan_log": 0, "executable": 1, "staged": 2, "fit": 3, "__init__": 4},
     "lazymode": {
         "mode": 0, "shard": 0, "draws": 0,

@@ -1,0 +1,325 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) under a step staged with ``process_group=``.
+
+FSDP2 keeps each parameter as a DTensor shard (dim 0, padded to a multiple of the group's size) and moves
+data in module hooks and autograd functions: an all-gather before a unit's forward and backward, a
+reduce-scatter of its gradients after. The tracer follows neither, so stagetorch does not trace them: it
+stages the **unsharded** module and places FSDP2's collectives around the staged program itself.
+
+1. :func:`gathered` all-gathers every unit's parameters with FSDP2's own ``FSDPModule.unshard()`` (so its
+   padding, its buffers and the unsharded ``nn.Parameter`` objects are FSDP2's, the same objects every step:
+   the staged program's cache key holds), before the step is staged or run; FSDP2's forward hooks are set
+   aside while the step is traced (:func:`hooks_off`).
+2. The step runs as any data-parallel step (staged for the global batch, this rank's shard in chunks).
+   The gradients of FSDP2's parameters are **not** all-reduced with the others: each stays this rank's
+   partial sum, accumulated unsharded over the rank's chunks (as ``set_requires_gradient_sync(False)``
+   does), and :meth:`Units.scatter` reduce-scatters it (a sum over the ranks: each rank's partial is
+   already divided by the global batch's normaliser) into the sharded ``.grad`` DTensor that FSDP2's
+   optimizer step reads.
+3. ``FSDPModule.reshard()`` frees the unsharded parameters after the step, whatever ``reshard_after_forward``
+   says (FSDP2 too reshards every unit after the backward).
+
+So a rank's memory during the step holds the unsharded parameters and gradients of every unit at once (as
+DDP's would), beside the 1/N shards and the chunked activations: what FSDP2 saves here is the optimizer
+state and the parameters between steps, not the step's own peak. Gathering unit by unit inside the chunk
+loop is not done (see docs/distributed.md).
+
+This module knows ``torch.distributed`` and FSDP2's public API (``FSDPModule``, ``unshard``, ``reshard``,
+DTensor); it knows nothing of the staged program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from ..errors import UnsupportedOpError
+
+# torch 2.13 renamed reduce_scatter_tensor (and warns on the old name); torch 2.11 has only that.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+__all__ = ["Units", "unit_class", "find_units", "gathered", "hooks_off", "refuse_sharded", "FsdpMemory"]
+
+
+def _fsdp_classes() -> tuple[type, type] | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return None
+    return FSDPModule, DTensor
+
+
+def unit_class() -> type | None:
+    """FSDP2's ``FSDPModule`` (what ``fully_shard`` makes a module), None without ``torch.distributed``."""
+    classes = _fsdp_classes()
+    return None if classes is None else classes[0]
+
+
+def find_units(roots: Sequence[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Module]]:
+    """The ``fully_shard``-ed modules under ``roots``, (name, module) in module-tree order: the same order on
+    every rank, which every collective here follows."""
+    classes = _fsdp_classes()
+    if classes is None:
+        return []
+    out, seen = [], set()
+    for prefix, root in roots:
+        for name, m in root.named_modules():
+            if isinstance(m, classes[0]) and id(m) not in seen:
+                seen.add(id(m))
+                out.append((".".join(p for p in (prefix, name) if p) or type(m).__name__, m))
+    return out
+
+
+@attrs.frozen
+class FsdpMemory:
+    """A rank's bytes under FSDP2 beside what the staged program's plan counts, by category: the plan's
+    ``held_bytes`` holds :attr:`beside`, its ``phase_peak_bytes`` at least :meth:`scatter_peak` (less the
+    held bytes). The unsharded parameters are the program's inputs, counted in its plan."""
+
+    sharded_params: int  # this rank's shards (FSDP2's padded storage), alive the whole step
+    sharded_grads: int  # the sharded .grad the step adds into (0 when it is None: the step makes it)
+    unsharded_params: int  # every unit's gathered parameters: inputs of the program, in its plan
+    unsharded_grads: int  # every unit's unsharded gradient, this rank's partial sum: outputs of the program
+    scatter_buffer: int  # the largest padded gradient and its reduce-scattered shard, one parameter at a time
+    new_grad_shards: int  # the sharded .grad the scatter makes (1/N of the unsharded gradients)
+    # The largest unit's all-gather output (FSDP2 frees it after the copy-out, but gloo's worker thread may
+    # hold it until later: measured alive at the program's peak in some steps, which step varying by run).
+    gather_buffer: int = 0
+
+    @property
+    def beside(self) -> int:
+        """What the call holds beside the program while it runs: the shards (and the sharded .grad it adds
+        into), and one all-gather buffer."""
+        return self.sharded_params + self.sharded_grads + self.gather_buffer
+
+    def scatter_peak(self, resident: int) -> int:
+        """The peak of the reduce-scatter after the program: its ``resident`` inputs (the gathered parameters,
+        the batch), every unsharded gradient, the shards and the new sharded .grad, and one padded buffer."""
+        return resident + self.unsharded_grads + self.beside + self.new_grad_shards + self.scatter_buffer
+
+
+class Units:
+    """The FSDP2 units of one step, gathered: which unsharded parameter stands for which sharded one."""
+
+    def __init__(self, units: list[tuple[str, torch.nn.Module]], group: Any):
+        self.units = units
+        self.group = group
+        self.size = dist.get_world_size(group)
+        # id(unsharded parameter) -> (its name, the sharded DTensor parameter)
+        self.sharded: dict[int, tuple[str, Any]] = {}
+        self._gathered = False
+        self.gather_buffer = 0  # the bytes of the largest unit's all-gather output (its padded parameters)
+
+    def _own_parameters(self, unit: torch.nn.Module) -> list[torch.Tensor]:
+        """The parameters of ``unit`` that are its own: under it, not under a unit inside it."""
+        out, todo = [], [unit]
+        while todo:
+            m = todo.pop()
+            out += [p for p in m._parameters.values() if p is not None]
+            todo += [c for c in m._modules.values() if c is not None and not isinstance(c, unit_class())]
+        return out
+
+    def _slots(self) -> list[tuple[str, torch.nn.Module, str]]:
+        """(where, module, attribute) of every parameter slot under the units, each module once."""
+        out, seen = [], set()
+        for uname, unit in self.units:
+            for name, m in unit.named_modules():
+                if id(m) in seen:
+                    continue
+                seen.add(id(m))
+                for attr in m._parameters:
+                    out.append((".".join(p for p in (uname, name, attr) if p), m, attr))
+        return out
+
+    def gather(self) -> None:
+        """All-gather every unit's parameters (``unshard()``, unit by unit in module-tree order); checks first
+        that each sharded parameter is one FSDP2 shards as this module scatters (dim 0 over the step's group)."""
+        _, dtensor = _fsdp_classes()
+        slots = self._slots()
+        before = []
+        for where, m, attr in slots:
+            p = m._parameters[attr]
+            if isinstance(p, dtensor):
+                self._check(where, p)
+            before.append(p)
+        sizes = []
+        for _, unit in self.units:
+            own = {id(p): p for p in self._own_parameters(unit) if isinstance(p, dtensor)}
+            sizes.append(sum(math.ceil(p.shape[0] / self.size) * self.size * (p.numel() // max(p.shape[0], 1))
+                             * p.element_size() for p in own.values() if p.ndim))
+        self.gather_buffer = max(sizes, default=0)
+        for _, unit in self.units:
+            unit.unshard()
+        self._gathered = True
+        for (where, m, attr), p in zip(slots, before):
+            now = m._parameters[attr]
+            if isinstance(p, dtensor):
+                if isinstance(now, dtensor):
+                    raise UnsupportedOpError(
+                        f"{where} is a DTensor that FSDP2's unshard() left sharded: it is not a parameter of a "
+                        "fully_shard unit (tensor parallel?), which stagetorch cannot stage.\nWhat to do: shard "
+                        "the model with fully_shard alone (per block and at the root)."
+                    )
+                if now.dtype != p.dtype:
+                    raise UnsupportedOpError(
+                        f"{where} is gathered as {now.dtype} but kept as {p.dtype} (a MixedPrecisionPolicy): "
+                        "stagetorch does not stage FSDP2's mixed precision yet.\nWhat to do: fully_shard without "
+                        "mp_policy (or cast the model), or run the step without stagetorch."
+                    )
+                self.sharded.setdefault(id(now), (where, p))
+
+    def _check(self, where: str, p: Any) -> None:
+        from torch.distributed.tensor import Shard
+
+        mesh = p.device_mesh
+        if mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+            raise UnsupportedOpError(
+                f"{where} is sharded as {tuple(p.placements)} over a {mesh.ndim}-D mesh: stagetorch reduce-scatters "
+                "FSDP2's gradients only for parameters sharded along dim 0 over a 1-D mesh (fully_shard's "
+                "default; HSDP and shard_placement_fn are not supported).\nWhat to do: fully_shard with the "
+                "default placement over the step's process group."
+            )
+        mine = dist.get_process_group_ranks(mesh.get_group())
+        if mine != dist.get_process_group_ranks(self.group):
+            raise UnsupportedOpError(
+                f"{where} is sharded over ranks {mine}, but the step's process_group holds ranks "
+                f"{dist.get_process_group_ranks(self.group)}.\nWhat to do: pass process_group= the group "
+                "fully_shard's mesh uses (mesh.get_group())."
+            )
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a gathered parameter of a unit (its gradient goes to :meth:`scatter`)."""
+        return id(t) in self.sharded
+
+    def scatter(self, param: torch.Tensor, grad: torch.Tensor, partial: bool) -> None:
+        """Add ``grad`` (the unsharded gradient of the gathered ``param``) into the sharded parameter's
+        ``.grad``: reduce-scattered (a sum over the ranks) when it is this rank's ``partial`` sum, else (a
+        value every rank computed alike from merged sums) cut at this rank's rows. Every rank calls this for
+        the same parameters in the same order."""
+        from torch.distributed.tensor import DTensor
+
+        _, sharded = self.sharded[id(param)]
+        local = sharded.to_local()
+        rows = grad.shape[0] if grad.ndim else 1
+        per_rank = math.ceil(rows / self.size)
+        flat = grad.reshape(rows, -1) if grad.ndim else grad.reshape(1, 1)
+        if partial:
+            if per_rank * self.size != rows:  # FSDP2's padding: the last ranks' rows are zeros
+                padded = flat.new_zeros((per_rank * self.size, flat.shape[1]))
+                padded[:rows].copy_(flat)
+            else:
+                padded = flat.contiguous()
+            out = flat.new_empty((per_rank, flat.shape[1]))
+            _reduce_scatter(out, padded, op=dist.ReduceOp.SUM, group=self.group)
+            del padded
+        else:
+            start = dist.get_rank(self.group) * per_rank
+            out = flat[start: start + per_rank].clone()
+        mine = out[: local.shape[0] if local.ndim else 1].reshape(local.shape)
+        if sharded.grad is None:
+            sharded.grad = DTensor.from_local(
+                mine.contiguous(), sharded.device_mesh, sharded.placements, run_check=False,
+                shape=sharded.shape, stride=sharded.stride(),
+            )
+        else:
+            sharded.grad.to_local().add_(mine)
+
+    def release(self) -> None:
+        """Reshard every unit (free the unsharded parameters), in reverse order; local, no collective."""
+        if self._gathered:
+            for _, unit in reversed(self.units):
+                unit.reshard()
+            self._gathered = False
+
+    def memory(self, grads_of: Sequence[torch.Tensor]) -> FsdpMemory:
+        """The categories of :class:`FsdpMemory` for a step whose gathered parameters with a gradient are
+        ``grads_of`` (each storage once)."""
+        shards: dict[int, int] = {}
+        sharded_grads: dict[int, int] = {}
+        unsharded: dict[int, int] = {}
+        for key, (_, p) in self.sharded.items():
+            st = p.to_local().untyped_storage()
+            shards[st.data_ptr()] = st.nbytes()
+            if p.grad is not None:
+                gst = p.grad.to_local().untyped_storage()
+                sharded_grads[gst.data_ptr()] = gst.nbytes()
+        scatter = new_shards = ugrads = 0
+        for t in grads_of:
+            if id(t) not in self.sharded:
+                continue
+            st = t.untyped_storage()
+            unsharded[st.data_ptr()] = st.nbytes()
+            rows = t.shape[0] if t.ndim else 1
+            per_rank = math.ceil(rows / self.size)
+            row_bytes = t.numel() // max(rows, 1) * t.element_size() if t.ndim else t.element_size()
+            ugrads += t.numel() * t.element_size()
+            padded = per_rank * self.size * row_bytes if per_rank * self.size != rows else 0
+            scatter = max(scatter, padded + per_rank * row_bytes)
+            if self.sharded[id(t)][1].grad is None:
+                new_shards += per_rank * row_bytes
+        return FsdpMemory(
+            sharded_params=sum(shards.values()), sharded_grads=sum(sharded_grads.values()),
+            unsharded_params=sum(unsharded.values()), unsharded_grads=ugrads, scatter_buffer=scatter,
+            new_grad_shards=new_shards, gather_buffer=self.gather_buffer,
+        )
+
+
+@contextlib.contextmanager
+def gathered(roots: Sequence[tuple[str, torch.nn.Module]], group: Any) -> Iterator[Units | None]:
+    """While the block runs, every FSDP2 unit under ``roots`` holds its unsharded parameters (None: there is
+    no unit); resharded after, also when the block fails."""
+    units = find_units(roots)
+    if not units:
+        yield None
+        return
+    gathered_units = Units(units, group)
+    try:
+        gathered_units.gather()
+        yield gathered_units
+    finally:
+        gathered_units.release()
+
+
+@contextlib.contextmanager
+def hooks_off(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """FSDP2's forward pre- and post-hooks on ``modules`` set aside (they all-gather, reshard and register
+    autograd hooks: the step is staged on the parameters :func:`gathered` already unsharded)."""
+    saved: list[tuple[Any, dict]] = []
+    for m in modules:
+        state = m._get_fsdp_state()  # FSDPModule's accessor: the FSDPState whose bound methods are the hooks
+        for store in (m._forward_pre_hooks, m._forward_hooks):
+            if any(getattr(h, "__self__", None) is state for h in store.values()):
+                saved.append((store, dict(store)))
+                for key, h in list(store.items()):
+                    if getattr(h, "__self__", None) is state:
+                        del store[key]
+    try:
+        yield
+    finally:
+        for store, items in saved:  # every hook back, in its order (FSDP2's pre-hook first)
+            store.clear()
+            store.update(items)
+
+
+def refuse_sharded(where: str, m: torch.nn.Module, process_group: Any) -> None:
+    """Raise for a ``fully_shard``-ed module met while staging without its parameters gathered: under
+    ``jit`` without ``process_group=``, or in a front end that does not gather them (one-line mode)."""
+    _, dtensor = _fsdp_classes()
+    if process_group is None:
+        raise UnsupportedOpError(
+            f"{where} is sharded by FSDP2 (fully_shard), whose collectives stagetorch places only in a step with a "
+            "process group.\nWhat to do: pass process_group= to stagetorch.jit (the group fully_shard's mesh "
+            "uses, e.g. dist.group.WORLD)."
+        )
+    if any(isinstance(p, dtensor) for p in m._parameters.values()):
+        raise UnsupportedOpError(
+            f"{where} is sharded by FSDP2 (fully_shard) and its parameters are not gathered: only "
+            "stagetorch.jit(step, process_group=...) gathers them (one-line mode, lazy(..., process_group=), does "
+            "not).\nWhat to do: stage the step with stagetorch.jit(process_group=)."
+        )

@@ -1,0 +1,294 @@
+"""FSDP2 (``fully_shard``) under ``jit(process_group=)``, on gloo processes, against one process on the global batch.
+
+Each rank shards its own copy of a model (a float64 MLP whose layers' rows do not divide by the group's size,
+so FSDP2 pads them; a tiny transformers GPT-2 with tied embeddings and padded, attention-masked sequences)
+with ``fully_shard`` per layer or block and at the root, takes its shard of a global batch (sizes uneven, one
+rank possibly empty), and runs three AdamW steps under ``stagetorch.jit(step, memory_budget=..., process_group=)``
+with a budget below the step's unchunked peak. The same rank also runs a plain copy of the model on the whole
+global batch eagerly: the losses and the parameters (gathered from the shards) must agree to float rounding.
+Every rank's allocator peak (the profiler's allocation events) must lie under its plan and its budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import queue
+import time
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from memtrack import AllocatorPeak
+
+import stagetorch
+
+CASES = {}
+
+
+def case(fn):
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 33), nn.Tanh(), nn.Linear(33, 17), nn.Tanh(), nn.Linear(17, 5)).double()
+
+
+def gpt2() -> nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.GPT2Config(vocab_size=97, n_embd=32, n_head=4, n_layer=2, n_positions=16, bos_token_id=0,
+                           eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return tf.GPT2LMHeadModel(config).double().train()
+
+
+def shard_model(model: nn.Module, reshard_after_forward: bool) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = model.transformer.h if hasattr(model, "transformer") else [m for m in model if isinstance(m, nn.Linear)]
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward)
+    return fully_shard(model, reshard_after_forward=reshard_after_forward)
+
+
+def mlp_batch(n: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(1)
+    # 48 rows an example: the activations, not the parameters, are what a budget below the peak must cut.
+    return torch.randn(n, 48, 7, dtype=torch.float64, generator=g), torch.randint(0, 5, (n, 48), generator=g)
+
+
+def gpt2_batch(n: int) -> tuple[torch.Tensor, ...]:
+    """Token ids, an attention mask and labels: sequences right-padded after a random length (labels -100)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 97, (n, 16), generator=g)
+    lengths = torch.randint(4, 17, (n, 1), generator=g)
+    mask = (torch.arange(16).expand(n, 16) < lengths).long()
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+def mlp_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def gpt2_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+MODELS = {"mlp": (mlp, mlp_batch, mlp_loss), "gpt2": (gpt2, gpt2_batch, gpt2_loss)}
+
+
+def train(name: str, sizes: list[int], reshard_after_forward: bool) -> dict:
+    """Three AdamW steps of the FSDP2 model under jit (each rank its shard of ``sizes``), and of a plain copy
+    on the whole batch; the budget of every rank with examples is halfway between the smallest it fits
+    (chunks of one example) and its unchunked plan's peak."""
+    make, batch, loss_fn = MODELS[name]
+    rank = dist.get_rank()
+    reference = make()
+    model = shard_model(copy.deepcopy(reference), reshard_after_forward)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    whole = batch(sum(sizes))
+    mine = tuple(t.split(sizes)[rank] for t in whole)
+
+    def step(*args):
+        loss = loss_fn(model, *args)
+        loss.backward()
+        return loss
+
+    # remat=False: chunks alone (the joint planner's search for recompute sets on GPT-2 takes most of a minute
+    # on a CI core); recomputation under a process group is tested in test_distributed.py.
+    staged = stagetorch.jit(step, process_group=dist.group.WORLD, memory_budget=2**40, remat=False)
+    unchunked = staged.plan(*mine)
+    staged.memory_budget, smallest = 1024, None
+    try:
+        staged.plan(*mine)
+    except stagetorch.errors.OutOfMemoryError as e:
+        smallest = e.smallest_budget  # this rank's (None on an empty rank, which fits any budget)
+    # (A rank of one example fits no less than its whole shard: there the smallest budget, its safety margin in.)
+    staged.memory_budget = unchunked.peak if smallest is None else max(smallest, (smallest + unchunked.peak) // 2)
+    out = {"losses": [], "ref_losses": [], "peaks": [], "budget": staged.memory_budget,
+           "unchunked": unchunked.peak, "unchunked_chunks": unchunked.chunk_sizes}
+    plan = staged.plan(*mine)
+    out["chunks"] = plan.chunk_sizes
+    out["recomputes"] = getattr(plan, "recompute", None) is not None
+    out["planned"] = plan.peak
+    for i in range(3):
+        opt.zero_grad()
+        shards = [p.to_local() for p in model.parameters()]
+        # The allocator's peak of the first and the last step (the profiler is slow: not every step).
+        with AllocatorPeak([*shards, *mine]) if i != 1 else contextlib.nullcontext() as tracker:
+            loss = staged(*mine)
+        if i != 1:
+            out["peaks"].append(tracker.peak)
+        opt.step()
+        out["losses"].append(loss.item())
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(reference, *whole)
+        ref_loss.backward()
+        ref_opt.step()
+        out["ref_losses"].append(ref_loss.item())
+    out["params"] = [p.full_tensor().detach().numpy() for p in model.parameters()]  # a collective, in order
+    out["ref_params"] = [p.detach().numpy() for p in reference.parameters()]
+    out["memory"] = str(staged.fsdp_memory)
+    out["float64_loss"] = loss.dtype == torch.float64
+    return out
+
+
+@case
+def mlp_reshard(world: int) -> dict:
+    return train("mlp", [11, 19] if world == 2 else [5, 9, 0, 13], True)
+
+
+@case
+def mlp_keep_and_empty_rank(world: int) -> dict:
+    return train("mlp", [24, 0] if world == 2 else [8, 0, 7, 9], False)
+
+
+@case
+def gpt2_reshard(world: int) -> dict:
+    return train("gpt2", [3, 5] if world == 2 else [2, 3, 0, 3], True)
+
+
+@case
+def gpt2_keep(world: int) -> dict:
+    return train("gpt2", [5, 2], False) if world == 2 else {}
+
+
+@case
+def refusals(world: int) -> dict:
+    """Refused by name, on every rank, before anything changes: a fully_shard-ed model under jit without
+    process_group=, and one whose MixedPrecisionPolicy gathers its parameters in another dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = shard_model(mlp(), True)
+    mixed = mlp().float()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for layer in mixed:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mp_policy=policy)
+    fully_shard(mixed, mp_policy=policy)
+    x, y = mlp_batch(4)
+    out = {}
+    for name, net, kwargs, args in [("no_group", model, {}, (x, y)),
+                                    ("mixed", mixed, {"process_group": dist.group.WORLD}, (x.float(), y))]:
+        def step(x, y, net=net):
+            loss = mlp_loss(net, x, y)
+            loss.backward()
+            return loss
+
+        try:
+            stagetorch.jit(step, **kwargs)(*args)
+            out[name] = None
+        except stagetorch.errors.UnsupportedOpError as e:
+            out[name] = str(e)
+        out[name + "_untouched"] = all(p.grad is None for p in net.parameters())
+    return out
+
+
+def _worker(rank: int, world: int, store: str, results: mp.Queue, names: list[str]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=30))
+    try:
+        for name in names:
+            try:
+                start = time.perf_counter()
+                out = CASES[name](world)
+                out["seconds"] = time.perf_counter() - start
+            except Exception as e:  # reported to the test, which fails with it
+                out = {"crash": f"{type(e).__name__}: {e}"}
+            results.put((name, rank, out))
+        dist.barrier()  # without it one rank may leave while another still waits in gloo (an abort at exit)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(tmp_path_factory, world: int, names: list[str]) -> dict:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    store = str(tmp_path_factory.mktemp(f"fsdp{world}") / "store")
+    procs = [ctx.Process(target=_worker, args=(r, world, store, results, names)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        while len(out) < world * len(names):
+            name, rank, value = results.get(timeout=180)
+            out[name, rank] = value
+    except queue.Empty:
+        pass
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory) -> dict:
+    return _spawn(tmp_path_factory, 2, list(CASES))
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory) -> dict:
+    return _spawn(tmp_path_factory, 4, ["mlp_reshard"])
+
+
+def result(ranks: dict, name: str, rank: int) -> dict:
+    if (name, rank) not in ranks:
+        pytest.fail(f"rank {rank} never reported case {name} (hung or died)")
+    value = ranks[name, rank]
+    if "crash" in value:
+        pytest.fail(f"rank {rank}, case {name}: {value['crash']}")
+    return value
+
+
+def check_exact_and_within(got: dict) -> None:
+    """The global batch's losses and parameters after three AdamW steps, to float64 rounding; the measured
+    peak (of the last step) under the plan and the plan under the budget, which is below the unchunked peak."""
+    # transformers computes the loss in float32 (its logits cast up to float, here down): to that rounding.
+    np.testing.assert_allclose(got["losses"], got["ref_losses"], rtol=1e-12 if got["float64_loss"] else 1e-6)
+    for p, q in zip(got["params"], got["ref_params"], strict=True):
+        np.testing.assert_allclose(p, q, rtol=1e-9, atol=1e-12)
+    if sum(got["chunks"]):
+        # Under a budget below its unchunked peak, a rank with examples runs them in chunks, or recomputes.
+        assert got["budget"] < got["unchunked"], (got["budget"], got["unchunked"])
+        assert len(got["chunks"]) > 1 or got["recomputes"], got["chunks"]
+    first, last = got["peaks"]
+    assert got["planned"] <= got["budget"] and first <= got["budget"] and last <= got["budget"], got
+    # The plan counts one unit's all-gather output, which gloo may keep past the gather (measured alive at the
+    # program's peak in some steps, which ones varying by run): measured 0.64-1.025 of the plan (an empty
+    # rank's plan is a chunk of one's), 1.0004 where that buffer stayed. Under the budget always.
+    assert max(first, last) <= got["planned"] * 1.05, (got["peaks"], got["planned"], got["memory"])
+
+
+@pytest.mark.parametrize("name", ["mlp_reshard", "mlp_keep_and_empty_rank", "gpt2_reshard", "gpt2_keep"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_two_ranks_exact_within_budget(two, name, rank):
+    got = result(two, name, rank)
+    check_exact_and_within(got)
+
+
+# Four ranks run the MLP alone (uneven shards, one rank empty): GPT-2 on four processes passed too, but their
+# four imports of transformers on CI's two cores take most of this file's time budget.
+@pytest.mark.parametrize("name", ["mlp_reshard"])
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_four_ranks_exact_within_budget(four, name, rank):
+    check_exact_and_within(result(four, name, rank))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_refused_by_name(two, rank):
+    got = result(two, "refusals", rank)
+    assert got["no_group"] is not None and "fully_shard" in got["no_group"] and "process_group=" in got["no_group"]
+    assert got["mixed"] is not None and "MixedPrecisionPolicy" in got["mixed"] and "What to do" in got["mixed"]
+    assert got["no_group_untouched"] and got["mixed_untouched"]
