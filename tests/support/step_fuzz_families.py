@@ -44,6 +44,7 @@ Whether the examples meet is measured, not assumed (:func:`couples`): eager's gr
 example's first activations (or at its input) is compared with the same gradient after every other example's
 input, labels and mask are drawn again. A step is per-example when that gradient changes by at most a factor
 common to the example's gradient (a mean over the batch, a count of kept labels, a weighted mean's divisor).
+(Coupling that reaches only a parameter's gradient, ``Embedding(scale_grad_by_freq=True)``, is named by hand.)
 """
 
 from __future__ import annotations
@@ -629,6 +630,8 @@ def _proportional(a: torch.Tensor, b: torch.Tensor) -> bool:
 def couples(case: Case) -> bool:
     """Whether the examples of ``case``'s step meet: an example's gradient changes (beyond a factor) when
     every other example's input, labels and mask are drawn again. Checked for the first and the last example."""
+    if case.emb_kwargs.get("scale_grad_by_freq"):
+        return True  # the table's gradient is scaled by counts over the batch (activations' gradients are not)
     B = case.batch
     base = _row_grads(case, ())
     for row, others in ((0, tuple(range(1, B))), (B - 1, tuple(range(B - 1))), (B // 2, tuple(range(B // 2)))):
