@@ -675,7 +675,7 @@ def _real(t: torch.Tensor) -> torch.Tensor:
 
 
 def _summarise(e: BaseException) -> str:
-    return " ".join(str(e).split())[:500]
+    return " ".join(str(e).split())[:2000]
 
 
 def run_variant(case: Case, variant: str, expected: list[StepRecord]) -> Result:
