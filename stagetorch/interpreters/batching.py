@@ -255,7 +255,17 @@ _FACTORIES = {
     torch.ops.aten.new_zeros: 1, torch.ops.aten.new_ones: 1, torch.ops.aten.new_empty: 1,
     torch.ops.aten.new_full: 1, torch.ops.aten.zeros_like: None, torch.ops.aten.ones_like: None,
     torch.ops.aten.empty_like: None, torch.ops.aten.full_like: None,
+    # (the backward of a slice assignment, ``o[:, :2] = 0``, copies the gradient into one of these)
+    torch.ops.aten.new_empty_strided: 1, torch.ops.aten.empty_strided: 0,
 }
+_STRIDED = frozenset({torch.ops.aten.new_empty_strided, torch.ops.aten.empty_strided})
+
+
+def _fits_chunks(maker: Eqn, dim: int) -> bool:
+    """Whether factory ``maker`` made with the chunk's extent along ``dim`` (its other arguments as they are)
+    is the chunk's part of the whole batch's: true but for a strided factory with a dim of size > 1 before
+    ``dim``, whose stride counts the batch's rows."""
+    return _packet(maker.prim) not in _STRIDED or all(size == 1 for size in maker.outvars[0].aval.shape[:dim])
 
 
 def _factory_rule(eqn: Eqn, lab: Batched) -> Chunked:
@@ -299,7 +309,7 @@ def _into_factory(
             return None
         v = x
     maker = producer.get(v)
-    if maker is None or _packet(maker.prim) not in _FACTORIES or labels.get(v) is not None:
+    if maker is None or _packet(maker.prim) not in _FACTORIES or labels.get(v) is not None or not _fits_chunks(maker, dim):
         return None
     if v.aval.shape[dim] != lab.extent(batch) or (_FACTORIES[_packet(maker.prim)] is None and maker.args[0] in labels
                                                    and labels[maker.args[0]] is not None):
@@ -506,15 +516,47 @@ def _made_in_chunk(eqn: Eqn, v: Var, cut: Any, makers: dict[Var, Eqn], batch: in
     m = makers.get(v)
     if (
         m is not None and type(cut) is Batched and _FACTORIES.get(_packet(m.prim)) is not None
-        and v.aval.shape[cut.dim] == cut.extent(batch)
+        and v.aval.shape[cut.dim] == cut.extent(batch) and _fits_chunks(m, cut.dim)
     ):
         return _Promote(v, cut)
+    if type(cut) is Batched and (root := _factory_root(v, cut.extent(batch), makers)) is not None:
+        # Computed from a factory by ops that read nothing of the examples (``x.new_ones(B, C) * 2``, then
+        # ``.cumsum(1)``): the factory is made per chunk at the chunk's size, and what is computed from it
+        # follows by those ops' own rules (refused by name there where they cross the examples).
+        return _Promote(root[0], cut.moved(root[1]))
     return coupling(
         eqn,
         f"reads a value of shape {tuple(v.aval.shape)} that is made whole in every chunk as rows of the examples",
         "make it from the batched tensors it pairs with (x.new_zeros(x.shape)), or run without chunking (a larger "
         "memory_budget)",
     )
+
+
+def _factory_root(v: Var, extent: int, makers: dict[Var, Eqn]) -> tuple[Var, int] | None:
+    """The factory (made from its sizes alone) that ``v``, a value the body makes again in every chunk, was
+    computed from, and its one dim of the batch's ``extent``; None where there is none, more than one, a dim
+    that is ambiguous, or an input of ``v`` with a dim of that extent (which might be rows of the examples)."""
+    found: list[tuple[Var, int]] = []
+    seen: set[Var] = set()
+    stack = [v]
+    while stack:
+        w = stack.pop()
+        if w in seen:
+            continue
+        seen.add(w)
+        e = makers.get(w)
+        if e is None:
+            if extent in w.aval.shape:
+                return None
+            continue
+        if _FACTORIES.get(_packet(e.prim), None) is not None:
+            dims = [d for d, size in enumerate(w.aval.shape) if size == extent]
+            if len(dims) != 1 or not _fits_chunks(e, dims[0]):
+                return None
+            found.append((w, dims[0]))
+            continue
+        stack.extend(e.invars)
+    return found[0] if len(found) == 1 else None
 
 
 def _ambiguous(

@@ -128,7 +128,9 @@ class SlowReplay(RecordingSteps):
                         new_of[v], fake_of[v] = rec.var(f), f
                 if step.inplace and eqn.args and type(eqn.args[0]) is Var and eqn.args[0] in consts:
                     self.consts[new_of[eqn.outvars[0]]] = consts[eqn.args[0]]
-            step_consts = [(i, v if v is None else rec.const_vars[id(consts[v])]) for i, v in step.consts]
+            # (a constant no re-recorded call lifted, read only by a call that ran for real: None, as
+            # _consts_in marks it; issue 43: CTC's lengths after an out-of-memory error raised KeyError here)
+            step_consts = [(i, v if v is None else rec.const_vars.get(id(consts[v]))) for i, v in step.consts]
             key = tuple(new_of[x] if type(x) is Var else x for x in step.key)
             out_spec = map_leaves(step.out, Out, lambda o: attrs.evolve(o, var=new_of[o.var]))
             self.recording.steps.append(Step(step.func, key, step_consts, out_spec, step.recorded, step.inplace))
@@ -143,7 +145,7 @@ class SlowReplay(RecordingSteps):
         self.made = {new_of[v]: b for v, b in self.made.items() if v in new_of}
         # The version each constant had when a call that has not run bound it (not now: a change in place
         # since then must still raise ModifiedInputError), and the losses whose backward ran.
-        self.versions = {rec.const_vars[id(consts[v])]: seen for v, seen in versions.items()}
+        self.versions = {rec.const_vars[id(consts[v])]: seen for v, seen in versions.items() if id(consts[v]) in rec.const_vars}
         self.freed = frozenset(new_of[v] for v in self.freed if v in new_of)
         if self.shard is not None:
             self.shard.labels = {new_of[v]: b for v, b in self.shard.labels.items() if v in new_of}

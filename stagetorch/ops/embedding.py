@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from ..errors import BatchCouplingError
+from ..errors import BatchCouplingError, UnsupportedOpError
 from ..interpreters.batching import Batched, Chunked, LabelFn, Reduced, coupling
-from ..ir import Aval, Eqn, Var
+from ..ir import Aval, Eqn, Var, op_name
 
 aten = torch.ops.aten
 
@@ -21,6 +21,20 @@ def embedding(eqn: Eqn, label: LabelFn) -> Chunked:
     if label(weight) is not None:
         raise coupling(eqn, "looks up a per-example table", "keep embedding tables shared")
     return Chunked((label(indices),), whole=frozenset({weight}))  # a table: no dim of it pairs with the examples
+
+
+def embedding_renorm_(eqn: Eqn, label: LabelFn) -> Chunked:
+    """``nn.Embedding(max_norm=...)``'s forward renormalises, in place in the parameter, the rows the batch's
+    indices read: a write into a parameter inside the step, which the chunks cannot each make (refused by
+    name, with the equivalent spelling; stagetorch.lazy runs it as eager does)."""
+    raise UnsupportedOpError(
+        f"{op_name(eqn.prim)} at {eqn.source} (nn.Embedding with max_norm, or F.embedding(..., max_norm=...)) "
+        "renormalises the embedding rows the batch reads, in place in the parameter, inside the step; "
+        "stagetorch.jit cannot split that write over chunks of the batch.\nWhat to do: renormalise before the "
+        "call, outside the staged function (with torch.no_grad(): torch.embedding_renorm_(emb.weight, ids, "
+        "max_norm, norm_type)) and build the embedding without max_norm (the same values and gradients), or "
+        "run the step with stagetorch.lazy(...), or without chunking (a larger memory_budget)."
+    )
 
 
 def embedding_dense_backward(eqn: Eqn, label: LabelFn) -> Chunked:
@@ -180,6 +194,7 @@ SHAPE: dict = {
 BATCH: dict = {
     aten.embedding: embedding,
     aten.embedding_dense_backward: embedding_dense_backward,
+    aten.embedding_renorm_: embedding_renorm_,
     aten._embedding_bag: embedding_bag,
     aten._embedding_bag_forward_only: embedding_bag,
     aten._embedding_bag_backward: embedding_bag_backward,

@@ -179,6 +179,14 @@ def _own_batch_rows_put(
     return torch.ops.aten.index_put.default(x, local, values, accumulate)
 
 
+def _own_batch_rows_put_(
+    x: torch.Tensor, indices: list, values: torch.Tensor, accumulate: bool, dim: int, at: int, where: str
+) -> torch.Tensor:
+    """:func:`_own_batch_rows_put` in place: into the chunk's rows of ``x``."""
+    local = _local_indices(indices, dim, at, x.shape[dim], "writes", where)
+    return torch.ops.aten.index_put_.default(x, local, values, accumulate)
+
+
 def _values_rows(eqn: Eqn, label: LabelFn) -> Batched | None:
     """Where the batch of ``x.index_put(indices, values)`` lies in ``x`` when the values alone carry it (no index
     is per-example) along a dim of ``x`` that no index touches and that has the batch's extent; else None."""
@@ -352,6 +360,16 @@ def index_put_(eqn: Eqn, label: LabelFn) -> Chunked:
             return aten.index_put.default, eqn.args, eqn.kwargs
 
         return Chunked(decision.out, call=call, slice=decision.slice, out_of_place=True)
+    if decision.call is not None and label(eqn.args[0]) is not None:
+        # Each example's own row of a per-example x (``h[torch.arange(B), y] = v``): written in place into the
+        # chunk's rows, at the chunk's own positions.
+        own = decision.call
+
+        def call_in_place(n: int) -> tuple[Any, tuple, dict]:
+            _, args, kwargs = own(n)
+            return _own_batch_rows_put_, args, kwargs
+
+        return attrs.evolve(decision, call=call_in_place)
     if decision.call is not None or label(eqn.args[0]) is None:
         raise coupling(
             eqn,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ShapeError
+from ..errors import ShapeError, UnsupportedOpError
 from ..interpreters import shape_rules
 from ..interpreters.batching import Chunked, Global, LabelFn, Prepass, Reduced, coupling, elementwise
 from ..interpreters.memory import MemoryEffect
@@ -289,7 +289,20 @@ SHAPE: dict = {
 
 
 # Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/interpreters/batching.py)
+def ctc_loss_batch_rule(eqn: Eqn, label: LabelFn) -> Chunked:
+    """CTC's alignment table (its forward's second output, its backward's input) is as long as the largest
+    target length of the examples it holds: a chunk's is not a slice of the whole batch's. Refused by name."""
+    raise UnsupportedOpError(
+        f"{op_name(eqn.prim)} at {eqn.source} (F.ctc_loss) keeps an alignment table as long as the batch's "
+        "longest target, which a chunk of the batch does not share, and stagetorch has no rule that runs it per "
+        "chunk.\nWhat to do: run the step without chunking (a larger memory_budget), or compute the CTC loss "
+        "outside the staged function."
+    )
+
+
 BATCH: dict = {
+    aten._ctc_loss: ctc_loss_batch_rule,
+    aten._ctc_loss_backward: ctc_loss_batch_rule,
     aten.nll_loss_forward: nll_loss_forward_batch_rule,
     aten.nll_loss_backward: nll_loss_backward_batch_rule,
     aten.nll_loss2d_forward: nll_loss_forward_batch_rule,

@@ -300,8 +300,13 @@ class Recorder:
             kind = kinds.get(role, role)
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             parts.append(f"the {kind}s {shown}" if len(names) > 1 else f"the {kind} {shown}")
-            if role in ("arg", "const"):
+            grad = [self.fakes[order[v]].requires_grad for v in found[role]]
+            if role in ("arg", "const") and all(grad):
                 parts[-1] += " (which requires grad)" if len(names) == 1 else " (which require grad)"
+            elif role == "const" and not any(grad):
+                # (a global or attribute needing no gradient: the program is staged once, its value may change)
+                parts[-1] += (" (read from outside the step, not passed in: its value may change between calls; "
+                              "pass it as an argument to read it on the host)")
         parts += [f"a draw from a generator of its own at {d}" for d in dict.fromkeys(draws)]
         return " and on ".join(parts) if parts else "the parameters or on activations"
 

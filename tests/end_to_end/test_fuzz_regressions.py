@@ -1,0 +1,87 @@
+"""What the step fuzzer's op families (tests/support/step_fuzz_families.py) found, each trained 3 optimizer steps
+under ``jit`` in >= 2 chunks and under ``lazy`` with a budget against eager at float64 (loss, outputs, every
+``.grad``, every parameter after each step), or refused by a named error that says what to do.
+
+Before the fixes: ``x.new_ones(B, C) * 2`` read as rows of the examples, a slice assignment into a clone of an
+activation (whose backward copies into ``new_empty_strided``) and ``h[arange(B), y] = v`` were refused where
+eager is per-example; CTC with length tensors raised ``KeyError`` from lazy's replay after an out-of-memory
+error; ``nn.Embedding(max_norm)`` was refused with advice (register it per-example) that is not the fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import step_fuzz_families as fuzz
+import torch
+
+# name -> (the model's kind, the step's lines before backward, extra Case fields)
+EXACT = {
+    "new_ones_rows": ("mlp", ["out = model(x)", "t = x.new_ones(x.shape[0], C) * 2",
+                              "loss = -(F.log_softmax(out, 1) * t).sum(1).mean()"], {}),
+    "ones_cumsum_rows": ("mlp", ["out = model(x)", "t = torch.ones(len(x), C, dtype=out.dtype).cumsum(1)",
+                                 "loss = (out * t).mean()"], {}),
+    "slice_assign_clone": ("mlp", ["h = model.f(x)", "o = h.clone()", "o[:, :2] = 0", "out = model.head(o)",
+                                   "loss = F.cross_entropy(out, y)"], {}),
+    "mul_then_slice_add": ("mlp", ["h = model.f(x)", "o = h * 1.0", "o.mul_(2.0)", "o[:, 0] += 1.0",
+                                   "out = model.head(o)", "loss = -(F.log_softmax(out, 1).gather(1, y[:, None])).mean()"], {}),
+    "pick_written_in_place": ("mlp", ["h = model.f(x)", "o = h.clone()", "o[torch.arange(x.shape[0]), y] = 0.0",
+                                      "out = model.head(o)", "loss = F.cross_entropy(out, y)"], {"optimizer": "adamw"}),
+    "zeros_written_then_gathered": ("mlp", ["h = model.f(x)", "o = torch.zeros(x.shape[0], H, dtype=h.dtype)",
+                                            "o[:, PERM] = h", "out = model.head(o)",
+                                            "loss = -(W * F.log_softmax(out, 1).gather(1, y[:, None])[:, 0]).mean()"],
+                                    {"captured": "perm_w"}),
+    "index_copy_then_gathered": ("mlp", ["h = model.f(x)", "o = torch.zeros_like(h).index_copy_(1, PERM, h)",
+                                         "out = model.head(o)", "loss = -(W * F.log_softmax(out, 1)[torch.arange(len(x)), y]).mean()"],
+                                 {"captured": "perm_w"}),
+    "deberta_relative_gather": ("seq", ["h = model.f(x)",
+                                        "r = model.rel.gather(0, POS.reshape(-1, 1).expand(-1, H)).view(T, T, H)",
+                                        "s = torch.einsum('bth,tsh->bts', h, r).softmax(-1)",
+                                        "z = torch.einsum('bts,bsh->bth', s, h).mean(1)", "out = model.head(z)",
+                                        "loss = F.cross_entropy(out, y)"], {"captured": "pos"}),
+}
+
+
+def _case(name: str, kind: str, lines: list, extra: dict) -> fuzz.Case:
+    case = fuzz.Case("regression", 7, 23, kind, list(lines), optimizer=extra.get("optimizer", "sgd"), note=name)
+    g = torch.Generator().manual_seed(3)
+    if extra.get("captured") == "perm_w":
+        case.captured["PERM"] = ("global", torch.randperm(fuzz.H, generator=g))
+        case.captured["W"] = ("buffer", 0.5 + torch.rand(23, generator=g, dtype=torch.float64))
+        case.lines = [line.replace("W *", "model.w_b *") for line in case.lines]
+    if extra.get("captured") == "pos":
+        T = fuzz.T
+        case.captured["POS"] = ("global", torch.arange(T)[:, None] - torch.arange(T)[None, :] + T - 1)
+    return case
+
+
+@pytest.mark.parametrize("name", list(EXACT))
+def test_found_by_the_fuzzer_runs_in_chunks_as_eager(name):
+    kind, lines, extra = EXACT[name]
+    outcome = fuzz.check(_case(name, kind, lines, extra))
+    assert {v: r.status for v, r in outcome.results.items()} == {"jit": "exact", "lazy": "exact"}, outcome.report()
+    assert outcome.results["jit"].chunks >= 2
+
+
+def test_embedding_max_norm_is_refused_in_jit_chunks_by_name_and_runs_in_lazy():
+    case = fuzz.Case("regression", 5, 19, "tokens", ["out = model(x)", "loss = F.cross_entropy(out, y)"],
+                     emb_kwargs={"max_norm": 0.5}, optimizer="adamw")
+    outcome = fuzz.check(case)
+    jit = outcome.results["jit"]
+    assert jit.status == "refused-needless" and jit.error == "UnsupportedOpError", outcome.report()
+    assert "embedding_renorm_" in jit.detail and "What to do: renormalise before the call" in jit.detail
+    assert outcome.results["lazy"].status == "exact", outcome.report()
+
+
+def test_ctc_with_length_tensors_is_refused_by_name_not_a_raw_error():
+    """jit cannot size CTC's alignment table (it follows from the largest target length); lazy cannot chunk
+    its backward: both named. Lazy at a budget too small for it, then again at the one its error names, raised
+    KeyError from the replay of the first session's constants."""
+    case = fuzz.Case("regression", 150, 23, "seq", [
+        "out = model(x)", "lp = F.log_softmax(model.head(model.f(x)), -1).transpose(0, 1)",
+        "tgt = (y[:, None] + torch.arange(2)) % (C - 1) + 1", "il = torch.full((x.shape[0],), T, dtype=torch.long)",
+        "tl = torch.full((x.shape[0],), 2, dtype=torch.long)",
+        "loss = F.ctc_loss(lp, tgt, il, tl, reduction='mean') + F.cross_entropy(out, y)"], optimizer="adamw")
+    outcome = fuzz.check(case)
+    for v, r in outcome.results.items():
+        assert r.status.startswith("refused"), (v, outcome.report())
+        assert "_ctc_loss" in r.detail and "What to do" in r.detail, (v, r.detail)
