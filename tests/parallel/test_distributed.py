@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import re
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -513,8 +514,10 @@ class Plans(logging.Handler):
         self.chunks: list[int] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if "lazy (rank" in record.getMessage():
-            self.chunks.append(int(record.getMessage().split(" chunk(s)")[0].rsplit(" ", 1)[1]))
+        message = record.getMessage()
+        if "lazy (rank" in message:  # "... batch 6 in 3 chunks [2+2+2]: ..." ("batch 6 whole: ...": 1)
+            found = re.search(r"batch \d+ in (\d+) chunks \[", message)
+            self.chunks.append(int(found[1]) if found else 1)
 
     def __enter__(self) -> Plans:
         logger = logging.getLogger("stagetorch")
@@ -953,7 +956,7 @@ def test_a_rank_with_bad_arguments_makes_every_rank_raise(ranks):
     got = [result(ranks, "bad_shard", r) for r in range(WORLD)]
     assert [g["error"] for g in got] == ["StagingError"] * WORLD
     assert got[0]["message"] == got[1]["message"]
-    assert "rank 1 of 2: ShapeError: the batched arguments disagree" in got[0]["message"]
+    assert "rank 1 of 2: BatchShapeError: the batched arguments disagree" in got[0]["message"]
 
 
 def test_an_optimizer_inside_a_sharded_step_is_refused_by_every_rank(ranks):
