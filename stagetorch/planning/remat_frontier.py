@@ -83,6 +83,10 @@ def _expensive(graph: Graph, cands: Candidates) -> frozenset[Var]:
 _NUMBERED = re.compile(r"^(.*?\.\d+)(?:\.([^.]+))?")
 
 
+# How many ops on from a block's end that the backward does not read its per-block set looks for candidates.
+_END_STEPS = 4
+
+
 def _attends(prim: object) -> bool:
     """Whether ``prim`` is attention: an SDPA kernel or a softmax (an eager attention's weights)."""
     name = op_name(prim)
@@ -105,20 +109,36 @@ def block_checkpoints(graph: Graph, cands: Candidates) -> list[frozenset[Var]]:
     1.04x checkpointing's peak for the per-layer set)."""
     eqns = graph.eqns[: cands.boundary]
     block: list[str | None] = []
+    children: list[str | None] = []
+    for e in eqns:
+        m = _NUMBERED.match(e.source.module or "")
+        block.append(m.group(1) if m else None)
+        children.append(m.group(2) if m else None)
+    # An equation outside every module between two of one block belongs to it (a function a layer calls, as
+    # Llama's apply_rotary_pos_emb: its ops carry no module path of the layer).
+    before: str | None = None
+    for i, b in enumerate(block):
+        if b is not None:
+            before = b
+        elif before is not None:
+            after = next((c for c in block[i + 1:] if c is not None), None)
+            if after == before:
+                block[i] = before
     made_in: dict[Var, str | None] = {}
     made_at: dict[Var, int] = {}
     last: dict[tuple[str, str], int] = {}  # each attention sub-block's last equation
     attending: set[tuple[str, str]] = set()
-    for i, e in enumerate(eqns):
-        m = _NUMBERED.match(e.source.module or "")
-        block.append(m.group(1) if m else None)
-        if m and m.group(2):
-            last[m.group(1), m.group(2)] = i
+    readers: dict[Var, list[int]] = {}
+    for i, (e, b, child) in enumerate(zip(eqns, block, children)):
+        if b is not None and child is not None:
+            last[b, child] = i
             if _attends(e.prim):
-                attending.add((m.group(1), m.group(2)))
+                attending.add((b, child))
+        for v in e.invars:
+            readers.setdefault(v.root, []).append(i)
         for v in e.outvars:
             if v is not None:
-                made_in.setdefault(v.root, block[-1])
+                made_in.setdefault(v.root, b)
                 made_at.setdefault(v.root, i)
     if len({b for b in block if b is not None}) < 2:
         return []
@@ -129,7 +149,24 @@ def block_checkpoints(graph: Graph, cands: Candidates) -> list[frozenset[Var]]:
             if where is not None and where != b:
                 ends.add(v.root)
     roots = set(cands.roots)
-    kept = frozenset(r for r in ends if r in roots)
+    # An end the backward does not read is no candidate: the candidates made from it, a few ops on, are kept
+    # instead (Llama's layer output, read by the next layer's RMSNorm through a float32 copy: without them
+    # the set kept no boundary between layers and recomputed every layer at once, 1.27x checkpointing's peak).
+    kept = set()
+    for r in ends:
+        front = {r}
+        for _ in range(_END_STEPS):
+            if not front:
+                break
+            nxt = set()
+            for f in front:
+                if f in roots:
+                    kept.add(f)
+                    continue
+                for i in readers.get(f, ()):
+                    nxt.update(o.root for o in eqns[i].outvars if o is not None)
+            front = nxt
+    kept = frozenset(kept)
     outside = frozenset(r for r in cands.roots if made_in.get(r) is None)
     out = [kept, kept | outside]
     # An attention sub-block's output: the first candidate its block makes from its last equation on (its own
