@@ -42,8 +42,31 @@ def _chunk_aval(v: Var, label: Any, n: int) -> Aval:
 
 
 def _chunk_var(v: Var, label: Any, n: int) -> Var:
-    """A chunk's input cut from ``v``: a narrowed view of it, with its strides."""
-    return Var(_chunk_aval(v, label, n), strides=v.strides)
+    """A chunk's input cut from ``v``: a narrowed view of it, with its strides (or, where the cut is not
+    dense, a copy laid out as ``v`` is: see :func:`_gapped`)."""
+    aval = _chunk_aval(v, label, n)
+    if _gapped(v, label):
+        return Var(aval, strides=restrided(v.strides or _dense_strides(v.aval.shape), v.aval.shape, aval.shape))
+    return Var(aval, strides=v.strides)
+
+
+def _dense_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _gapped(v: Var, label: Any) -> bool:
+    """Whether a chunk of ``v`` cut along its batch dim has gaps (a dim laid out outside the batch's, as with
+    ``batch_dim=1``): the chunk is then copied dense, as the graph's views (recorded on the dense whole
+    batch) need it to be and as eager PyTorch's ``reshape`` would copy it."""
+    if not isinstance(label, Batched) or label.outer != 1:
+        return False  # an outer-batched cut is made by a reshape, which copies where it must
+    shape = v.aval.shape
+    strides = v.strides or _dense_strides(shape)
+    return any(shape[d] != 1 and strides[d] > strides[label.dim] for d in range(len(shape)) if d != label.dim)
 
 
 def _swap(table: dict[Var, Var], v: Var) -> Var:
@@ -310,7 +333,7 @@ class Split:
                     s = _chunk_var(v, cut, n)
                     sliced[key] = s
                     invars.append(s)
-                    feeds.append(("slice", v, cut))
+                    feeds.append(("slice", v, cut, _gapped(v, cut)))
                 return sliced[key]
             if v in batch_wide:
                 if v not in sliced_globals:
@@ -321,7 +344,7 @@ class Split:
             if v not in mapping:
                 if isinstance(lab, Batched):  # a batched graph input, or a shared value paired with the examples
                     mapping[v] = _chunk_var(v, lab, n)
-                    feeds.append(("slice" if v in an.spanning else "batch", v, lab))
+                    feeds.append(("slice" if v in an.spanning else "batch", v, lab, _gapped(v, lab)))
                 else:
                     mapping[v] = Var(v.aval, strides=v.strides)
                     feeds.append(("full", v))
@@ -463,10 +486,9 @@ def _feed_values(feeds: list[tuple], env: dict[Var, Any], held: dict[Var, Any], 
             vals.append(held[f[1]])
         elif kind == "into":
             vals.append(_rows(held, f[1], f[2], start, n, run.batch))
-        elif kind == "slice":  # a shared value spans the staged batch: this run's examples start at its offset
-            vals.append(slice_examples(env[f[1]], f[2], run.offset + start, n))
-        else:
-            vals.append(slice_examples(env[f[1]], f[2], start, n))
+        else:  # "slice": a shared value spans the staged batch, this run's examples start at its offset
+            x = slice_examples(env[f[1]], f[2], (run.offset if kind == "slice" else 0) + start, n)
+            vals.append(x.contiguous() if f[3] else x)
     return vals
 
 

@@ -113,9 +113,16 @@ def _batch_wide(split: Split, through: str = "body") -> int:
     return bytes_of(held)
 
 
-def _own_peak(graph: Graph, cost: Callable[[Graph], int]) -> int:
-    """A per-chunk graph's peak less its inputs (they are counted as held by the run)."""
-    return max(cost(graph) - sum(v.aval.nbytes for v in graph.invars), 0)
+def _own_peak(graph: Graph, cost: Callable[[Graph], int], feeds: list[tuple] = ()) -> int:
+    """A per-chunk graph's peak less its inputs (they are counted as held by the run), except the chunks
+    copied dense from their batch (a cut with gaps: ``interpreters.chunked``'s feeds say which), which the
+    chunk allocates."""
+    held = (v.aval.nbytes for v, f in zip(graph.invars, feeds or [()] * len(graph.invars)) if not _copied(f))
+    return max(cost(graph) - sum(held), 0)
+
+
+def _copied(feed: tuple) -> bool:
+    return len(feed) > 3 and feed[0] in ("batch", "slice") and bool(feed[3])
 
 
 def body_peaks(split: Split, body: BodyGraph, cost: Callable[[Graph], int]) -> tuple[int, int]:
@@ -128,7 +135,7 @@ def body_peaks(split: Split, body: BodyGraph, cost: Callable[[Graph], int]) -> t
 def _parts(body: BodyGraph, cost: Callable[[Graph], int]) -> tuple[int, int, int, int]:
     """What a chunk's peak is made of: the own peaks of ``body``'s first and later graphs, and its held
     bytes (full per-example results, accumulators)."""
-    return (_own_peak(body.first, cost), _own_peak(body.rest, cost), *body.held_bytes)
+    return (_own_peak(body.first, cost, body.first_feeds), _own_peak(body.rest, cost, body.rest_feeds), *body.held_bytes)
 
 
 def _peaks(split: Split, parts: tuple[int, int, int, int]) -> tuple[int, int]:
