@@ -243,7 +243,7 @@ class Units:
         shards: dict[int, int] = {}
         sharded_grads: dict[int, int] = {}
         unsharded: dict[int, int] = {}
-        for key, (_, p) in self.sharded.items():
+        for _, p in self.sharded.values():
             st = p.to_local().untyped_storage()
             shards[st.data_ptr()] = st.nbytes()
             if p.grad is not None:
