@@ -165,6 +165,32 @@ def gpt2_keep(world: int) -> dict:
 
 
 @case
+def accumulates(world: int) -> dict:
+    """Three steps without zero_grad (the second with the same shards, the third with half of each: staged
+    again), no optimizer: the sharded .grad is the sum of the three global batches' gradients."""
+    reference = mlp()
+    model = shard_model(copy.deepcopy(reference), True)
+    sizes = [5, 9]
+    whole = mlp_batch(sum(sizes))
+    mine = tuple(t.split(sizes)[dist.get_rank()] for t in whole)
+    halves = tuple(torch.cat([part[: len(part) // 2] for part in t.split(sizes)]) for t in whole)
+
+    def step(x, y):
+        loss = mlp_loss(model, x, y)
+        loss.backward()
+        return loss
+
+    staged = stagetorch.jit(step, process_group=dist.group.WORLD)
+    staged(*mine)
+    staged(*mine)
+    staged(*(t[: len(t) // 2] for t in mine))
+    for batch in (whole, whole, halves):
+        mlp_loss(reference, *batch).backward()
+    return {"grads": [p.grad.full_tensor().numpy() for p in model.parameters()],
+            "ref_grads": [p.grad.numpy() for p in reference.parameters()]}
+
+
+@case
 def refusals(world: int) -> dict:
     """Refused by name, on every rank, before anything changes: a fully_shard-ed model under jit without
     process_group=, and one whose MixedPrecisionPolicy gathers its parameters in another dtype."""
@@ -285,6 +311,13 @@ def test_two_ranks_exact_within_budget(two, name, rank):
 @pytest.mark.parametrize("rank", [0, 1, 2, 3])
 def test_four_ranks_exact_within_budget(four, name, rank):
     check_exact_and_within(result(four, name, rank))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_gradients_accumulate_into_the_shards(two, rank):
+    got = result(two, "accumulates", rank)
+    for g, e in zip(got["grads"], got["ref_grads"], strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-10, atol=1e-14)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
