@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -47,10 +48,14 @@ __all__ = ["Units", "unit_class", "find_units", "gathered", "hooks_off", "refuse
 
 
 def _fsdp_classes() -> tuple[type, type] | None:
+    """FSDP2's ``FSDPModule`` and ``DTensor``, or None where no module can be one: FSDP2 not imported (importing
+    it here would cost every step's first staging about 2 s), or a torch built without distributed."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return None
     try:
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
+    except ImportError:
         return None
     return FSDPModule, DTensor
 
