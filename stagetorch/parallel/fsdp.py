@@ -216,17 +216,30 @@ class Units:
                 buckets.setdefault((unit, grad.dtype), []).append((param, grad))
             else:
                 self.scatter(param, grad, False)
-        for (_, _), items in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-            self._scatter_bucket(items)
+        # One input buffer for every bucket of a dtype, the largest's size: gloo may hold a collective's
+        # input past its return (as it holds FSDP2's all-gather outputs), and a buffer per bucket then
+        # lingered, several at once (measured: up to 14% over the plan on GPT-2).
+        scratch: dict[torch.dtype, torch.Tensor] = {}
+        for (_, dtype), items in buckets.items():
+            size = self.size * sum(self._share(grad)[1] * self._share(grad)[2] for _, grad in items)
+            if dtype not in scratch or scratch[dtype].numel() < size:
+                scratch[dtype] = items[0][1].new_empty(size)
+        for (_, dtype), items in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+            self._scatter_bucket(items, scratch[dtype])
 
-    def _scatter_bucket(self, items: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _share(self, grad: torch.Tensor) -> tuple[int, int, int]:
+        """(rows, rows per rank, row numel) of a gradient, sharded along dim 0 with FSDP2's padding."""
+        rows = grad.shape[0] if grad.ndim else 1
+        return rows, math.ceil(rows / self.size), grad.numel() // max(rows, 1)
+
+    def _scatter_bucket(self, items: list[tuple[torch.Tensor, torch.Tensor]], scratch: torch.Tensor | None = None) -> None:
         n = self.size
-        shapes = []  # (rows, per-rank rows, row numel) per gradient
-        for _, grad in items:
-            rows = grad.shape[0] if grad.ndim else 1
-            shapes.append((rows, math.ceil(rows / n), grad.numel() // max(rows, 1)))
+        shapes = [self._share(grad) for _, grad in items]
         width = sum(c * r for _, c, r in shapes)
-        buffer = items[0][1].new_zeros((n, width))  # rank k's rows of every gradient, side by side
+        if scratch is None:
+            scratch = items[0][1].new_empty(n * width)
+        buffer = scratch[: n * width].view(n, width)  # rank k's rows of every gradient, side by side
+        buffer.zero_()  # the padding rows
         offset = 0
         for (_, grad), (rows, c, r) in zip(items, shapes):
             flat = grad.reshape(rows, r)
