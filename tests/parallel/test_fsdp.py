@@ -294,7 +294,7 @@ def check_exact_and_within(got: dict) -> None:
     assert got["planned"] <= got["budget"] and first <= got["budget"] and last <= got["budget"], got
     # The plan counts one unit's all-gather output, which gloo may keep past the gather (measured alive at the
     # program's peak in some steps, which ones varying by run): measured 0.64-1.025 of the plan (an empty
-    # rank's plan is a chunk of one's), 1.0004 where that buffer stayed. Under the budget always.
+    # rank's plan is a chunk of one's), 1.0005 where that buffer stayed. Under the budget always.
     assert max(first, last) <= got["planned"] * 1.05, (got["peaks"], got["planned"], got["memory"])
 
 
