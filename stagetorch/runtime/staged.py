@@ -546,11 +546,14 @@ class Staged:
         outs, grads, partial = executable.run_shard(inputs, plan, offset, group, on_chunk=self._progress(plan),
                                                     keep_partial=keep)
         # In the order of the inputs, the same on every rank: FSDP2's gradients are reduce-scattered here.
+        scattered = []
         for i, g in sorted(grads, key=lambda ig: ig[0]):
             if units is not None and units.owns(inputs[i]):
-                units.scatter(inputs[i], g, i in partial)
+                scattered.append((inputs[i], g, i in partial))
             else:
                 accumulate_grad(inputs[i], g)
+        if scattered:
+            units.scatter_all(scattered)
         return pytree.tree_unflatten(outs, executable.graph.out_tree)
 
     def _progress(self, plan: Plan) -> Any:
