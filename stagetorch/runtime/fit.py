@@ -185,6 +185,7 @@ def device_fit(staged: Staged, report: Any, args: tuple, kwargs: dict) -> Device
 
     largest_whole, note = _verified(_largest(whole_at, budget, batch), whole_fits, "whole")
     largest_chunked = largest_recomputing = None
+    inputs_per_example = sum(v.aval.nbytes for v in planner.batched) / max(batch, 1)
     try:
         half = max(batch // 2, 1)
 
@@ -197,8 +198,14 @@ def device_fit(staged: Staged, report: Any, args: tuple, kwargs: dict) -> Device
                     if b < half or half == batch:
                         value = cost(planner_at(b))
                     else:
+                        # Above the batch, the line grows at least by the batched arguments, resident for the
+                        # whole run (the peak between two batches may lie where they do not show: flat).
                         low, high = cost(planner_at(half)), cost(planner)
-                        value = None if None in (low, high) else low + (high - low) * (b - half) / (batch - half)
+                        slope = None if None in (low, high) else (high - low) / (batch - half)
+                        if slope is not None and b > batch:
+                            slope = max(slope, inputs_per_example)
+                        value = None if slope is None else (low if b <= batch else high) + slope * (
+                            b - (half if b <= batch else batch))
                     costs[b] = math.inf if value is None else (value + held + extra) * ratio
                 return costs[b]
 
