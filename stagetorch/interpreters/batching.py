@@ -549,7 +549,7 @@ def _factory_root(v: Var, extent: int, makers: dict[Var, Eqn]) -> tuple[Var, int
             if extent in w.aval.shape:
                 return None
             continue
-        if _FACTORIES.get(_packet(e.prim), None) is not None:
+        if _FACTORIES.get(_packet(e.prim)) is not None:
             dims = [d for d, size in enumerate(w.aval.shape) if size == extent]
             if len(dims) != 1 or not _fits_chunks(e, dims[0]):
                 return None

@@ -23,10 +23,10 @@ import attrs
 from ..devices.budget import format_bytes
 from ..devices.catalog import Device
 from ..errors import StagingError
+from ..interpreters.memory import peak_bytes
 from ..planning import budget as margin
 from ..planning.chunks import Plan, chunked_peak
 from ..planning.reserved import reserved_of
-from ..interpreters.memory import peak_bytes
 from .staged import Staged, map_batched
 
 __all__ = ["DeviceFit", "device_fit"]

@@ -4,6 +4,7 @@ signature and state), the guards that pick one per call, and restaging when some
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import weakref
@@ -16,13 +17,14 @@ import torch.utils._pytree as pytree
 
 from ..devices.budget import format_bytes, free_memory, parse_bytes
 from ..devices.catalog import Device, PlanOnlyDeviceError, device_named
-from ..errors import BatchShapeError, NotATensorError, OutOfMemoryError, ShapeError, UnsupportedOpError
+from ..errors import BatchShapeError, NotATensorError, OutOfMemoryError, UnsupportedOpError
 from ..interpreters.batching import Batched
 from ..interpreters.eager import is_dense
 from ..ir import Graph
+from ..ops.kernels.cuda_dispatch import cuda_staging
+from ..ops.kernels.cuda_sdpa import CudaProps
 from ..parallel import data_parallel as distributed
 from ..parallel import fsdp
-from ..planning import plans
 from ..planning.chunks import Plan
 from ..planning.planner import COPIES
 from ..staging.guards import MAX_OUTCOMES, Outcomes, StateWalk, flatten_args
@@ -217,7 +219,7 @@ class Staged:
                     self, args, kwargs, lambda x, dim: distributed.global_aval(x, dim, global_batch)
                 )
             restore = state.snapshot()
-            with distributed.staging(state, self.process_group):
+            with distributed.staging(state, self.process_group), self._card_kernels():
                 traced = trace(self.fn, traced_args, traced_kwargs, static_argnums=self.static_argnums, state=state,
                                device=self._fake_device)
             self._check_unchanged(state, state_key, args, kwargs, restore)
@@ -345,6 +347,14 @@ class Staged:
             return plan
         entry, inputs, _ = self._stage(args, kwargs)
         return self._step_plan(entry, inputs)
+
+    def _card_kernels(self) -> contextlib.AbstractContextManager:
+        """For a named card: CUDA's choice of attention kernel for its compute capability (and CUDA's autocast
+        where the trace runs on fake CUDA tensors), whichever device the trace runs on (a CPU-only torch traces
+        on CPU fakes: see :func:`~stagetorch.staging.tracer.staging_device`)."""
+        if self._fake_device is None:
+            return contextlib.nullcontext()
+        return cuda_staging(CudaProps(capability=self.device.capability), devices=("cuda", "cpu"))
 
     @property
     def _fake_device(self) -> torch.device | None:

@@ -267,3 +267,32 @@ def test_memory_with_a_device_on_a_meta_gpt2_under_a_small_budget_gives_the_chun
     assert fit.largest_whole is not None and fit.largest_whole < 16
     assert fit.plan.chunked and fit.plan.reserved_bytes <= fit.budget_bytes
     assert fit.largest_chunked > 16
+
+
+def _gqa_llama_step():
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss
+
+    return step
+
+
+def test_a_named_card_stages_attention_with_the_kernel_cuda_picks_for_it():
+    """Grouped-query attention in float32: CPU's flash kernel keeps no attention weights, CUDA (torch 2.11-2.13)
+    takes the math path and keeps the [B, H, L, L] weights and softmax for the backward; in bfloat16 on sm80+ it
+    takes flash. The plan for a card follows the card's kernel, not the host's."""
+    step = _gqa_llama_step()
+    ids = torch.randint(0, 256, (2, 256))
+    cpu = stagetorch.memory(step)(ids).peak_bytes
+    card = stagetorch.memory(step, device="H100-80GB")(ids).peak_bytes
+    weights = 2 * 8 * 256 * 256 * 4  # one layer's [B, H, L, L] float32 attention weights
+    assert card >= cpu + weights, (card, cpu)

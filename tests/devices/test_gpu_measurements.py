@@ -37,11 +37,11 @@ import torch.nn.functional as F
 import stagetorch
 from stagetorch.devices.cuda_allocator import CachingAllocatorModel, replay
 from stagetorch.interpreters.batching import Batched
+from stagetorch.interpreters.chunked import even_chunks
 from stagetorch.interpreters.memory import peak_bytes
 from stagetorch.ir import Aval, Graph, Var
 from stagetorch.ops.kernels import cuda_blas
 from stagetorch.ops.kernels.cuda_sdpa import CudaProps, sdpa_dispatch
-from stagetorch.interpreters.chunked import even_chunks
 from stagetorch.planning.planner import Planner
 from stagetorch.planning.reserved import resident_events, step_events
 
@@ -95,7 +95,7 @@ def on_cuda(graph: Graph) -> Graph:
     return graph
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def staged_for_h200(model_name: str, state: str = "none") -> tuple[Graph, Planner]:
     """The row's step staged for the H200. ``state``: "none" (no .grad before the call), "grads" (a .grad held
     that the step adds into: the accumulating row) or "optimizer" (AdamW stepping inside after ``zero_grad()``,
@@ -275,10 +275,7 @@ def test_every_row_is_data() -> None:
 # -- device44's route: staging on fake CUDA tensors for a named device ----------------------------------------
 
 
-NEEDS_ROUTE = pytest.mark.xfail(reason="needs device44's route: stagetorch.memory(step, device='H200')", strict=False)
 
-
-@NEEDS_ROUTE
 @pytest.mark.parametrize("model_name", ["resnet-ish", "gpt2-124M"])
 def test_route_whole_step_for_h200(model_name: str) -> None:
     torch.manual_seed(0)
@@ -301,4 +298,6 @@ def test_route_whole_step_for_h200(model_name: str) -> None:
             return loss
         tolerance = 0.01
     report = stagetorch.memory(step, device="H200")(x, y)
-    check(report.peak_bytes, rows(model_name, "whole")["allocated"], tolerance)
+    # The caching allocator's predicted max allocated (the cuBLAS workspaces and unsplit block remainders
+    # included), the figure torch.cuda.max_memory_allocated measured.
+    check(report.device.max_allocated_bytes, rows(model_name, "whole")["allocated"], tolerance)

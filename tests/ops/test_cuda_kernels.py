@@ -319,7 +319,7 @@ def test_cuda_autocast_casts_fake_cuda_tensors_by_cudas_lists() -> None:
     assert norm.args[0].aval.dtype == f32
     assert not torch.is_autocast_enabled("cuda")  # nothing left switched on
     # CPU's lists differ: its autocast leaves softmax and layer_norm in bfloat16
-    x, w, t = torch.randn(4, 8), torch.randn(8, 8), torch.zeros(4, dtype=torch.int64)
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         cpu = (x @ w, torch.softmax(x @ w, -1), F.layer_norm(x @ w, (8,)))
     assert [o.dtype for o in cpu] == [bf16, bf16, bf16]

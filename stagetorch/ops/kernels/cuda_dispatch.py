@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .cuda_sdpa import CudaProps, sdpa_dispatch
+from .cuda_sdpa import DEFAULT_PROPS, CudaProps, sdpa_dispatch
 
 __all__ = ["cuda_autocast_allowed", "cuda_staging"]
 
@@ -43,7 +43,7 @@ def cuda_autocast_allowed() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def cuda_staging(props: CudaProps = CudaProps(), devices: tuple[str, ...] = ("cuda",)) -> Iterator[sdpa_dispatch]:
+def cuda_staging(props: CudaProps = DEFAULT_PROPS, devices: tuple[str, ...] = ("cuda",)) -> Iterator[sdpa_dispatch]:
     """Stage under it for a GPU of ``props`` (``CudaProps(capability=(8, 0))`` for an A100): CUDA's autocast and
     CUDA's attention kernels on fake CUDA tensors (attention also on the ``devices`` given: see
     :class:`~stagetorch.ops.kernels.cuda_sdpa.sdpa_dispatch`). Yields the attention dispatcher (its ``choices``

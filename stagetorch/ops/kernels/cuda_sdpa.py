@@ -49,7 +49,7 @@ from torch.overrides import TorchFunctionMode
 from ...errors import UnsupportedOpError
 
 __all__ = [
-    "CudaProps", "SdpaCall", "select_backend", "forward_bytes", "forward_workspace", "backward_workspace", "backward_call", "sdpa_dispatch",
+    "CudaProps", "DEFAULT_PROPS", "SdpaCall", "select_backend", "forward_bytes", "forward_workspace", "backward_workspace", "backward_call", "sdpa_dispatch",
     "torch_settings", "DEFAULT_ORDER", "FLASH", "EFFICIENT", "CUDNN", "MATH",
 ]
 
@@ -65,6 +65,10 @@ class CudaProps(NamedTuple):
     prefer_cudnn: bool = False
     efficient_gqa: bool = False
     cudnn_version: int = 91002
+
+
+# A Hopper GPU as torch 2.11 drives it (the H200 measured).
+DEFAULT_PROPS = CudaProps()
 
 
 class SdpaCall(NamedTuple):
@@ -127,9 +131,9 @@ def _can_flash(c: SdpaCall, props: CudaProps) -> bool:
         return False
     if not (c.head_dim == c.value_dim and c.head_dim <= 256):
         return False
-    if c.requires_grad and ((8, 6) <= cap <= (8, 9) or (12, 0) <= cap <= (12, 1)):
-        if not (c.head_dim <= 192 or (c.dropout_p == 0.0 and c.head_dim > 224)):
-            return False
+    consumer = (8, 6) <= cap <= (8, 9) or (12, 0) <= cap <= (12, 1)
+    if c.requires_grad and consumer and not (c.head_dim <= 192 or (c.dropout_p == 0.0 and c.head_dim > 224)):
+        return False
     if c.is_causal and c.length != c.source:
         return False
     if c.dtype not in (_HALF if cap[0] >= 8 else (torch.float16,)):
@@ -182,7 +186,7 @@ def torch_settings() -> tuple[tuple[str, ...], frozenset[str]]:
     return order, frozenset(enabled)
 
 
-def select_backend(c: SdpaCall, props: CudaProps = CudaProps(), order: tuple[str, ...] = DEFAULT_ORDER,
+def select_backend(c: SdpaCall, props: CudaProps = DEFAULT_PROPS, order: tuple[str, ...] = DEFAULT_ORDER,
                    enabled: frozenset[str] = frozenset((FLASH, EFFICIENT, MATH, CUDNN))) -> str:
     """The backend a GPU of ``props`` runs ``c`` with: ``"flash"``, ``"efficient"``, ``"cudnn"`` or ``"math"``;
     the first of ``order`` that is ``enabled`` and takes the call (``order`` as PyTorch's default has it, cuDNN
@@ -321,7 +325,7 @@ class sdpa_dispatch(TorchFunctionMode):
     For staging only: on a real GPU, PyTorch's own choice is the truth (this model of it may differ, e.g. with
     another cuDNN), and a graph staged with ``devices=("cpu",)`` calls CUDA kernels on CPU tensors if run."""
 
-    def __init__(self, props: CudaProps = CudaProps(), devices: tuple[str, ...] = ("cuda",)):
+    def __init__(self, props: CudaProps = DEFAULT_PROPS, devices: tuple[str, ...] = ("cuda",)):
         super().__init__()
         self.props = props
         self.devices = tuple(devices)
