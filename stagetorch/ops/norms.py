@@ -10,8 +10,8 @@ import torch
 from ..errors import BatchStatisticsError, ShapeError
 from ..interpreters import batch_rules
 from ..interpreters.batch_rules import per_example
-from ..interpreters.batching import Chunked, LabelFn, coupling
-from ..ir import Aval, Eqn
+from ..interpreters.batching import Batched, Chunked, LabelFn, coupling
+from ..ir import Aval, Eqn, Var
 from . import layout_rules
 
 aten = torch.ops.aten
@@ -46,11 +46,32 @@ def group_norm(x: Aval, weight, bias, n, c, hw, groups, eps):  # noqa: ANN001, A
 
 # Batch rules for this family's ops (see stagetorch/interpreters/batching.py).
 
+def _instance_norm(eqn: Eqn, label: LabelFn) -> Chunked | None:
+    """Batch norm over a batch merged into its channels (``F.instance_norm`` views (B, C, L) as (1, B*C, L)):
+    each channel's statistics are one example's, so it is per example, its saved statistics per example too.
+    Only without running statistics or a weight (instance_norm's are repeated per example); else None."""
+    backward = getattr(eqn.prim, "overloadpacket", eqn.prim) is aten.native_batch_norm_backward
+    x = eqn.args[1] if backward else eqn.args[0]
+    lab = label(x)
+    if not isinstance(lab, Batched) or lab.dim != 1 or lab.outer != 1 or x.aval.shape[0] != 1:
+        return None
+    if any(isinstance(a, Var) for a in eqn.args[(2 if backward else 1) : 5]):
+        return None
+    stats = Batched(0, lab.k, 1)
+    if backward:
+        if any(label(v) != stats for v in eqn.args[5:7]):
+            return None
+        return Chunked(tuple(lab if j == 0 and v is not None else None for j, v in enumerate(eqn.outvars)))
+    return Chunked(tuple(None if v is None else (lab if j == 0 else stats) for j, v in enumerate(eqn.outvars)))
+
+
 def batch_norm_batch_rule(*, training_arg: int | None, outputs: Sequence[str | None]) -> Callable[[Eqn, LabelFn], Chunked]:
     """Batch norm: exact per chunk in eval mode (running statistics); training couples the examples."""
     inner = per_example(outputs=outputs)
 
     def rule(eqn: Eqn, label: LabelFn) -> Chunked:
+        if training_arg is not None and eqn.args[training_arg] and (own := _instance_norm(eqn, label)) is not None:
+            return own
         if training_arg is not None and eqn.args[training_arg]:
             # Named apart so that the planner can say, at a budget below every schedule, what does run.
             error = BatchStatisticsError(*coupling(

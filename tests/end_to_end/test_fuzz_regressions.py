@@ -5,7 +5,8 @@ under ``jit`` in >= 2 chunks and under ``lazy`` with a budget against eager at f
 Before the fixes: ``x.new_ones(B, C) * 2`` read as rows of the examples, a slice assignment into a clone of an
 activation (whose backward copies into ``new_empty_strided``) and ``h[arange(B), y] = v`` were refused where
 eager is per-example; CTC with length tensors raised ``KeyError`` from lazy's replay after an out-of-memory
-error; ``nn.Embedding(max_norm)`` was refused with advice (register it per-example) that is not the fix.
+error; ``nn.Embedding(max_norm)`` was refused with advice (register it per-example) that is not the fix;
+``F.instance_norm`` (batch norm over the batch merged into the channels) was refused as batch statistics.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ EXACT = {
     "index_copy_then_gathered": ("mlp", ["h = model.f(x)", "o = torch.zeros_like(h).index_copy_(1, PERM, h)",
                                          "out = model.head(o)", "loss = -(W * F.log_softmax(out, 1)[torch.arange(len(x)), y]).mean()"],
                                  {"captured": "perm_w"}),
+    "instance_norm": ("mlp", ["h = model.f(x)", "h = F.instance_norm(h[:, None, :])[:, 0]", "out = model.head(h)",
+                              "loss = F.cross_entropy(out, y)"], {}),
+    "instance_norm_channels": ("mlp", ["h = model.f(x)", "h = F.instance_norm(h.view(len(x), 4, -1)).flatten(1)",
+                                       "out = model.head(h)", "loss = F.cross_entropy(out, y)"], {"optimizer": "adamw"}),
     "deberta_relative_gather": ("seq", ["h = model.f(x)",
                                         "r = model.rel.gather(0, POS.reshape(-1, 1).expand(-1, H)).view(T, T, H)",
                                         "s = torch.einsum('bth,tsh->bts', h, r).softmax(-1)",

@@ -1,5 +1,9 @@
 """Probe: the step fuzzer's op families (issue 43) over many seeds, under jit in chunks and lazy with a budget.
 
+Last run: 2026-12-07, --seeds 0:300 (after the instance_norm rule): 370 s on a shared 2-core machine; jit 258
+exact, 10 refused where examples meet, 19 refused where eager is per-example, 13 unchunkable, 0 raw, 0 wrong;
+lazy 288 / 2 / 10 / 0 raw / 0 wrong.
+
 Random training steps from tests/support/step_fuzz_families.py (captured sources and indices, masks of every
 dtype and origin, in-place writes, picks, repeat/expand, batch statistics, reshapes, embeddings, einsum,
 scatter, losses of every reduction, count-normalised losses, issue 43's leftovers), each trained 3 optimizer
