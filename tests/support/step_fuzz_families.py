@@ -53,7 +53,6 @@ of a few dozen lines importing the rest.)
 from __future__ import annotations
 
 import collections
-import copy
 import random
 import re
 import time
@@ -262,7 +261,7 @@ def _inplace(d: _Draw) -> None:
     b = d.batch_expr()
     write = d.choice((
         [f"o = torch.zeros({b}, H, dtype=h.dtype)", f"o[:, {perm}] = h"],
-        ["o = torch.zeros_like(h).index_copy_(1, {p}, h)".format(p=perm)],
+        [f"o = torch.zeros_like(h).index_copy_(1, {perm}, h)"],
         ["o = h.new_zeros(h.shape)", f"o[:, {perm}] = h"],
         ["o = h.clone()", "o[:, :2] = 0"],
         [f"o = torch.zeros({b}, H, dtype=h.dtype)", f"o.index_add_(1, {perm}, h)"],
@@ -627,7 +626,7 @@ def _proportional(a: torch.Tensor, b: torch.Tensor) -> bool:
     if nb == 0:
         return bool((a == 0).all())
     c = (a * b).sum() / nb
-    return bool(((a - c * b).norm() <= 1e-7 * (a.norm() + c.abs() * b.norm()) + 1e-14))
+    return bool((a - c * b).norm() <= 1e-7 * (a.norm() + c.abs() * b.norm()) + 1e-14)
 
 
 def couples(case: Case) -> bool:
@@ -792,7 +791,7 @@ def summary(outcomes: list[Outcome]) -> str:
         lines.append(f"| {fam} | {len(os_)} | " + " | ".join(cells) + " |")
     messages = collections.Counter()
     for o in outcomes:
-        for v, r in o.results.items():
+        for r in o.results.values():
             if r.status.startswith("refused"):
                 messages[f"{r.status} {r.error}: " + re.sub(r"<fuzz [a-z_]+ \d+>:\d+", "<step>", r.detail)[:200]] += 1
     lines += ["", "| refusals | message |", "|---|---|"]
