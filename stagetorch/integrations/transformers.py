@@ -177,8 +177,20 @@ class StagedTrainingMixin:
     def _check_supported(self) -> None:
         """Refuse, before anything runs, a set-up whose backward is not one process's ``loss.backward()``."""
         why = None
-        if self.accelerator.distributed_type != DistributedType.NO or self.args.n_gpu > 1:
-            why = (f"it runs in one process on one device, and this run is {self.accelerator.distributed_type.value} "
+        kind = self.accelerator.distributed_type
+        if kind == DistributedType.DEEPSPEED:
+            why = ("DeepSpeed's engine runs its own backward and optimizer step, which stagetorch cannot stage. "
+                   "What to do: shard the model with PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard) and stage "
+                   "your own step with stagetorch.jit(step, process_group=..., memory_budget=...) in a plain loop "
+                   "(the FSDP2 section of the distributed page of the docs), or train under DeepSpeed without "
+                   "stagetorch")
+        elif kind == DistributedType.FSDP:
+            why = ("this run shards the model with FSDP through the Trainer, which this integration does not drive "
+                   "yet. What to do: stagetorch.jit(step, process_group=..., memory_budget=...) runs a step over a "
+                   "fully_shard (FSDP2) model exactly on the global batch: write the loop yourself, as the FSDP2 "
+                   "section of the distributed page of the docs shows")
+        elif kind != DistributedType.NO or self.args.n_gpu > 1:
+            why = (f"it runs in one process on one device, and this run is {kind.value} "
                    f"on {self.args.n_gpu} device(s). For data-parallel training stage your own step with "
                    "stagetorch.jit(step, process_group=...) (see the distributed page of the docs)")
         elif self.args.optim in (OptimizerNames.LOMO, OptimizerNames.ADALOMO):

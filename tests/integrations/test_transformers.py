@@ -261,3 +261,14 @@ def test_the_docs_example_runs_in_chunks(tmp_path, monkeypatch, capsys):
 def test_import_stagetorch_does_not_import_transformers():
     code = "import sys, stagetorch; assert 'transformers' not in sys.modules and 'accelerate' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("kind, advice", [("DEEPSPEED", "fully_shard"), ("FSDP", "FSDP2 section")])
+def test_a_sharded_run_is_refused_with_what_to_do(tmp_path, monkeypatch, kind, advice):
+    from accelerate.utils import DistributedType
+
+    trainer = StagedTrainer(model=fresh("token-lm"), args=args(tmp_path), train_dataset=padded_dataset("lm"))
+    monkeypatch.setattr(trainer.accelerator.state, "distributed_type", getattr(DistributedType, kind))
+    with pytest.raises(UnsupportedOpError, match=advice) as raised:
+        trainer._check_supported()
+    assert "What to do:" in str(raised.value)
