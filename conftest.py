@@ -14,6 +14,7 @@ stagetorch's caches cleared, so no page sees another's programs.
 from __future__ import annotations
 
 import doctest
+import logging
 import os
 import pathlib
 import subprocess
@@ -86,6 +87,8 @@ def _setup(namespace):
     namespace["_docs_cwd"] = os.getcwd()
     namespace["_docs_tmp"] = tempfile.TemporaryDirectory(prefix="stagetorch-docs-")
     namespace["_docs_threads"] = torch.get_num_threads()
+    # A page may turn the stagetorch logger up to show its plan lines: the tests after it see it as it was.
+    namespace["_docs_log_level"] = logging.getLogger("stagetorch").level
     os.chdir(namespace["_docs_tmp"].name)
     # tests/support (the seed models some pages name) is importable, as the pages' invisible blocks need; a
     # script a page runs as a program of its own imports this checkout's stagetorch.
@@ -102,6 +105,7 @@ def _teardown(namespace):
     os.chdir(namespace["_docs_cwd"])
     namespace["_docs_tmp"].cleanup()
     torch.set_num_threads(namespace["_docs_threads"])
+    logging.getLogger("stagetorch").setLevel(namespace["_docs_log_level"])
     stagetorch.clear_caches()
     sys.path.remove(str(ROOT / "tests" / "support"))
     if namespace["_docs_pythonpath"] is None:

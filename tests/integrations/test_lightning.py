@@ -7,7 +7,6 @@ error of an early step into every later weight), from the same initial weights o
 from __future__ import annotations
 
 import copy
-import pathlib
 import re
 
 import pytest
@@ -281,15 +280,6 @@ def test_mixed_precision_equals_a_plain_lightning_run(precision, budget):
         for p, q in zip(staged.parameters(), plain.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=0, atol=eps * q.abs().max().item())
         assert staged.losses == pytest.approx(plain.losses, rel=1e-2)
-
-
-def test_the_docs_example_runs_in_chunks(capsys):
-    """docs/lightning.md's complete example, as written: it trains, and its batch runs in the 3 chunks the page
-    shows."""
-    page = (pathlib.Path(__file__).parents[2] / "docs" / "lightning.md").read_text()
-    example = re.search(r"## A complete example.*?```python\n(.*?)```", page, re.S).group(1)
-    exec(compile(example, "docs/lightning.md", "exec"), {"__name__": "docs_example"})
-    assert "batch 4096 as 3 chunk(s) [1368+1368+1360]" in capsys.readouterr().out
 
 
 # -- transformers' own models on padded batches (the same models and data as the transformers Trainer test) ----

@@ -4,9 +4,6 @@ batches, whether the step runs whole, in chunks or recomputing; and a step it ca
 from __future__ import annotations
 
 import copy
-import logging
-import pathlib
-import re
 import subprocess
 import sys
 
@@ -242,20 +239,6 @@ def test_refuses_a_compiled_model_before_running(tmp_path):
     with pytest.raises(UnsupportedOpError, match="torch_compile=False"):
         trainer.train()
     assert all(torch.equal(p.detach(), b) and p.grad is None for p, b in zip(model.parameters(), before))
-
-
-def test_the_docs_example_runs_in_chunks(tmp_path, monkeypatch, capsys):
-    page = pathlib.Path(__file__).parents[2] / "docs" / "transformers-trainer.md"
-    code = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)[0]
-    monkeypatch.chdir(tmp_path)
-    logger = logging.getLogger("stagetorch")
-    level = logger.level
-    try:
-        exec(compile(code, str(page), "exec"), {"__name__": "docs_example"})
-    finally:
-        logger.setLevel(level)
-    plans = re.findall(r"-> \(([\d, ]+)\)", capsys.readouterr().out)
-    assert plans and all(len(p.split(",")) > 1 for p in plans), plans
 
 
 def test_import_stagetorch_does_not_import_transformers():

@@ -36,6 +36,17 @@ class Attention(torch.nn.Module):
         return self.head(self.drop(torch.tanh(h)).mean(1))
 
 
+@pytest.fixture(autouse=True)
+def _logger_as_a_fresh_process_has_it():
+    """The stagetorch logger at its default level (a test or page before may have turned it up): what each test
+    counts is what it turned on itself."""
+    logger = logging.getLogger("stagetorch")
+    level = logger.level
+    logger.setLevel(logging.NOTSET)
+    yield
+    logger.setLevel(level)
+
+
 def _data(batch: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(batch, 6, 16), torch.randint(0, 3, (batch,))
 
