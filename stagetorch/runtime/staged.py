@@ -21,7 +21,7 @@ from ..errors import BatchShapeError, NotATensorError, OutOfMemoryError, Unsuppo
 from ..interpreters.batching import Batched
 from ..interpreters.eager import is_dense
 from ..ir import Graph
-from ..ops.kernels.cuda_dispatch import cuda_staging
+from ..ops.kernels.cuda_dispatch import cuda_staging, no_cuda_autocast_on_cpu
 from ..ops.kernels.cuda_sdpa import CudaProps
 from ..parallel import data_parallel as distributed
 from ..parallel import fsdp
@@ -29,7 +29,7 @@ from ..planning.chunks import Plan
 from ..planning.planner import COPIES
 from ..staging.guards import MAX_OUTCOMES, Outcomes, StateWalk, flatten_args
 from ..staging.state import State, arg_names, discover, held_values
-from ..staging.tracer import Traced, leaf_names, trace
+from ..staging.tracer import Traced, leaf_names, staging_device, trace
 from ..utils import caches
 from .executable import Executable
 from .grads import accumulate_grad, install_grads
@@ -354,7 +354,11 @@ class Staged:
         on CPU fakes: see :func:`~stagetorch.staging.tracer.staging_device`)."""
         if self._fake_device is None:
             return contextlib.nullcontext()
-        return cuda_staging(CudaProps(capability=self.device.capability), devices=("cuda", "cpu"))
+        stack = contextlib.ExitStack()
+        stack.enter_context(cuda_staging(CudaProps(capability=self.device.capability), devices=("cuda", "cpu")))
+        if staging_device(self._fake_device).type == "cpu":
+            stack.enter_context(no_cuda_autocast_on_cpu(self.device.name))
+        return stack
 
     @property
     def _fake_device(self) -> torch.device | None:

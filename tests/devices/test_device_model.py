@@ -296,3 +296,25 @@ def test_a_named_card_stages_attention_with_the_kernel_cuda_picks_for_it():
     card = stagetorch.memory(step, device="H100-80GB")(ids).peak_bytes
     weights = 2 * 8 * 256 * 256 * 4  # one layer's [B, H, L, L] float32 attention weights
     assert card >= cpu + weights, (card, cpu)
+
+
+def test_cuda_autocast_planned_for_a_card_on_a_torch_without_a_gpu_is_refused_by_name():
+    """On CPU fake tensors CUDA's autocast casts nothing but attention: the step would fail on mixed dtypes or
+    be planned at float32's bytes. Refused by name, with what to do, and the same step without autocast plans."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the trace runs on fake CUDA tensors, which CUDA's autocast casts")
+    import transformers
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64,
+                                                                 n_positions=32, bos_token_id=1, eos_token_id=2))
+
+    def step(ids: torch.Tensor, autocast: bool) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss
+
+    ids = torch.randint(0, 64, (2, 32))
+    with pytest.raises(stagetorch.UnsupportedOpError, match=r"autocast\('cuda'\)[\s\S]*What to do"):
+        stagetorch.jit(step, device="H100-80GB", static_argnums=(1,)).plan(ids, True)
+    assert stagetorch.jit(step, device="H100-80GB", static_argnums=(1,)).plan(ids, False).chunk_sizes == (2,)

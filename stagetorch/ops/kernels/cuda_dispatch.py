@@ -22,10 +22,12 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 
+from ...errors import UnsupportedOpError
 from .cuda_sdpa import DEFAULT_PROPS, CudaProps, sdpa_dispatch
 
-__all__ = ["cuda_autocast_allowed", "cuda_staging"]
+__all__ = ["cuda_autocast_allowed", "cuda_staging", "no_cuda_autocast_on_cpu"]
 
 
 @contextlib.contextmanager
@@ -50,3 +52,29 @@ def cuda_staging(props: CudaProps = DEFAULT_PROPS, devices: tuple[str, ...] = ("
     list the backend of each attention call)."""
     with cuda_autocast_allowed(), sdpa_dispatch(props, devices) as mode:
         yield mode
+
+
+class no_cuda_autocast_on_cpu(TorchFunctionMode):
+    """Inside it, a step that turns on ``torch.autocast("cuda")`` while it is traced on CPU fake tensors (a
+    named card planned on a torch without a GPU: :func:`~stagetorch.staging.tracer.staging_device`) is refused
+    by name. CUDA's autocast casts only CUDA tensors: on the CPU tensors the trace runs on, it would cast
+    nothing but attention (which :class:`~stagetorch.ops.kernels.cuda_sdpa.sdpa_dispatch` casts as CUDA does),
+    and the step would fail on mixed dtypes, or be planned at float32's bytes. CPU's autocast casts by other
+    lists (softmax and layer_norm in the low dtype, not float32), so it cannot stand in without planning
+    under the GPU."""
+
+    def __init__(self, card: str):
+        super().__init__()
+        self.card = card
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if torch.is_autocast_enabled("cuda"):
+            raise UnsupportedOpError(
+                f"the step turns on torch.autocast('cuda') and is planned for {self.card} on a torch without a GPU, "
+                "where the trace runs on CPU fake tensors that CUDA's autocast does not cast: its plan would be "
+                "float32's, not what the GPU runs.\nWhat to do: plan the step on a machine with a CUDA GPU (any "
+                "card: the plan is for the card named), or plan the step with the model cast to the autocast "
+                "dtype (model.to(torch.bfloat16) without autocast: an estimate that keeps softmax, norms and "
+                "the loss in that dtype too)."
+            )
+        return func(*args, **(kwargs or {}))
