@@ -10,9 +10,11 @@ from .errors import (
     ModifiedInputError,
     NotATensorError,
     OutOfMemoryError,
+    PlanOnlyDeviceError,
     RankMismatchError,
     ShapeError,
     StagingError,
+    UnknownDeviceError,
     UnsupportedOpError,
 )
 from .interpreters.memory import MemoryReport
@@ -49,6 +51,8 @@ __all__ = [
     "OutOfMemoryError",
     "ModifiedInputError",
     "RankMismatchError",
+    "UnknownDeviceError",
+    "PlanOnlyDeviceError",
 ]
 
 __version__ = "0.1.0"

@@ -18,6 +18,8 @@ __all__ = [
     "BatchStatisticsError",
     "OutOfMemoryError",
     "ModifiedInputError",
+    "UnknownDeviceError",
+    "PlanOnlyDeviceError",
     "RankMismatchError",
 ]
 
@@ -108,3 +110,12 @@ def batch_keyword() -> str:
     """The option that sets the batch dim, as the front end running now spells it: ``batch_dim=...`` for
     ``jit`` (and ``memory``), ``batch=...`` for ``stagetorch.lazy``."""
     return "stagetorch.lazy(..., batch=...)" if _FRONT_END.get() == "lazy" else "batch_dim=..."
+
+
+class UnknownDeviceError(StagingError, ValueError):
+    """A device name that is not in the table of known GPUs (``stagetorch.devices.catalog.known_devices``)."""
+
+
+class PlanOnlyDeviceError(StagingError, RuntimeError):
+    """A step staged for a named device this process does not run on was called: it can only be planned and
+    reported (``.plan(...)``, ``stagetorch.memory``), not run."""

@@ -25,7 +25,7 @@ from typing import Any
 
 import attrs
 
-from ..errors import StagingError
+from ..errors import PlanOnlyDeviceError, UnknownDeviceError
 from .budget import format_bytes
 from .cuda_allocator import allocator_settings
 
@@ -33,15 +33,6 @@ __all__ = ["Device", "device_named", "known_devices", "UnknownDeviceError", "cub
 
 MiB = 2**20
 GiB = 2**30
-
-
-class UnknownDeviceError(StagingError, ValueError):
-    """A device name that is not in the table of known GPUs (:func:`known_devices`)."""
-
-
-class PlanOnlyDeviceError(StagingError, RuntimeError):
-    """A step staged for a named device this process does not run on was called: it can only be planned and
-    reported (``.plan(...)``, ``stagetorch.memory``), not run."""
 
 
 def cublas_workspace(capability: tuple[int, int], environ: Mapping[str, str] = os.environ) -> int:
