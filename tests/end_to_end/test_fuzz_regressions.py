@@ -114,3 +114,20 @@ def test_ctc_with_length_tensors_is_refused_by_name_not_a_raw_error():
     for v, r in outcome.results.items():
         assert r.status.startswith("refused"), (v, outcome.report())
         assert "_ctc_loss" in r.detail and "What to do" in r.detail, (v, r.detail)
+
+
+@pytest.mark.parametrize("lines, named", [
+    (["out = model(x)", "l = F.cross_entropy(out, y, reduction='none')", "loss = l[MK].mean()"], "tensor captured by the step MK"),
+    (["out = model(x)", "l = F.cross_entropy(out, y, reduction='none')", "n = int(model.mk_b.sum().item())",
+      "loss = (l * model.mk_b).sum() / max(n, 1)"], "buffer model.mk_b"),
+], ids=["bool_index", "host_count"])
+def test_a_captured_mask_read_on_the_host_is_refused_naming_the_mask_and_the_fix(lines, named):
+    """jit reads on the host only what the call's arguments fix; a mask it closed over (a global, a buffer) may
+    change between calls. ``l[MK]`` was said to depend on the parameters (``l``'s origin, which does not size
+    the result) and a buffer's read had no advice of its own (issue 43)."""
+    case = fuzz.draw(34 if "MK" in named else 8, "mask")
+    assert case.lines[:len(lines)] == lines, case.lines
+    jit = fuzz.check(case).results["jit"]
+    assert jit.status.startswith("refused") and jit.error == "ConcretizationError", jit.detail
+    assert f"depends on the {named} (read from outside the step, not passed in" in jit.detail, jit.detail
+    assert "parameter" not in jit.detail.split(":")[0] and "pass it as an argument" in jit.detail
