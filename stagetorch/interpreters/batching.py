@@ -36,6 +36,8 @@ from ..ir import Eqn, Graph, Var, op_name
 from ..registry import slot
 from ..transforms.schedule import writes
 
+aten = torch.ops.aten
+
 __all__ = [
     "Batched", "Reduced", "Global", "Chunked", "Prepass", "BatchAnalysis", "analyze", "coupling", "LabelFn",
     "rule_for",
@@ -113,6 +115,11 @@ class Chunked:
     prepass: dict = attrs.field(factory=dict)
     out_of_place: bool = False
     whole: frozenset = frozenset()
+    # ``renorm``: the equation writes a shared tensor in place, row by row, each row at most once and from that
+    # row alone (``embedding_renorm_``: a renormalised row is no longer over the norm); the chunks' writes, one
+    # after another, leave it as the whole batch's one write. Exact only where nothing reads the tensor before
+    # the last chunk but lookups of those same rows: the analysis checks the readers and refuses otherwise.
+    renorm: tuple | None = None  # (the written tensor, the indices of the rows written)
 
 
 class LabelFn:
@@ -333,6 +340,7 @@ def _analyze(
     read_late: set[Var] = set()  # storage (roots) that body or post equations read
     made_per_chunk: set[Var] = set()  # shared values body equations make: made whole again in every chunk
     captured = _not_received(graph)
+    renorms: list[tuple[int, Var, Var]] = []  # rows of a shared tensor rewritten chunk by chunk (Chunked.renorm)
 
     for i, e in enumerate(graph.eqns):
         ins = e.invars
@@ -416,6 +424,9 @@ def _analyze(
             if not isinstance(labels.get(v), Batched):
                 if decision.out_of_place and _read_only_through(graph, i, v):
                     continue
+                if decision.renorm is not None and decision.renorm[0] is v:
+                    renorms.append((i, v, decision.renorm[1]))
+                    continue
                 if (promote := _into_factory(makers, e, v, decision, labels, batch)) is not None:
                     raise promote
                 raise coupling(
@@ -452,6 +463,8 @@ def _analyze(
                 prepass[v] = decision.prepass[j]
         decisions[i] = decision
 
+    if renorms:
+        _renorm_read_only_by_lookups(graph, renorms, phases)
     return BatchAnalysis(graph, batch, labels, phases, decisions, placeholders, needs_global, prepass, dict(spanning))
 
 
@@ -580,6 +593,39 @@ def _ambiguous(
         f"broadcasting pairs it; here it is used some other way. Pass it to the staged function as an argument "
         f"(batched along its batch dim), or give it a shape whose batch dim cannot be mistaken."
     )
+
+
+def _renorm_read_only_by_lookups(graph: Graph, renorms: list[tuple[int, Var, Var]], phases: list[str]) -> None:
+    """Each of ``renorms`` (equation, shared tensor, indices) rewrites rows of a shared tensor chunk by chunk
+    (:attr:`Chunked.renorm`): a chunk's write covers only its own examples' rows, so until the last chunk has
+    run the tensor is the whole batch's only at the rows some chunk has rewritten. A row is either as it was or
+    rewritten, and rewriting it again leaves it be, so a lookup by indices a rewrite before it covered reads the
+    whole batch's rows. Refuses any other reader that could see a row before then: what is not such a lookup,
+    a rewrite or an alias (``weight.detach()``), unless it runs after every chunk (an optimizer's update)."""
+    for root in dict.fromkeys(v.root for _, v, _ in renorms):
+        mine = {i: ids for i, v, ids in renorms if v.root is root}
+        first, covered = min(mine), set()
+        for j in range(first, len(graph.eqns)):
+            e = graph.eqns[j]
+            if j in mine:
+                covered.add(mine[j])
+                continue
+            if not any(v.root is root for v in e.invars) or phases[j] == "post" or _packet(e.prim) in _ALIASES:
+                continue
+            if _packet(e.prim) is aten.embedding and len(e.args) > 1 and e.args[1] in covered:
+                continue
+            raise coupling(
+                graph.eqns[first],
+                f"renormalises in place the rows the chunk's indices read, and {op_name(e.prim)} at {e.source} "
+                "then reads that weight other than by a lookup of indices renormalised before it (a chunk would "
+                "see the rows later chunks renormalise still unrenormalised)",
+                "renormalise before the call, outside the staged function (with torch.no_grad(): "
+                "torch.embedding_renorm_(emb.weight, ids, max_norm, norm_type)) and build the embedding without "
+                "max_norm (the same values and gradients), or run without chunking (a larger memory_budget)",
+            )
+
+
+_ALIASES = (aten.detach, aten.alias)  # the same storage, no value read: a later reader of it is checked
 
 
 def _read_only_through(graph: Graph, i: int, written: Var) -> bool:

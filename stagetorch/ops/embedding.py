@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from ..errors import BatchCouplingError, UnsupportedOpError
+from ..errors import BatchCouplingError
 from ..interpreters.batching import Batched, Chunked, LabelFn, Reduced, coupling
-from ..ir import Aval, Eqn, Var, op_name
+from ..ir import Aval, Eqn, Var
 
 aten = torch.ops.aten
 
@@ -25,16 +25,18 @@ def embedding(eqn: Eqn, label: LabelFn) -> Chunked:
 
 def embedding_renorm_(eqn: Eqn, label: LabelFn) -> Chunked:
     """``nn.Embedding(max_norm=...)``'s forward renormalises, in place in the parameter, the rows the batch's
-    indices read: a write into a parameter inside the step, which the chunks cannot each make (refused by
-    name, with the equivalent spelling; stagetorch.lazy runs it as eager does)."""
-    raise UnsupportedOpError(
-        f"{op_name(eqn.prim)} at {eqn.source} (nn.Embedding with max_norm, or F.embedding(..., max_norm=...)) "
-        "renormalises the embedding rows the batch reads, in place in the parameter, inside the step; "
-        "stagetorch.jit cannot split that write over chunks of the batch.\nWhat to do: renormalise before the "
-        "call, outside the staged function (with torch.no_grad(): torch.embedding_renorm_(emb.weight, ids, "
-        "max_norm, norm_type)) and build the embedding without max_norm (the same values and gradients), or "
-        "run the step with stagetorch.lazy(...), or without chunking (a larger memory_budget)."
-    )
+    indices read. Each chunk renormalises its own examples' rows: a row is scaled from its own values alone, and
+    once scaled its norm is no longer over ``max_norm``, so a later chunk reading it leaves it be; after the last
+    chunk the weight is the whole batch's one renormalisation. The lookup that follows reads only its chunk's
+    rows (the analysis refuses any other reader of the weight before every chunk has run), and the lookup's
+    backward does not read the weight. (In float32 a renormalised row's norm can round to just over
+    ``max_norm``; a row two chunks read is then scaled again, by about one ulp: eager's next step does the same.)"""
+    weight, indices = eqn.args[0], eqn.args[1]
+    if label(weight) is not None:
+        raise coupling(eqn, "renormalises a per-example table", "keep embedding tables shared")
+    if label(indices) is None:  # (not reached: an equation with no per-example input runs once, before the chunks)
+        return Chunked((None,))
+    return Chunked((None,), renorm=(weight, indices), whole=frozenset({weight}))
 
 
 def embedding_dense_backward(eqn: Eqn, label: LabelFn) -> Chunked:

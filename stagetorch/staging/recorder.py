@@ -252,6 +252,10 @@ class Recorder:
             outvars = tuple(self.var(t) if isinstance(t, torch.Tensor) else None for t in flatten(out))
             host.shaped(Eqn(func, in_args, in_kwargs, outvars, src), real, src)
             return out
+        if func in _MASKABLE and len(in_args) > 1 and (masks := [
+                t for t in in_args[1] if isinstance(t, Var) and t.aval.dtype in (torch.bool, torch.uint8)]):
+            # x[mask]: only the masks' values size the result, whatever ``x`` was computed from (issue 43)
+            ins = masks
         depends_on = self._depends_on([v for v in ins if not host.is_known([v])])
         known = [v for v in ins if host.is_known([v])]
         if known and (names := _operand_names(func, in_args, in_kwargs)):
@@ -303,7 +307,7 @@ class Recorder:
             grad = [self.fakes[order[v]].requires_grad for v in found[role]]
             if role in ("arg", "const") and all(grad):
                 parts[-1] += " (which requires grad)" if len(names) == 1 else " (which require grad)"
-            elif role == "const" and not any(grad):
+            elif role in ("const", "buffer") and not any(grad):
                 # (a global or attribute needing no gradient: the program is staged once, its value may change)
                 parts[-1] += (" (read from outside the step, not passed in: its value may change between calls; "
                               "pass it as an argument to read it on the host)")

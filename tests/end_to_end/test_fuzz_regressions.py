@@ -5,7 +5,8 @@ under ``jit`` in >= 2 chunks and under ``lazy`` with a budget against eager at f
 Before the fixes: ``x.new_ones(B, C) * 2`` read as rows of the examples, a slice assignment into a clone of an
 activation (whose backward copies into ``new_empty_strided``) and ``h[arange(B), y] = v`` were refused where
 eager is per-example; CTC with length tensors raised ``KeyError`` from lazy's replay after an out-of-memory
-error; ``nn.Embedding(max_norm)`` was refused with advice (register it per-example) that is not the fix;
+error; ``nn.Embedding(max_norm)`` was refused with advice (register it per-example) that is not the fix, then refused by
+name though chunking it is exact (each chunk renormalises its own rows; it now runs in chunks);
 ``F.instance_norm`` (batch norm over the batch merged into the channels) was refused as batch statistics.
 """
 
@@ -67,12 +68,35 @@ def test_found_by_the_fuzzer_runs_in_chunks_as_eager(name):
     assert outcome.results["jit"].chunks >= 2
 
 
-def test_embedding_max_norm_is_refused_in_jit_chunks_by_name_and_runs_in_lazy():
-    case = fuzz.Case("regression", 5, 19, "tokens", ["out = model(x)", "loss = F.cross_entropy(out, y)"],
-                     emb_kwargs={"max_norm": 0.5}, optimizer="adamw")
+@pytest.mark.parametrize("lines", [
+    ["out = model(x)", "loss = F.cross_entropy(out, y)"],
+    # two lookups, each renormalising its own indices' rows (the second a subset of the first's)
+    ["h = model.f(model.emb(x)[:, 0] + model.emb(x[:, -1]))", "out = model.head(h)", "loss = F.cross_entropy(out, y)"],
+], ids=["one_lookup", "two_lookups"])
+def test_embedding_max_norm_runs_in_jit_chunks_as_eager(lines):
+    """``nn.Embedding(max_norm)`` renormalises, in place in the weight, the rows the batch reads. Each chunk
+    renormalises its own rows; a row once renormalised is not over the norm, so a later chunk leaves it be: the
+    chunks' lookups, the gradients and the weight after the step are eager's (issue 43; it was refused by name)."""
+    case = fuzz.Case("regression", 5, 19, "tokens", list(lines), emb_kwargs={"max_norm": 0.5}, optimizer="adamw")
     outcome = fuzz.check(case)
     jit = outcome.results["jit"]
-    assert jit.status == "refused-needless" and jit.error == "UnsupportedOpError", outcome.report()
+    assert jit.status == "exact" and jit.chunks >= 2, outcome.report()
+    if not any("[:, -1]" in line for line in lines):  # (lazy refuses two lookups: ModifiedInputError, issue 43)
+        assert outcome.results["lazy"].status == "exact", outcome.report()
+
+
+@pytest.mark.parametrize("line", [
+    # a tied output layer: reads every row of the weight, some not yet renormalised in an early chunk
+    "e = model.emb(x).mean(1)\nout = model.head(model.f(e)) + (e @ model.emb.weight.t())[:, :C]",
+    # a penalty on the whole weight after the lookup: it would run before the chunks, on the rows unrenormalised
+    "out = model(x) + 1e-2 * model.emb.weight.pow(2).sum()",
+], ids=["tied_weight", "weight_penalty"])
+def test_embedding_max_norm_read_whole_after_the_lookup_is_refused_in_jit_chunks_by_name(line):
+    case = fuzz.Case("regression", 5, 19, "tokens", [*line.split("\n"), "loss = F.cross_entropy(out, y)"],
+                     emb_kwargs={"max_norm": 0.5}, optimizer="sgd")
+    outcome = fuzz.check(case)
+    jit = outcome.results["jit"]
+    assert jit.status.startswith("refused") and jit.error == "BatchCouplingError", outcome.report()
     assert "embedding_renorm_" in jit.detail and "What to do: renormalise before the call" in jit.detail
     assert outcome.results["lazy"].status == "exact", outcome.report()
 
@@ -90,3 +114,20 @@ def test_ctc_with_length_tensors_is_refused_by_name_not_a_raw_error():
     for v, r in outcome.results.items():
         assert r.status.startswith("refused"), (v, outcome.report())
         assert "_ctc_loss" in r.detail and "What to do" in r.detail, (v, r.detail)
+
+
+@pytest.mark.parametrize("lines, named", [
+    (["out = model(x)", "l = F.cross_entropy(out, y, reduction='none')", "loss = l[MK].mean()"], "tensor captured by the step MK"),
+    (["out = model(x)", "l = F.cross_entropy(out, y, reduction='none')", "n = int(model.mk_b.sum().item())",
+      "loss = (l * model.mk_b).sum() / max(n, 1)"], "buffer model.mk_b"),
+], ids=["bool_index", "host_count"])
+def test_a_captured_mask_read_on_the_host_is_refused_naming_the_mask_and_the_fix(lines, named):
+    """jit reads on the host only what the call's arguments fix; a mask it closed over (a global, a buffer) may
+    change between calls. ``l[MK]`` was said to depend on the parameters (``l``'s origin, which does not size
+    the result) and a buffer's read had no advice of its own (issue 43)."""
+    case = fuzz.draw(34 if "MK" in named else 8, "mask")
+    assert case.lines[:len(lines)] == lines, case.lines
+    jit = fuzz.check(case).results["jit"]
+    assert jit.status.startswith("refused") and jit.error == "ConcretizationError", jit.detail
+    assert f"depends on the {named} (read from outside the step, not passed in" in jit.detail, jit.detail
+    assert "parameter" not in jit.detail.split(":")[0] and "pass it as an argument" in jit.detail
