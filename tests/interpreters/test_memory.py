@@ -101,6 +101,16 @@ _TOLERANCE: dict[tuple[str, str], float] = {("lstm", "no_grad"): 0.05}
 
 # -- measured = predicted, on every path --------------------------------------------------------------------
 
+@pytest.mark.xfail(strict=True, reason="a bug found in session 16, not fixed: the first lazy call of a step (no "
+                   "program made yet in the process) plans the MHA model's flush with 10,112 B held beside the "
+                   "program in chunks [4+4+4+4] and runs 7.5 KB (7%) above that plan; later calls plan [6+6+4] "
+                   "with nothing held, to the byte. Seen on torch 2.11 and 2.13, before this session's changes too")
+def test_a_first_lazy_call_is_planned_as_it_runs():
+    stagetorch.clear_caches()
+    predicted, measured, _, _ = measure("mha", "lazy_chunked", warm=False)
+    assert abs(measured - predicted) <= 0.02 * predicted, (predicted, measured)
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_measured_peak_is_the_predicted_peak_under_the_budget(name, path):
