@@ -17,7 +17,7 @@ import torch
 
 from .errors import StagingError, UnsupportedOpError
 
-__all__ = ["Aval", "Var", "Literal", "SourceInfo", "Eqn", "Graph", "GraphError", "check", "op_name", "iter_vars", "restrided"]
+__all__ = ["Aval", "Var", "Literal", "SourceInfo", "Eqn", "Graph", "GraphError", "check", "op_name", "iter_vars", "restrided", "contiguous_strides"]
 
 _DTYPE_NAMES = {
     torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
@@ -96,6 +96,15 @@ class Var:
 
     def __repr__(self) -> str:
         return f"Var({self.aval})"
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous (row-major) tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def restrided(strides: tuple[int, ...] | None, shape: tuple[int, ...], new_shape: tuple[int, ...]) -> tuple[int, ...] | None:

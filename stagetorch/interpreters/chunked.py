@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import torch
 
-from ..ir import Aval, Eqn, Graph, Literal, Var, iter_vars, restrided
+from ..ir import Aval, Eqn, Graph, Literal, Var, contiguous_strides, iter_vars, restrided
 from ..transforms.schedule import fold_partials, writes
 from ..utils.tree import map_leaves
 from .batching import BatchAnalysis, Batched, Global, Prepass, Reduced, coupling
@@ -46,16 +46,8 @@ def _chunk_var(v: Var, label: Any, n: int) -> Var:
     dense, a copy laid out as ``v`` is: see :func:`_gapped`)."""
     aval = _chunk_aval(v, label, n)
     if _gapped(v, label):
-        return Var(aval, strides=restrided(v.strides or _dense_strides(v.aval.shape), v.aval.shape, aval.shape))
+        return Var(aval, strides=restrided(v.strides or contiguous_strides(v.aval.shape), v.aval.shape, aval.shape))
     return Var(aval, strides=v.strides)
-
-
-def _dense_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _gapped(v: Var, label: Any) -> bool:
@@ -65,7 +57,7 @@ def _gapped(v: Var, label: Any) -> bool:
     if not isinstance(label, Batched) or label.outer != 1:
         return False  # an outer-batched cut is made by a reshape, which copies where it must
     shape = v.aval.shape
-    strides = v.strides or _dense_strides(shape)
+    strides = v.strides or contiguous_strides(shape)
     return any(shape[d] != 1 and strides[d] > strides[label.dim] for d in range(len(shape)) if d != label.dim)
 
 

@@ -23,7 +23,7 @@ import torch
 from torch._prims_common import compute_elementwise_output_strides
 
 from ..devices.budget import format_bytes
-from ..ir import Eqn, Graph, SourceInfo, Var, op_name
+from ..ir import Eqn, Graph, SourceInfo, Var, contiguous_strides, op_name
 from ..registry import slot
 from ..transforms.commit import commit_plan, may_commit
 from ..transforms.schedule import Liveness, liveness, scheduled
@@ -89,14 +89,6 @@ _CONTIGUOUS_OUT = {
 }
 
 
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for size in reversed(shape):
-        strides.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 class Layouts:
     """``layouts(v)``: the strides ``v`` of ``graph`` has when the graph runs, where the IR says them, else
     None. A value the tracer saw carries its strides (``Var.strides``: the tracer's fake tensors are laid
@@ -127,7 +119,7 @@ class Layouts:
 
     def _fresh(self, e: Eqn, v: Var) -> tuple[int, ...] | None:
         packet = getattr(e.prim, "overloadpacket", None)
-        contiguous = _contiguous(v.aval.shape)
+        contiguous = contiguous_strides(v.aval.shape)
         if packet in _CONTIGUOUS_OUT:
             return contiguous
         if torch.Tag.pointwise in getattr(e.prim, "tags", ()) and all(x.aval.shape == v.aval.shape for x in e.invars):
