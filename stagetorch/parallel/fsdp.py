@@ -93,14 +93,16 @@ class FsdpMemory:
     unsharded_grads: int  # every unit's unsharded gradient, this rank's partial sum: outputs of the program
     scatter_buffer: int  # the largest unit's padded gradients, every rank's share (one reduce-scatter's input)
     new_grad_shards: int  # the sharded .grad the scatter makes (1/N of the unsharded gradients, padded)
-    # The largest unit's all-gather output (FSDP2 frees it after the copy-out, but gloo's worker thread may
-    # hold it until later: measured alive at the program's peak in some steps, which step varying by run).
+    # FSDP2 frees a unit's all-gather output after its copy-out, but a backend may hold it longer. gloo holds
+    # finished collectives' outputs past their return, for no fixed time (measured: none, one, or every unit's
+    # alive at the program's peak, varying by step and run, also after a 20 ms sleep or a barrier): on gloo,
+    # every unit's output; on other backends (NCCL: not measured), the largest unit's.
     gather_buffer: int = 0
 
     @property
     def beside(self) -> int:
         """What the call holds beside the program while it runs: the shards (and the sharded .grad it adds
-        into), and one all-gather buffer."""
+        into), and the all-gather outputs the backend may keep."""
         return self.sharded_params + self.sharded_grads + self.gather_buffer
 
     def scatter_peak(self, resident: int) -> int:
@@ -119,7 +121,7 @@ class Units:
         # id(unsharded parameter) -> (its name, the sharded DTensor parameter)
         self.sharded: dict[int, tuple[str, Any]] = {}
         self._gathered = False
-        self.gather_buffer = 0  # the bytes of the largest unit's all-gather output (its padded parameters)
+        self.gather_buffer = 0  # the all-gather outputs (padded parameters) that may stay alive: FsdpMemory
         self.unit_of: dict[int, int] = {}  # id(sharded parameter) -> the index of its unit
 
     def _own_parameters(self, unit: torch.nn.Module) -> list[torch.Tensor]:
@@ -161,7 +163,8 @@ class Units:
                 self.unit_of.setdefault(key, k)
             sizes.append(sum(math.ceil(p.shape[0] / self.size) * self.size * (p.numel() // max(p.shape[0], 1))
                              * p.element_size() for p in own.values() if p.ndim))
-        self.gather_buffer = max(sizes, default=0)
+        lingers = dist.get_backend(self.group) == "gloo"
+        self.gather_buffer = sum(sizes) if lingers else max(sizes, default=0)
         for _, unit in self.units:
             unit.unshard()
         self._gathered = True

@@ -292,10 +292,10 @@ def check_exact_and_within(got: dict) -> None:
         assert len(got["chunks"]) > 1 or got["recomputes"], got["chunks"]
     first, last = got["peaks"]
     assert got["planned"] <= got["budget"] and first <= got["budget"] and last <= got["budget"], got
-    # The plan counts one unit's all-gather output, which gloo may keep past the gather (measured alive at the
-    # program's peak in some steps, which ones varying by run): measured 0.64-1.025 of the plan (an empty
-    # rank's plan is a chunk of one's), 1.0005 where that buffer stayed. Under the budget always.
-    assert max(first, last) <= got["planned"] * 1.05, (got["peaks"], got["planned"], got["memory"])
+    # The plan counts every unit's all-gather output, which gloo may keep past the gather (measured alive at
+    # the program's peak: none, one or all of them, varying by step and run; with one unit's counted, 1.10x the
+    # plan was measured): measured 0.64-1.0 of the plan (an empty rank's plan is a chunk of one's).
+    assert max(first, last) <= got["planned"] * 1.01, (got["peaks"], got["planned"], got["memory"])
 
 
 @pytest.mark.parametrize("name", ["mlp_reshard", "mlp_keep_and_empty_rank", "gpt2_reshard", "gpt2_keep"])
