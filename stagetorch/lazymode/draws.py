@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..ir import Eqn, Var
 from ..transforms.rng import replayable
+from ..transforms.schedule import draws_random
 from ..utils.tree import map_leaves
 
 __all__ = ["draws_from_default", "draw_on_stand_ins", "COUNTED_BY_VALUES"]
@@ -39,8 +40,9 @@ COUNTED_BY_VALUES = frozenset({_aten.poisson, _aten.binomial, _aten._standard_ga
 
 def draws_from_default(e: Eqn) -> bool:
     """Whether ``e`` draws from a CPU or CUDA device's default generator (not from a ``generator=`` of its
-    own, whose state a step cannot save)."""
-    return replayable(e)
+    own, whose state a step cannot save). An attention kernel whose ``dropout_p`` is 0 takes no number: drawing
+    it again on stand-ins would only cost its whole batch's memory at the call (:func:`draws_random`)."""
+    return replayable(e) and draws_random(e)
 
 
 def _stand_in(v: Var, known: Mapping[Var, torch.Tensor]) -> torch.Tensor:

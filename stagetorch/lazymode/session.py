@@ -41,7 +41,7 @@ from ..runtime.grads import accumulate_grad
 from ..staging.recorder import Recorder
 from ..staging.source import user_frame
 from ..transforms import rng
-from ..transforms.schedule import writes
+from ..transforms.schedule import draws_random, writes
 from . import mode as _mode
 from . import shard
 from .backward import BackwardSkip
@@ -878,7 +878,7 @@ def _beside(draw: Eqn, maker: dict[Var, Eqn]) -> list[Var]:
 
 def _draws(e: Any) -> bool:
     """Whether equation ``e`` draws random numbers (dropout's ``bernoulli_``, ``rand_like``)."""
-    return isinstance(e.prim, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in e.prim.tags
+    return isinstance(e.prim, torch._ops.OpOverload) and draws_random(e)
 
 
 def _is_write(e: Any) -> bool:

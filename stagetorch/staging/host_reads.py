@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..ir import Eqn, SourceInfo, Var
 from ..transforms import rng
+from ..transforms.schedule import draws_random
 from ..utils.tree import flatten, map_leaves
 
 __all__ = ["HostRead", "HostTrace", "HostProgram", "is_seed", "mask_positions"]
@@ -105,7 +106,7 @@ def _is_draw(e: Eqn) -> bool:
     draw = _DRAWS.get(e.prim)
     if draw is None:
         draw = _DRAWS[e.prim] = isinstance(e.prim, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in e.prim.tags
-    return draw
+    return draw and draws_random(e)  # (not an attention kernel whose dropout_p is 0: its arguments say)
 
 
 def _stand_in(v: Var) -> torch.Tensor:

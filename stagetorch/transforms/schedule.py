@@ -66,16 +66,24 @@ def is_random(e: Eqn) -> bool:
 
 
 def draws_random(e: Eqn) -> bool:
-    """``e`` draws random numbers: a random op, unless its dropout probability is 0 (attention kernels are
-    tagged random for the dropout they may apply)."""
+    """``e`` draws random numbers: a random op, unless it is an attention kernel whose ``dropout_p`` is 0
+    (tagged random for the dropout it may apply, it then takes no number) or a dropout with ``train`` off.
+    A dropout or ``bernoulli_`` of probability 0 in training still takes its numbers (measured: the
+    generator moves), as does every other random op. tests/transforms/test_draws.py checks each against
+    the generator."""
     if not is_random(e):
         return False
     schema = getattr(e.prim, "_schema", None)
     if schema is None:
         return True
+    names = [a.name for a in schema.arguments]
+    if "dropout_p" not in names and "train" not in names:
+        return True
     named = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
-    named |= dict(zip((a.name for a in schema.arguments), e.args)) | e.kwargs
-    return named.get("dropout_p", named.get("p")) != 0
+    named |= dict(zip(names, e.args)) | e.kwargs
+    if "dropout_p" in names:
+        return not (isinstance(named.get("dropout_p"), (int, float)) and named["dropout_p"] == 0)
+    return named.get("train") is not False
 
 
 def has_effect(e: Eqn) -> bool:
