@@ -306,7 +306,7 @@ class World:
 @attrs.frozen
 class StepRecord:
     loss: torch.Tensor
-    logits: torch.Tensor
+    out: torch.Tensor  # the step's other output (the logits)
     grads: tuple
     params: tuple  # after the optimizer's step
 
@@ -368,19 +368,22 @@ def train(world: World, call) -> list[StepRecord]:
     return records
 
 
-def difference(got: list[StepRecord], expected: list[StepRecord]) -> str | None:
-    """What differs first (loss, logits, a .grad, a weight after SGD), or None."""
+def difference(got: list[StepRecord], expected: list[StepRecord], tol: dict = TOL) -> str | None:
+    """What differs first (loss, outputs, a .grad, a weight after the optimizer's step), or None; NaN equals
+    NaN where eager has it too. Shared by both fuzzers (step_fuzz_families passes its own ``tol``)."""
     for k, (a, b) in enumerate(zip(got, expected, strict=True)):
-        pairs = [("loss", a.loss, b.loss), ("logits", a.logits, b.logits)]
+        pairs = [("loss", a.loss, b.loss), ("outputs", a.out, b.out)]
         pairs += [(f".grad of parameter {i}", g, e) for i, (g, e) in enumerate(zip(a.grads, b.grads))]
-        pairs += [(f"parameter {i} after SGD", g, e) for i, (g, e) in enumerate(zip(a.params, b.params))]
+        pairs += [(f"parameter {i} after the step", g, e) for i, (g, e) in enumerate(zip(a.params, b.params))]
         for what, g, e in pairs:
             if (g is None) != (e is None):
                 return f"step {k} {what}: {g is None=}, eager's {e is None=}"
             if e is None:
                 continue
+            if g.shape != e.shape:
+                return f"step {k} {what}: shape {tuple(g.shape)}, eager's {tuple(e.shape)}"
             try:
-                torch.testing.assert_close(g, e, **TOL)
+                torch.testing.assert_close(g, e, **tol, equal_nan=True)
             except AssertionError as error:
                 rel = ((g - e).norm() / e.norm().clamp_min(1e-30)).item()
                 return f"step {k} {what}: relative error {rel:.3g}; " + " ".join(str(error).split())[:300]

@@ -59,9 +59,11 @@ import time
 import traceback
 
 import attrs
+import step_fuzz
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from step_fuzz import StepRecord
 
 import stagetorch
 from stagetorch.errors import OutOfMemoryError, StagingError
@@ -557,14 +559,6 @@ def _args(case: Case, k: int, perturb: tuple[int, ...] = ()) -> tuple[torch.Tens
 # -- running, comparing, classifying -----------------------------------------------------------------------------
 
 
-@attrs.frozen
-class StepRecord:
-    loss: torch.Tensor
-    out: torch.Tensor
-    grads: tuple
-    params: tuple
-
-
 def _optimizer(case: Case, model: nn.Module):
     if case.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -586,21 +580,8 @@ def train(world: World, call, steps: int = 3) -> list[StepRecord]:
 
 
 def difference(got: list[StepRecord], expected: list[StepRecord]) -> str | None:
-    for k, (a, b) in enumerate(zip(got, expected, strict=True)):
-        pairs = [("loss", a.loss, b.loss), ("outputs", a.out, b.out)]
-        pairs += [(f".grad of parameter {i}", g, e) for i, (g, e) in enumerate(zip(a.grads, b.grads))]
-        pairs += [(f"parameter {i} after the step", g, e) for i, (g, e) in enumerate(zip(a.params, b.params))]
-        for what, g, e in pairs:
-            if (g is None) != (e is None):
-                return f"step {k} {what}: {g is None=}, eager's {e is None=}"
-            if e is None:
-                continue
-            if g.shape != e.shape:
-                return f"step {k} {what}: shape {tuple(g.shape)}, eager's {tuple(e.shape)}"
-            if not torch.allclose(g, e, **TOL, equal_nan=True):
-                rel = ((g - e).norm() / e.norm().clamp_min(1e-30)).item()
-                return f"step {k} {what}: relative error {rel:.3g}"
-    return None
+    """What differs first, or None (step_fuzz's comparison, at this fuzzer's tolerance)."""
+    return step_fuzz.difference(got, expected, TOL)
 
 
 def _row_grads(case: Case, perturb: tuple[int, ...]) -> torch.Tensor:
