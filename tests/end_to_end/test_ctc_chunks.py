@@ -46,7 +46,7 @@ def batch(k: int, *, zero_inf: bool = False) -> tuple:
     return x, targets, il, tl
 
 
-def step_of(model: nn.Module, reduction: str, zero_infinity: bool = False, lists: bool = False):
+def step_of(model: nn.Module, reduction: str, zero_infinity: bool = False):
     def step(x, targets, il, tl):
         loss = F.ctc_loss(model(x), targets, il, tl, reduction=reduction, zero_infinity=zero_infinity)
         if reduction == "none":
@@ -62,8 +62,8 @@ def train_against_eager(reduction: str, *, zero_infinity: bool = False, lists: b
     model = Net().double()
     reference = copy.deepcopy(model)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, reference))
-    staged = stagetorch.jit(step_of(model, reduction, zero_infinity, lists))
-    eager = step_of(reference, reduction, zero_infinity, lists)
+    staged = stagetorch.jit(step_of(model, reduction, zero_infinity))
+    eager = step_of(reference, reduction, zero_infinity)
     plans = []
     for k in range(STEPS):
         x, *rest = batch(k, zero_inf=zero_infinity)
@@ -96,24 +96,12 @@ def test_ctc_zero_infinity_in_chunks_equals_eager():
     train_against_eager("mean", zero_infinity=True)
 
 
-def test_ctc_lengths_as_lists_with_mean_in_chunks_equal_eager():
-    """Lists of lengths: ``mean`` builds a tensor of them in C++, which the trace builds from the same Python
-    data instead (a constant the chunks are cut from)."""
-    train_against_eager("mean", lists=True)
-
-
-def test_ctc_lengths_as_lists_with_sum_is_refused_in_chunks_naming_the_fix():
-    """Without ``mean`` the lists reach the kernel as lists, a chunk's share of which it cannot be given."""
-    torch.manual_seed(0)
-    staged = stagetorch.jit(step_of(Net().double(), "sum", lists=True))
-    x, targets, il, tl = batch(0)
-    rest = [targets, il.tolist(), tl.tolist()]
-    staged(x, *rest)  # whole: runs
-    with pytest.raises(stagetorch.UnsupportedOpError) as err:
-        budget_for(staged, x, *rest, chunks=2)
-        staged(x, *rest)
-    msg = str(err.value)
-    assert "_ctc_loss" in msg and "Python lists" in msg and "pass the lengths as tensors" in msg, msg
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_ctc_lengths_as_lists_in_chunks_equal_eager(reduction):
+    """Lists of lengths (a new list each step): the trace holds them as tensor constants, which the chunks are
+    cut from (the kernels' tensor overloads); ``mean`` builds a tensor of them in C++, which the trace builds
+    from the same Python data instead."""
+    train_against_eager(reduction, lists=True)
 
 
 def test_ctc_concatenated_targets_run_whole_and_are_refused_in_chunks_naming_padded_targets():
@@ -182,3 +170,19 @@ def test_ctc_under_lazy_with_a_budget_runs_in_chunks_and_equals_eager():
             assert rel(p.grad, q.grad) < 1e-12, (k, name)
         opt.step()
         ref_opt.step()
+
+
+def test_ctc_lengths_as_lists_under_lazy_in_chunks_are_refused_naming_the_fix():
+    """lazy records the kernel with its Python lists (a chunk cannot be given its share of one): named."""
+    torch.manual_seed(0)
+    model = Net().double()
+    staged = stagetorch.jit(step_of(copy.deepcopy(model), "sum"))
+    x, targets, il, tl = batch(0)
+    budget = budget_for(staged, x, targets, il, tl, chunks=3)
+    with pytest.raises(stagetorch.UnsupportedOpError) as err:
+        xs = stagetorch.lazy(x, targets, batch=0, memory_budget=budget)
+        loss = F.ctc_loss(model(xs[0]), xs[1], il.tolist(), tl.tolist(), reduction="sum")
+        loss.backward()
+        loss.value()
+    msg = str(err.value)
+    assert "_ctc_loss" in msg and "Python lists" in msg and "pass the lengths as tensors" in msg, msg
