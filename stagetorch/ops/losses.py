@@ -404,7 +404,15 @@ MEMORY: dict = {op: keeps_unreduced(arg) for op, arg in _KEEPS_UNREDUCED.items()
 
 
 # Workspace rules: op -> rule(eqn) -> bytes the kernel allocates inside itself (see stagetorch/interpreters/memory.py).
+def ctc_loss_backward_workspace(e: Eqn) -> int:
+    """The backward's table of backward log-probabilities, made like the forward's alignment table (CPU and
+    CUDA kernels alike: ``empty_like(log_alpha)``), counted at the table's staged (widest) shape."""
+    log_alpha = e.args[6] if len(e.args) > 6 else e.kwargs["log_alpha"]
+    return log_alpha.aval.nbytes
+
+
 WORKSPACE: dict = {
+    aten._ctc_loss_backward: ctc_loss_backward_workspace,
     aten.mse_loss: loss_workspace(2, "structured"),
     aten.smooth_l1_loss: loss_workspace(2, "structured"),
     aten.huber_loss: loss_workspace(2, "fresh"),
