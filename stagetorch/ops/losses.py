@@ -338,7 +338,8 @@ def ctc_loss_batch_rule(eqn: Eqn, label: LabelFn) -> Chunked:
     reduction (``mean``: each loss over its target length, then the batch's mean) is ordinary ops after it.
 
     Refused by name: lengths given as Python lists (a chunk's share of a list is not an operand it can be cut
-    from) and concatenated 1-D targets (where a chunk's targets begin follows from the lengths' values)."""
+    from; jit's recorder stages them as tensors, so this is lazy's case) and concatenated 1-D targets (where a
+    chunk's targets begin follows from the lengths' values)."""
     backward = eqn.prim in (aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)
     ops = _ctc_operands(eqn, backward)
     where = f"{op_name(eqn.prim)} at {eqn.source} (F.ctc_loss)"
