@@ -409,13 +409,7 @@ def _analyze(
             )
         rule = rule_for(e.prim)
         if rule is None:
-            raise UnsupportedOpError(
-                f"{op_name(e.prim)} at {e.source} reads a per-example value, and stagetorch has no batch rule "
-                f"for it, so it cannot tell whether running it on a chunk of the batch is exact.\nWhat to do: "
-                f"teach it with one line, e.g. for an op that treats each example independently along dim 0: "
-                f"stagetorch.ops.register(torch.ops.{op_name(_packet(e.prim))}, "
-                f"batch=stagetorch.ops.per_example()), or run without chunking (a larger memory_budget)."
-            )
+            raise UnsupportedOpError(_no_rule_message(e, batched, labels))
         try:
             decision = rule(e, LabelFn(labels, batch, makers))
         except BatchCouplingError as error:
@@ -466,6 +460,31 @@ def _analyze(
     if renorms:
         _renorm_read_only_by_lookups(graph, renorms, phases)
     return BatchAnalysis(graph, batch, labels, phases, decisions, placeholders, needs_global, prepass, dict(spanning))
+
+
+def _no_rule_message(e: Eqn, batched: list[Var], labels: dict[Var, Any]) -> str:
+    """The refusal of a body equation whose op has no batch rule. Its advice, ``per_example``, is given for
+    the dim its per-example operands have the batch on here (the step's ``batch_dim``, or another after a
+    transpose), which is the dim ``per_example`` must be told; none where they disagree."""
+    dims = sorted({labels[v].dim for v in batched})
+    name = f"torch.ops.{op_name(_packet(e.prim))}"
+    if len(dims) == 1:
+        how = (
+            f"teach it with one line if it treats each example independently along dim {dims[0]} (where its "
+            f"per-example operands have the batch here): stagetorch.ops.register({name}, "
+            f"batch=stagetorch.ops.per_example({f'dim={dims[0]}' if dims[0] else ''}))"
+        )
+    else:
+        how = (
+            f"its per-example operands have the batch on different dims ({', '.join(map(str, dims))}), which "
+            f"stagetorch.ops.per_example cannot express: register a batch rule of its own "
+            f"(stagetorch.ops.register({name}, batch=...), see stagetorch.interpreters.batching.Chunked)"
+        )
+    return (
+        f"{op_name(e.prim)} at {e.source} reads a per-example value, and stagetorch has no batch rule for it, so "
+        f"it cannot tell whether running it on a chunk of the batch is exact.\nWhat to do: {how}, or run "
+        "without chunking (a larger memory_budget)."
+    )
 
 
 def _not_received(graph: Graph) -> set[Var]:

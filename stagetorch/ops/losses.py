@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
+import attrs
 import torch
 
 from ..errors import ShapeError, UnsupportedOpError
 from ..interpreters import shape_rules
-from ..interpreters.batching import Chunked, Global, LabelFn, Prepass, Reduced, coupling, elementwise
+from ..interpreters.batching import Batched, Chunked, Global, LabelFn, Prepass, Reduced, coupling, elementwise
 from ..interpreters.memory import MemoryEffect
 from ..ir import Aval, Eqn, Var, op_name
 from ..registry import slot
@@ -277,6 +278,28 @@ def multi_margin(*, backward: bool) -> Callable[[Eqn, LabelFn], Chunked]:
     return rule
 
 
+def _ctc_width(targets: Aval, target_lengths: Any) -> int:
+    """The longest target CTC's alignment table has room for: the longest of ``target_lengths`` where they are
+    Python ints; for length tensors (whose values the trace does not hold) the padded targets' width ``S`` of
+    ``(N, S)``, or for concatenated ``(sum of lengths,)`` targets their total, each at least the longest."""
+    if isinstance(target_lengths, (list, tuple)):
+        return max((int(t) for t in target_lengths), default=0)
+    return targets.shape[1] if targets.ndim == 2 else targets.shape[0]
+
+
+def ctc_loss_shape(log_probs: Aval, targets: Aval, input_lengths: Any, target_lengths: Any, blank: int = 0,
+                   zero_infinity: bool = False) -> tuple[Aval, Aval]:
+    """``_ctc_loss``: each example's negative log-likelihood ``(N,)`` and the alignment table
+    ``(N, T, 2 * width + 1)`` (:func:`_ctc_width`). The kernel sizes the table by the longest target it is given,
+    which is data where the lengths are a tensor: there the shape is the most it can be (the memory interpreter
+    counts that much), and only the backward reads it, which reads no column past an example's own targets."""
+    if log_probs.ndim != 3:
+        raise ShapeError(f"aten._ctc_loss: log_probs {log_probs} is not (T, N, C)")
+    t, n = log_probs.shape[:2]
+    width = _ctc_width(targets, target_lengths)
+    return Aval((n,), log_probs.dtype, log_probs.device), Aval((n, t, 2 * width + 1), log_probs.dtype, log_probs.device)
+
+
 # Shape rules: op -> rule(*args with Avals, **kwargs) -> Aval | tuple[Aval, ...]
 SHAPE: dict = {
     aten.nll_loss_forward: nll_loss_forward,
@@ -285,19 +308,72 @@ SHAPE: dict = {
         shape_rules.broadcast_shapes("mse_loss", x, y) if reduction == 0 else (), shape_rules.result_dtype(x, y), x.device
     ),
     aten.mse_loss_backward: lambda grad, x, y, reduction: Aval(x.shape, x.dtype, x.device),
+    aten._ctc_loss: ctc_loss_shape,
+    aten._ctc_loss_backward: lambda grad, log_probs, *args, **kwargs: Aval(log_probs.shape, log_probs.dtype, log_probs.device),
 }
 
 
 # Batch rules: op -> rule(eqn, label) -> Chunked (see stagetorch/interpreters/batching.py)
+
+@attrs.frozen
+class CtcTable(Batched):
+    """CTC's alignment table in a chunk: a row per example, as wide as the chunk's longest target, so no slice
+    of the whole batch's. It may not leave the chunk (a result the chunks' rows are concatenated into)."""
+
+    chunk_local: ClassVar[bool] = True  # see stagetorch.interpreters.chunked._check_chunk_local
+
+
+def _ctc_operands(eqn: Eqn, backward: bool) -> dict[str, Any]:
+    names = ("grad",) * backward + ("log_probs", "targets", "input_lengths", "target_lengths")
+    names += ("neg_log_likelihood", "log_alpha") if backward else ()
+    return {name: eqn.args[i] if i < len(eqn.args) else eqn.kwargs.get(name) for i, name in enumerate(names)}
+
+
 def ctc_loss_batch_rule(eqn: Eqn, label: LabelFn) -> Chunked:
-    """CTC's alignment table (its forward's second output, its backward's input) is as long as the largest
-    target length of the examples it holds: a chunk's is not a slice of the whole batch's. Refused by name."""
-    raise UnsupportedOpError(
-        f"{op_name(eqn.prim)} at {eqn.source} (F.ctc_loss) keeps an alignment table as long as the batch's "
-        "longest target, which a chunk of the batch does not share, and stagetorch has no rule that runs it per "
-        "chunk.\nWhat to do: run the step without chunking (a larger memory_budget), or compute the CTC loss "
-        "outside the staged function."
-    )
+    """``_ctc_loss`` and its backward: each example's loss and alignment table follow from its own column of
+    ``log_probs`` ``(T, N, C)`` (batch at dim 1), its own row of padded targets ``(N, S)`` and its own lengths,
+    so a chunk runs them on its own examples. The table is as wide as the chunk's longest target, narrower than
+    the whole batch's; it never leaves the chunk (the backward reads it there, and reads no column past an
+    example's own targets), and its shape as staged is the most it can be (:func:`ctc_loss_shape`). The
+    reduction (``mean``: each loss over its target length, then the batch's mean) is ordinary ops after it.
+
+    Refused by name: lengths given as Python lists (a chunk's share of a list is not an operand it can be cut
+    from; jit's recorder stages them as tensors, so this is lazy's case) and concatenated 1-D targets (where a
+    chunk's targets begin follows from the lengths' values)."""
+    backward = eqn.prim in (aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)
+    ops = _ctc_operands(eqn, backward)
+    where = f"{op_name(eqn.prim)} at {eqn.source} (F.ctc_loss)"
+    if any(isinstance(ops[k], (list, tuple)) for k in ("input_lengths", "target_lengths")):
+        raise UnsupportedOpError(
+            f"{where} has its input or target lengths as Python lists, and a chunk of the batch cannot be given "
+            "its share of a list, so it cannot run in chunks.\nWhat to do: pass the lengths as tensors of "
+            "shape (N,) (torch.tensor(lengths)), or run without chunking (a larger memory_budget)."
+        )
+    if ops["targets"].aval.ndim != 2:
+        raise UnsupportedOpError(
+            f"{where} has its targets concatenated into one 1-D tensor, where the targets of a chunk of the batch "
+            "begin at a place that follows from the lengths' values, so it cannot run in chunks.\nWhat to do: "
+            "pass padded 2-D targets of shape (N, S) (each row an example's target, padded to the longest), or "
+            "run without chunking (a larger memory_budget)."
+        )
+    where_dim = {k: (1 if k == "log_probs" else 0) for k in ops}
+    cut: dict = {}
+    for k, v in ops.items():
+        if not isinstance(v, Var):
+            continue
+        want = Batched(where_dim[k])
+        lab = label(v)
+        if lab is None:
+            if v.aval.ndim <= where_dim[k] or v.aval.shape[where_dim[k]] != label.batch:
+                raise coupling(eqn, f"reads {k} {v.aval} with no entry per example", f"give {k} one per example")
+            cut[v] = want
+        elif (lab.dim, lab.k, lab.outer) != (want.dim, 1, 1) or (k != "log_alpha" and type(lab) is not Batched):
+            raise coupling(
+                eqn, f"has the batch of {k} at dim {lab.dim} (k={lab.k}, outer={lab.outer})",
+                f"keep the batch at dim {where_dim[k]} of {k}: log_probs (T, N, C), the rest (N, ...)",
+            )
+    out = (Batched(1),) if backward else (Batched(0), CtcTable(0))
+    return Chunked(out, slice=cut)
 
 
 BATCH: dict = {
@@ -329,7 +405,15 @@ MEMORY: dict = {op: keeps_unreduced(arg) for op, arg in _KEEPS_UNREDUCED.items()
 
 
 # Workspace rules: op -> rule(eqn) -> bytes the kernel allocates inside itself (see stagetorch/interpreters/memory.py).
+def ctc_loss_backward_workspace(e: Eqn) -> int:
+    """The backward's table of backward log-probabilities, made like the forward's alignment table (CPU and
+    CUDA kernels alike: ``empty_like(log_alpha)``), counted at the table's staged (widest) shape."""
+    log_alpha = e.args[6] if len(e.args) > 6 else e.kwargs["log_alpha"]
+    return log_alpha.aval.nbytes
+
+
 WORKSPACE: dict = {
+    aten._ctc_loss_backward: ctc_loss_backward_workspace,
     aten.mse_loss: loss_workspace(2, "structured"),
     aten.smooth_l1_loss: loss_workspace(2, "structured"),
     aten.huber_loss: loss_workspace(2, "fresh"),

@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import ConcretizationError, ShapeError, StagingError, UnsupportedOpError
 from ..ir import Aval, Eqn, SourceInfo, Var, iter_vars, op_name
@@ -182,6 +183,10 @@ class Recorder:
         return tree, tree
 
     def record(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, src: SourceInfo | None = None) -> Any:
+        if func in _LENGTH_LISTS and self.host is not None:
+            # (jit's traces only: a lazy session replays a recording with the constants among a call's own
+            # arguments, which these are not)
+            func, args, kwargs = _lengths_as_tensors(func, args, kwargs)
         args, in_args = self._bind(args)
         if kwargs:
             bound = {k: self._bind(v) for k, v in kwargs.items()}
@@ -324,6 +329,11 @@ class Recorder:
         except StagingError:
             raise
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
+            # An explicit shape rule that sizes the output from the operands' shapes alone (CTC's alignment
+            # table, as wide as its padded targets allow) speaks for a kernel whose size follows from data.
+            out = _from_rule(func, args, kwargs, mode)
+            if out is not None:
+                return out
             raise ConcretizationError(concretization_message(func, src)) from e
         except UnsupportedOperatorException as e:
             out = _from_rule(func, args, kwargs, mode)
@@ -446,6 +456,25 @@ def _rule_says(func: Any, args: tuple, kwargs: dict) -> str | None:
     except Exception:  # the rule has nothing clearer to say than the kernel
         return None
     return None
+
+
+# CTC's kernels given their lengths as Python lists -> the overload that takes them as tensors, and the
+# positions of the lengths. As tensors they are constants of the trace, which a chunk of the batch is cut
+# from (a chunk cannot be given its share of a list: stagetorch.ops.losses, ctc_loss_batch_rule); the
+# kernels compute the same (the tensor overloads read the lengths back as lists).
+_LENGTH_LISTS = {
+    torch.ops.aten._ctc_loss.default: (torch.ops.aten._ctc_loss.Tensor, (2, 3)),
+    torch.ops.aten._ctc_loss_backward.default: (torch.ops.aten._ctc_loss_backward.Tensor, (3, 4)),
+}
+
+
+def _lengths_as_tensors(func: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+    overload, positions = _LENGTH_LISTS[func]
+    if kwargs or any(not isinstance(args[i], (list, tuple)) for i in positions if i < len(args)):
+        return func, args, kwargs
+    with _disable_current_modes():  # real tensors, lifted as constants
+        args = tuple(torch.tensor(a, dtype=torch.long) if i in positions else a for i, a in enumerate(args))
+    return overload, args, kwargs
 
 
 _MASKABLE = frozenset({

@@ -70,6 +70,19 @@ class _ReadsData(Exception):
 
 
 _SPLITS = frozenset({torch.tensor_split, torch.Tensor.tensor_split})
+_CTC = frozenset({torch.nn.functional.ctc_loss, torch.ctc_loss})
+
+
+def _ctc_length_tensors(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """CTC's lengths given as Python lists, as the tensors eager's ``mean`` builds from them in C++ (which reads
+    a tensor's data): built here from the same Python data, constants of the trace, the same losses."""
+    args = list(args)
+    for i, name in ((2, "input_lengths"), (3, "target_lengths")):
+        if i < len(args) and isinstance(args[i], (list, tuple)):
+            args[i] = torch.tensor(args[i], dtype=torch.long)
+        elif isinstance(kwargs.get(name), (list, tuple)):
+            kwargs = {**kwargs, name: torch.tensor(kwargs[name], dtype=torch.long)}
+    return tuple(args), kwargs
 
 
 class _ReadConstants(TorchFunctionMode):
@@ -88,6 +101,8 @@ class _ReadConstants(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _SPLITS:
             args, kwargs = self._split_points(func, args, kwargs)
+        elif func in _CTC:
+            args, kwargs = _ctc_length_tensors(args, kwargs)
         try:
             return func(*args, **kwargs)
         except RuntimeError as e:
