@@ -1,8 +1,9 @@
 """FSDP2 (``fully_shard``) under ``jit(process_group=)``, on gloo processes, against one process on the global batch.
 
 Each rank shards its own copy of a model (a float64 MLP whose layers' rows do not divide by the group's size,
-so FSDP2 pads them; a tiny transformers GPT-2 with tied embeddings and padded, attention-masked sequences)
-with ``fully_shard`` per layer or block and at the root, takes its shard of a global batch (sizes uneven, one
+so FSDP2 pads them; tiny transformers models on padded, attention-masked sequences: GPT-2 with tied
+embeddings, Llama with grouped-query attention and rotary positions, BERT as a masked LM) with
+``fully_shard`` per layer or block and at the root, takes its shard of a global batch (sizes uneven, one
 rank possibly empty), and runs three AdamW steps under ``stagetorch.jit(step, memory_budget=..., process_group=)``
 with a budget below the step's unchunked peak. The same rank also runs a plain copy of the model on the whole
 global batch eagerly: the losses and the parameters (gathered from the shards) must agree to float rounding.
@@ -50,11 +51,41 @@ def gpt2() -> nn.Module:
     return tf.GPT2LMHeadModel(config).double().train()
 
 
+def llama() -> nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                            bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+    return tf.LlamaForCausalLM(config).double().train()
+
+
+def bert() -> nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                           attention_probs_dropout_prob=0.0, pad_token_id=0)
+    return tf.BertForMaskedLM(config).double().train()
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The units fully_shard makes below the root: each decoder block or encoder layer, each Linear."""
+    if hasattr(model, "transformer"):  # GPT-2
+        return list(model.transformer.h)
+    if hasattr(model, "bert"):
+        return list(model.bert.encoder.layer)
+    if hasattr(model, "model"):  # Llama
+        return list(model.model.layers)
+    return [m for m in model if isinstance(m, nn.Linear)]
+
+
 def shard_model(model: nn.Module, reshard_after_forward: bool) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    blocks = model.transformer.h if hasattr(model, "transformer") else [m for m in model if isinstance(m, nn.Linear)]
-    for block in blocks:
+    for block in _blocks(model):
         fully_shard(block, reshard_after_forward=reshard_after_forward)
     return fully_shard(model, reshard_after_forward=reshard_after_forward)
 
@@ -75,6 +106,16 @@ def gpt2_batch(n: int) -> tuple[torch.Tensor, ...]:
     return ids, mask, labels
 
 
+def bert_batch(n: int) -> tuple[torch.Tensor, ...]:
+    """gpt2_batch's padded sequences, a third of the real tokens masked ([MASK] = 1) and labelled (-100 else)."""
+    ids, mask, _ = gpt2_batch(n)
+    g = torch.Generator().manual_seed(2)
+    picked = (torch.rand(ids.shape, generator=g) < 0.34) & (mask == 1)
+    picked[:, 0] = True  # every sequence has a label
+    labels = ids.masked_fill(~picked, -100)
+    return ids.masked_fill(picked, 1), mask, labels
+
+
 def mlp_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
@@ -83,7 +124,9 @@ def gpt2_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, labels: t
     return model(input_ids=ids, attention_mask=mask, labels=labels).loss
 
 
-MODELS = {"mlp": (mlp, mlp_batch, mlp_loss), "gpt2": (gpt2, gpt2_batch, gpt2_loss)}
+# The transformers models' loss reads the same keywords (input_ids, attention_mask, labels).
+MODELS = {"mlp": (mlp, mlp_batch, mlp_loss), "gpt2": (gpt2, gpt2_batch, gpt2_loss),
+          "llama": (llama, gpt2_batch, gpt2_loss), "bert": (bert, bert_batch, gpt2_loss)}
 
 
 def train(name: str, sizes: list[int], reshard_after_forward: bool) -> dict:
@@ -162,6 +205,16 @@ def gpt2_reshard(world: int) -> dict:
 @case
 def gpt2_keep(world: int) -> dict:
     return train("gpt2", [5, 2], False) if world == 2 else {}
+
+
+@case
+def llama_reshard(world: int) -> dict:
+    return train("llama", [3, 5], True) if world == 2 else {}
+
+
+@case
+def bert_reshard(world: int) -> dict:
+    return train("bert", [5, 3], True) if world == 2 else {}
 
 
 @case
@@ -298,7 +351,8 @@ def check_exact_and_within(got: dict) -> None:
     assert max(first, last) <= got["planned"] * 1.01, (got["peaks"], got["planned"], got["memory"])
 
 
-@pytest.mark.parametrize("name", ["mlp_reshard", "mlp_keep_and_empty_rank", "gpt2_reshard", "gpt2_keep"])
+@pytest.mark.parametrize("name", ["mlp_reshard", "mlp_keep_and_empty_rank", "gpt2_reshard", "gpt2_keep",
+                                  "llama_reshard", "bert_reshard"])
 @pytest.mark.parametrize("rank", [0, 1])
 def test_two_ranks_exact_within_budget(two, name, rank):
     got = result(two, name, rank)
