@@ -246,7 +246,8 @@ def accumulates(world: int) -> dict:
 @case
 def refusals(world: int) -> dict:
     """Refused by name, on every rank, before anything changes: a fully_shard-ed model under jit without
-    process_group=, and one whose MixedPrecisionPolicy gathers its parameters in another dtype."""
+    process_group=, one whose MixedPrecisionPolicy gathers its parameters in another dtype, and the one-line
+    mode (lazy) on fully_shard-ed models."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = shard_model(mlp(), True)
@@ -271,6 +272,51 @@ def refusals(world: int) -> dict:
         except stagetorch.errors.UnsupportedOpError as e:
             out[name] = str(e)
         out[name + "_untouched"] = all(p.grad is None for p in net.parameters())
+    out.update(lazy_refusals(model, x, y))
+    return out
+
+
+class KeywordsOnly(nn.Module):
+    """The MLP called with keywords alone (as transformers models are: model(input_ids=...))."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, *, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def lazy_refusals(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """The one-line mode on fully_shard-ed models (with and without process_group=; the batch positional or
+    a keyword): refused by name at the call, before FSDP2's hooks gather anything: the shards, their .grad
+    and FSDP2's state unchanged (the model then trains eagerly as before)."""
+    from torch.distributed.fsdp import fully_shard
+
+    keywords = KeywordsOnly()
+    for layer in keywords.net:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(keywords)
+    out = {}
+    for name, net, kwargs, call in [
+        ("lazy", model, {"process_group": dist.group.WORLD}, lambda net, lx: net(lx)),
+        ("lazy_no_group", model, {}, lambda net, lx: net(lx)),
+        ("lazy_keywords", keywords, {"process_group": dist.group.WORLD}, lambda net, lx: net(x=lx)),
+    ]:
+        before = [p.to_local().clone() for p in net.parameters()]
+        try:
+            lx, ly = stagetorch.lazy(x, y, memory_budget="1GiB", **kwargs)
+            F.cross_entropy(call(net, lx).flatten(0, 1), ly.flatten()).backward()
+            out[name] = None
+        except stagetorch.errors.UnsupportedOpError as e:
+            out[name] = str(e)
+        out[name + "_untouched"] = (all(p.grad is None for p in net.parameters())
+                                    and all(torch.equal(b, p.to_local()) for b, p in zip(before, net.parameters())))
+        # FSDP2's state as it was: an eager step (its own all-gathers and reduce-scatter) runs and fills .grad.
+        F.cross_entropy(call(net, x).flatten(0, 1), y.flatten()).backward()
+        out[name + "_eager_after"] = all(p.grad is not None for p in net.parameters())
+        net.zero_grad(set_to_none=True)
     return out
 
 
@@ -380,3 +426,9 @@ def test_refused_by_name(two, rank):
     assert got["no_group"] is not None and "fully_shard" in got["no_group"] and "process_group=" in got["no_group"]
     assert got["mixed"] is not None and "MixedPrecisionPolicy" in got["mixed"] and "What to do" in got["mixed"]
     assert got["no_group_untouched"] and got["mixed_untouched"]
+    for name, module in [("lazy", "Sequential"), ("lazy_no_group", "Sequential"), ("lazy_keywords", "KeywordsOnly")]:
+        message = got[name]
+        assert message is not None, name
+        assert "stagetorch.lazy" in message and "fully_shard" in message and f"a {module} sharded" in message, message
+        assert "What to do" in message and "stagetorch.jit(step, process_group=" in message, message
+        assert got[name + "_untouched"] and got[name + "_eager_after"], name
