@@ -51,6 +51,16 @@ def gpt2() -> nn.Module:
     return tf.GPT2LMHeadModel(config).double().train()
 
 
+def deep_mlp() -> nn.Module:
+    """Deeper and narrower than mlp(), for examples of 512 rows: a chunk of one example's activations dwarf
+    the parameters (whose gradients' reduce-scatter is a floor no chunking or recompute lowers)."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(7, 32), nn.Tanh()]
+    for _ in range(4):
+        layers += [nn.Linear(32, 32), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(32, 5)).double()
+
+
 def llama() -> nn.Module:
     import transformers as tf
 
@@ -106,6 +116,11 @@ def gpt2_batch(n: int) -> tuple[torch.Tensor, ...]:
     return ids, mask, labels
 
 
+def long_batch(n: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 512, 7, dtype=torch.float64, generator=g), torch.randint(0, 5, (n, 512), generator=g)
+
+
 def bert_batch(n: int) -> tuple[torch.Tensor, ...]:
     """gpt2_batch's padded sequences, a third of the real tokens masked ([MASK] = 1) and labelled (-100 else)."""
     ids, mask, _ = gpt2_batch(n)
@@ -125,14 +140,15 @@ def gpt2_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, labels: t
 
 
 # The transformers models' loss reads the same keywords (input_ids, attention_mask, labels).
-MODELS = {"mlp": (mlp, mlp_batch, mlp_loss), "gpt2": (gpt2, gpt2_batch, gpt2_loss),
+MODELS = {"mlp": (mlp, mlp_batch, mlp_loss), "deep_mlp": (deep_mlp, long_batch, mlp_loss),
+          "gpt2": (gpt2, gpt2_batch, gpt2_loss),
           "llama": (llama, gpt2_batch, gpt2_loss), "bert": (bert, bert_batch, gpt2_loss)}
 
 
-def train(name: str, sizes: list[int], reshard_after_forward: bool) -> dict:
+def train(name: str, sizes: list[int], reshard_after_forward: bool, smallest_budget: bool = False) -> dict:
     """Three AdamW steps of the FSDP2 model under jit (each rank its shard of ``sizes``), and of a plain copy
     on the whole batch; the budget of every rank with examples is halfway between the smallest it fits
-    (chunks of one example) and its unchunked plan's peak."""
+    (chunks of one example) and its unchunked plan's peak, or (``smallest_budget``) that smallest."""
     make, batch, loss_fn = MODELS[name]
     rank = dist.get_rank()
     reference = make()
@@ -150,7 +166,7 @@ def train(name: str, sizes: list[int], reshard_after_forward: bool) -> dict:
     # GPT-2 with remat=False: chunks alone (the joint planner's search for recompute sets on GPT-2 takes most
     # of a minute on a CI core); the MLP's planner may recompute (the default), and chooses chunks.
     staged = stagetorch.jit(step, process_group=dist.group.WORLD, memory_budget=2**40,
-                            remat="auto" if name == "mlp" else False)
+                            remat="auto" if "mlp" in name else False)
     unchunked = staged.plan(*mine)
     staged.memory_budget, smallest = 1024, None
     try:
@@ -158,12 +174,19 @@ def train(name: str, sizes: list[int], reshard_after_forward: bool) -> dict:
     except stagetorch.errors.OutOfMemoryError as e:
         smallest = e.smallest_budget  # this rank's (None on an empty rank, which fits any budget)
     # (A rank of one example fits no less than its whole shard: there the smallest budget, its safety margin in.)
-    staged.memory_budget = unchunked.peak if smallest is None else max(smallest, (smallest + unchunked.peak) // 2)
+    staged.memory_budget = (unchunked.peak if smallest is None else smallest if smallest_budget
+                            else max(smallest, (smallest + unchunked.peak) // 2))
     out = {"losses": [], "ref_losses": [], "peaks": [], "budget": staged.memory_budget,
            "unchunked": unchunked.peak, "unchunked_chunks": unchunked.chunk_sizes}
     plan = staged.plan(*mine)
     out["chunks"] = plan.chunk_sizes
     out["recomputes"] = getattr(plan, "recompute", None) is not None
+    if smallest_budget:  # the smallest budget chunks alone fit: above this one
+        alone = stagetorch.jit(step, process_group=dist.group.WORLD, memory_budget=1024, remat=False)
+        try:
+            alone.plan(*mine)
+        except stagetorch.errors.OutOfMemoryError as e:
+            out["chunks_alone_fit"] = e.smallest_budget
     out["planned"] = plan.peak
     for i in range(3):
         opt.zero_grad()
@@ -195,6 +218,13 @@ def mlp_reshard(world: int) -> dict:
 @case
 def mlp_keep_and_empty_rank(world: int) -> dict:
     return train("mlp", [24, 0] if world == 2 else [8, 0, 7, 9], False)
+
+
+@case
+def mlp_recompute(world: int) -> dict:
+    """At the smallest budget each rank fits, which the planner reaches only by recomputing activations in
+    the backward (chunks alone need more: test_recompute_under_fsdp2)."""
+    return train("deep_mlp", [3, 2], True, smallest_budget=True) if world == 2 else {}
 
 
 @case
@@ -414,6 +444,14 @@ OVER_PLAN = {"llama_reshard": 1.15, "bert_reshard": 1.15}
 def test_two_ranks_exact_within_budget(two, name, rank):
     got = result(two, name, rank)
     check_exact_and_within(got, OVER_PLAN.get(name, 1.01))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_recompute_under_fsdp2(two, rank):
+    """A budget below what chunks alone fit: the plan recomputes, and is exact and within it."""
+    got = result(two, "mlp_recompute", rank)
+    assert got["recomputes"] and got["budget"] < got["chunks_alone_fit"], got
+    check_exact_and_within(got)
 
 
 # Four ranks run the MLP alone (uneven shards, one rank empty): GPT-2 on four processes passed too, but their
