@@ -14,22 +14,22 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import queue
-import time
-from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from gloo_workers import result, spawn
 from memtrack import AllocatorPeak
 
 import stagetorch
 
 CASES = {}
+# How gloo_workers.spawn runs the cases: each gets the world size; 30 s for a collective and 180 s for each
+# case's result; the time each took; a barrier before the processes leave the group.
+LAUNCH = {"argument": "world", "collective_timeout": 30, "result_timeout": 180, "timed": True, "barrier": True}
 
 
 def case(fn):
@@ -350,62 +350,14 @@ def lazy_refusals(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, store: str, results: mp.Queue, names: list[str]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=30))
-    try:
-        for name in names:
-            try:
-                start = time.perf_counter()
-                out = CASES[name](world)
-                out["seconds"] = time.perf_counter() - start
-            except Exception as e:  # reported to the test, which fails with it
-                out = {"crash": f"{type(e).__name__}: {e}"}
-            results.put((name, rank, out))
-        dist.barrier()  # without it one rank may leave while another still waits in gloo (an abort at exit)
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(tmp_path_factory, world: int, names: list[str]) -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    store = str(tmp_path_factory.mktemp(f"fsdp{world}") / "store")
-    procs = [ctx.Process(target=_worker, args=(r, world, store, results, names)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        while len(out) < world * len(names):
-            name, rank, value = results.get(timeout=180)
-            out[name, rank] = value
-    except queue.Empty:
-        pass
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    return out
-
-
 @pytest.fixture(scope="module")
 def two(tmp_path_factory) -> dict:
-    return _spawn(tmp_path_factory, 2, list(CASES))
+    return spawn(str(tmp_path_factory.mktemp("fsdp2") / "store"), 2, CASES, **LAUNCH)
 
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory) -> dict:
-    return _spawn(tmp_path_factory, 4, ["mlp_reshard"])
-
-
-def result(ranks: dict, name: str, rank: int) -> dict:
-    if (name, rank) not in ranks:
-        pytest.fail(f"rank {rank} never reported case {name} (hung or died)")
-    value = ranks[name, rank]
-    if "crash" in value:
-        pytest.fail(f"rank {rank}, case {name}: {value['crash']}")
-    return value
+    return spawn(str(tmp_path_factory.mktemp("fsdp4") / "store"), 4, CASES, ["mlp_reshard"], **LAUNCH)
 
 
 def check_exact_and_within(got: dict, over_plan: float = 1.01) -> None:
