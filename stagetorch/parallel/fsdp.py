@@ -92,7 +92,9 @@ class FsdpMemory:
     sharded_grads: int  # the sharded .grad the step adds into (0 when it is None: the step makes it)
     unsharded_params: int  # every unit's gathered parameters: inputs of the program, in its plan
     unsharded_grads: int  # every unit's unsharded gradient, this rank's partial sum: outputs of the program
-    scatter_buffer: int  # the largest unit's padded gradients, every rank's share (one reduce-scatter's input)
+    # the largest unit's padded gradients, every rank's share (one reduce-scatter's input); on gloo, with a copy
+    # of every unit's (gloo copies each input and may keep the copies)
+    scatter_buffer: int
     new_grad_shards: int  # the sharded .grad the scatter makes (1/N of the unsharded gradients, padded)
     # FSDP2 frees a unit's all-gather output after its copy-out, but a backend may hold it longer. gloo holds
     # finished collectives' outputs past their return, for no fixed time (measured: none, one, or every unit's
@@ -324,6 +326,11 @@ class Units:
         # The largest bucket: every rank's share of one unit's gradients. The outputs become the new .grad
         # shards (where there is none: else they are added in and freed).
         scatter = self.size * max(per_unit.values(), default=0)
+        if dist.get_backend(self.group) == "gloo":
+            # gloo's reduce-scatter copies its input (the profiler: c10d::_reduce_scatter_base_ > aten::clone) and,
+            # as it keeps all-gather outputs, may keep the copy past the call (measured: two units' alive at the
+            # peak, 1.004x the plan without them): every unit's bucket counted.
+            scatter += self.size * sum(per_unit.values())
         if all(self.sharded[id(t)][1].grad is not None for t in grads_of if id(t) in self.sharded):
             new_shards, scatter = 0, scatter + max(per_unit.values(), default=0)
         return FsdpMemory(
