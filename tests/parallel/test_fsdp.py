@@ -7,7 +7,10 @@ embeddings, Llama with grouped-query attention and rotary positions, BERT as a m
 rank possibly empty), and runs three AdamW steps under ``stagetorch.jit(step, memory_budget=..., process_group=)``
 with a budget below the step's unchunked peak. The same rank also runs a plain copy of the model on the whole
 global batch eagerly: the losses and the parameters (gathered from the shards) must agree to float rounding.
-Every rank's allocator peak (the profiler's allocation events) must lie under its plan and its budget.
+Every rank's allocator peak (the profiler's allocation events) must lie under its plan and its budget. A
+deeper MLP at the smallest budget recomputes; every case counts which gradients were reduce-scattered as
+partial sums. The refusals (jit without process_group=, mixed precision, lazy on a fully_shard-ed model)
+leave the shards and their .grad as they were.
 """
 
 from __future__ import annotations
