@@ -177,6 +177,9 @@ def train(name: str, sizes: list[int], reshard_after_forward: bool, smallest_bud
         staged.plan(*mine)
     except stagetorch.errors.OutOfMemoryError as e:
         smallest = e.smallest_budget  # this rank's (None on an empty rank, which fits any budget)
+    if smallest is not None:  # the smallest budget the error names fits (the reduce-scatter's floor too)
+        staged.memory_budget = smallest
+        staged.plan(*mine)
     # (A rank of one example fits no less than its whole shard: there the smallest budget, its safety margin in.)
     staged.memory_budget = (unchunked.peak if smallest is None else smallest if smallest_budget
                             else max(smallest, (smallest + unchunked.peak) // 2))
