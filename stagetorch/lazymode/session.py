@@ -35,6 +35,7 @@ from ..errors import (
 from ..interpreters.batching import Batched
 from ..interpreters.flops import graph_flops
 from ..ir import Eqn, Graph, Var, op_name
+from ..parallel import fsdp
 from ..planning import budget as margin
 from ..runtime.executable import Executable
 from ..runtime.grads import accumulate_grad
@@ -42,6 +43,7 @@ from ..staging.recorder import Recorder
 from ..staging.source import user_frame
 from ..transforms import rng
 from ..transforms.schedule import draws_random, writes
+from ..utils.tree import flat_call
 from . import mode as _mode
 from . import shard
 from .backward import BackwardSkip
@@ -105,6 +107,20 @@ class _Sessions:
 
 
 _SESSIONS = _Sessions()
+
+# Whether FSDP2's units refuse lazy tensors (fsdp.guard_calls): set by the first session once FSDP2 is imported.
+_fsdp_guarded = False
+
+
+def _refuse_lazy_inputs(unit: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """A ``fully_shard``-ed module called on lazy tensors: refused before FSDP2's hooks gather anything."""
+    if _LIVE and any(type(t) is LazyTensor for t in flat_call(args, kwargs)):
+        fsdp.refuse_lazy(unit)
+
+
+def _guard_fsdp_units() -> None:
+    global _fsdp_guarded
+    _fsdp_guarded = fsdp.guard_calls(_refuse_lazy_inputs)
 
 
 def _flush_before_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -254,6 +270,8 @@ class _Session(BackwardSkip):
         self.ref = ref = weakref.ref(self, _gone)
         _LIVE.add(ref)
         _PENDING.add(ref)
+        if not _fsdp_guarded:
+            _guard_fsdp_units()
         self.serial = next(_SERIALS)  # newer sessions have larger ones
         refs: list[weakref.ref] = []
         self.input_refs = refs

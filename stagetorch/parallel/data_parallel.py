@@ -312,8 +312,7 @@ def run_shard(
     merges = 1 + bool(split.globals) + bool(split.reduced_for_globals)
     kept = {v: i for i, v in split.graph.grads if i in keep_partial} if keep_partial else {}
     if kept:
-        read_after = {v for e in split.post.eqns for v in e.invars}
-        kept = {v: i for v, i in kept.items() if v not in read_after}
+        kept = _partial_sources(split.post, kept)
     partial: set[int] = set()
     done = 0
     merging = False
@@ -343,6 +342,44 @@ def run_shard(
             raise
         group.check(e)
         raise
+
+
+# Ops that only lay a tensor out anew: applied to each rank's partial sum, their result is the partial sum of
+# what they make of the global one (a Linear weight's gradient is the transpose of the loop's sum).
+_LAYOUT_OPS = frozenset({
+    torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default, torch.ops.aten.permute.default, torch.ops.aten.transpose.int,
+    torch.ops.aten.squeeze.dim, torch.ops.aten.unsqueeze.default,
+})
+
+
+def _partial_sources(post: Graph, grads: dict[Var, int]) -> dict[Var, int]:
+    """The loop results that may stay partial sums for the gradients ``grads`` (Var -> input position): a
+    gradient the post phase does not make or read, or the loop's sum a chain of layout ops in the post phase
+    turns into it, read by nothing else there."""
+    made = {o: e for e in post.eqns for o in e.outvars}
+    outputs = set(post.outvars)  # a loop result the post phase hands on as it is must be the global one
+    readers: dict[Var, int] = {}
+    for e in post.eqns:
+        for v in e.invars:
+            readers[v] = readers.get(v, 0) + 1
+    out = {}
+    for v, i in grads.items():
+        cur = v
+        while cur in made:
+            e = made[cur]
+            ins = list(e.invars)
+            if e.prim not in _LAYOUT_OPS or len(ins) != 1 or len(e.outvars) != 1:
+                break
+            if readers.get(cur, 0) != (0 if cur is v else 1) or (cur is not v and cur in outputs):
+                break
+            cur = ins[0]
+        if cur in made:  # not a loop result (or not by layout ops alone): merged
+            continue
+        if readers.get(cur, 0) != (0 if cur is v else 1) or (cur is not v and cur in outputs):
+            continue
+        out[cur] = i
+    return out
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -44,7 +44,8 @@ from ..errors import UnsupportedOpError
 # torch 2.13 renamed reduce_scatter_tensor (and warns on the old name); torch 2.11 has only that.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-__all__ = ["Units", "unit_class", "find_units", "gathered", "hooks_off", "refuse_sharded", "FsdpMemory"]
+__all__ = ["Units", "unit_class", "find_units", "gathered", "hooks_off", "refuse_sharded", "refuse_lazy", "guard_calls",
+           "FsdpMemory"]
 
 
 def _fsdp_classes() -> tuple[type, type] | None:
@@ -91,7 +92,9 @@ class FsdpMemory:
     sharded_grads: int  # the sharded .grad the step adds into (0 when it is None: the step makes it)
     unsharded_params: int  # every unit's gathered parameters: inputs of the program, in its plan
     unsharded_grads: int  # every unit's unsharded gradient, this rank's partial sum: outputs of the program
-    scatter_buffer: int  # the largest unit's padded gradients, every rank's share (one reduce-scatter's input)
+    # the largest unit's padded gradients, every rank's share (one reduce-scatter's input); on gloo, with a copy
+    # of every unit's (gloo copies each input and may keep the copies)
+    scatter_buffer: int
     new_grad_shards: int  # the sharded .grad the scatter makes (1/N of the unsharded gradients, padded)
     # FSDP2 frees a unit's all-gather output after its copy-out, but a backend may hold it longer. gloo holds
     # finished collectives' outputs past their return, for no fixed time (measured: none, one, or every unit's
@@ -323,6 +326,11 @@ class Units:
         # The largest bucket: every rank's share of one unit's gradients. The outputs become the new .grad
         # shards (where there is none: else they are added in and freed).
         scatter = self.size * max(per_unit.values(), default=0)
+        if dist.get_backend(self.group) == "gloo":
+            # gloo's reduce-scatter copies its input (the profiler: c10d::_reduce_scatter_base_ > aten::clone) and,
+            # as it keeps all-gather outputs, may keep the copy past the call (measured: two units' alive at the
+            # peak, 1.004x the plan without them): every unit's bucket counted.
+            scatter += self.size * sum(per_unit.values())
         if all(self.sharded[id(t)][1].grad is not None for t in grads_of if id(t) in self.sharded):
             new_shards, scatter = 0, scatter + max(per_unit.values(), default=0)
         return FsdpMemory(
@@ -385,3 +393,46 @@ def refuse_sharded(where: str, m: torch.nn.Module, process_group: Any) -> None:
             "stagetorch.jit(step, process_group=...) gathers them (one-line mode, lazy(..., process_group=), does "
             "not).\nWhat to do: stage the step with stagetorch.jit(process_group=)."
         )
+
+
+# What guard_calls installed: the checks every FSDP2 unit's call runs first.
+_CALL_CHECKS: list[Callable[[torch.nn.Module, tuple, dict], None]] = []
+
+
+def guard_calls(check: Callable[[torch.nn.Module, tuple, dict], None]) -> bool:
+    """Have every ``fully_shard``-ed module's call run ``check(module, args, kwargs)`` before its forward hooks
+    (FSDP2's pre-hook all-gathers the unit's parameters): a ``__call__`` on FSDP2's ``FSDPModule``, which the
+    class ``fully_shard`` makes of a module's puts first in its order, then the module's own call. Installed
+    once per process (idempotent), only where FSDP2 is imported: the modules that are not units, and every
+    module where it is not, keep nn.Module's call untouched (no global hook: those enter ``jit``'s cache key
+    and slow every module's call). Returns whether it is installed."""
+    classes = _fsdp_classes()
+    if classes is None:
+        return False
+    unit = classes[0]
+    if check not in _CALL_CHECKS:
+        _CALL_CHECKS.append(check)
+    if "__call__" not in unit.__dict__:
+
+        def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            for c in _CALL_CHECKS:
+                c(self, args, kwargs)
+            return super(unit, self).__call__(*args, **kwargs)
+
+        unit.__call__ = __call__
+    return True
+
+
+def refuse_lazy(unit: torch.nn.Module) -> None:
+    """Raise for a ``fully_shard``-ed module called on lazy tensors (one-line mode), before its FSDP2 hooks run:
+    they would gather, free and reduce-scatter its parameters behind the recorded step."""
+    classes = _fsdp_classes()
+    plain = next((c for c in type(unit).__mro__ if classes is None or not issubclass(c, classes[0])), type(unit))
+    raise UnsupportedOpError(
+        f"stagetorch.lazy: a lazy tensor reached a {plain.__name__} sharded by FSDP2 (fully_shard). The one-line "
+        "mode does not gather FSDP2's shards nor reduce-scatter its gradients, and FSDP2's own hooks would free "
+        "the gathered parameters the recorded step reads. Nothing ran: the parameters, their .grad and FSDP2's "
+        "state are as they were.\nWhat to do: write the step as a function and stage it with "
+        "stagetorch.jit(step, process_group=...) (the group fully_shard's mesh uses, e.g. dist.group.WORLD), "
+        "which gathers the units, runs the chunks and reduce-scatters the gradients into the shards."
+    )

@@ -498,6 +498,16 @@ class Staged:
         budget = self._budget(executable, inputs)
         plan = executable.shard_plan(local, budget, (memory.beside, why))
         scatter = memory.scatter_peak(executable.resident_bytes(inputs))
+        if isinstance(plan, OutOfMemoryError) and plan.smallest_budget is not None and plan.smallest_budget < scatter:
+            # The program alone would fit from its smallest budget on, but the reduce-scatter after it peaks
+            # higher whatever the chunks: that is the smallest budget.
+            plan = OutOfMemoryError(
+                f"with FSDP2's shards ({format_bytes(memory.beside)}) beside it, the reduce-scatter of the unsharded "
+                f"gradients after the chunks peaks at {format_bytes(scatter)} whatever the chunks (the program "
+                f"alone fits from {format_bytes(plan.smallest_budget)}), against a budget of "
+                f"{format_bytes(budget)}.\nWhat to do: raise memory_budget to at least {scatter} bytes."
+            )
+            plan.smallest_budget = scatter
         if not isinstance(plan, OutOfMemoryError):
             held = plan.held_bytes + memory.beside
             plan = attrs.evolve(plan, held_bytes=held, phase_peak_bytes=max(plan.phase_peak_bytes, scatter - held),

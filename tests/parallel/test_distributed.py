@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import re
 from collections.abc import Callable
-from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from gloo_workers import result, spawn
 from memtrack import AllocatorPeak
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -770,50 +768,10 @@ def remat_rank(rank: int) -> dict:
             "recomputes": type(plan).__name__ == "RematPlan"}
 
 
-def _worker(rank: int, store: str, results: mp.Queue, names: list[str]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=20))
-    try:
-        for name in names:
-            try:
-                out = CASES[name](rank)
-            except Exception as e:  # reported to the test, which fails with it
-                out = {"crash": f"{type(e).__name__}: {e}"}
-            results.put((name, rank, out))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> dict:
     """Every case's result per rank: {(case, rank): result}."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    store = str(tmp_path_factory.mktemp("dist") / "store")
-    procs = [ctx.Process(target=_worker, args=(r, store, results, list(CASES))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        while len(out) < WORLD * len(CASES):
-            name, rank, value = results.get(timeout=120)
-            out[name, rank] = value
-    except queue.Empty:
-        pass
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    return out
-
-
-def result(ranks: dict, name: str, rank: int) -> dict:
-    if (name, rank) not in ranks:
-        pytest.fail(f"rank {rank} never reported case {name} (hung or died)")
-    value = ranks[name, rank]
-    if "crash" in value:
-        pytest.fail(f"rank {rank}, case {name}: {value['crash']}")
-    return value
+    return spawn(str(tmp_path_factory.mktemp("dist") / "store"), WORLD, CASES)
 
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:
