@@ -60,6 +60,17 @@ __all__ = ["Planner", "held_beside", "recall", "remember", "COPIES"]
 log = logging.getLogger("stagetorch")
 
 
+def _saying_where(short: OutOfMemoryError, coupled: BatchCouplingError) -> OutOfMemoryError:
+    """The cut's error (no budget below ``short``'s smallest runs the step cut where its examples meet) with
+    why the analysis found them meeting there and what it advised (``coupled``): where that is a batch on the
+    wrong dim, moving it is the real fix, and the cut's error alone would only ask for more memory."""
+    why, _, fix = str(coupled).partition("\nWhat to do: ")
+    said = f"{short}\nWhy they meet there: {why.split(chr(10))[0]}"
+    if fix:
+        said += f"\nOr, if they should not meet there: {fix.split(chr(10))[0].split('. Recomputing ')[0].rstrip('.')}."
+    return OutOfMemoryError(said).copy_from(short)
+
+
 @attrs.define
 class Planner:
     """The plans of one staged graph: per budget, its chunk sizes, and with ``remat`` what it recomputes.
@@ -165,7 +176,10 @@ class Planner:
                     if self.cut_coupled and self._useless_cut is not None:
                         raise self._no_cut_helps(coupled, self._useless_cut, budget) from None
                     raise
-                self.plans[key] = plan_cut(cut, budget, self._full_peak, self.cap, coupled.smallest_budget)
+                try:
+                    self.plans[key] = plan_cut(cut, budget, self._full_peak, self.cap, coupled.smallest_budget)
+                except OutOfMemoryError as short:
+                    raise _saying_where(short, coupled) from None
         return self.plans[key]
 
     def _chunks_within_reserved(self, budget: int) -> Plan:
