@@ -3,6 +3,8 @@ against eager at float64, several optimizer steps, under budgets down to the flo
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -345,3 +347,60 @@ def test_below_the_whole_batch_where_no_cut_helps_names_the_smallest_budget(rema
     staged.memory_budget = smallest * 99 // 100  # and nothing below it does
     with pytest.raises(stagetorch.OutOfMemoryError):
         staged.plan(*data[0])
+
+
+def _clip() -> nn.Module:
+    """transformers' CLIPModel from a tiny config (two towers of 2 layers, 32 wide), float64, no dropout."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    text = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=16, bos_token_id=0, eos_token_id=2, pad_token_id=1)
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, image_size=16,
+                  patch_size=4)
+    return tf.CLIPModel(tf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).double().train()
+
+
+@pytest.mark.parametrize("fraction", [0.4, 0.6])
+def test_transformers_clip_cut_in_chunks_is_exact_and_planned_at_the_allocator(fraction):
+    """A real contrastive model (transformers' CLIPModel, padded captions, return_loss=True) under budgets that
+    need its step cut where the examples meet (remat off): three SGD steps equal eager's, and the call's
+    allocator peak lies within 1% of its plan (measured +0.5% and +0.7%: the after part's chunks), under the
+    budget. Issue 43 had measured +1.9% on CLIP's cut."""
+    from memtrack import AllocatorPeak
+
+    staged_model, eager_model = _clip(), _clip()
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(3):
+        ids = torch.randint(3, 99, (16, 12), generator=g)
+        mask = (torch.arange(12) < torch.randint(5, 13, (16, 1), generator=g)).long()
+        batches.append((ids, mask, torch.randn(16, 3, 16, 16, generator=g, dtype=torch.float64)))
+
+    def step_of(model):
+        def step(ids, mask, pixels):
+            loss = model(input_ids=ids, attention_mask=mask, pixel_values=pixels, return_loss=True).loss
+            loss.backward()
+            return loss
+
+        return step
+
+    whole = stagetorch.jit(step_of(staged_model)).plan(*batches[0]).full_batch_peak_bytes
+    staged = stagetorch.jit(step_of(staged_model), memory_budget=int(whole * fraction), remat=False)
+    eager = step_of(eager_model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (staged_model, eager_model)]
+    for k, args in enumerate(batches):
+        for o in opts:
+            o.zero_grad()
+        plan = staged.plan(*args)
+        assert isinstance(plan, CutPlan) and len(plan.chunk_sizes) >= 2, plan
+        resident = [*staged_model.parameters(), *staged_model.buffers(), *args]
+        with AllocatorPeak(resident) if k == 0 else contextlib.nullcontext() as tracker:
+            loss = staged(*args)
+        torch.testing.assert_close(loss, eager(*args), rtol=1e-10, atol=1e-12)
+        assert_grads_equal(staged_model, eager_model)
+        if k == 0:
+            assert abs(tracker.peak - plan.peak) <= 0.01 * plan.peak, (tracker.peak, plan.peak, plan)
+            assert tracker.peak <= staged.memory_budget
+        for o in opts:
+            o.step()
+    assert_params_equal(staged_model, eager_model)
