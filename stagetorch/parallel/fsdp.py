@@ -92,14 +92,14 @@ class FsdpMemory:
     sharded_grads: int  # the sharded .grad the step adds into (0 when it is None: the step makes it)
     unsharded_params: int  # every unit's gathered parameters: inputs of the program, in its plan
     unsharded_grads: int  # every unit's unsharded gradient, this rank's partial sum: outputs of the program
-    # the largest unit's padded gradients, every rank's share (one reduce-scatter's input); on gloo, with a copy
-    # of every unit's (gloo copies each input and may keep the copies)
+    # the largest unit's padded gradients, every rank's share (one reduce-scatter's input); on gloo, with the
+    # copy gloo makes of it while the collective runs
     scatter_buffer: int
     new_grad_shards: int  # the sharded .grad the scatter makes (1/N of the unsharded gradients, padded)
-    # FSDP2 frees a unit's all-gather output after its copy-out, but a backend may hold it longer. gloo holds
-    # finished collectives' outputs past their return, for no fixed time (measured: none, one, or every unit's
-    # alive at the program's peak, varying by step and run, also after a 20 ms sleep or a barrier): on gloo,
-    # every unit's output; on other backends (NCCL: not measured), the largest unit's.
+    # The largest unit's all-gather output (its padded parameters), alive with its copy-out: FSDP2 frees it
+    # after, unit by unit (measured on gloo with storage weak references: every output freed when unshard()
+    # returns; gloo's worker thread may drop the last reference a moment after the caller, a free the CPU
+    # profiler does not record, which tests/support/memtrack.py accounts for).
     gather_buffer: int = 0
 
     @property
@@ -166,8 +166,7 @@ class Units:
                 self.unit_of.setdefault(key, k)
             sizes.append(sum(math.ceil(p.shape[0] / self.size) * self.size * (p.numel() // max(p.shape[0], 1))
                              * p.element_size() for p in own.values() if p.ndim))
-        lingers = dist.get_backend(self.group) == "gloo"
-        self.gather_buffer = sum(sizes) if lingers else max(sizes, default=0)
+        self.gather_buffer = max(sizes, default=0)
         for _, unit in self.units:
             unit.unshard()
         self._gathered = True
@@ -222,9 +221,8 @@ class Units:
                 buckets.setdefault((unit, grad.dtype), []).append((param, grad))
             else:
                 self.scatter(param, grad, False)
-        # One input buffer for every bucket of a dtype, the largest's size: gloo may hold a collective's
-        # input past its return (as it holds FSDP2's all-gather outputs), and a buffer per bucket then
-        # lingered, several at once (measured: up to 14% over the plan on GPT-2).
+        # One input buffer for every bucket of a dtype, the largest's size, reused bucket after bucket: one
+        # buffer's bytes whatever the order in which the allocator and gloo's worker thread free things.
         scratch: dict[torch.dtype, torch.Tensor] = {}
         for (_, dtype), items in buckets.items():
             size = self.size * sum(self._share(grad)[1] * self._share(grad)[2] for _, grad in items)
@@ -327,10 +325,9 @@ class Units:
         # shards (where there is none: else they are added in and freed).
         scatter = self.size * max(per_unit.values(), default=0)
         if dist.get_backend(self.group) == "gloo":
-            # gloo's reduce-scatter copies its input (the profiler: c10d::_reduce_scatter_base_ > aten::clone) and,
-            # as it keeps all-gather outputs, may keep the copy past the call (measured: two units' alive at the
-            # peak, 1.004x the plan without them): every unit's bucket counted.
-            scatter += self.size * sum(per_unit.values())
+            # gloo's reduce-scatter copies its input (the profiler: c10d::_reduce_scatter_base_ > aten::clone),
+            # freed when the collective ends: one bucket's copy at a time.
+            scatter += self.size * max(per_unit.values(), default=0)
         if all(self.sharded[id(t)][1].grad is not None for t in grads_of if id(t) in self.sharded):
             new_shards, scatter = 0, scatter + max(per_unit.values(), default=0)
         return FsdpMemory(

@@ -111,15 +111,20 @@ class AllocatorPeak:
             )
             # A free of a block allocated before the block ran (a cache, an earlier step's tensor) is not this
             # block's: counting it would hide as many bytes of the block's own.
-            mine: set[int] = set()
+            # The profiler records the allocations and frees of the threads it watches only: a block freed on
+            # another (gloo's worker thread drops the last reference to a collective's output or input copy
+            # when it finishes after the caller: measured with storage weak references, freed by then) has no
+            # free event. A block allocated at an address still live here was freed so: it is dropped then.
+            mine: dict[int, int] = {}
             live = 0
             for _, size, ptr in events:
                 if ptr is None:  # a buffer from malloc (below)
                     pass
                 elif size > 0:
-                    mine.add(ptr)
+                    live -= mine.pop(ptr, 0)  # (an unseen free of the block that had this address)
+                    mine[ptr] = size
                 elif ptr in mine:
-                    mine.discard(ptr)
+                    del mine[ptr]
                 elif self._freeable.pop(ptr, None) == -size:
                     pass  # a resident storage freed inside the block
                 else:

@@ -52,7 +52,7 @@ def main() -> None:
             return loss
 
         staged = stagetorch.jit(step, process_group=dist.group.WORLD,
-                                memory_budget="24MiB" if rank == 1 else "40MiB")
+                                memory_budget="24MiB" if rank == 1 else "32MiB")
         run = staged if way == "stagetorch" else step
         generator = torch.Generator().manual_seed(1234 + rank)
         for i in range(3):
