@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
 
 from ..api import jit
 from ..devices.budget import format_bytes, parse_bytes
@@ -33,7 +33,7 @@ from ..errors import OutOfMemoryError, StagingError
 from ..planning.chunks import Plan
 from ..runtime.staged import Staged
 
-__all__ = ["StagedStrategy"]
+__all__ = ["StagedStrategy", "StagedModelParallelStrategy"]
 
 # The precision plugins a staged step runs under: full precision, and autocast mixed precision (the step is
 # staged under the plugin's autocast, as Lightning runs training_step; a 16-mixed GradScaler's scale is an input
@@ -66,66 +66,37 @@ for _name in (
 del _name
 
 
-class StagedStrategy(SingleDeviceStrategy):
-    """A single-device strategy whose training steps run staged, chunked to fit ``memory_budget``.
+class _StagedSteps:
+    """The staging a strategy of this module adds to a Lightning strategy: ``training_step`` runs the staged
+    step (with its backward) and keeps its gradients, ``backward`` puts them where ``loss.backward()`` would.
+    ``_process_group()`` is the group a data-parallel step is staged over (None on one device)."""
 
-    **Arguments**
+    memory_budget: int | str | None
+    remat: str | bool
+    progress: bool
+    _staged: dict
+    _pending: list | None
 
-    - ``memory_budget``: bytes (or ``"512MiB"``) the run may use; default: the device's free memory. Each step
-      is planned in it less what the run holds beside the step (the optimizer's state, and the previous
-      step's gradients, which Lightning clears after ``training_step``). A batch whose step does not fit runs
-      in exact chunks (see :func:`stagetorch.jit`).
-    - ``remat``: ``"auto"`` (default) may also recompute forward values in the backward; ``False`` only chunks.
-    - ``progress``: a progress bar over the chunks of a chunked step.
-    - ``device``: the device to train on; default: the Trainer's accelerator's first device.
+    def _process_group(self) -> Any:
+        return None
 
-    The LightningModule needs ``automatic_optimization = True`` (Lightning's default) and a ``training_step``
-    that returns its loss (a tensor, or a dict with ``"loss"``) without reading tensor values (``.item()``) or
-    ``batch_idx``. ``self.log(...)`` inside it works: the logged tensors are outputs of the staged program and
-    are logged with their values on every step. Validation, testing and prediction run as Lightning runs them.
-    """
-
-    strategy_name = "stagetorch"
-
-    def __init__(
-        self,
-        memory_budget: int | str | None = None,
-        *,
-        remat: str | bool = "auto",
-        progress: bool = False,
-        device: torch.device | str | None = None,
-        **kwargs: Any,
-    ):
-        super().__init__(device="cpu" if device is None else device, **kwargs)
-        self._device_given = device is not None
-        self.memory_budget = memory_budget
-        self.remat = remat
-        self.progress = progress
-        self._staged: dict[tuple[int, int, bool], Staged] = {}
-        self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
-
-    @property
-    def root_device(self) -> torch.device:
-        if self._device_given or self.accelerator is None:
-            return self._root_device
-        return self.accelerator.get_parallel_devices(self.accelerator.parse_devices(1))[0]
-
-    def setup(self, trainer: Any) -> None:
+    def _check_module(self) -> None:
+        """Refuse, before anything is set up, a module or precision the staged step cannot run."""
+        name = type(self).__name__
         module = self.lightning_module
         if module is not None and not module.automatic_optimization:
             raise ValueError(
-                f"StagedStrategy: {type(module).__name__} sets automatic_optimization = False. The strategy stages "
+                f"{name}: {type(module).__name__} sets automatic_optimization = False. The strategy stages "
                 "training_step with Lightning's backward, which manual optimisation calls itself. What to do: "
                 "keep automatic optimisation, or wrap your own forward-and-backward in stagetorch.jit inside "
-                "training_step and train without StagedStrategy."
+                f"training_step and train without {name}."
             )
         if type(self.precision_plugin) not in _SUPPORTED_PRECISION:
             raise ValueError(
-                f"StagedStrategy: precision plugin {type(self.precision_plugin).__name__} is not supported; it "
+                f"{name}: precision plugin {type(self.precision_plugin).__name__} is not supported; it "
                 'runs full precision (precision="32-true" or "64-true") and autocast mixed precision '
-                '("bf16-mixed", "16-mixed"). What to do: pick one of those precisions, or train without StagedStrategy.'
+                f'("bf16-mixed", "16-mixed"). What to do: pick one of those precisions, or train without {name}.'
             )
-        super().setup(trainer)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
@@ -144,7 +115,7 @@ class StagedStrategy(SingleDeviceStrategy):
                 out, logged = step(batch, module, self._loss_scale())
             new = [p.grad for p in params]
         except StagingError as e:
-            raise _named(e, module, held) from e
+            raise _named(e, module, held, type(self).__name__) from e
         finally:
             for p, g in zip(params, old):
                 p.grad = g
@@ -209,6 +180,8 @@ class StagedStrategy(SingleDeviceStrategy):
         held = {}
         states = [t for opt in module.trainer.optimizers for st in opt.state.values() for t in st.values()]
         for t in [*grads, *states]:
+            if isinstance(t, torch.Tensor) and callable(getattr(t, "to_local", None)):
+                t = t.to_local()  # a DTensor (FSDP2's shards, their .grad and AdamW state): this rank's part
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         total = sum(held.values())
@@ -227,8 +200,112 @@ class StagedStrategy(SingleDeviceStrategy):
                 memory_budget=self.memory_budget,
                 remat=self.remat,
                 progress=self.progress,
+                process_group=self._process_group(),
             )
         return self._staged[key]
+
+
+
+class StagedStrategy(_StagedSteps, SingleDeviceStrategy):
+    """A single-device strategy whose training steps run staged, chunked to fit ``memory_budget``.
+
+    **Arguments**
+
+    - ``memory_budget``: bytes (or ``"512MiB"``) the run may use; default: the device's free memory. Each step
+      is planned in it less what the run holds beside the step (the optimizer's state, and the previous
+      step's gradients, which Lightning clears after ``training_step``). A batch whose step does not fit runs
+      in exact chunks (see :func:`stagetorch.jit`).
+    - ``remat``: ``"auto"`` (default) may also recompute forward values in the backward; ``False`` only chunks.
+    - ``progress``: a progress bar over the chunks of a chunked step.
+    - ``device``: the device to train on; default: the Trainer's accelerator's first device.
+
+    The LightningModule needs ``automatic_optimization = True`` (Lightning's default) and a ``training_step``
+    that returns its loss (a tensor, or a dict with ``"loss"``) without reading tensor values (``.item()``) or
+    ``batch_idx``. ``self.log(...)`` inside it works: the logged tensors are outputs of the staged program and
+    are logged with their values on every step. Validation, testing and prediction run as Lightning runs them.
+    """
+
+    strategy_name = "stagetorch"
+
+    def __init__(
+        self,
+        memory_budget: int | str | None = None,
+        *,
+        remat: str | bool = "auto",
+        progress: bool = False,
+        device: torch.device | str | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(device="cpu" if device is None else device, **kwargs)
+        self._device_given = device is not None
+        self.memory_budget = memory_budget
+        self.remat = remat
+        self.progress = progress
+        self._staged: dict[tuple[int, int, bool], Staged] = {}
+        self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+
+    @property
+    def root_device(self) -> torch.device:
+        if self._device_given or self.accelerator is None:
+            return self._root_device
+        return self.accelerator.get_parallel_devices(self.accelerator.parse_devices(1))[0]
+
+    def setup(self, trainer: Any) -> None:
+        self._check_module()
+        super().setup(trainer)
+
+
+class StagedModelParallelStrategy(_StagedSteps, ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2: the LightningModule's ``configure_model`` applies
+    ``fully_shard`` over ``self.device_mesh["data_parallel"]``) whose training steps run staged with
+    ``stagetorch.jit(step, process_group=...)``: each rank runs its part of the batch in chunks sized to its own
+    ``memory_budget``, and the gradients are those of the **global** batch (every rank's batches together, a
+    mean over all their examples, shards of uneven sizes included), reduce-scattered into FSDP2's sharded
+    ``.grad`` (see the FSDP2 section of docs/distributed.md). ``memory_budget``, ``remat`` and ``progress`` as
+    for :class:`StagedStrategy`; the other arguments are ``ModelParallelStrategy``'s.
+
+    Data parallelism only: ``tensor_parallel_size`` must be 1 (default), and ``data_parallel_size`` defaults
+    to every process. Each rank's batch is its own (Lightning's distributed sampler, or
+    ``use_distributed_sampler=False`` and a DataLoader per rank): the global batch is all of them, whatever
+    their sizes, where Lightning alone averages each rank's own mean loss."""
+
+    strategy_name = "stagetorch_model_parallel"
+
+    def __init__(
+        self,
+        memory_budget: int | str | None = None,
+        *,
+        remat: str | bool = "auto",
+        progress: bool = False,
+        data_parallel_size: Any = "auto",
+        tensor_parallel_size: Any = 1,
+        **kwargs: Any,
+    ):
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, **kwargs)
+        self.memory_budget = memory_budget
+        self.remat = remat
+        self.progress = progress
+        self._staged: dict[tuple[int, int, bool], Staged] = {}
+        self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+
+    def setup_environment(self) -> None:
+        if self._tensor_parallel_size != 1:
+            raise ValueError(
+                f"StagedModelParallelStrategy: tensor_parallel_size={self._tensor_parallel_size}; a staged step "
+                "runs FSDP2 data parallelism only (parameters sharded with fully_shard, every rank its own "
+                "examples), not tensor parallelism. What to do: tensor_parallel_size=1, or train with "
+                "Lightning's ModelParallelStrategy without stagetorch."
+            )
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    def setup(self, trainer: Any) -> None:
+        self._check_module()
+        super().setup(trainer)
+
+    def _process_group(self) -> Any:
+        return self.device_mesh["data_parallel"].get_group()
 
 
 def _training_step(accumulate: int, with_index: bool) -> Any:
@@ -278,7 +355,7 @@ def _logs_recorded(module: Any) -> Iterator[list]:
         del module.__dict__["log"]
 
 
-def _named(error: StagingError, module: Any, held: int) -> StagingError:
+def _named(error: StagingError, module: Any, held: int, strategy: str) -> StagingError:
     """``error`` again, saying which call failed, what to do, and that the run is as before the step; for an
     error about the budget, what it was planned in."""
     fn = type(module).training_step
@@ -295,10 +372,10 @@ def _named(error: StagingError, module: Any, held: int) -> StagingError:
             budget += f"; the smallest memory_budget that fits is {format_bytes(smallest)}"
         budget += ".)"
     wrapped = type(error)(
-        f"StagedStrategy could not run {type(module).__name__}.training_step{where} as a staged step: {error}"
+        f"{strategy} could not run {type(module).__name__}.training_step{where} as a staged step: {error}"
         f"{budget}\n"
         "Parameters, .grad and the optimizer are as they were before this step. What to do: change "
-        "training_step as the error says, or train this module without StagedStrategy."
+        f"training_step as the error says, or train this module without {strategy}."
     )
     wrapped.smallest_budget = smallest
     return wrapped
