@@ -6,8 +6,9 @@ pads them) in ``configure_model``, on its own DataLoader (``use_distributed_samp
 sizes of three global batches. The strategy's budget on each rank lies below that rank's unchunked peak, so its
 steps run in chunks. The same rank trains a plain copy on each whole global batch with the same AdamW: the losses
 and the parameters (gathered from the shards) must agree to float rounding; each rank's allocator peak during
-its staged steps (the profiler's allocation events) must lie under its plan and its budget. A step under
-tensor parallelism is refused by name before the process group or the model is touched.
+its staged steps (the profiler's allocation events) must lie under its budget. With even shards (where
+Lightning's mean of each rank's mean loss is the global batch's) the staged, chunked run equals Lightning's own
+``ModelParallelStrategy``. Tensor parallelism is refused by name, the parameters and their .grad untouched.
 """
 
 from __future__ import annotations
@@ -166,7 +167,27 @@ def tensor_parallel_refused(rank: int) -> dict:
             "no_grads": all(p.grad is None for p in module.parameters()), "plain": all(type(p) is nn.Parameter for p in module.parameters())}
 
 
-CASES = {"trains_exactly": trains_exactly, "tensor_parallel_refused": tensor_parallel_refused}
+def equals_plain_lightning(rank: int) -> dict:
+    """Even shards (where Lightning's mean of each rank's mean is the global batch's mean): the staged run,
+    chunked under a budget below its unchunked peak, against Lightning's own ModelParallelStrategy."""
+    _torchelastic_env(rank, dist.get_world_size())
+    even = [4, 4]
+    mine = [tuple(t[: sum(even)].split(even)[rank] for t in global_batch(i)) for i in range(STEPS)]
+    plain, staged = Sharded(), Sharded()
+    _trainer(L.strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)).fit(
+        plain, torch.utils.data.DataLoader(mine, batch_size=None))
+    strategy = Measured()
+    _trainer(strategy).fit(staged, torch.utils.data.DataLoader(mine, batch_size=None))
+    return {
+        "chunks": [c for _, c in strategy.record["plans"]],
+        "budget": strategy.record["budget"], "unchunked": strategy.record["unchunked"],
+        "params": [p.full_tensor().detach().numpy() for p in staged.net.parameters()],
+        "plain_params": [p.full_tensor().detach().numpy() for p in plain.net.parameters()],
+    }
+
+
+CASES = {"trains_exactly": trains_exactly, "tensor_parallel_refused": tensor_parallel_refused,
+         "equals_plain_lightning": equals_plain_lightning}
 
 
 @pytest.fixture(scope="module")
@@ -196,3 +217,11 @@ def test_tensor_parallel_refused_before_anything_changes(two, rank):
     got = result(two, "tensor_parallel_refused", rank)
     assert got["error"] is not None and "tensor_parallel_size=2" in got["error"] and "What to do" in got["error"]
     assert got["unchanged"] and got["plain"] and got["no_grads"], got
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_even_shards_equal_plain_model_parallel_strategy(two, rank):
+    got = result(two, "equals_plain_lightning", rank)
+    assert got["budget"] < got["unchunked"] and all(len(c) > 1 for c in got["chunks"]), got["chunks"]
+    for p, q in zip(got["params"], got["plain_params"], strict=True):
+        np.testing.assert_allclose(p, q, rtol=1e-9, atol=1e-12)
