@@ -14,6 +14,7 @@ Lightning's mean of each rank's mean loss is the global batch's) the staged, chu
 from __future__ import annotations
 
 import copy
+import functools
 import os
 
 import numpy as np
@@ -120,8 +121,9 @@ def _torchelastic_env(rank: int, world: int) -> None:
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"})
 
 
-def _trainer(strategy) -> L.Trainer:
+def _trainer(strategy, accumulate: int = 1) -> L.Trainer:
     return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, logger=False,
+                     accumulate_grad_batches=accumulate,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                      use_distributed_sampler=False)  # 32-true (no 64-true under ModelParallelStrategy): the model stays float64
 
@@ -167,17 +169,18 @@ def tensor_parallel_refused(rank: int) -> dict:
             "no_grads": all(p.grad is None for p in module.parameters()), "plain": all(type(p) is nn.Parameter for p in module.parameters())}
 
 
-def equals_plain_lightning(rank: int) -> dict:
+def equals_plain_lightning(rank: int, accumulate: int = 1) -> dict:
     """Even shards (where Lightning's mean of each rank's mean is the global batch's mean): the staged run,
-    chunked under a budget below its unchunked peak, against Lightning's own ModelParallelStrategy."""
+    chunked under a budget below its unchunked peak, against Lightning's own ModelParallelStrategy;
+    ``accumulate`` batches a step (the staged gradients added into FSDP2's sharded .grad)."""
     _torchelastic_env(rank, dist.get_world_size())
     even = [4, 4]
-    mine = [tuple(t[: sum(even)].split(even)[rank] for t in global_batch(i)) for i in range(STEPS)]
+    mine = [tuple(t[: sum(even)].split(even)[rank] for t in global_batch(i)) for i in range(STEPS * accumulate)]
     plain, staged = Sharded(), Sharded()
-    _trainer(L.strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)).fit(
+    _trainer(L.strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), accumulate).fit(
         plain, torch.utils.data.DataLoader(mine, batch_size=None))
     strategy = Measured()
-    _trainer(strategy).fit(staged, torch.utils.data.DataLoader(mine, batch_size=None))
+    _trainer(strategy, accumulate).fit(staged, torch.utils.data.DataLoader(mine, batch_size=None))
     return {
         "chunks": [c for _, c in strategy.record["plans"]],
         "budget": strategy.record["budget"], "unchunked": strategy.record["unchunked"],
@@ -187,7 +190,8 @@ def equals_plain_lightning(rank: int) -> dict:
 
 
 CASES = {"trains_exactly": trains_exactly, "tensor_parallel_refused": tensor_parallel_refused,
-         "equals_plain_lightning": equals_plain_lightning}
+         "equals_plain_lightning": equals_plain_lightning,
+         "equals_plain_lightning_accumulating": functools.partial(equals_plain_lightning, accumulate=2)}
 
 
 @pytest.fixture(scope="module")
@@ -220,8 +224,9 @@ def test_tensor_parallel_refused_before_anything_changes(two, rank):
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_even_shards_equal_plain_model_parallel_strategy(two, rank):
-    got = result(two, "equals_plain_lightning", rank)
+@pytest.mark.parametrize("case", ["equals_plain_lightning", "equals_plain_lightning_accumulating"])
+def test_even_shards_equal_plain_model_parallel_strategy(two, case, rank):
+    got = result(two, case, rank)
     assert got["budget"] < got["unchunked"] and all(len(c) > 1 for c in got["chunks"]), got["chunks"]
     for p, q in zip(got["params"], got["plain_params"], strict=True):
         np.testing.assert_allclose(p, q, rtol=1e-9, atol=1e-12)
