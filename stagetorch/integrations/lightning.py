@@ -12,6 +12,10 @@ step with every ``.grad`` set aside, keeps the new gradients, and puts the old o
 ``loss.backward()`` would have, between the ``on_before_backward`` and ``on_after_backward`` hooks. The
 optimizer step, gradient clipping, accumulation over batches and every callback stay Lightning's.
 
+``StagedModelParallelStrategy`` does the same on Lightning's ``ModelParallelStrategy`` (FSDP2, data parallel):
+the step is staged with ``process_group=`` the data-parallel group, so its gradients are the global batch's,
+reduce-scattered into FSDP2's sharded ``.grad`` (stagetorch/parallel/fsdp.py).
+
 Requires ``pip install "stagetorch[lightning]"``.
 """
 
@@ -102,7 +106,7 @@ class _StagedSteps:
         module = self.lightning_module
         assert module is not None
         if kwargs or len(args) > 2:
-            raise TypeError("StagedStrategy stages training_step(batch) and training_step(batch, batch_idx) only")
+            raise TypeError(f"{type(self).__name__} stages training_step(batch) and training_step(batch, batch_idx) only")
         batch, with_index = args[0], len(args) == 2
         step = self._step(module, module.trainer.accumulate_grad_batches, with_index)
         params = [p for p in module.parameters() if p.requires_grad]
@@ -149,7 +153,7 @@ class _StagedSteps:
         ``trainer.fit`` on, a callback included)."""
         module = self.lightning_module
         if module is None:
-            raise RuntimeError("StagedStrategy.plan needs a LightningModule: call it once trainer.fit has started")
+            raise RuntimeError(f"{type(self).__name__}.plan needs a LightningModule: call it once trainer.fit has started")
         with_index = len(inspect.signature(module.training_step).parameters) >= 2
         step = self._step(module, module.trainer.accumulate_grad_batches, with_index)
         params = [p for p in module.parameters() if p.requires_grad]
