@@ -74,6 +74,16 @@ def _train_step(
 _NOT_HELD = frozenset({"model", "model_wrapped", "_tr_loss"})
 
 
+# What runs a sharded model's step under stagetorch today, for the refusals of FSDP through the Trainer.
+_FSDP2_WAY = (
+    "What to do: shard the model yourself with torch.distributed.fsdp.fully_shard (FSDP2) and train it in a "
+    "plain torchrun loop whose step is stagetorch.jit(step, process_group=dist.group.WORLD, memory_budget=...): "
+    "the global batch's loss and gradients exactly, each rank in chunks sized to its own budget (docs/distributed.md, "
+    "section 'Sharded models: FSDP2 (fully_shard)'); or, with Lightning, train under "
+    "stagetorch.integrations.lightning.StagedModelParallelStrategy (docs/lightning.md)"
+)
+
+
 class StagedTrainingMixin:
     """Put before a ``transformers.Trainer`` class to run its training steps through stagetorch.
 
@@ -180,15 +190,15 @@ class StagedTrainingMixin:
         kind = self.accelerator.distributed_type
         if kind == DistributedType.DEEPSPEED:
             why = ("DeepSpeed's engine runs its own backward and optimizer step, which stagetorch cannot stage. "
-                   "What to do: shard the model with PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard) and stage "
-                   "your own step with stagetorch.jit(step, process_group=..., memory_budget=...) in a plain loop "
-                   "(the FSDP2 section of the distributed page of the docs), or train under DeepSpeed without "
-                   "stagetorch")
+                   f"{_FSDP2_WAY}; or train under DeepSpeed without stagetorch")
         elif kind == DistributedType.FSDP:
-            why = ("this run shards the model with FSDP through the Trainer, which this integration does not drive "
-                   "yet. What to do: stagetorch.jit(step, process_group=..., memory_budget=...) runs a step over a "
-                   "fully_shard (FSDP2) model exactly on the global batch: write the loop yourself, as the FSDP2 "
-                   "section of the distributed page of the docs shows")
+            why = ("this run shards the model with FSDP through the Trainer (accelerate's FSDP plugin, which runs "
+                   "FSDP's all-gathers and reduce-scatters in the model accelerate wraps), and this integration "
+                   f"does not drive that model's step. {_FSDP2_WAY}")
+        elif self.args.fsdp:
+            why = (f"the TrainingArguments ask for FSDP (fsdp={self.args.fsdp!r}), but accelerate enables FSDP "
+                   f"on accelerator devices only: this {kind.value} run would train the whole model replicated "
+                   f"(DistributedDataParallel), not sharded. {_FSDP2_WAY}")
         elif kind != DistributedType.NO or self.args.n_gpu > 1:
             why = (f"it runs in one process on one device, and this run is {kind.value} "
                    f"on {self.args.n_gpu} device(s). For data-parallel training stage your own step with "

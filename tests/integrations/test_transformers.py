@@ -246,7 +246,7 @@ def test_import_stagetorch_does_not_import_transformers():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("kind, advice", [("DEEPSPEED", "fully_shard"), ("FSDP", "FSDP2 section")])
+@pytest.mark.parametrize("kind, advice", [("DEEPSPEED", "fully_shard"), ("FSDP", "Sharded models: FSDP2")])
 def test_a_sharded_run_is_refused_with_what_to_do(tmp_path, monkeypatch, kind, advice):
     from accelerate.utils import DistributedType
 
