@@ -19,7 +19,7 @@ from ..ir import Var
 from ..utils.tree import flat_call, flatten, map_leaves, unflat_call
 from .autograd_graph import PYTHON_FUNCTION_NODE, Unreadable, autograd_graph
 from .mode import Mode
-from .recording import BACKWARD, CONCRETE, Backward, tensor_meta
+from .recording import BACKWARD, CONCRETE, Backward, storage_key, tensor_meta
 from .replay import SlowReplay
 from .tape import (
     MAX_LEAVES,
@@ -214,7 +214,7 @@ class ExpressReplay(SlowReplay):
         """A taped write into real tensors (``call.write``), matched by its guard: what the step recorded
         before it runs first (only what it reads, where no pending equation reads what it writes), then the
         call runs for real on the values, as it did when taped (no autograd: nothing in it requires grad)."""
-        written = {id(x) for x in flat_call(args, kwargs) if isinstance(x, torch.Tensor) and type(x) is not LazyTensor}
+        written = {storage_key(x) for x in flat_call(args, kwargs) if isinstance(x, torch.Tensor) and type(x) is not LazyTensor}
         self._flush_before_write(written, args, kwargs)
         real = lambda t: t.value() if type(t) is LazyTensor else t  # noqa: E731
         with torch._C.DisableTorchFunctionSubclass():

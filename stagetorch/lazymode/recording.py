@@ -159,6 +159,14 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return out
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """What identifies the memory a real tensor writes or reads: its storage (an alias of a parameter the
+    recorder bound, and the parameter ``F.embedding(max_norm=...)``'s renorm writes, are two objects over one
+    storage), or the object where it has none."""
+    storage = t.untyped_storage()
+    return storage.data_ptr() if storage.nbytes() else id(t)
+
+
 def _writes_real(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether the op writes a real tensor (``ema.add_(lazy)``, ``bank[:] = lazy``, ``out=``): what the user
     can read of it without a lazy tensor, so it must hold its new value at once."""
@@ -360,18 +368,19 @@ class RecordingSteps(SessionBase):
         if self.mode is Mode.RECORD:
             self.recording.steps.append(Step(func, replay_key(leaves), self._consts_in(leaves), None, False, False))
         if func not in CONCRETE:
-            self._flush_before_write({id(t) for t in _written(func, args, kwargs)}, args, kwargs)
+            self._flush_before_write({storage_key(t) for t in _written(func, args, kwargs)}, args, kwargs)
         return func(*map_leaves(args, torch.Tensor, real_value), **map_leaves(kwargs, torch.Tensor, real_value))
 
     def _flush_before_write(self, written: set[int], args: tuple, kwargs: dict) -> None:
-        """Before a write into real tensors (ids ``written``; or a data-dependent shape): everything recorded
+        """Before a write into real tensors (their :func:`storage_key`\\ s ``written``; or a data-dependent
+        shape): everything recorded
         before it runs first, so what it read is the old value, as in eager. Where no pending equation reads a
         tensor it writes (``torch.zeros(E).scatter_add_(0, experts, mask)``), the flush may compute only the
         values the op reads (see flush's ``needed``)."""
         needed = None
         consts = self.consts  # (session.reads_any, here: this module sits below the session's)
         if not any(
-            v in consts and id(consts[v]) in written for e in self.eqns[self.done : self.eqn_count] for v in e.invars
+            v in consts and storage_key(consts[v]) in written for e in self.eqns[self.done : self.eqn_count] for v in e.invars
         ):
             needed = []
 
