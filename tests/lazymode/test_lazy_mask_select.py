@@ -104,3 +104,68 @@ def test_a_mask_selecting_per_example_losses_runs_in_chunks_as_eager(mask, lazy_
     assert all(len(p.chunk_sizes) >= 2 and len(p.before_sizes) >= 2 for p in cuts), [
         (p.before_sizes, p.chunk_sizes) for p in cuts
     ]
+
+
+COLUMNS = torch.tensor([True, False, True, True, False])  # a shared mask over the classes, not the batch
+
+
+def train_columns(net, data, run=None):
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.05)
+    record = []
+    for x, y, m in data:
+        optimizer.zero_grad()
+        loss = run(x) if run is not None else columns_step(net, x, COLUMNS)
+        record.append((loss.item(), [p.grad.clone() for p in net.parameters()]))
+        optimizer.step()
+    return record, [p.detach().clone() for p in net.parameters()]
+
+
+def columns_step(net, x, mask):
+    loss = net(x)[:, mask].pow(2).mean()
+    loss.backward()
+    return loss
+
+
+def test_a_shared_mask_beside_the_batch_chunks_without_a_cut_in_jit(monkeypatch):
+    check_columns("jit", monkeypatch)
+
+
+def test_a_shared_mask_beside_the_batch_chunks_without_a_cut_in_lazy(lazy_mode, monkeypatch):
+    check_columns("lazy", monkeypatch)
+
+
+def check_columns(front, monkeypatch):
+    """``out[:, mask]``, the mask shared and over a dim that is not the batch's: each chunk selects the same
+    columns. Its backward, ``index_put`` of the mask into zeros, was refused as examples meeting ("indexes with
+    a boolean mask, whose positions depend on the data"), so jit and lazy cut the step there and recomputed its
+    forward; it now runs in plain chunks (issue 43)."""
+    data = batches()
+    net, reference = model(), model()
+    plans = []
+    run = Executable.run
+
+    def seen(self, inputs, plan, **kwargs):
+        plans.append(plan)
+        return run(self, inputs, plan, **kwargs)
+
+    staged = stagetorch.jit(lambda x, m: columns_step(net, x, m), remat=False, batch_argnums=(0,))
+    whole = staged.plan(data[0][0], COLUMNS).full_batch_peak_bytes
+    budget = int(whole * 0.6)
+    monkeypatch.setattr(Executable, "run", seen)
+    if front == "jit":
+        staged.memory_budget = budget
+        got, params = train_columns(net, data, lambda x: staged(x, COLUMNS))
+    else:
+        got, params = train_columns(
+            net, data, lambda x: columns_step(net, stagetorch.lazy(x, batch=0, memory_budget=budget, remat=False), COLUMNS)
+        )
+    monkeypatch.setattr(Executable, "run", run)
+    expected, expected_params = train_columns(reference, data)
+    for (loss, grads), (want, want_grads) in zip(got, expected):
+        assert loss == pytest.approx(want, rel=1e-12)
+        for g, w in zip(grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-13)
+    for p, q in zip(params, expected_params):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-13)
+    chunked = [p for p in plans if len(getattr(p, "chunk_sizes", ())) >= 2]
+    assert len(chunked) == len(data) and not any(isinstance(p, CutPlan) for p in plans), plans
