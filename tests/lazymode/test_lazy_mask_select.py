@@ -22,6 +22,8 @@ from stagetorch.runtime.executable import Executable
 B, D, H, C = 19, 8, 32, 5
 CAPTURED = torch.rand(B, generator=torch.Generator().manual_seed(5)) > 0.4  # a mask the step closes over
 
+WEIGHTS = 0.5 + torch.rand(B, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+
 MASKS = {
     "argument": lambda x, y, m: m > 0.5,
     "input": lambda x, y, m: x[:, 0] > -0.5,
@@ -42,7 +44,7 @@ def batches(steps: int = 3) -> list:
              torch.rand(B, generator=g, dtype=torch.float64)) for _ in range(steps)]
 
 
-def train(net, data, mask, budget=None):
+def train(net, data, mask, budget=None, weighted=None):
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     record = []
     for x, y, m in data:
@@ -51,7 +53,7 @@ def train(net, data, mask, budget=None):
         optimizer.zero_grad()
         out = net(x)
         l = F.cross_entropy(out, y, reduction="none")
-        loss = l[mask(x, y, m)].mean()
+        loss = l[mask(x, y, m)].mean() if weighted is None else (l[mask(x, y, m)] * weighted[mask(x, y, m)]).mean()
         loss.backward()
         record.append((loss.item(), [p.grad.clone() for p in net.parameters()]))
         optimizer.step()
@@ -76,8 +78,12 @@ def jit_budget(net, x, y, m) -> int:
     raise AssertionError("jit does not chunk this step")
 
 
+@pytest.mark.parametrize("weighted", [False, True], ids=["mean", "captured_weights"])
 @pytest.mark.parametrize("mask", list(MASKS))
-def test_a_mask_selecting_per_example_losses_runs_in_chunks_as_eager(mask, lazy_mode, monkeypatch):
+def test_a_mask_selecting_per_example_losses_runs_in_chunks_as_eager(mask, weighted, lazy_mode, monkeypatch):
+    """``captured_weights``: the mask also selects from a real tensor the step closes over (the selection of a
+    real tensor by a lazy mask runs for real, once the mask is computed)."""
+    weighted = WEIGHTS if weighted else None
     data = batches()
     net, reference = model(), model()
     budget = jit_budget(copy.deepcopy(net), *data[0])
@@ -89,9 +95,9 @@ def test_a_mask_selecting_per_example_losses_runs_in_chunks_as_eager(mask, lazy_
         return run(self, inputs, plan, **kwargs)
 
     monkeypatch.setattr(Executable, "run", seen)
-    got, params = train(net, data, MASKS[mask], budget)
+    got, params = train(net, data, MASKS[mask], budget, weighted)
     monkeypatch.setattr(Executable, "run", run)
-    expected, expected_params = train(reference, data, MASKS[mask])
+    expected, expected_params = train(reference, data, MASKS[mask], weighted=weighted)
     for (loss, grads), (want, want_grads) in zip(got, expected):
         assert loss == pytest.approx(want, rel=1e-12)
         for g, w in zip(grads, want_grads):
