@@ -13,13 +13,21 @@ import attrs
 import torch
 
 from ..ir import Var
-from ..utils.tree import flatten, map_leaves
+from ..staging.host_reads import mask_positions
+from ..utils.tree import flat_call, flatten, map_leaves
 from .autograd_graph import Unreadable
 from .mode import Mode
 from .recording import BACKWARD, Out, RecordingSteps, Step, replay_key
 from .tensor import LazyTensor, lazy_tensor, real_value
 
 _aten = torch.ops.aten
+
+# Selections whose result's shape follows from a boolean index's values (``x[mask]``).
+_MASK_SELECT = frozenset({_aten.index.Tensor, _aten._unsafe_index.Tensor})
+
+
+def _is_mask(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8)
 
 
 class SlowReplay(RecordingSteps):
@@ -35,12 +43,32 @@ class SlowReplay(RecordingSteps):
             return lazy_tensor(t.shape, t.stride(), t.dtype, t.device, t._var, self, t._fake)
         if func.namespace == "prim":
             return func(*map_leaves(args, torch.Tensor, real_value), **map_leaves(kwargs, torch.Tensor, real_value))
+        if func in _MASK_SELECT and self.shard is None and len(args) > 1 and any(_is_mask(t) for t in args[1]):
+            args = self._positions_of_masks(args)
+            leaves = flat_call(args, kwargs)
+            if not any(type(t) is LazyTensor for t in leaves):  # a real tensor selected by a lazy mask
+                return func(*args, **kwargs)
         if self.mode is not Mode.RECORD:
             step = self._match(func, leaves)
             if step is not None:
                 return self._replay(step, args, kwargs)
             self._diverge()
         return self._record_or_run(func, args, kwargs, leaves)
+
+    def _positions_of_masks(self, args: tuple) -> tuple:
+        """``x[mask]`` as ``x[positions]`` (issue 43), as ``jit``'s tracer stages a mask it knows: only the masks'
+        values size the result, so only they are computed (a peek where they follow from a small part of
+        the pending work: ``m > 0.5``, ``y != pad``), and the selection is recorded, not run. Run for real, it
+        would need ``x`` too: the whole forward, flushed mid-step with every value autograd saved held for
+        the whole batch, left the backward's flush (a program of its own, cut where the examples meet at the
+        selection's backward) too little room for one example at ``jit``'s budget."""
+        indices = []
+        for t in args[1]:
+            if _is_mask(t):
+                indices.extend(mask_positions(real_value(t)))
+            else:
+                indices.append(t)
+        return (args[0], indices, *args[2:])
 
     def _match(self, func: Any, leaves: list) -> Step | None:
         steps = self.recording.steps

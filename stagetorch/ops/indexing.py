@@ -42,10 +42,31 @@ def _placement(x_ndim: int, indices: Sequence[Any]) -> tuple[int, list[int | Non
     return first, x_to_out, width
 
 
-def _no_masks(eqn: Eqn, indices: list) -> None:
+def _masks(indices: list) -> list[Var]:
+    return [t for t in indices if isinstance(t, Var) and t.aval.dtype in (torch.bool, torch.uint8)]
+
+
+def _masks_beside_the_batch(eqn: Eqn, label: LabelFn) -> bool:
+    """Whether every boolean index of ``eqn`` (``x[:, mask]``; its backward's ``index_put``) is one-dimensional
+    and shared, selecting along one dim of ``x`` that is not the batch's: the same positions in every chunk,
+    placed as an integer index of those positions would be. Where ``x`` is per-example, its batch dim is not
+    indexed; where it is shared (the backward's zeros, an input), the values carry the batch along a dim of
+    ``x`` no index touches (:func:`_values_rows`)."""
+    x, indices = eqn.args[0], list(eqn.args[1])
+    if any(t.aval.ndim != 1 or label(t) is not None for t in _masks(indices)):
+        return False
+    xl = label(x)
+    if xl is not None:
+        return xl.dim >= len(indices) or indices[xl.dim] is None
+    return eqn.prim.overloadpacket is not aten.index and _values_rows(eqn, label) is not None and (
+        _is_zeros(label, x) or label.maker(x) is None
+    )
+
+
+def _no_masks(eqn: Eqn, indices: list, label: LabelFn | None = None) -> None:
     """A boolean index stands for the positions of its true entries over several dims (data the rules do not
-    see): only integer indices are placed."""
-    if any(isinstance(t, Var) and t.aval.dtype in (torch.bool, torch.uint8) for t in indices):
+    see): only integer indices are placed, and masks :func:`_masks_beside_the_batch` accepts (given ``label``)."""
+    if _masks(indices) and (label is None or not _masks_beside_the_batch(eqn, label)):
         raise coupling(
             eqn,
             "indexes with a boolean mask, whose positions depend on the data",
@@ -86,7 +107,7 @@ def index(eqn: Eqn, label: LabelFn) -> Chunked:
       dim, as transformers' mask functions and ``logits[arange(B), labels]`` do), checked when it runs.
     """
     x, indices = eqn.args[0], list(eqn.args[1])
-    _no_masks(eqn, indices)
+    _no_masks(eqn, indices, label)
     first, x_to_out, width = _placement(x.aval.ndim, indices)
     extent_of = label.batch
     xl = label(x)
@@ -261,7 +282,7 @@ def index_put(eqn: Eqn, label: LabelFn) -> Chunked:
         return fill
     x, indices, values = eqn.args[0], list(eqn.args[1]), eqn.args[2]
     accumulate = bool(eqn.args[3] if len(eqn.args) > 3 else eqn.kwargs.get("accumulate", False))
-    _no_masks(eqn, indices)
+    _no_masks(eqn, indices, label)
     first, x_to_out, width = _placement(x.aval.ndim, indices)
     xl, vl = label(x), label(values)
     tensors = [(d, t) for d, t in enumerate(indices) if isinstance(t, Var)]

@@ -34,7 +34,8 @@ of :data:`VARIANTS`, comparing loss, outputs, every ``.grad`` and every paramete
 each run into :data:`CLASSES`:
 
 - ``exact``: equal to eager at float64 (rtol 1e-8);
-- ``refused-needed``: a named stagetorch error (a :class:`StagingError`) where the examples truly meet;
+- ``refused-needed``: a named stagetorch error (a :class:`StagingError`) where the examples truly meet, or
+  one that :func:`needed_without_coupling` names a reason for (jit reading a captured tensor on the host);
 - ``refused-needless``: a named error where eager is per-example;
 - ``raw``: any other exception;
 - ``wrong``: a silent mismatch;
@@ -651,6 +652,7 @@ class Result:
     detail: str = ""
     chunks: int = 0
     memory: str = ""  # for an exact jit run: "" (memory() reported), else its error
+    why: str = ""  # for a refusal needed though the examples do not meet: why (see needed_without_coupling)
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:
@@ -717,8 +719,27 @@ class Outcome:
         lines = [self.case.describe(), self.case.source.rstrip()]
         for v, r in self.results.items():
             if r.status not in ("exact",) or r.memory:
-                lines.append(f"  {v}: {r.status} {r.error} {r.detail[:600]}" + (f" memory(): {r.memory}" if r.memory else ""))
+                lines.append(f"  {v}: {r.status} {r.error} {r.detail[:600]}" + (f" memory(): {r.memory}" if r.memory else "")
+                             + (f"\n  (needed: {r.why})" if r.why else ""))
         return "\n".join(lines)
+
+
+# Refusals that are right whether or not the examples meet: (pattern in the error, variants, why).
+_NEEDED = (
+    ("(read from outside the step, not passed in", ("jit",),
+     "jit stages one program per call signature and state key, and a captured tensor's value (a global, a "
+     "buffer) is neither: a host read of it (its count, the positions of its mask) would be baked into the "
+     "program and go stale when the tensor changes between calls, a silent wrong result; passed as an argument "
+     "it is read per call (lazy reads it at each call, and runs these steps)"),
+)
+
+
+def needed_without_coupling(variant: str, result: Result) -> str | None:
+    """Why ``variant``'s refusal ``result`` is needed though the examples may not meet, or None."""
+    for pattern, variants, why in _NEEDED:
+        if variant in variants and pattern in result.detail:
+            return why
+    return None
 
 
 def check(case: Case) -> Outcome:
@@ -727,9 +748,12 @@ def check(case: Case) -> Outcome:
     outcome = Outcome(case, {v: run_variant(case, v, expected) for v in VARIANTS})
     if any(r.status == "refused" for r in outcome.results.values()):
         outcome.coupled = couples(case)
-        for r in outcome.results.values():
-            if r.status == "refused":
-                r.status = "refused-needed" if outcome.coupled else "refused-needless"
+        for v, r in outcome.results.items():
+            if r.status != "refused":
+                continue
+            why = None if outcome.coupled else needed_without_coupling(v, r)
+            r.status = "refused-needed" if outcome.coupled or why else "refused-needless"
+            r.why = why or ""
     return outcome
 
 
