@@ -392,10 +392,13 @@ def check_exact_and_within(got: dict) -> None:
     first, last = got["peaks"]
     assert got["planned"] <= got["budget"] and first <= got["budget"] and last <= got["budget"], got
     # The plan counts the largest unit's all-gather output and, on gloo, one copy of a reduce-scatter input:
-    # measured 0.64-1.0 of the plan (an empty rank's plan is a chunk of one's). (memtrack's AllocatorPeak sees
-    # the frees the profiler misses on gloo's worker thread: without that, phantoms of every unit's all-gather
-    # output showed ranks at up to 1.10x.)
-    assert max(first, last) <= got["planned"] * 1.01, (got["peaks"], got["planned"], got["memory"])
+    # measured 0.64-1.0 of the plan on torch 2.13 (an empty rank's plan is a chunk of one's). The measurement
+    # cannot see a free made on gloo's worker thread (it drops the last reference to a collective's buffer
+    # when it finishes after the caller): memtrack's AllocatorPeak drops such a block when its address is
+    # allocated again, not before, so phantoms can remain at the peak: measured up to 1.10x on torch 2.11,
+    # where storage weak references show every all-gather output freed when unshard() returns. Within 15%
+    # here, and under the budget always (the assertion above).
+    assert max(first, last) <= got["planned"] * 1.15, (got["peaks"], got["planned"], got["memory"])
 
 
 @pytest.mark.parametrize("name", ["mlp_reshard", "mlp_keep_and_empty_rank", "gpt2_reshard", "gpt2_keep",
